@@ -1,0 +1,340 @@
+"""gpipe-plan: the command line, a thin shell over profiler/, planner/, schedules/ and codegen/.
+
+Exit status: 0 done, 1 a check failed or no split fits (with a table), 2 bad input (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from profiler.artifact import InputError
+
+EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage mistake is one line and exit status 2, like any other bad input."""
+
+    def error(self, message: str) -> NoReturn:
+        raise InputError(f"{message} (see {self.prog} --help)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _build_parser()
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args_list
+    try:
+        args = parser.parse_args(args_list)
+        if args.command is None:
+            parser.print_help()
+            return EXIT_BAD_INPUT
+        return int(args.run(args))
+    except InputError as e:
+        if debug:
+            raise
+        print(f"gpipe-plan: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("gpipe-plan: interrupted", file=sys.stderr)
+        return 130
+
+
+# ---------------------------------------------------------------------------------- commands
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    out = _output_path(args.output)
+
+    from profiler.measure import profile_model
+    from profiler.models import DTYPES, load_model, sample_input
+
+    dtype = DTYPES[args.dtype]
+    shape = _int_list(args.input_shape, "--input-shape") if args.input_shape else None
+    sizes = _int_list(args.batch_sizes, "--batch-sizes") if args.batch_sizes else None
+    if sizes is not None and min(sizes) <= 0:
+        raise InputError(f"--batch-sizes {args.batch_sizes}: every size must be positive")
+    model = load_model(args.model)
+    if any(p.is_floating_point() for p in model.parameters()):
+        model = model.to(dtype)
+    sample = sample_input(model, shape, dtype)
+    profile = profile_model(
+        model,
+        sample,
+        device=args.device,
+        batch_sizes=sizes,
+        repeats=args.repeats,
+        warmup=args.warmup,
+        model_spec=args.model,
+    )
+    profile.save(out)
+    fwd = sum(x.forward_ms[profile.batch_sizes[-1]].median for x in profile.layers)
+    print(
+        f"profiled {len(profile.layers)} layers of {args.model} on {profile.device_name} "
+        f"at batch sizes {profile.batch_sizes} (forward {fwd:.2f} ms at "
+        f"{profile.batch_sizes[-1]}) -> {out}"
+    )
+    return EXIT_OK
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    out = _output_path(args.output)
+    from planner import InfeasibleError, plan_pipeline
+    from profiler.types import Profile
+
+    profile = Profile.load(args.profile)
+    cluster = _cluster(args)
+    try:
+        plan = plan_pipeline(
+            profile,
+            cluster,
+            args.batch_size,
+            microbatches=args.microbatches,
+            schedule=args.schedule,
+            recompute=args.checkpoint,
+            optimizer=args.optimizer,
+            solver=args.solver,
+        )
+    except InfeasibleError as e:
+        print(f"gpipe-plan: {e}", file=sys.stderr)
+        if e.closest is not None:
+            print(_stage_table(e.closest), file=sys.stderr)
+        return EXIT_FAILED
+    plan.save(out)
+    print(_summary(plan))
+    print(_stage_table(plan))
+    print(f"wrote {out}")
+    return EXIT_OK
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from planner import Plan, format_size, parse_size
+
+    plan = Plan.load(args.plan)
+    budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
+    if args.max_bubble is not None and not 0 <= args.max_bubble <= 1:
+        raise InputError(f"--max-bubble {args.max_bubble}: must be between 0 and 1")
+    over = []
+    for st in plan.stages:
+        limit = budget if budget is not None else st.memory.budget
+        if st.memory.total > limit:
+            over.append((st, limit))
+    bubble = plan.predicted.bubble_fraction
+    bubble_bad = args.max_bubble is not None and bubble > args.max_bubble
+    if over:
+        rows = [
+            [
+                str(st.index),
+                st.device,
+                f"{st.layers[0]}-{st.layers[1] - 1}",
+                format_size(st.memory.total),
+                format_size(limit),
+                format_size(st.memory.total - limit),
+            ]
+            for st, limit in over
+        ]
+        print(f"FAIL: {len(over)} of {len(plan.stages)} stages over the memory budget")
+        print(_table(["stage", "device", "layers", "needs", "budget", "over by"], rows))
+    if bubble_bad:
+        print(f"FAIL: bubble fraction {bubble:.3f} exceeds --max-bubble {args.max_bubble:g}")
+    if over or bubble_bad:
+        return EXIT_FAILED
+    peak = max(plan.stages, key=lambda s: s.memory.total / (budget or s.memory.budget))
+    limit = budget or peak.memory.budget
+    print(
+        f"ok: {len(plan.stages)} stages fit (fullest: stage {peak.index}, "
+        f"{format_size(peak.memory.total)} of {format_size(limit)}, "
+        f"{100 * peak.memory.total / limit:.0f}%); bubble {bubble:.3f}"
+        + (f" <= {args.max_bubble:g}" if args.max_bubble is not None else "")
+    )
+    return EXIT_OK
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from planner import Plan
+
+    plan = Plan.load(args.plan)
+    print(_summary(plan))
+    print(_stage_table(plan))
+    return EXIT_OK
+
+
+def cmd_schema(args: argparse.Namespace) -> int:
+    from planner import Cluster, Plan
+    from profiler.types import Profile
+
+    model = {"profile": Profile, "cluster": Cluster, "plan": Plan}[args.what]
+    print(json.dumps(model.model_json_schema(), indent=2, sort_keys=True))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+def _cluster(args: argparse.Namespace) -> Any:
+    from planner import Cluster, parse_bandwidth
+
+    if args.cluster:
+        if args.devices is not None or args.memory is not None:
+            raise InputError("give either --cluster or --devices/--memory, not both")
+        return Cluster.load(args.cluster)
+    if args.devices is None or args.memory is None:
+        raise InputError("say where to run: --devices K --memory SIZE, or --cluster cluster.json")
+    if args.devices < 1:
+        raise InputError(f"--devices {args.devices}: need at least one device")
+    bandwidth = parse_bandwidth(args.bandwidth) if args.bandwidth else None
+    if args.latency_ms < 0:
+        raise InputError(f"--latency-ms {args.latency_ms}: must not be negative")
+    return Cluster.uniform(
+        args.devices, args.memory, bandwidth=bandwidth, latency_ms=args.latency_ms
+    )
+
+
+def _summary(plan: Any) -> str:
+    p = plan.predicted
+    return (
+        f"{plan.model}: {len(plan.stages)} stages, batch {plan.batch_size} as {plan.microbatches} "
+        f"micro-batches of <= {plan.microbatch_size}, schedule {plan.schedule}, "
+        f"recompute {plan.recompute}, optimizer {plan.optimizer}\n"
+        f"predicted {p.iteration_ms:.2f} ms/iteration, bubble {p.bubble_fraction:.3f}, "
+        f"{p.throughput_samples_per_s:.1f} samples/s "
+        f"(solver {plan.solver.method}, {'optimal' if plan.solver.optimal else 'not proven optimal'}, "
+        f"{plan.solver.candidates} candidates in {plan.solver.wall_ms:.0f} ms)"
+    )
+
+
+def _stage_table(plan: Any) -> str:
+    from planner import format_size
+
+    rows = []
+    for st in plan.stages:
+        m = st.memory
+        rows.append(
+            [
+                str(st.index),
+                st.device,
+                f"{st.layers[0]}-{st.layers[1] - 1}",
+                _types(st.layer_types),
+                f"{st.forward_ms:.2f}",
+                f"{st.backward_ms:.2f}",
+                f"{st.recompute_ms:.2f}",
+                format_size(m.params + m.grads + m.optimizer),
+                format_size(m.stashed_activations),
+                format_size(m.total),
+                format_size(m.budget),
+                f"{100 * m.total / m.budget:.0f}%" + (" OVER" if m.total > m.budget else ""),
+            ]
+        )
+    head = ["stage", "device", "layers", "types", "fwd ms", "bwd ms", "recomp ms",
+            "weights+opt", "stash", "total", "budget", "used"]  # fmt: skip
+    return _table(head, rows)
+
+
+def _types(types: list[str]) -> str:
+    runs: list[list[Any]] = []
+    for t in types:
+        if runs and runs[-1][0] == t:
+            runs[-1][1] += 1
+        else:
+            runs.append([t, 1])
+    text = ", ".join(f"{n}x{t}" if n > 1 else t for t, n in runs)
+    return text if len(text) <= 32 else text[:31] + "…"
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(r[c]) for r in [head, *rows]) for c in range(len(head))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths)).rstrip()]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
+    return "\n".join(lines)
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.replace("x", ",").split(",") if v.strip()]
+    except ValueError:
+        raise InputError(f"{flag} {text!r}: expected whole numbers separated by commas") from None
+    if not values:
+        raise InputError(f"{flag} {text!r}: expected whole numbers separated by commas")
+    return values
+
+
+def _output_path(path: str) -> Path:
+    """Fail before the work, not after it, when the output cannot be written."""
+    out = Path(path)
+    if out.is_dir():
+        raise InputError(f"-o {path}: is a directory; name a file")
+    if not (out.parent if str(out.parent) else Path(".")).is_dir():
+        raise InputError(f"-o {path}: directory {out.parent} does not exist")
+    return out
+
+
+def _positive_int(flag: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise InputError(f"{flag} {text!r}: expected a whole number") from None
+        if value <= 0:
+            raise InputError(f"{flag} {text}: must be positive")
+        return value
+
+    return parse
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="gpipe-plan", description=__doc__.splitlines()[0])
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+
+    s = sub.add_parser("profile", help="measure each layer of a model")
+    s.add_argument("model", help="example:NAME, package.module:factory or path/to/file.py:factory")
+    s.add_argument("--input-shape", help="full input shape, batch first, e.g. 8,128")
+    s.add_argument(
+        "--dtype", choices=["float32", "float16", "bfloat16", "float64"], default="float32"
+    )
+    s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    s.add_argument("--batch-sizes", help="micro-batch sizes to measure, e.g. 1,2,4,8")
+    s.add_argument("--repeats", type=_positive_int("--repeats"), default=5)
+    s.add_argument("--warmup", type=int, default=2)
+    s.add_argument("-o", "--output", default="profile.json")
+    s.set_defaults(run=cmd_profile)
+
+    s = sub.add_parser("plan", help="choose stages, micro-batches and recomputation")
+    s.add_argument("profile")
+    s.add_argument("--devices", type=int)
+    s.add_argument("--memory", help="per device, e.g. 16GiB")
+    s.add_argument("--bandwidth", help="between neighbouring devices, e.g. 25GB/s")
+    s.add_argument("--latency-ms", type=float, default=0.0)
+    s.add_argument("--cluster", help="cluster.json (see: gpipe-plan schema cluster)")
+    s.add_argument("--batch-size", type=_positive_int("--batch-size"), required=True)
+    s.add_argument("--microbatches", default="auto")
+    s.add_argument("--schedule", default="auto")
+    s.add_argument("--checkpoint", default="auto", help="auto, never, except_last or always")
+    s.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam")
+    s.add_argument("--solver", choices=["auto", "probe", "dp"], default="auto")
+    s.add_argument("-o", "--output", default="plan.json")
+    s.set_defaults(run=cmd_plan)
+
+    s = sub.add_parser("check", help="CI gate: exit 1 when a stage is over its memory budget")
+    s.add_argument("plan")
+    s.add_argument("--memory-budget", help="override every device's budget, e.g. 16GiB")
+    s.add_argument("--max-bubble", type=float, help="fail when the bubble fraction is larger")
+    s.set_defaults(run=cmd_check)
+
+    s = sub.add_parser("show", help="print a plan")
+    s.add_argument("plan")
+    s.set_defaults(run=cmd_show)
+
+    s = sub.add_parser("schema", help="print the JSON schema of a file kind")
+    s.add_argument("what", choices=["profile", "cluster", "plan"])
+    s.set_defaults(run=cmd_schema)
+    return p
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""Dynamic programming over (stages, layers): the reference solver for small chains.
+
+best[s][j] = the smallest bottleneck of a split of layers [0, j) into s + 1 stages that all fit.
+O(K * L^2) stage evaluations; exact, simple, and independent of the probe's bookkeeping, which
+is what makes it worth keeping next to the fast solver.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .memory import MemoryModel
+from .partition import Partition, StageSpec
+
+
+def solve_partition_dp(
+    times: np.ndarray, memory: MemoryModel, stages: list[StageSpec]
+) -> Partition | None:
+    L, K = len(times), len(stages)
+    if not 1 <= K <= L:
+        raise ValueError(f"cannot split {L} layers into {K} non-empty stages")
+    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(times, dtype=np.float64))])
+    best = np.full((K, L + 1), math.inf)
+    arg = np.zeros((K, L + 1), dtype=np.int64)
+    for s, spec in enumerate(stages):
+        for j in range(s + 1, L - (K - s - 1) + 1):
+            i = np.arange(s, j)  # stage s covers [i, j); stages before it cover [0, i)
+            cost = (prefix[j] - prefix[i]) / spec.speed
+            fits = memory.total(i, np.full(i.shape, j), spec.shape) <= spec.budget
+            before = best[s - 1][i] if s else np.where(i == 0, 0.0, math.inf)
+            value = np.where(fits, np.maximum(before, cost), math.inf)
+            k = int(np.argmin(value))
+            best[s][j], arg[s][j] = value[k], i[k]
+    if math.isinf(best[K - 1][L]):
+        return None
+    bounds = [L]
+    for s in range(K - 1, -1, -1):
+        bounds.append(int(arg[s][bounds[-1]]))
+    return Partition(bounds=bounds[::-1], bottleneck=float(best[K - 1][L]))

@@ -1,0 +1,100 @@
+"""The Plan: where every layer runs, how the mini-batch is split, and what that is predicted to
+cost. Torch-free, so `check`, `show` and `simulate` answer without importing torch."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from profiler.artifact import Artifact
+
+from .cluster import Cluster
+
+Schedule = Literal["gpipe", "1f1b"]
+Recompute = Literal["never", "except_last", "always"]
+Optimizer = Literal["sgd", "momentum", "adam"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class MemoryBreakdown(_Strict):
+    """Bytes a stage holds at its peak (planner/memory.py says how each term is computed)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    stashed_activations: int
+    live_activations: int
+    workspace: int
+    total: int
+    budget: int
+
+    @property
+    def over_by(self) -> int:
+        return self.total - self.budget
+
+
+class StagePlan(_Strict):
+    index: int
+    device: str
+    layers: tuple[int, int] = Field(description="[start, end) in the model's layer order")
+    layer_types: list[str]
+    recompute: Recompute
+    inflight: int = Field(description="micro-batches whose activations the stage holds at its peak")
+    forward_ms: float = Field(description="per micro-batch, on this device")
+    backward_ms: float
+    recompute_ms: float
+    send_bytes: int = Field(description="per micro-batch, to the next stage (0 for the last)")
+    send_ms: float
+    memory: MemoryBreakdown
+
+
+class Prediction(_Strict):
+    iteration_ms: float
+    bubble_fraction: float
+    throughput_samples_per_s: float
+    bottleneck_ms: float = Field(description="the slowest stage's forward+backward+recompute")
+
+
+class SolverInfo(_Strict):
+    method: str
+    optimal: bool = Field(description="the bottleneck is proven minimal for this M and schedule")
+    lower_bound_ms: float
+    gap: float
+    wall_ms: float
+    candidates: int = Field(
+        description="(micro-batch count, schedule, recompute) combinations solved"
+    )
+
+
+class PlanMeta(_Strict):
+    created: str = ""
+    tool_version: str = ""
+
+
+class Plan(Artifact):
+    kind: Literal["plan"] = "plan"
+    model: str
+    model_digest: str
+    profile_digest: str
+    cluster_digest: str
+    device_type: str = Field(description="where the profile was measured, e.g. cpu or cuda:0")
+    dtype: str
+    cluster: Cluster
+    batch_size: int = Field(gt=0)
+    microbatches: int = Field(gt=0)
+    microbatch_size: int = Field(gt=0, description="the largest micro-batch: ceil(N / M)")
+    schedule: Schedule
+    recompute: Recompute
+    optimizer: Optimizer
+    stages: list[StagePlan] = Field(min_length=1)
+    predicted: Prediction
+    solver: SolverInfo
+    meta: PlanMeta = PlanMeta()
+
+    @property
+    def fits(self) -> bool:
+        return all(s.memory.total <= s.memory.budget for s in self.stages)

@@ -1,0 +1,103 @@
+"""What every file gpipe-plan writes has in common: a kind, a format version, atomic writes,
+byte-for-byte stable JSON, a digest, and loading that fails with one clear line.
+
+Torch-free on purpose: `plan`, `check` and `show` load these without importing torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class InputError(Exception):
+    """Bad input from the user: the CLI prints the message as one line and exits with status 2."""
+
+
+A = TypeVar("A", bound="Artifact")
+
+
+class Artifact(BaseModel):
+    """A pydantic model that lives on disk as JSON. Subclasses set `kind` and `FORMAT_VERSION`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    FORMAT_VERSION: ClassVar[int] = 1
+    kind: str
+    format_version: int = 1
+
+    def canonical_json(self, *, with_meta: bool = True) -> str:
+        """Sorted keys, fixed indentation: the same artifact always gives the same bytes."""
+        data = self.model_dump(mode="json")
+        if not with_meta:
+            data.pop("meta", None)
+        return json.dumps(data, sort_keys=True, indent=1) + "\n"
+
+    def digest(self) -> str:
+        """sha256 of the content, `meta` excluded, so re-running on the same input keeps it."""
+        return hashlib.sha256(self.canonical_json(with_meta=False).encode()).hexdigest()
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        write_atomic(Path(path), self.canonical_json())
+
+    @classmethod
+    def load(cls: type[A], path: str | os.PathLike[str]) -> A:
+        return cls.from_json_text(_read(Path(path)), source=str(path))
+
+    @classmethod
+    def from_json_text(cls: type[A], text: str, *, source: str = "<input>") -> A:
+        expected = cls.model_fields["kind"].default
+        try:
+            data: Any = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise InputError(
+                f"{source}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
+            ) from None
+        if not isinstance(data, dict) or "kind" not in data:
+            raise InputError(f"{source}: not a gpipe-plan {expected} file (no 'kind' field)")
+        if data["kind"] != expected:
+            raise InputError(f"{source} is a {data['kind']!s}, but a {expected} is expected here")
+        version = data.get("format_version")
+        if isinstance(version, int) and version > cls.FORMAT_VERSION:
+            raise InputError(
+                f"{source}: {expected} format version {version} is newer than this gpipe-plan "
+                f"understands ({cls.FORMAT_VERSION}); upgrade gpipe-plan"
+            )
+        try:
+            return cls.model_validate(data)
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+            raise InputError(f"{source}: invalid {expected}: {where}: {first['msg']}") from None
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except FileNotFoundError:
+        raise InputError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise InputError(f"{path}: is a directory, expected a JSON file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"{path}: cannot read ({e})") from None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write to a temp file beside `path`, then rename: readers never see a half-written file."""
+    directory = path.parent if str(path.parent) else Path(".")
+    if not directory.is_dir():
+        raise InputError(f"{path}: directory {directory} does not exist")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

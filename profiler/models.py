@@ -1,0 +1,114 @@
+"""Turn a MODEL name from the command line into a module and a sample input."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .artifact import InputError
+
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+def load_model(spec: str) -> nn.Module:
+    """`example:NAME`, `package.module:factory` or `path/to/file.py:factory` -> the factory's module."""
+    from .examples import EXAMPLES
+
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:
+        raise InputError(
+            f"MODEL {spec!r}: expected example:NAME, package.module:factory or file.py:factory"
+        )
+    if where == "example":
+        if name not in EXAMPLES:
+            raise InputError(
+                f"MODEL {spec!r}: no such example; choose one of {', '.join(sorted(EXAMPLES))}"
+            )
+        factory = EXAMPLES[name]
+    else:
+        module = _import(where, spec)
+        factory = getattr(module, name, None)
+        if factory is None or not callable(factory):
+            raise InputError(f"MODEL {spec!r}: {where} has no callable named {name!r}")
+    try:
+        model = factory()
+    except Exception as e:  # the user's code: report it in one line, whatever it raised
+        raise InputError(f"MODEL {spec!r}: the factory raised {type(e).__name__}: {e}") from None
+    if not isinstance(model, nn.Module):
+        raise InputError(
+            f"MODEL {spec!r}: the factory returned {type(model).__name__}, not a torch nn.Module"
+        )
+    return model
+
+
+def _import(where: str, spec: str) -> object:
+    if where.endswith(".py"):
+        path = Path(where)
+        if not path.is_file():
+            raise InputError(f"MODEL {spec!r}: no such file {where}")
+        name = f"_gpipe_user_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}"
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise InputError(f"MODEL {spec!r}: cannot import {where}")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:
+            sys.modules.pop(name, None)
+            raise InputError(
+                f"MODEL {spec!r}: importing {where} raised {type(e).__name__}: {e}"
+            ) from None
+        return module
+    try:
+        return importlib.import_module(where)
+    except ModuleNotFoundError as e:
+        raise InputError(f"MODEL {spec!r}: cannot import {where} ({e})") from None
+    except Exception as e:
+        raise InputError(
+            f"MODEL {spec!r}: importing {where} raised {type(e).__name__}: {e}"
+        ) from None
+
+
+def sample_input(
+    model: nn.Module, input_shape: list[int] | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """The sample to profile with: a float tensor of `input_shape` (batch first), or the model's
+    own `example_input` (resized along the batch when a shape is given for it)."""
+    example = getattr(model, "example_input", None)
+    if input_shape is None:
+        if not isinstance(example, torch.Tensor):
+            raise InputError(
+                "--input-shape is required: the model carries no example_input "
+                "(e.g. --input-shape 8,128 for 8 samples of 128 features)"
+            )
+        return example if not example.is_floating_point() else example.to(dtype)
+    if any(d <= 0 for d in input_shape) or len(input_shape) < 1:
+        raise InputError(f"--input-shape {input_shape}: every dimension must be positive")
+    if isinstance(example, torch.Tensor) and not example.is_floating_point():
+        high = int(example.max().item()) + 1
+        return torch.randint(0, max(high, 1), tuple(input_shape), dtype=example.dtype)
+    return torch.randn(*input_shape, dtype=dtype)
+
+
+def model_digest(model: nn.Module) -> str:
+    """What must match between a profile and the model it is used with: layer types and shapes."""
+    h = hashlib.sha256()
+    for name, layer in model.named_children():
+        h.update(f"{name}:{type(layer).__qualname__};".encode())
+        for pname, p in layer.named_parameters():
+            h.update(f"{pname}{tuple(p.shape)}{p.dtype};".encode())
+        for bname, b in layer.named_buffers():
+            h.update(f"{bname}{tuple(b.shape)}{b.dtype};".encode())
+    return h.hexdigest()
