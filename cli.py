@@ -203,7 +203,7 @@ def _summary(plan: Any) -> str:
         f"predicted {p.iteration_ms:.2f} ms/iteration, bubble {p.bubble_fraction:.3f}, "
         f"{p.throughput_samples_per_s:.1f} samples/s "
         f"(solver {plan.solver.method}, {'optimal' if plan.solver.optimal else 'not proven optimal'}, "
-        f"{plan.solver.candidates} candidates in {plan.solver.wall_ms:.0f} ms)"
+        f"{plan.solver.candidates} candidates in {plan.meta.solve_ms:.0f} ms)"
     )
 
 

@@ -64,15 +64,17 @@ class SolverInfo(_Strict):
     optimal: bool = Field(description="the bottleneck is proven minimal for this M and schedule")
     lower_bound_ms: float
     gap: float
-    wall_ms: float
     candidates: int = Field(
         description="(micro-batch count, schedule, recompute) combinations solved"
     )
 
 
 class PlanMeta(_Strict):
+    """Facts about the run, not the plan: left out of the digest and free to differ."""
+
     created: str = ""
     tool_version: str = ""
+    solve_ms: float = 0.0
 
 
 class Plan(Artifact):

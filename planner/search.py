@@ -110,7 +110,8 @@ def plan_pipeline(
         raise _infeasible(profile, cluster, batch_size, candidates, optimizer, chains)
     plan = best[1]
     wall = (time.perf_counter() - started) * 1e3
-    plan.solver = plan.solver.model_copy(update={"wall_ms": wall, "candidates": len(candidates)})
+    plan.solver = plan.solver.model_copy(update={"candidates": len(candidates)})
+    plan.meta = plan.meta.model_copy(update={"solve_ms": wall})
     return plan
 
 
@@ -216,7 +217,6 @@ def _build_plan(
             optimal=True,
             lower_bound_ms=part.bottleneck,
             gap=0.0,
-            wall_ms=0.0,
             candidates=1,
         ),
         meta=PlanMeta(

@@ -22,7 +22,7 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
 def parse_size(text: str | int, what: str = "size") -> int:

@@ -1,0 +1,112 @@
+"""Partition solve time: L layers on K stages, exact solver, one core.
+
+Layer costs are random (seeded) with a mild memory limit that binds on some cuts, the worst case
+for the probe (its reachable sets are widest when memory, not time, trims them). Prints a table;
+medians of --repeats runs. Also times the whole `gpipe-plan plan` command on example:transformer.
+
+    python benchmarks/partition_bench.py [--repeats 5] [--skip-cli]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from planner.costs import Chain  # noqa: E402
+from planner.dp import solve_partition_dp  # noqa: E402
+from planner.memory import MemoryModel, StageShape  # noqa: E402
+from planner.partition import StageSpec, solve_partition  # noqa: E402
+
+
+def chain(L: int, seed: int = 0) -> Chain:
+    rng = np.random.default_rng(seed)
+    return Chain(
+        mb=1,
+        forward=rng.uniform(0.5, 2.0, L),
+        backward=rng.uniform(1.0, 4.0, L),
+        params=rng.integers(1_000, 100_000, L),
+        buffers=np.zeros(L, dtype=np.int64),
+        saved=rng.integers(1_000, 50_000, L),
+        shared=np.zeros(L, dtype=np.int64),
+        transient=rng.integers(0, 20_000, L),
+        boundary=rng.integers(1_000, 10_000, L + 1),
+    )
+
+
+def specs(c: Chain, K: int) -> list[StageSpec]:
+    shape = StageShape(inflight=8, microbatches=8, recompute="never", optimizer_slots=2)
+    whole = int(MemoryModel(c).total(0, c.num_layers, shape)[0])
+    return [StageSpec(1.0, int(1.5 * whole / K), shape)] * K  # binds: 1.5x an even share
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--skip-cli", action="store_true")
+    args = ap.parse_args()
+    print(f"# {time.strftime('%Y-%m-%d')} | {cpu_name()} | "
+          f"python {platform.python_version()} | numpy {np.__version__} | "
+          f"threads pinned to 1: {os.environ.get('OMP_NUM_THREADS') == '1'}")
+    print("| L | K | probe median ms (min-max) | probes | bottleneck | DP agrees |")
+    print("|---|---|---|---|---|---|")
+    for L in (100, 1_000, 10_000):
+        c = chain(L)
+        times = c.forward + c.backward
+        for K in (4, 16, 64):
+            sp = specs(c, K)
+            samples, part = [], None
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                part = solve_partition(times, MemoryModel(c), sp)
+                samples.append((time.perf_counter() - t0) * 1e3)
+            assert part is not None
+            agrees = "-"
+            if L <= 100:
+                dp = solve_partition_dp(times, MemoryModel(c), sp)
+                agrees = "yes" if dp is not None and dp.bottleneck == part.bottleneck else "NO"
+            print(f"| {L} | {K} | {statistics.median(samples):.1f} ({min(samples):.1f}-{max(samples):.1f}) "
+                  f"| {part.probes} | {part.bottleneck:.4f} | {agrees} |")
+    if args.skip_cli:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        prof = Path(tmp) / "profile.json"
+        subprocess.run([sys.executable, str(ROOT / "cli.py"), "profile", "example:transformer", "-o", str(prof)],
+                       check=True, capture_output=True)  # fmt: skip
+        samples = []
+        for _ in range(args.repeats):
+            t0 = time.perf_counter()
+            subprocess.run(
+                [sys.executable, str(ROOT / "cli.py"), "plan", str(prof), "--devices", "4", "--memory",
+                 "64MiB", "--batch-size", "32", "-o", str(Path(tmp) / "plan.json")],
+                check=True, capture_output=True,
+            )  # fmt: skip
+            samples.append((time.perf_counter() - t0) * 1e3)
+        print(f"\n`gpipe-plan plan` on example:transformer (11 layers, K=4, N=32, all M/schedule/"
+              f"recompute candidates), whole process: median {statistics.median(samples):.0f} ms "
+              f"(min {min(samples):.0f}, max {max(samples):.0f}) over {args.repeats} runs")
+
+
+if __name__ == "__main__":
+    main()

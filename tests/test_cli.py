@@ -1,0 +1,260 @@
+"""The gpipe-plan command: the main job end to end, the CI gate, and every kind of bad input
+answered with one line, exit status 2, no traceback and no output file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def assert_bad_input(result, *, mentions: str, no_file: Path | None = None) -> None:
+    assert result.code == 2, result
+    lines = result.err.strip().splitlines()
+    assert len(lines) == 1, result.err
+    assert "Traceback" not in result.err
+    assert lines[0].startswith("gpipe-plan: error: ")
+    assert mentions.lower() in lines[0].lower(), lines[0]
+    if no_file is not None:
+        assert not no_file.exists()
+        assert not list(no_file.parent.glob(f".{no_file.name}.*")), "a temp file was left behind"
+
+
+@pytest.fixture
+def plan_path(run_cli, transformer_profile_path, tmp_path):
+    out = tmp_path / "plan.json"
+    r = run_cli("plan", transformer_profile_path, "--devices", 4, "--memory", "64MiB", "--batch-size", 32, "-o", out)
+    assert r.code == 0, r.err
+    return out
+
+
+def test_main_job_profile_plan_check_show(run_cli, transformer_profile_path, plan_path):
+    plan = json.loads(plan_path.read_text())
+    assert plan["kind"] == "plan" and len(plan["stages"]) == 4
+    assert [s["layers"] for s in plan["stages"]][0][0] == 0 and plan["stages"][-1]["layers"][1] == 11
+    r = run_cli("check", plan_path)
+    assert r.code == 0 and r.out.startswith("ok: 4 stages fit")
+    r = run_cli("show", plan_path)
+    assert r.code == 0 and "stage" in r.out and "dev3" in r.out
+
+
+def test_check_fails_with_a_table_of_stages_over_budget(run_cli, plan_path):
+    stages = json.loads(plan_path.read_text())["stages"]
+    smallest = min(s["memory"]["total"] for s in stages)
+    r = run_cli("check", plan_path, "--memory-budget", str(smallest))
+    over = [s for s in stages if s["memory"]["total"] > smallest]
+    assert r.code == 1
+    assert r.out.startswith(f"FAIL: {len(over)} of 4 stages over the memory budget")
+    table = r.out.strip().splitlines()[3:]
+    assert [row.split()[0] for row in table] == [str(s["index"]) for s in over]
+
+
+def test_check_max_bubble(run_cli, plan_path):
+    bubble = json.loads(plan_path.read_text())["predicted"]["bubble_fraction"]
+    assert run_cli("check", plan_path, "--max-bubble", bubble + 0.01).code == 0
+    r = run_cli("check", plan_path, "--max-bubble", bubble / 2)
+    assert r.code == 1 and "bubble fraction" in r.out
+
+
+@pytest.mark.parametrize("size", ["16GiB", "16GB", "16e9", "17179869184"])
+def test_sizes_people_write(run_cli, plan_path, size):
+    assert run_cli("check", plan_path, "--memory-budget", size).code == 0
+
+
+def test_plan_infeasible_says_the_memory_needed(run_cli, transformer_profile_path, tmp_path):
+    out = tmp_path / "plan.json"
+    r = run_cli("plan", transformer_profile_path, "--devices", 4, "--memory", "1MiB", "--batch-size", 32, "-o", out)
+    assert r.code == 1
+    assert "no split fits" in r.err and "needs" in r.err and "per device" in r.err
+    assert not out.exists()
+
+
+def test_cluster_file(run_cli, transformer_profile_path, tmp_path):
+    cluster = tmp_path / "cluster.json"
+    cluster.write_text(json.dumps({"kind": "cluster", "devices": [
+        {"name": "a100", "memory_bytes": "80GiB", "speed": 2.0},
+        {"name": "v100", "memory_bytes": "16GiB", "speed": 1.0}]}))  # fmt: skip
+    out = tmp_path / "plan.json"
+    r = run_cli("plan", transformer_profile_path, "--cluster", cluster, "--batch-size", 8, "-o", out)
+    assert r.code == 0, r.err
+    stages = json.loads(out.read_text())["stages"]
+    assert [s["device"] for s in stages] == ["a100", "v100"]
+
+
+def test_schema(run_cli):
+    for kind in ("profile", "cluster", "plan"):
+        r = run_cli("schema", kind)
+        assert r.code == 0 and "properties" in json.loads(r.out)
+
+
+def test_plan_check_show_do_not_import_torch(transformer_profile_path, tmp_path):
+    code = (
+        "import sys, cli\n"
+        f"assert cli.main(['plan', {str(transformer_profile_path)!r}, '--devices', '2', '--memory', '1GiB',"
+        f" '--batch-size', '8', '-o', {str(tmp_path / 'p.json')!r}]) == 0\n"
+        f"assert cli.main(['check', {str(tmp_path / 'p.json')!r}]) == 0\n"
+        f"assert cli.main(['show', {str(tmp_path / 'p.json')!r}]) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, capture_output=True)
+
+
+# ------------------------------------------------------------------------- bad input
+
+
+def test_missing_file(run_cli, tmp_path):
+    out = tmp_path / "plan.json"
+    r = run_cli("plan", tmp_path / "nope.json", "--devices", 2, "--memory", "1GiB", "--batch-size", 8, "-o", out)
+    assert_bad_input(r, mentions="no such file", no_file=out)
+    assert_bad_input(run_cli("check", tmp_path / "nope.json"), mentions="no such file")
+
+
+def test_malformed_json(run_cli, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"kind": "profile", ')
+    out = tmp_path / "plan.json"
+    r = run_cli("plan", bad, "--devices", 2, "--memory", "1GiB", "--batch-size", 8, "-o", out)
+    assert_bad_input(r, mentions="not valid JSON", no_file=out)
+
+
+def test_json_of_the_wrong_kind(run_cli, plan_path, transformer_profile_path, tmp_path):
+    out = tmp_path / "plan2.json"
+    r = run_cli("plan", plan_path, "--devices", 2, "--memory", "1GiB", "--batch-size", 8, "-o", out)
+    assert_bad_input(r, mentions="is a plan, but a profile is expected", no_file=out)
+    assert_bad_input(run_cli("check", transformer_profile_path), mentions="is a profile, but a plan")
+    other = tmp_path / "other.json"
+    other.write_text("[1, 2]")
+    assert_bad_input(run_cli("show", other), mentions="not a gpipe-plan plan file")
+
+
+def test_profile_with_invalid_fields(run_cli, transformer_profile_path, tmp_path):
+    data = json.loads(transformer_profile_path.read_text())
+    data["layers"][0]["param_bytes"] = -5
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    r = run_cli("plan", bad, "--devices", 2, "--memory", "1GiB", "--batch-size", 8, "-o", tmp_path / "p.json")
+    assert_bad_input(r, mentions="layers.0.param_bytes")
+
+
+@pytest.mark.parametrize(
+    "model, mentions",
+    [
+        ("example:nope", "no such example"),
+        ("no_such_package.models:build", "cannot import no_such_package.models"),
+        ("json:no_such_factory", "has no callable named 'no_such_factory'"),
+        ("missing_file.py:build", "no such file"),
+        ("not-a-model-spec", "expected example:NAME"),
+    ],
+)
+def test_unknown_model(run_cli, tmp_path, model, mentions):
+    out = tmp_path / "profile.json"
+    assert_bad_input(run_cli("profile", model, "-o", out), mentions=mentions, no_file=out)
+
+
+def test_factory_that_raises_and_one_that_returns_junk(run_cli, tmp_path):
+    src = tmp_path / "models.py"
+    src.write_text(
+        "def broken():\n    raise RuntimeError('weights not found')\n"
+        "def junk():\n    return 42\n"
+        "import torch\n"
+        "def graph():\n    return torch.nn.Transformer(d_model=8, nhead=2)\n"
+    )
+    out = tmp_path / "profile.json"
+    r = run_cli("profile", f"{src}:broken", "--input-shape", "2,4", "-o", out)
+    assert_bad_input(r, mentions="factory raised RuntimeError: weights not found", no_file=out)
+    r = run_cli("profile", f"{src}:junk", "--input-shape", "2,4", "-o", out)
+    assert_bad_input(r, mentions="returned int, not a torch nn.Module", no_file=out)
+    r = run_cli("profile", f"{src}:graph", "--input-shape", "2,4", "-o", out)
+    assert_bad_input(r, mentions="not an nn.Sequential", no_file=out)
+
+
+def test_importing_a_model_file_that_raises(run_cli, tmp_path):
+    src = tmp_path / "broken.py"
+    src.write_text("raise ImportError('needs apex')\n")
+    assert_bad_input(run_cli("profile", f"{src}:build", "-o", tmp_path / "p.json"), mentions="needs apex")
+
+
+def test_input_shape_the_model_rejects(run_cli, tmp_path):
+    out = tmp_path / "profile.json"
+    r = run_cli("profile", "example:mlp", "--input-shape", "8,100", "-o", out)
+    assert_bad_input(r, mentions="rejected input of shape (1, 100) at layer 0 (Linear)", no_file=out)
+    r = run_cli("profile", "example:mlp", "--input-shape", "8,abc", "-o", out)
+    assert_bad_input(r, mentions="--input-shape", no_file=out)
+    r = run_cli("profile", "example:mlp", "--input-shape", "0,256", "-o", out)
+    assert_bad_input(r, mentions="must be positive", no_file=out)
+
+
+def test_user_model_without_input_shape(run_cli, tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("import torch\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(4, 4))\n")
+    out = tmp_path / "profile.json"
+    assert_bad_input(run_cli("profile", f"{src}:build", "-o", out), mentions="--input-shape is required")
+    r = run_cli("profile", f"{src}:build", "--input-shape", "2,4", "--repeats", "1", "-o", out)
+    assert r.code == 0 and out.exists()
+
+
+@pytest.mark.parametrize(
+    "args, mentions",
+    [
+        (["--devices", "2", "--memory", "0"], "must be positive"),
+        (["--devices", "2", "--memory=-1GiB"], "must be positive"),
+        (["--devices", "2", "--memory", "12 potatoes"], "not a size"),
+        (["--devices", "2", "--memory", "GiB"], "not a size"),
+        (["--devices", "0", "--memory", "1GiB"], "--devices 0"),
+        (["--devices", "-3", "--memory", "1GiB"], "--devices -3"),
+        (["--devices", "12", "--memory", "1GiB"], "only 11 layers"),
+        (["--devices", "2"], "--memory"),
+        (["--devices", "2", "--memory", "1GiB", "--bandwidth", "fast"], "bandwidth"),
+        (["--devices", "2", "--memory", "1GiB", "--microbatches", "100"], "--microbatches 100"),
+        (["--devices", "2", "--memory", "1GiB", "--schedule", "zigzag"], "--schedule"),
+    ],
+)
+def test_bad_plan_arguments(run_cli, transformer_profile_path, tmp_path, args, mentions):
+    out = tmp_path / "plan.json"
+    r = run_cli("plan", transformer_profile_path, *args, "--batch-size", 32, "-o", out)
+    assert_bad_input(r, mentions=mentions, no_file=out)
+
+
+@pytest.mark.parametrize("batch", ["0", "-8", "eight"])
+def test_bad_batch_size(run_cli, transformer_profile_path, tmp_path, batch):
+    out = tmp_path / "plan.json"
+    r = run_cli("plan", transformer_profile_path, "--devices", 2, "--memory", "1GiB", "--batch-size", batch, "-o", out)
+    assert_bad_input(r, mentions="--batch-size", no_file=out)
+
+
+def test_bad_profile_arguments(run_cli, tmp_path):
+    out = tmp_path / "profile.json"
+    assert_bad_input(run_cli("profile", "example:mlp", "--batch-sizes", "0,2", "-o", out), mentions="positive")
+    assert_bad_input(run_cli("profile", "example:mlp", "--device", "cuda:7", "-o", out), mentions="--device cuda:7")
+    assert_bad_input(run_cli("profile", "example:mlp", "-o", tmp_path / "no" / "p.json"), mentions="does not exist")
+    assert not out.exists()
+
+
+def test_bad_check_arguments(run_cli, plan_path):
+    assert_bad_input(run_cli("check", plan_path, "--memory-budget", "lots"), mentions="not a size")
+    assert_bad_input(run_cli("check", plan_path, "--memory-budget", "0"), mentions="must be positive")
+    assert_bad_input(run_cli("check", plan_path, "--max-bubble", "2"), mentions="between 0 and 1")
+
+
+def test_unknown_command_is_one_line(run_cli):
+    assert_bad_input(run_cli("frobnicate"), mentions="invalid choice")
+
+
+def test_failed_write_leaves_the_old_file(run_cli, transformer_profile_path, tmp_path, monkeypatch):
+    out = tmp_path / "plan.json"
+    out.write_text("old")
+    import os
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        run_cli("plan", transformer_profile_path, "--devices", 2, "--memory", "1GiB", "--batch-size", 8, "-o", out)
+    assert out.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]

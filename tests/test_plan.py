@@ -1,0 +1,150 @@
+"""plan_pipeline: the memory it predicts is the model's formula, it never exceeds a budget that
+some split meets, and when none does it says exactly how much memory would be enough."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from conftest import synthetic_profile
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_partition import reference_memory
+
+from planner import Cluster, InfeasibleError, Plan, plan_pipeline
+from planner.costs import OPTIMIZER_SLOTS, chain_at
+from planner.memory import StageShape
+from planner.pipeline import inflight
+
+
+def shape_of(plan: Plan, s: int) -> StageShape:
+    return StageShape(
+        inflight=inflight(plan.schedule, len(plan.stages), plan.microbatches, s),
+        microbatches=plan.microbatches,
+        recompute=plan.recompute,
+        optimizer_slots=OPTIMIZER_SLOTS[plan.optimizer],
+        reserved=plan.cluster.devices[s].reserved_bytes,
+    )
+
+
+def test_stage_memory_is_the_formula_term_by_term():
+    prof = synthetic_profile(
+        [1, 2, 3, 1, 2, 2],
+        params=[10, 20, 30, 40, 50, 60],
+        saved=[7, 9, 11, 13, 15, 17],
+        shared=[0, 7, 0, 11, 13, 0],
+        peak=[20, 30, 25, 40, 30, 20],
+        output_bytes=[4, 8, 12, 16, 20, 24],
+        input_bytes=6,
+    )
+    for schedule, mode in itertools.product(["gpipe", "1f1b"], ["never", "except_last", "always"]):
+        plan = plan_pipeline(
+            prof, Cluster.uniform(3, "1MiB"), 12, microbatches=4, schedule=schedule,
+            recompute=mode, optimizer="momentum",
+        )  # fmt: skip
+        chain = chain_at(prof, 3)
+        for s, st_ in enumerate(plan.stages):
+            i, j = st_.layers
+            m = st_.memory
+            p = sum(prof.layers[k].param_bytes for k in range(i, j))
+            assert (m.params, m.grads, m.optimizer) == (p, p, p)
+            assert m.total == reference_memory(chain, i, j, shape_of(plan, s))
+            assert m.total == m.params + m.grads + m.optimizer + m.stashed_activations + m.live_activations + m.workspace
+
+
+def test_gpipe_iteration_time_is_the_closed_form():
+    fwd = [1, 3, 2, 2, 5, 1, 1, 2]
+    bwd = [4, 1, 1, 6, 1, 2, 2, 1]
+    prof = synthetic_profile(fwd, bwd)
+    plan = plan_pipeline(prof, Cluster.uniform(3, "1GiB"), 8, microbatches=8, schedule="gpipe", recompute="always")
+    f = [sum(fwd[i:j]) for i, j in (s.layers for s in plan.stages)]
+    b = [sum(bwd[i:j]) for i, j in (s.layers for s in plan.stages)]
+    r = f
+    M = 8
+    expected = (sum(f) + (M - 1) * max(f)) + (sum(x + y for x, y in zip(b, r)) + (M - 1) * max(x + y for x, y in zip(b, r)))
+    assert plan.predicted.iteration_ms == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("K,M", [(2, 1), (2, 4), (4, 4), (4, 16), (3, 7)])
+def test_equal_stages_bubble_is_k_minus_1_over_m_plus_k_minus_1(K, M):
+    prof = synthetic_profile([1.0] * (2 * K))
+    plan = plan_pipeline(prof, Cluster.uniform(K, "1GiB"), M, microbatches=M, schedule="gpipe", recompute="never")
+    assert plan.predicted.bubble_fraction == pytest.approx((K - 1) / (M + K - 1), rel=1e-12)
+
+
+def test_needed_memory_is_exactly_the_least_that_fits():
+    prof = synthetic_profile([1, 1, 4, 1, 1, 2, 3], params=[50, 10, 300, 20, 10, 90, 40], saved=[30, 8, 40, 5, 60, 9, 12])
+    kwargs = dict(microbatches="auto", schedule="auto", recompute="auto")
+    with pytest.raises(InfeasibleError) as info:
+        plan_pipeline(prof, Cluster.uniform(3, 200), 8, **kwargs)
+    need = info.value.needed_bytes
+    assert plan_pipeline(prof, Cluster.uniform(3, need), 8, **kwargs).fits
+    with pytest.raises(InfeasibleError):
+        plan_pipeline(prof, Cluster.uniform(3, need - 1), 8, **kwargs)
+
+
+def test_heterogeneous_cluster_gets_more_layers_on_the_faster_device():
+    prof = synthetic_profile([1.0] * 12)
+    cluster = Cluster.model_validate(
+        {"devices": [{"name": "big", "memory_bytes": "1GiB", "speed": 2.0},
+                     {"name": "small", "memory_bytes": "1GiB", "speed": 1.0}]}  # fmt: skip
+    )
+    plan = plan_pipeline(prof, cluster, 4, microbatches=4, schedule="gpipe", recompute="never")
+    assert [s.layers for s in plan.stages] == [(0, 8), (8, 12)]
+
+
+def test_plan_is_deterministic_apart_from_meta():
+    prof = synthetic_profile([1, 2, 3, 4, 5, 6, 7, 8])
+    a = plan_pipeline(prof, Cluster.uniform(4, "1MiB"), 16)
+    b = plan_pipeline(prof, Cluster.uniform(4, "1MiB"), 16)
+    assert a.canonical_json(with_meta=False) == b.canonical_json(with_meta=False)
+    assert a.digest() == b.digest()
+
+
+def test_tight_memory_turns_recomputation_on():
+    prof = synthetic_profile([1.0] * 8, saved=[1000] * 8, params=[10] * 8)
+    roomy = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 8, schedule="gpipe")
+    assert roomy.recompute == "never"
+    tight = plan_pipeline(prof, Cluster.uniform(2, 20_000), 8, schedule="gpipe")
+    assert tight.recompute != "never" and tight.fits
+
+
+@st.composite
+def small_problems(draw):
+    L = draw(st.integers(2, 8))
+    K = draw(st.integers(1, min(L, 4)))
+    lists = lambda lo, hi: draw(st.lists(st.integers(lo, hi), min_size=L, max_size=L))  # noqa: E731
+    prof = synthetic_profile(
+        [float(x) for x in lists(1, 9)],
+        params=lists(0, 400),
+        saved=lists(0, 200),
+        output_bytes=lists(1, 50),
+    )
+    budget = draw(st.integers(100, 6000))
+    M = draw(st.integers(1, 4))
+    return prof, K, budget, M, draw(st.sampled_from(["gpipe", "1f1b"])), draw(st.sampled_from(["never", "except_last", "always"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(small_problems())
+def test_plan_fits_whenever_some_split_fits(problem):
+    prof, K, budget, M, schedule, mode = problem
+    L = len(prof.layers)
+    cluster = Cluster.uniform(K, budget)
+    kw = dict(microbatches=M, schedule=schedule, recompute=mode, optimizer="adam")
+    probe_plan = plan_pipeline(prof, Cluster.uniform(K, 2**40), 4 * M, **kw)
+    shape = {s: shape_of(probe_plan, s) for s in range(K)}
+    chain = chain_at(prof, 4)
+    some_split_fits = any(
+        all(reference_memory(chain, i, j, shape[s]) <= budget for s, (i, j) in enumerate(zip([0, *c], [*c, L])))
+        for c in itertools.combinations(range(1, L), K - 1)
+    )
+    try:
+        plan = plan_pipeline(prof, cluster, 4 * M, **kw)
+    except InfeasibleError:
+        assert not some_split_fits
+    else:
+        assert some_split_fits and plan.fits
+        assert all(st_.layers[0] < st_.layers[1] for st_ in plan.stages)
+        assert np.all(np.diff([s.layers[0] for s in plan.stages]) > 0)

@@ -1,0 +1,124 @@
+"""The profiler measures exactly what autograd keeps and what crosses a cut."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from profiler import InputError, Profile, profile_model
+from profiler.examples import mlp, transformer
+
+F32 = 4
+
+
+class TinyAttention(nn.Module):
+    """Single-head attention with separate projections: easy to count by hand."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.q = nn.Linear(d, d, bias=False)
+        self.k = nn.Linear(d, d, bias=False)
+        self.v = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        p = (q @ k.transpose(-2, -1)).softmax(-1)
+        return p @ v
+
+
+class Pair(nn.Module):
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, x[:, :3].sin()
+
+
+class Join(nn.Module):
+    def forward(self, xy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = xy
+        return x[:, :3] + y
+
+
+def quick(model: nn.Module, sample: torch.Tensor, sizes: list[int]) -> Profile:
+    return profile_model(model, sample, batch_sizes=sizes, repeats=1, warmup=0, progress=False)
+
+
+def test_linear_relu_linear_saved_and_output_bytes_are_exact():
+    model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 5))
+    prof = quick(model, torch.randn(4, 4), [1, 2, 4])
+    lin1, relu, lin2 = prof.layers
+    for b in (1, 2, 4):
+        assert lin1.saved_bytes[b] == b * 4 * F32  # the input, kept for the weight gradient
+        assert relu.saved_bytes[b] == b * 3 * F32  # its result
+        assert lin2.saved_bytes[b] == b * 3 * F32  # its input: the very tensor ReLU saved
+        assert lin2.shared_bytes[b] == b * 3 * F32
+        assert lin1.shared_bytes[b] == relu.shared_bytes[b] == 0
+    assert [x.output_bytes for x in prof.layers] == [3 * F32, 3 * F32, 5 * F32]
+    assert [x.output_shape for x in prof.layers] == [[[3]], [[3]], [[5]]]
+    assert [x.param_bytes for x in prof.layers] == [(12 + 3) * F32, 0, (15 + 5) * F32]
+    assert prof.input_bytes == 4 * F32
+
+
+def test_layernorm_saves_input_mean_and_rstd():
+    t, d = 5, 6
+    prof = quick(nn.Sequential(nn.LayerNorm(d)), torch.randn(2, t, d), [1, 2])
+    (ln,) = prof.layers
+    for b in (1, 2):
+        assert ln.saved_bytes[b] == b * t * d * F32 + 2 * b * t * F32
+    assert ln.param_bytes == 2 * d * F32
+    assert ln.output_bytes == t * d * F32
+
+
+def test_attention_block_saved_bytes_by_hand():
+    t, d = 7, 8
+    prof = quick(nn.Sequential(TinyAttention(d)), torch.randn(3, t, d), [1, 3])
+    (att,) = prof.layers
+    for b in (1, 3):
+        x = b * t * d * F32  # saved once by all three projections
+        qkv = 3 * b * t * d * F32  # q and k for the scores, v for the output
+        probs = b * t * t * F32  # softmax result, also the left operand of p @ v
+        assert att.saved_bytes[b] == x + qkv + probs
+
+
+def test_batchnorm_buffers_are_model_memory_not_activations():
+    prof = quick(nn.Sequential(nn.BatchNorm1d(6)), torch.randn(4, 6), [2])
+    (bn,) = prof.layers
+    assert bn.buffer_bytes == (6 + 6) * F32 + 8  # running mean, var, num_batches_tracked
+    assert bn.saved_bytes[2] < 2 * 6 * F32 + 64  # the input (plus tiny stats), never the buffers
+
+
+def test_tuple_outputs_cross_layers():
+    prof = quick(nn.Sequential(Pair(), Join()), torch.randn(2, 5), [2])
+    pair, join = prof.layers
+    assert pair.output_shape == [[5], [3]]
+    assert pair.output_bytes == (5 + 3) * F32
+    assert join.output_shape == [[3]]
+
+
+def test_profile_json_round_trips(tmp_path):
+    prof = quick(mlp(width=16, depth=2), torch.randn(4, 16), [1, 2, 4])
+    path = tmp_path / "p.json"
+    prof.save(path)
+    again = Profile.load(path)
+    assert again == prof
+    assert again.canonical_json() == path.read_text()
+    assert again.digest() == prof.digest()
+
+
+def test_transformer_profile_has_every_layer_and_size():
+    model = transformer(depth=2, seq_len=16, d_model=32)
+    prof = quick(model, model.example_input, [1, 2])
+    assert [x.type for x in prof.layers] == ["TokenEmbedding", "Block", "Block", "LayerNorm", "Linear"]
+    assert all(x.forward_ms[2].median > 0 for x in prof.layers)
+    assert prof.input_dtype == "int64" and prof.input_shape == [16]
+    assert prof.layers[-1].output_bytes == 16 * 512 * F32
+
+
+def test_non_sequential_model_is_refused_with_a_hint():
+    with pytest.raises(InputError, match="not an nn.Sequential.*graph models"):
+        quick(TinyAttention(4), torch.randn(1, 2, 4), [1])
+
+
+def test_rejected_input_names_the_layer():
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(5, 2))
+    with pytest.raises(InputError, match=r"layer 2 \(Linear\)"):
+        quick(model, torch.randn(2, 4), [1])

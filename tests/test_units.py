@@ -1,0 +1,33 @@
+import pytest
+
+from planner.units import format_size, parse_bandwidth, parse_size
+from profiler.artifact import InputError
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("16GiB", 16 * 2**30),
+        ("16GB", 16 * 10**9),
+        ("16e9", 16 * 10**9),
+        ("17179869184", 17179869184),
+        ("1.5 MiB", 3 * 2**19),
+        ("512kib", 512 * 1024),
+        ("2T", 2 * 10**12),
+        (" 7 B ", 7),
+    ],
+)
+def test_parse_size(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "GiB", "16 GiBs", "sixteen", "1..5GB", "0", "-4GiB", "0.1"])
+def test_parse_size_refuses(text):
+    with pytest.raises(InputError):
+        parse_size(text)
+
+
+def test_bandwidth_and_format():
+    assert parse_bandwidth("25GB/s") == 25e9
+    assert format_size(3 * 2**29) == "1.5 GiB"
+    assert format_size(512) == "512 B"
