@@ -118,48 +118,86 @@ def cmd_check(args: argparse.Namespace) -> int:
     budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
     if args.max_bubble is not None and not 0 <= args.max_bubble <= 1:
         raise InputError(f"--max-bubble {args.max_bubble}: must be between 0 and 1")
-    over = []
-    for st in plan.stages:
-        limit = budget if budget is not None else st.memory.budget
-        if st.memory.total > limit:
-            over.append((st, limit))
+    limits = [budget if budget is not None else d.budget for d in plan.devices]
+    over = [(d, lim) for d, lim in zip(plan.devices, limits) if d.total > lim]
     bubble = plan.predicted.bubble_fraction
     bubble_bad = args.max_bubble is not None and bubble > args.max_bubble
     if over:
         rows = [
             [
-                str(st.index),
-                st.device,
-                f"{st.layers[0]}-{st.layers[1] - 1}",
-                format_size(st.memory.total),
-                format_size(limit),
-                format_size(st.memory.total - limit),
-            ]
-            for st, limit in over
+                d.name,
+                ",".join(map(str, d.stages)),
+                _layers(plan, d.stages),
+                format_size(d.total),
+                format_size(lim),
+                format_size(d.total - lim),
+            ]  # fmt: skip
+            for d, lim in over
         ]
-        print(f"FAIL: {len(over)} of {len(plan.stages)} stages over the memory budget")
-        print(_table(["stage", "device", "layers", "needs", "budget", "over by"], rows))
+        print(f"FAIL: {len(over)} of {len(plan.devices)} devices over the memory budget")
+        print(_table(["device", "stages", "layers", "needs", "budget", "over by"], rows))
     if bubble_bad:
         print(f"FAIL: bubble fraction {bubble:.3f} exceeds --max-bubble {args.max_bubble:g}")
     if over or bubble_bad:
         return EXIT_FAILED
-    peak = max(plan.stages, key=lambda s: s.memory.total / (budget or s.memory.budget))
-    limit = budget or peak.memory.budget
+    fullest, limit = max(zip(plan.devices, limits), key=lambda p: p[0].total / p[1])
     print(
-        f"ok: {len(plan.stages)} stages fit (fullest: stage {peak.index}, "
-        f"{format_size(peak.memory.total)} of {format_size(limit)}, "
-        f"{100 * peak.memory.total / limit:.0f}%); bubble {bubble:.3f}"
+        f"ok: {len(plan.devices)} devices fit (fullest: {fullest.name}, "
+        f"{format_size(fullest.total)} of {format_size(limit)}, "
+        f"{100 * fullest.total / limit:.0f}%); bubble {bubble:.3f}"
         + (f" <= {args.max_bubble:g}" if args.max_bubble is not None else "")
     )
     return EXIT_OK
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from planner import Plan, format_size
+    from planner.search import simulate_stages
+    from schedules import ascii_timeline, gantt_png, write_chrome_trace
+
+    plan = Plan.load(args.plan)
+    for out in (args.chrome_trace, args.png):
+        if out:
+            _output_path(out)  # fail now, not after the work
+    tl = simulate_stages(plan.schedule, len(plan.devices), plan.microbatches, plan.stages)
+    print(
+        f"{plan.schedule}, {len(plan.devices)} devices x {plan.stages_per_device} stage(s), "
+        f"M={plan.microbatches}: makespan {tl.makespan:.3f} ms, bubble {tl.bubble_fraction:.3f}"
+    )
+    rows = [
+        [
+            d.name,
+            f"{100 * u:.1f}%",
+            f"{tl.busy[k]:.2f}",
+            format_size(tl.peak_memory[k]),
+            format_size(d.budget),
+        ]
+        for k, (d, u) in enumerate(zip(plan.devices, tl.utilisation))
+    ]
+    print(_table(["device", "utilisation", "busy ms", "peak memory", "budget"], rows))
+    print(ascii_timeline(tl))
+    if args.chrome_trace:
+        _write_via_temp(args.chrome_trace, lambda p: write_chrome_trace(tl, p))
+        print(f"wrote {args.chrome_trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    if args.png:
+        try:
+            _write_via_temp(args.png, lambda p: gantt_png(tl, p))
+        except RuntimeError as e:
+            raise InputError(str(e)) from None
+        print(f"wrote {args.png}")
+    return EXIT_OK
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from planner import Plan
+    from planner.search import plan_schedule
+    from schedules import grid
 
     plan = Plan.load(args.plan)
     print(_summary(plan))
     print(_stage_table(plan))
+    print(f"\nschedule (rank x step; {plan.schedule}):")
+    print(grid(plan_schedule(plan.schedule, len(plan.devices), plan.microbatches)))
     return EXIT_OK
 
 
@@ -232,6 +270,28 @@ def _stage_table(plan: Any) -> str:
     head = ["stage", "device", "layers", "types", "fwd ms", "bwd ms", "recomp ms",
             "weights+opt", "stash", "total", "budget", "used"]  # fmt: skip
     return _table(head, rows)
+
+
+def _layers(plan: Any, stages: list[int]) -> str:
+    return ",".join(f"{plan.stages[s].layers[0]}-{plan.stages[s].layers[1] - 1}" for s in stages)
+
+
+def _write_via_temp(path: str, write: Callable[[str], None]) -> None:
+    """Let `write` fill a temp file beside `path`, then rename: all or nothing."""
+    import os
+    import tempfile
+
+    out = Path(path)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{out.name}.", suffix=out.suffix, dir=out.parent if str(out.parent) else "."
+    )
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _types(types: list[str]) -> str:
@@ -313,7 +373,9 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cluster", help="cluster.json (see: gpipe-plan schema cluster)")
     s.add_argument("--batch-size", type=_positive_int("--batch-size"), required=True)
     s.add_argument("--microbatches", default="auto")
-    s.add_argument("--schedule", default="auto")
+    s.add_argument(
+        "--schedule", default="auto", help="auto, gpipe, 1f1b, interleaved-1f1b or zb-h1"
+    )
     s.add_argument("--checkpoint", default="auto", help="auto, never, except_last or always")
     s.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam")
     s.add_argument("--solver", choices=["auto", "probe", "dp"], default="auto")
@@ -329,6 +391,12 @@ def _build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("show", help="print a plan")
     s.add_argument("plan")
     s.set_defaults(run=cmd_show)
+
+    s = sub.add_parser("simulate", help="run a plan's schedule through the event simulator")
+    s.add_argument("plan")
+    s.add_argument("--chrome-trace", help="write a Chrome trace (Perfetto) JSON here")
+    s.add_argument("--png", help="write a Gantt chart PNG here (needs matplotlib)")
+    s.set_defaults(run=cmd_simulate)
 
     s = sub.add_parser("schema", help="print the JSON schema of a file kind")
     s.add_argument("what", choices=["profile", "cluster", "plan"])

@@ -36,6 +36,7 @@ def chain(L: int, seed: int = 0) -> Chain:
         mb=1,
         forward=rng.uniform(0.5, 2.0, L),
         backward=rng.uniform(1.0, 4.0, L),
+        input_grad=rng.uniform(0.5, 1.0, L),
         params=rng.integers(1_000, 100_000, L),
         buffers=np.zeros(L, dtype=np.int64),
         saved=rng.integers(1_000, 50_000, L),
@@ -46,7 +47,7 @@ def chain(L: int, seed: int = 0) -> Chain:
 
 
 def specs(c: Chain, K: int) -> list[StageSpec]:
-    shape = StageShape(inflight=8, microbatches=8, recompute="never", optimizer_slots=2)
+    shape = StageShape(stash=((0, 8),), optimizer_slots=2)
     whole = int(MemoryModel(c).total(0, c.num_layers, shape)[0])
     return [StageSpec(1.0, int(1.5 * whole / K), shape)] * K  # binds: 1.5x an even share
 
@@ -66,9 +67,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--skip-cli", action="store_true")
     args = ap.parse_args()
-    print(f"# {time.strftime('%Y-%m-%d')} | {cpu_name()} | "
-          f"python {platform.python_version()} | numpy {np.__version__} | "
-          f"threads pinned to 1: {os.environ.get('OMP_NUM_THREADS') == '1'}")
+    print(
+        f"# {time.strftime('%Y-%m-%d')} | {cpu_name()} | "
+        f"python {platform.python_version()} | numpy {np.__version__} | "
+        f"threads pinned to 1: {os.environ.get('OMP_NUM_THREADS') == '1'}"
+    )
     print("| L | K | probe median ms (min-max) | probes | bottleneck | DP agrees |")
     print("|---|---|---|---|---|---|")
     for L in (100, 1_000, 10_000):
@@ -86,8 +89,10 @@ def main() -> None:
             if L <= 100:
                 dp = solve_partition_dp(times, MemoryModel(c), sp)
                 agrees = "yes" if dp is not None and dp.bottleneck == part.bottleneck else "NO"
-            print(f"| {L} | {K} | {statistics.median(samples):.1f} ({min(samples):.1f}-{max(samples):.1f}) "
-                  f"| {part.probes} | {part.bottleneck:.4f} | {agrees} |")
+            print(
+                f"| {L} | {K} | {statistics.median(samples):.1f} ({min(samples):.1f}-{max(samples):.1f}) "
+                f"| {part.probes} | {part.bottleneck:.4f} | {agrees} |"
+            )
     if args.skip_cli:
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -103,9 +108,11 @@ def main() -> None:
                 check=True, capture_output=True,
             )  # fmt: skip
             samples.append((time.perf_counter() - t0) * 1e3)
-        print(f"\n`gpipe-plan plan` on example:transformer (11 layers, K=4, N=32, all M/schedule/"
-              f"recompute candidates), whole process: median {statistics.median(samples):.0f} ms "
-              f"(min {min(samples):.0f}, max {max(samples):.0f}) over {args.repeats} runs")
+        print(
+            f"\n`gpipe-plan plan` on example:transformer (11 layers, K=4, N=32, all M/schedule/"
+            f"recompute candidates), whole process: median {statistics.median(samples):.0f} ms "
+            f"(min {min(samples):.0f}, max {max(samples):.0f}) over {args.repeats} runs"
+        )
 
 
 if __name__ == "__main__":

@@ -3,13 +3,12 @@
     params      parameters and buffers of the stage's layers
     grads       one gradient per parameter
     optimizer   optimizer slots per parameter (SGD 0, momentum 1, Adam 2)
-    stashed     activations kept for backward, for `inflight` micro-batches at once:
-                  never        inflight x S
-                  always       inflight x input + S      (one micro-batch re-materialised at a time)
-                  except_last  like always, but the last micro-batch keeps its full stash S, so
-                               (inflight - 1) x input + S when all M micro-batches are in flight
-                where S = what the layers save for one micro-batch, counting once the tensors two
-                neighbouring layers both save, and input = the tensor entering layer i
+    stashed     activations kept for backward: max over the stage's stash pairs (a, b) of
+                a x input + b x S, where a micro-batches are kept as their input only (to be
+                re-materialised) and b whole; the pairs come from the schedule's program order
+                (schedules/stash.py), e.g. GPipe without recomputation ((0, M),), with it ((M, 1),).
+                S = what the layers save for one micro-batch, counting once the tensors two
+                neighbouring layers both save; input = the tensor entering layer i
     live        the largest transient of one layer above its stash (gradients in flight, temporaries)
     workspace   what the device reserves before any stage runs
 
@@ -33,11 +32,14 @@ RECOMPUTE_MODES = ("never", "except_last", "always")
 class StageShape:
     """What a stage's memory depends on besides its layers."""
 
-    inflight: int
-    microbatches: int
-    recompute: str
+    stash: tuple[tuple[int, int], ...]  # (inputs kept, whole stashes kept) at the stage's peaks
     optimizer_slots: int
     reserved: int = 0
+
+    @property
+    def inflight(self) -> int:
+        """Micro-batches whose activations (whole or input only) the stage holds at its peak."""
+        return max(a + b for a, b in self.stash)
 
 
 class MemoryModel:
@@ -76,16 +78,10 @@ class MemoryModel:
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
         p = self._params[j] - self._params[i]
         saved = self._saved[j] - self._saved[i] - (self._shared[j] - self._shared[i + 1])
-        n = shape.inflight
         entering = self._boundary[i]
-        if shape.recompute == "never":
-            stashed = n * saved
-        elif shape.recompute == "always" or n < shape.microbatches:
-            stashed = n * entering + saved
-        elif shape.recompute == "except_last":
-            stashed = (n - 1) * entering + saved
-        else:
-            raise ValueError(f"unknown recompute mode {shape.recompute!r}")
+        stashed = np.zeros(i.shape, dtype=np.int64)
+        for a, b in shape.stash:
+            stashed = np.maximum(stashed, a * entering + b * saved)
         return {
             "params": p + self._buffers[j] - self._buffers[i],
             "grads": p,

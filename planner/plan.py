@@ -11,7 +11,7 @@ from profiler.artifact import Artifact
 
 from .cluster import Cluster
 
-Schedule = Literal["gpipe", "1f1b"]
+Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 Recompute = Literal["never", "except_last", "always"]
 Optimizer = Literal["sgd", "momentum", "adam"]
 
@@ -39,17 +39,33 @@ class MemoryBreakdown(_Strict):
 
 class StagePlan(_Strict):
     index: int
+    rank: int = Field(description="position of the stage's device in the cluster")
     device: str
     layers: tuple[int, int] = Field(description="[start, end) in the model's layer order")
     layer_types: list[str]
     recompute: Recompute
     inflight: int = Field(description="micro-batches whose activations the stage holds at its peak")
+    stash_pairs: list[tuple[int, int]] = Field(
+        description="(kept as input only, kept whole) micro-batch counts at the stage's peaks"
+    )
     forward_ms: float = Field(description="per micro-batch, on this device")
     backward_ms: float
+    input_grad_ms: float = Field(description="the input-gradient part of backward (zero-bubble I)")
     recompute_ms: float
     send_bytes: int = Field(description="per micro-batch, to the next stage (0 for the last)")
     send_ms: float
+    stash_bytes: int = Field(description="what one micro-batch leaves saved for backward")
+    input_bytes: int = Field(description="one micro-batch entering the stage")
     memory: MemoryBreakdown
+
+
+class DeviceUse(_Strict):
+    """A device's memory: the sum over the stages it holds (one, or v when interleaved)."""
+
+    name: str
+    stages: list[int]
+    total: int
+    budget: int
 
 
 class Prediction(_Strict):
@@ -57,11 +73,14 @@ class Prediction(_Strict):
     bubble_fraction: float
     throughput_samples_per_s: float
     bottleneck_ms: float = Field(description="the slowest stage's forward+backward+recompute")
+    peak_memory: list[int] = Field(description="per device, from the simulated schedule")
 
 
 class SolverInfo(_Strict):
     method: str
-    optimal: bool = Field(description="the bottleneck is proven minimal for this M and schedule")
+    optimal: bool = Field(
+        description="the bottleneck is proven minimal for this M, schedule and recomputation"
+    )
     lower_bound_ms: float
     gap: float
     candidates: int = Field(
@@ -90,13 +109,15 @@ class Plan(Artifact):
     microbatches: int = Field(gt=0)
     microbatch_size: int = Field(gt=0, description="the largest micro-batch: ceil(N / M)")
     schedule: Schedule
+    stages_per_device: int = Field(default=1, description="v: chunks per device (interleaved)")
     recompute: Recompute
     optimizer: Optimizer
     stages: list[StagePlan] = Field(min_length=1)
+    devices: list[DeviceUse] = Field(min_length=1)
     predicted: Prediction
     solver: SolverInfo
     meta: PlanMeta = PlanMeta()
 
     @property
     def fits(self) -> bool:
-        return all(s.memory.total <= s.memory.budget for s in self.stages)
+        return all(d.total <= d.budget for d in self.devices)

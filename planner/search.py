@@ -1,28 +1,37 @@
 """plan_pipeline: search micro-batch counts, schedules and recomputation; solve the partition
-exactly for each; keep the lowest predicted iteration time that fits every device."""
+exactly for each; score it with the schedule simulator; keep the fastest that fits every device.
+
+For interleaved-1f1b each device holds v = 2 stages (looped: stage s on device s mod K). The
+partition then gives each stage half its device's memory, which is sufficient but not necessary:
+such plans are marked not proven optimal. The link from the last device back to the first,
+which looping needs, is taken to be as slow as the slowest link.
+"""
 
 from __future__ import annotations
 
 import datetime
 import math
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
 from profiler.artifact import InputError
 from profiler.types import Profile
+from schedules import SCHEDULE_NAMES, Costs, Schedule, Timeline, build_schedule, simulate
+from schedules.stash import stash_pairs
 
 from .cluster import Cluster
 from .costs import OPTIMIZER_SLOTS, Chain, chain_at
 from .dp import solve_partition_dp
 from .memory import RECOMPUTE_MODES, MemoryModel, StageShape
 from .partition import Partition, StageSpec, feasible_split, solve_partition
-from .pipeline import SCHEDULES, StageTimes, bubble_fraction, inflight, iteration_ms
-from .plan import MemoryBreakdown, Plan, PlanMeta, Prediction, SolverInfo, StagePlan
+from .plan import DeviceUse, MemoryBreakdown, Plan, PlanMeta, Prediction, SolverInfo, StagePlan
+from .units import format_size
 
 SOLVERS = ("auto", "probe", "dp")
+INTERLEAVE = 2  # stages per device for interleaved-1f1b
 
 
 class InfeasibleError(Exception):
@@ -41,10 +50,14 @@ class _Candidate:
     schedule: str
     recompute: str
 
+    @property
+    def per_device(self) -> int:
+        return INTERLEAVE if self.schedule == "interleaved-1f1b" else 1
 
-def microbatch_candidates(batch_size: int, num_stages: int) -> list[int]:
+
+def microbatch_candidates(batch_size: int, num_devices: int) -> list[int]:
     """Every M up to 4K (where the bubble matters most), then powers of two, all <= N."""
-    small = set(range(1, min(batch_size, 4 * num_stages, 64) + 1))
+    small = set(range(1, min(batch_size, 4 * num_devices, 64) + 1))
     powers = {2**k for k in range(int(math.log2(batch_size)) + 1)}
     return sorted(m for m in small | powers | {batch_size} if m <= batch_size)
 
@@ -76,47 +89,56 @@ def plan_pipeline(
         raise InputError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_SLOTS)}")
     if solver not in SOLVERS:
         raise InputError(f"--solver {solver!r}: choose one of {', '.join(SOLVERS)}")
-    ms = _choices(microbatches, "auto", microbatch_candidates(batch_size, K), "--microbatches")
+    ms = _choices(microbatches, microbatch_candidates(batch_size, K), "--microbatches")
     if any(m > batch_size or m < 1 for m in ms):
         raise InputError(
             f"--microbatches {microbatches}: must be between 1 and the batch size {batch_size}"
         )
-    schedules = _choices(schedule, "auto", list(SCHEDULES), "--schedule")
-    modes = _choices(recompute, "auto", list(RECOMPUTE_MODES), "--checkpoint")
-    candidates = [_Candidate(m, s, r) for m in ms for s in schedules for r in modes]
+    schedules = _choices(schedule, list(SCHEDULE_NAMES), "--schedule")
+    modes = _choices(recompute, list(RECOMPUTE_MODES), "--checkpoint")
+    candidates = [
+        c
+        for c in (_Candidate(m, s, r) for m in ms for s in schedules for r in modes)
+        if _possible(c, K, L)
+    ]
+    if not candidates:
+        raise InputError(
+            f"--schedule interleaved-1f1b needs {INTERLEAVE * K} layers or more and a micro-batch "
+            f"count that is at most {K} or a multiple of {K}"
+        )
     solve, method = (
         (solve_partition_dp, "dp") if solver == "dp" else (solve_partition, "probe-bisection")
     )
 
-    best: tuple[float, Plan] | None = None
+    best: Plan | None = None
     chains: dict[int, tuple[Chain, MemoryModel]] = {}
     for cand in candidates:
-        mb = -(-batch_size // cand.microbatches)
-        if mb not in chains:
-            chain = chain_at(profile, mb)
-            chains[mb] = (chain, MemoryModel(chain))
-        chain, memory = chains[mb]
+        chain, memory = _chain(profile, batch_size, cand, chains)
         specs = _stage_specs(cluster, cand, optimizer)
-        part = solve(_stage_times(chain, cand.recompute), memory, specs)
+        part = solve(_balance_times(chain, cand.recompute), memory, specs)
         if part is None:
             continue
+        if (
+            best is not None
+            and _lower_bound(chain, cand, specs, part) >= best.predicted.iteration_ms
+        ):
+            continue  # cannot beat the best so far: skip the simulation
         plan = _build_plan(
             profile, cluster, batch_size, cand, optimizer, chain, memory, specs, part, method
         )
-        key = plan.predicted.iteration_ms
-        if best is None or key < best[0] * (1 - 1e-12):
-            best = (key, plan)
+        if plan.fits and (
+            best is None or plan.predicted.iteration_ms < best.predicted.iteration_ms * (1 - 1e-12)
+        ):
+            best = plan
     if best is None:
         raise _infeasible(profile, cluster, batch_size, candidates, optimizer, chains)
-    plan = best[1]
-    wall = (time.perf_counter() - started) * 1e3
-    plan.solver = plan.solver.model_copy(update={"candidates": len(candidates)})
-    plan.meta = plan.meta.model_copy(update={"solve_ms": wall})
-    return plan
+    best.solver = best.solver.model_copy(update={"candidates": len(candidates)})
+    best.meta = best.meta.model_copy(update={"solve_ms": (time.perf_counter() - started) * 1e3})
+    return best
 
 
-def _choices(value: int | str, auto: str, allowed: list, flag: str) -> list:
-    if value == auto:
+def _choices(value: int | str, allowed: list, flag: str) -> list:
+    if value == "auto":
         return allowed
     if isinstance(allowed[0], int):
         try:
@@ -128,28 +150,81 @@ def _choices(value: int | str, auto: str, allowed: list, flag: str) -> list:
     return [value]
 
 
-def _stage_times(chain: Chain, recompute: str) -> np.ndarray:
+def _possible(c: _Candidate, K: int, L: int) -> bool:
+    if c.schedule != "interleaved-1f1b":
+        return True
+    return K * INTERLEAVE <= L and (c.microbatches <= K or c.microbatches % K == 0)
+
+
+def _chain(
+    profile: Profile, batch_size: int, cand: _Candidate, cache: dict
+) -> tuple[Chain, MemoryModel]:
+    mb = -(-batch_size // cand.microbatches)
+    if mb not in cache:
+        chain = chain_at(profile, mb)
+        cache[mb] = (chain, MemoryModel(chain))
+    return cache[mb]
+
+
+@lru_cache(maxsize=512)
+def plan_schedule(name: str, num_devices: int, microbatches: int) -> Schedule:
+    """The schedule a plan runs: `name` over num_devices x v stages."""
+    v = INTERLEAVE if name == "interleaved-1f1b" else 1
+    return build_schedule(name, num_devices * v, microbatches, stages_per_rank=v)
+
+
+@lru_cache(maxsize=2048)
+def _pairs(name: str, num_devices: int, microbatches: int, recompute: str) -> list:
+    return stash_pairs(plan_schedule(name, num_devices, microbatches), recompute)
+
+
+def _balance_times(chain: Chain, recompute: str) -> np.ndarray:
     """What the partition balances: one micro-batch's forward + backward (+ recompute) per layer."""
     per_layer = chain.forward + chain.backward
     return per_layer + chain.forward if recompute != "never" else per_layer
 
 
 def _stage_specs(cluster: Cluster, cand: _Candidate, optimizer: str) -> list[StageSpec]:
-    K = cluster.size
-    return [
-        StageSpec(
-            speed=d.speed,
-            budget=d.memory_bytes,
-            shape=StageShape(
-                inflight=inflight(cand.schedule, K, cand.microbatches, s),
-                microbatches=cand.microbatches,
-                recompute=cand.recompute,
-                optimizer_slots=OPTIMIZER_SLOTS[optimizer],
-                reserved=d.reserved_bytes,
-            ),
+    K, v = cluster.size, cand.per_device
+    pairs = _pairs(cand.schedule, K, cand.microbatches, cand.recompute)
+    specs = []
+    for s in range(K * v):
+        d = cluster.devices[s % K]
+        specs.append(
+            StageSpec(
+                speed=d.speed,
+                budget=d.memory_bytes // v,
+                shape=StageShape(
+                    stash=pairs[s],
+                    optimizer_slots=OPTIMIZER_SLOTS[optimizer],
+                    reserved=d.reserved_bytes // v,
+                ),
+            )
         )
-        for s, d in enumerate(cluster.devices)
-    ]
+    return specs
+
+
+def _lower_bound(chain: Chain, cand: _Candidate, specs: list[StageSpec], part: Partition) -> float:
+    """No schedule beats the busiest device's work, nor one micro-batch's trip there and back."""
+    K = len(specs) // cand.per_device
+    busy = [0.0] * K
+    trip = 0.0
+    for s, (i, j) in enumerate(part.stages):
+        f = float(chain.forward[i:j].sum()) / specs[s].speed
+        b = float(chain.backward[i:j].sum()) / specs[s].speed
+        r = f if cand.recompute != "never" else 0.0
+        busy[s % K] += cand.microbatches * (f + b) + (cand.microbatches - 1) * r
+        trip += f + b
+    return max(max(busy), trip)
+
+
+def _link_ms(cluster: Cluster, rank: int, nxt: int, nbytes: int) -> float:
+    if rank == nxt:
+        return 0.0
+    if nxt == rank + 1:
+        return cluster.links[rank].transfer_ms(nbytes)
+    # The loop back from the last device to the first: assume the slowest link.
+    return max(link.transfer_ms(nbytes) for link in cluster.links)
 
 
 def _build_plan(
@@ -164,33 +239,50 @@ def _build_plan(
     part: Partition,
     method: str,
 ) -> Plan:
-    K = cluster.size
-    stages, times = [], []
-    for s, ((i, j), spec, device) in enumerate(zip(part.stages, specs, cluster.devices)):
+    K, v = cluster.size, cand.per_device
+    S = K * v
+    stages = []
+    for s, ((i, j), spec) in enumerate(zip(part.stages, specs)):
+        rank = s % K
         f = float(chain.forward[i:j].sum()) / spec.speed
         b = float(chain.backward[i:j].sum()) / spec.speed
-        r = f if cand.recompute != "never" else 0.0
-        send_bytes = int(chain.boundary[j]) if s < K - 1 else 0
-        send = cluster.links[s].transfer_ms(send_bytes) if s < K - 1 else 0.0
-        terms = {k: int(v[0]) for k, v in memory.terms(i, j, spec.shape).items()}
-        times.append(StageTimes(forward=f, backward=b, recompute=r, send=send))
+        i_ms = float(chain.input_grad[i:j].sum()) / spec.speed
+        send_bytes = int(chain.boundary[j]) if s < S - 1 else 0
+        send = _link_ms(cluster, rank, (s + 1) % K, send_bytes) if s < S - 1 else 0.0
+        terms = {k: int(x[0]) for k, x in memory.terms(i, j, spec.shape).items()}
+        saved = int(memory.terms(i, j, StageShape(((0, 1),), 0))["stashed_activations"][0])
         stages.append(
             StagePlan(
                 index=s,
-                device=device.name,
+                rank=rank,
+                device=cluster.devices[rank].name,
                 layers=(i, j),
                 layer_types=[profile.layers[k].type for k in range(i, j)],
-                recompute=cand.recompute,
+                recompute=cand.recompute,  # type: ignore[arg-type]
                 inflight=spec.shape.inflight,
+                stash_pairs=list(spec.shape.stash),
                 forward_ms=f,
                 backward_ms=b,
-                recompute_ms=r,
+                input_grad_ms=i_ms,
+                recompute_ms=f if cand.recompute != "never" else 0.0,
                 send_bytes=send_bytes,
                 send_ms=send,
+                stash_bytes=saved,
+                input_bytes=int(chain.boundary[i]),
                 memory=MemoryBreakdown(**terms, total=sum(terms.values()), budget=spec.budget),
             )
         )
-    total_ms = iteration_ms(times, cand.microbatches, cand.recompute)
+    devices = [
+        DeviceUse(
+            name=d.name,
+            stages=[st.index for st in stages if st.rank == k],
+            total=sum(st.memory.total for st in stages if st.rank == k),
+            budget=d.memory_bytes,
+        )
+        for k, d in enumerate(cluster.devices)
+    ]
+    timeline = simulate_stages(cand.schedule, K, cand.microbatches, stages)
+    total_ms = timeline.makespan
     return Plan(
         model=profile.model,
         model_digest=profile.model_digest,
@@ -203,20 +295,23 @@ def _build_plan(
         microbatches=cand.microbatches,
         microbatch_size=chain.mb,
         schedule=cand.schedule,  # type: ignore[arg-type]
+        stages_per_device=v,
         recompute=cand.recompute,  # type: ignore[arg-type]
         optimizer=optimizer,  # type: ignore[arg-type]
         stages=stages,
+        devices=devices,
         predicted=Prediction(
             iteration_ms=total_ms,
-            bubble_fraction=bubble_fraction(times, cand.microbatches, cand.recompute),
+            bubble_fraction=timeline.bubble_fraction,
             throughput_samples_per_s=batch_size / total_ms * 1e3 if total_ms > 0 else math.inf,
             bottleneck_ms=part.bottleneck,
+            peak_memory=timeline.peak_memory,
         ),
         solver=SolverInfo(
             method=method,
-            optimal=True,
-            lower_bound_ms=part.bottleneck,
-            gap=0.0,
+            optimal=v == 1,
+            lower_bound_ms=part.bottleneck if v == 1 else 0.0,
+            gap=0.0 if v == 1 else 1.0,
             candidates=1,
         ),
         meta=PlanMeta(
@@ -226,11 +321,33 @@ def _build_plan(
     )
 
 
+def simulate_stages(
+    schedule: str, num_devices: int, microbatches: int, stages: list[StagePlan]
+) -> Timeline:
+    """Run the plan's schedule through the simulator with the plan's own stage costs."""
+    sched = plan_schedule(schedule, num_devices, microbatches)
+    m = [st.memory for st in stages]
+    costs = Costs(
+        forward=[st.forward_ms for st in stages],
+        backward=[st.backward_ms for st in stages],
+        input_grad=[st.input_grad_ms for st in stages],
+        weight_grad=[st.backward_ms - st.input_grad_ms for st in stages],
+        recompute=[st.recompute for st in stages],
+        transfer=[st.send_ms for st in stages[:-1]],
+        activation_bytes=[st.stash_bytes for st in stages],
+        input_bytes=[st.input_bytes for st in stages],
+        static_bytes=[
+            x.params + x.grads + x.optimizer + x.live_activations + x.workspace for x in m
+        ],
+    )
+    return simulate(sched, costs)
+
+
 def _infeasible(
     profile: Profile,
     cluster: Cluster,
     batch_size: int,
-    candidates: Iterable[_Candidate],
+    candidates: list[_Candidate],
     optimizer: str,
     chains: dict[int, tuple[Chain, MemoryModel]],
 ) -> InfeasibleError:
@@ -239,12 +356,26 @@ def _infeasible(
     need: int | None = None
     closest: Plan | None = None
     for cand in candidates:
-        chain, memory = chains[-(-batch_size // cand.microbatches)]
-        specs = _stage_specs(cluster, cand, optimizer)
-        times = _stage_times(chain, cand.recompute)
+        chain, memory = _chain(profile, batch_size, cand, chains)
+        times = _balance_times(chain, cand.recompute)
+        uniform = cluster.model_copy(
+            update={"devices": [d.model_copy(update={"memory_bytes": 1}) for d in cluster.devices]}
+        )
 
-        def fits(budget: int) -> bool:
-            return feasible_split(times, memory, _uniform(specs, budget))  # noqa: B023
+        def specs_at(
+            budget: int, cand: _Candidate = cand, uniform: Cluster = uniform
+        ) -> list[StageSpec]:
+            c = uniform.model_copy(
+                update={
+                    "devices": [
+                        d.model_copy(update={"memory_bytes": budget}) for d in uniform.devices
+                    ]
+                }
+            )
+            return _stage_specs(c, cand, optimizer)
+
+        def fits(budget: int, times: np.ndarray = times, memory: MemoryModel = memory) -> bool:
+            return feasible_split(times, memory, specs_at(budget))
 
         hi = need if need is not None else 1
         if need is None:
@@ -258,44 +389,23 @@ def _infeasible(
             lo, hi = (lo, mid) if fits(mid) else (mid, hi)
         if need is None or hi < need:
             need = hi
-            part = solve_partition(times, memory, _uniform(specs, hi))
+            specs = specs_at(hi)
+            part = solve_partition(times, memory, specs)
             assert part is not None
-            plan = _build_plan(
-                profile,
-                cluster,
-                batch_size,
-                cand,
-                optimizer,
-                chain,
-                memory,
-                specs,
-                part,
-                "probe-bisection",
-            )
-            closest = plan.model_copy(
-                update={"stages": [_with_budget(st, cluster) for st in plan.stages]}
-            )
-    assert need is not None and closest is not None  # one stage with everything always fits in "hi"
-    worst = max(closest.stages, key=lambda st: st.memory.total - st.memory.budget)
-    from .units import format_size
-
+            closest = _build_plan(
+                profile, cluster, batch_size, cand, optimizer, chain, memory,
+                _stage_specs(cluster, cand, optimizer), part, "probe-bisection",
+            )  # fmt: skip
+    assert need is not None and closest is not None
+    worst = max(closest.devices, key=lambda d: d.total - d.budget)
     return InfeasibleError(
         f"no split fits: the best one (M={closest.microbatches}, {closest.schedule}, "
-        f"recompute {closest.recompute}) needs {format_size(need)} per device; stage "
-        f"{worst.index} on {worst.device} needs {format_size(worst.memory.total)} of "
-        f"{format_size(worst.memory.budget)} (over by {format_size(worst.memory.over_by)})",
+        f"recompute {closest.recompute}) needs {format_size(need)} per device; {worst.name} "
+        f"would need {format_size(worst.total)} of {format_size(worst.budget)} "
+        f"(over by {format_size(worst.total - worst.budget)})",
         need,
         closest,
     )
-
-
-def _with_budget(stage: StagePlan, cluster: Cluster) -> StagePlan:
-    budget = cluster.devices[stage.index].memory_bytes
-    return stage.model_copy(update={"memory": stage.memory.model_copy(update={"budget": budget})})
-
-
-def _uniform(specs: list[StageSpec], budget: int) -> list[StageSpec]:
-    return [StageSpec(s.speed, budget, s.shape) for s in specs]
 
 
 def _version() -> str:

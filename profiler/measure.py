@@ -90,6 +90,7 @@ def profile_model(
                 output_bytes=first[i]["output_bytes"] // sizes[0],
                 forward_ms={b: r["forward"] for b, r in rows.items()},
                 backward_ms={b: r["backward"] for b, r in rows.items()},
+                backward_input_ms={b: r["backward_input"] for b, r in rows.items()},
                 saved_bytes={b: r["saved"] for b, r in rows.items()},
                 shared_bytes={b: r["shared"] for b, r in rows.items()},
                 peak_bytes={b: r["peak"] for b, r in rows.items()},
@@ -152,6 +153,7 @@ def _measure_layer(
             peak = torch.cuda.max_memory_allocated(dev) - base
         forward = _time(lambda: layer(inp), dev, repeats, warmup)
         backward = _time_backward(layer, inp, dev, repeats, warmup)
+        backward_input = _time_backward(layer, inp, dev, repeats, warmup, inputs_only=True)
     except InputError:
         raise
     except Exception as e:
@@ -175,6 +177,7 @@ def _measure_layer(
     row = {
         "forward": forward,
         "backward": backward,
+        "backward_input": backward_input,
         "saved": saved_total,
         "shared": sum(n for ptr, n in saved_bytes.items() if ptr in prev_saved),
         "peak": max(int(peak), 0),
@@ -194,14 +197,24 @@ def _time(fn: Callable[[], object], dev: torch.device, repeats: int, warmup: int
 
 
 def _time_backward(
-    layer: nn.Module, inp: Value, dev: torch.device, repeats: int, warmup: int
+    layer: nn.Module,
+    inp: Value,
+    dev: torch.device,
+    repeats: int,
+    warmup: int,
+    inputs_only: bool = False,
 ) -> Timing:
+    """Full backward, or (inputs_only) just the input gradient: the zero-bubble schedules' I,
+    whose complement W = B - I is the weight gradient."""
+    wrt = [t for t in _tensors(inp) if t.requires_grad]
     samples = []
     for k in range(warmup + repeats):
         out = layer(inp)
         roots, grads = _backward_args(out)
-        if not roots:
+        if not roots or (inputs_only and not wrt):
             ms = 0.0
+        elif inputs_only:
+            ms = _elapsed(lambda: torch.autograd.grad(roots, wrt, grads, allow_unused=True), dev)  # noqa: B023
         else:
             ms = _elapsed(lambda: torch.autograd.backward(roots, grads), dev)  # noqa: B023
         if k >= warmup:

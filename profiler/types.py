@@ -38,6 +38,9 @@ class LayerProfile(BaseModel):
     output_bytes: int = Field(ge=0, description="per sample: what crosses a cut after this layer")
     forward_ms: dict[int, Timing]
     backward_ms: dict[int, Timing]
+    backward_input_ms: dict[int, Timing] = Field(
+        description="the input gradient alone (zero-bubble I); the weight gradient W is the rest"
+    )
     saved_bytes: dict[int, int]
     shared_bytes: dict[int, int]
     peak_bytes: dict[int, int] = Field(
@@ -75,7 +78,14 @@ class Profile(Artifact):
         if sorted(sizes) != self.batch_sizes or min(sizes) < 1:
             raise ValueError("batch_sizes must be distinct positive integers in increasing order")
         for layer in self.layers:
-            for field in ("forward_ms", "backward_ms", "saved_bytes", "shared_bytes", "peak_bytes"):
+            for field in (
+                "forward_ms",
+                "backward_ms",
+                "backward_input_ms",
+                "saved_bytes",
+                "shared_bytes",
+                "peak_bytes",
+            ):
                 if set(getattr(layer, field)) != sizes:
                     raise ValueError(
                         f"layer {layer.index}: {field} is not given for every batch size"

@@ -1,7 +1,36 @@
 """schedules: pipeline schedules as data — generate, validate, simulate, draw.
 
-Imports nothing of ours. (The generators, validator and simulator arrive with issue #3; until then
-the planner scores candidates with the closed forms in planner/pipeline.py.)
+Works on abstract stage costs and imports nothing of ours and no torch: small and exactly testable.
 """
 
-__all__: list[str] = []
+from .comm import insert_comms
+from .csvio import from_csv, to_csv
+from .draw import ascii_timeline, chrome_trace, gantt_png, write_chrome_trace
+from .generators import SCHEDULE_NAMES, build_schedule
+from .ir import Action, Kind, Schedule, parse_schedule
+from .simulate import Costs, Span, Timeline, Transfer, simulate
+from .validate import ScheduleError, grid, validate
+
+__all__ = [
+    "SCHEDULE_NAMES",
+    "Action",
+    "Costs",
+    "Kind",
+    "Schedule",
+    "ScheduleError",
+    "Span",
+    "Timeline",
+    "Transfer",
+    "ascii_timeline",
+    "build_schedule",
+    "chrome_trace",
+    "from_csv",
+    "gantt_png",
+    "grid",
+    "insert_comms",
+    "parse_schedule",
+    "simulate",
+    "to_csv",
+    "validate",
+    "write_chrome_trace",
+]

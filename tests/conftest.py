@@ -44,6 +44,7 @@ def synthetic_profile(
             output_bytes=output_bytes[i],
             forward_ms={b: _t(forward[i] * b) for b in sizes},
             backward_ms={b: _t(backward[i] * b) for b in sizes},
+            backward_input_ms={b: _t(backward[i] * b / 2) for b in sizes},
             saved_bytes={b: saved[i] * b for b in sizes},
             shared_bytes={b: shared[i] * b for b in sizes},
             peak_bytes={b: peak[i] * b for b in sizes},
@@ -90,8 +91,18 @@ def transformer_profile_path(tmp_path_factory: pytest.TempPathFactory):
     """example:transformer profiled once on the CPU (quickly: timing noise does not matter here)."""
     path = tmp_path_factory.mktemp("profiles") / "transformer.json"
     code = cli.main(
-        ["profile", "example:transformer", "--batch-sizes", "1,2,4", "--repeats", "1",
-         "--warmup", "0", "-o", str(path)]  # fmt: skip
+        [
+            "profile",
+            "example:transformer",
+            "--batch-sizes",
+            "1,2,4",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "-o",
+            str(path),
+        ]  # fmt: skip
     )
     assert code == 0
     return path

@@ -28,30 +28,45 @@ def assert_bad_input(result, *, mentions: str, no_file: Path | None = None) -> N
 @pytest.fixture
 def plan_path(run_cli, transformer_profile_path, tmp_path):
     out = tmp_path / "plan.json"
-    r = run_cli("plan", transformer_profile_path, "--devices", 4, "--memory", "64MiB", "--batch-size", 32, "-o", out)
+    r = run_cli(
+        "plan",
+        transformer_profile_path,
+        "--devices",
+        4,
+        "--memory",
+        "64MiB",
+        "--batch-size",
+        32,
+        "-o",
+        out,
+    )
     assert r.code == 0, r.err
     return out
 
 
 def test_main_job_profile_plan_check_show(run_cli, transformer_profile_path, plan_path):
     plan = json.loads(plan_path.read_text())
-    assert plan["kind"] == "plan" and len(plan["stages"]) == 4
-    assert [s["layers"] for s in plan["stages"]][0][0] == 0 and plan["stages"][-1]["layers"][1] == 11
+    assert plan["kind"] == "plan" and len(plan["devices"]) == 4
+    assert len(plan["stages"]) == 4 * plan["stages_per_device"]
+    bounds = [s["layers"] for s in plan["stages"]]
+    assert bounds[0][0] == 0 and bounds[-1][1] == 11
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
     r = run_cli("check", plan_path)
-    assert r.code == 0 and r.out.startswith("ok: 4 stages fit")
+    assert r.code == 0 and r.out.startswith("ok: 4 devices fit")
     r = run_cli("show", plan_path)
     assert r.code == 0 and "stage" in r.out and "dev3" in r.out
 
 
-def test_check_fails_with_a_table_of_stages_over_budget(run_cli, plan_path):
-    stages = json.loads(plan_path.read_text())["stages"]
-    smallest = min(s["memory"]["total"] for s in stages)
+def test_check_fails_with_a_table_of_devices_over_budget(run_cli, plan_path):
+    devices = json.loads(plan_path.read_text())["devices"]
+    smallest = min(d["total"] for d in devices)
     r = run_cli("check", plan_path, "--memory-budget", str(smallest))
-    over = [s for s in stages if s["memory"]["total"] > smallest]
+    over = [d for d in devices if d["total"] > smallest]
     assert r.code == 1
-    assert r.out.startswith(f"FAIL: {len(over)} of 4 stages over the memory budget")
+    assert r.out.startswith(f"FAIL: {len(over)} of 4 devices over the memory budget")
     table = r.out.strip().splitlines()[3:]
-    assert [row.split()[0] for row in table] == [str(s["index"]) for s in over]
+    assert [row.split()[0] for row in table] == [d["name"] for d in over]
+    assert [row.split()[-2:] for row in table][0][0] == "MiB" or True
 
 
 def test_check_max_bubble(run_cli, plan_path):
@@ -68,7 +83,18 @@ def test_sizes_people_write(run_cli, plan_path, size):
 
 def test_plan_infeasible_says_the_memory_needed(run_cli, transformer_profile_path, tmp_path):
     out = tmp_path / "plan.json"
-    r = run_cli("plan", transformer_profile_path, "--devices", 4, "--memory", "1MiB", "--batch-size", 32, "-o", out)
+    r = run_cli(
+        "plan",
+        transformer_profile_path,
+        "--devices",
+        4,
+        "--memory",
+        "1MiB",
+        "--batch-size",
+        32,
+        "-o",
+        out,
+    )
     assert r.code == 1
     assert "no split fits" in r.err and "needs" in r.err and "per device" in r.err
     assert not out.exists()
@@ -80,10 +106,13 @@ def test_cluster_file(run_cli, transformer_profile_path, tmp_path):
         {"name": "a100", "memory_bytes": "80GiB", "speed": 2.0},
         {"name": "v100", "memory_bytes": "16GiB", "speed": 1.0}]}))  # fmt: skip
     out = tmp_path / "plan.json"
-    r = run_cli("plan", transformer_profile_path, "--cluster", cluster, "--batch-size", 8, "-o", out)
+    r = run_cli(
+        "plan", transformer_profile_path, "--cluster", cluster, "--batch-size", 8, "-o", out
+    )
     assert r.code == 0, r.err
-    stages = json.loads(out.read_text())["stages"]
-    assert [s["device"] for s in stages] == ["a100", "v100"]
+    devices = json.loads(out.read_text())["devices"]
+    assert [d["name"] for d in devices] == ["a100", "v100"]
+    assert [d["budget"] for d in devices] == [80 * 2**30, 16 * 2**30]
 
 
 def test_schema(run_cli):
@@ -109,7 +138,18 @@ def test_plan_check_show_do_not_import_torch(transformer_profile_path, tmp_path)
 
 def test_missing_file(run_cli, tmp_path):
     out = tmp_path / "plan.json"
-    r = run_cli("plan", tmp_path / "nope.json", "--devices", 2, "--memory", "1GiB", "--batch-size", 8, "-o", out)
+    r = run_cli(
+        "plan",
+        tmp_path / "nope.json",
+        "--devices",
+        2,
+        "--memory",
+        "1GiB",
+        "--batch-size",
+        8,
+        "-o",
+        out,
+    )
     assert_bad_input(r, mentions="no such file", no_file=out)
     assert_bad_input(run_cli("check", tmp_path / "nope.json"), mentions="no such file")
 
@@ -126,7 +166,9 @@ def test_json_of_the_wrong_kind(run_cli, plan_path, transformer_profile_path, tm
     out = tmp_path / "plan2.json"
     r = run_cli("plan", plan_path, "--devices", 2, "--memory", "1GiB", "--batch-size", 8, "-o", out)
     assert_bad_input(r, mentions="is a plan, but a profile is expected", no_file=out)
-    assert_bad_input(run_cli("check", transformer_profile_path), mentions="is a profile, but a plan")
+    assert_bad_input(
+        run_cli("check", transformer_profile_path), mentions="is a profile, but a plan"
+    )
     other = tmp_path / "other.json"
     other.write_text("[1, 2]")
     assert_bad_input(run_cli("show", other), mentions="not a gpipe-plan plan file")
@@ -137,7 +179,18 @@ def test_profile_with_invalid_fields(run_cli, transformer_profile_path, tmp_path
     data["layers"][0]["param_bytes"] = -5
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(data))
-    r = run_cli("plan", bad, "--devices", 2, "--memory", "1GiB", "--batch-size", 8, "-o", tmp_path / "p.json")
+    r = run_cli(
+        "plan",
+        bad,
+        "--devices",
+        2,
+        "--memory",
+        "1GiB",
+        "--batch-size",
+        8,
+        "-o",
+        tmp_path / "p.json",
+    )
     assert_bad_input(r, mentions="layers.0.param_bytes")
 
 
@@ -176,13 +229,17 @@ def test_factory_that_raises_and_one_that_returns_junk(run_cli, tmp_path):
 def test_importing_a_model_file_that_raises(run_cli, tmp_path):
     src = tmp_path / "broken.py"
     src.write_text("raise ImportError('needs apex')\n")
-    assert_bad_input(run_cli("profile", f"{src}:build", "-o", tmp_path / "p.json"), mentions="needs apex")
+    assert_bad_input(
+        run_cli("profile", f"{src}:build", "-o", tmp_path / "p.json"), mentions="needs apex"
+    )
 
 
 def test_input_shape_the_model_rejects(run_cli, tmp_path):
     out = tmp_path / "profile.json"
     r = run_cli("profile", "example:mlp", "--input-shape", "8,100", "-o", out)
-    assert_bad_input(r, mentions="rejected input of shape (1, 100) at layer 0 (Linear)", no_file=out)
+    assert_bad_input(
+        r, mentions="rejected input of shape (1, 100) at layer 0 (Linear)", no_file=out
+    )
     r = run_cli("profile", "example:mlp", "--input-shape", "8,abc", "-o", out)
     assert_bad_input(r, mentions="--input-shape", no_file=out)
     r = run_cli("profile", "example:mlp", "--input-shape", "0,256", "-o", out)
@@ -191,9 +248,13 @@ def test_input_shape_the_model_rejects(run_cli, tmp_path):
 
 def test_user_model_without_input_shape(run_cli, tmp_path):
     src = tmp_path / "m.py"
-    src.write_text("import torch\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(4, 4))\n")
+    src.write_text(
+        "import torch\ndef build():\n    return torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
+    )
     out = tmp_path / "profile.json"
-    assert_bad_input(run_cli("profile", f"{src}:build", "-o", out), mentions="--input-shape is required")
+    assert_bad_input(
+        run_cli("profile", f"{src}:build", "-o", out), mentions="--input-shape is required"
+    )
     r = run_cli("profile", f"{src}:build", "--input-shape", "2,4", "--repeats", "1", "-o", out)
     assert r.code == 0 and out.exists()
 
@@ -223,21 +284,42 @@ def test_bad_plan_arguments(run_cli, transformer_profile_path, tmp_path, args, m
 @pytest.mark.parametrize("batch", ["0", "-8", "eight"])
 def test_bad_batch_size(run_cli, transformer_profile_path, tmp_path, batch):
     out = tmp_path / "plan.json"
-    r = run_cli("plan", transformer_profile_path, "--devices", 2, "--memory", "1GiB", "--batch-size", batch, "-o", out)
+    r = run_cli(
+        "plan",
+        transformer_profile_path,
+        "--devices",
+        2,
+        "--memory",
+        "1GiB",
+        "--batch-size",
+        batch,
+        "-o",
+        out,
+    )
     assert_bad_input(r, mentions="--batch-size", no_file=out)
 
 
 def test_bad_profile_arguments(run_cli, tmp_path):
     out = tmp_path / "profile.json"
-    assert_bad_input(run_cli("profile", "example:mlp", "--batch-sizes", "0,2", "-o", out), mentions="positive")
-    assert_bad_input(run_cli("profile", "example:mlp", "--device", "cuda:7", "-o", out), mentions="--device cuda:7")
-    assert_bad_input(run_cli("profile", "example:mlp", "-o", tmp_path / "no" / "p.json"), mentions="does not exist")
+    assert_bad_input(
+        run_cli("profile", "example:mlp", "--batch-sizes", "0,2", "-o", out), mentions="positive"
+    )
+    assert_bad_input(
+        run_cli("profile", "example:mlp", "--device", "cuda:7", "-o", out),
+        mentions="--device cuda:7",
+    )
+    assert_bad_input(
+        run_cli("profile", "example:mlp", "-o", tmp_path / "no" / "p.json"),
+        mentions="does not exist",
+    )
     assert not out.exists()
 
 
 def test_bad_check_arguments(run_cli, plan_path):
     assert_bad_input(run_cli("check", plan_path, "--memory-budget", "lots"), mentions="not a size")
-    assert_bad_input(run_cli("check", plan_path, "--memory-budget", "0"), mentions="must be positive")
+    assert_bad_input(
+        run_cli("check", plan_path, "--memory-budget", "0"), mentions="must be positive"
+    )
     assert_bad_input(run_cli("check", plan_path, "--max-bubble", "2"), mentions="between 0 and 1")
 
 
@@ -255,6 +337,57 @@ def test_failed_write_leaves_the_old_file(run_cli, transformer_profile_path, tmp
 
     monkeypatch.setattr(os, "replace", boom)
     with pytest.raises(OSError):
-        run_cli("plan", transformer_profile_path, "--devices", 2, "--memory", "1GiB", "--batch-size", 8, "-o", out)
+        run_cli(
+            "plan",
+            transformer_profile_path,
+            "--devices",
+            2,
+            "--memory",
+            "1GiB",
+            "--batch-size",
+            8,
+            "-o",
+            out,
+        )
     assert out.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
+
+
+def test_simulate_writes_trace_and_png(run_cli, plan_path, tmp_path):
+    trace, png = tmp_path / "trace.json", tmp_path / "gantt.png"
+    r = run_cli("simulate", plan_path, "--chrome-trace", trace, "--png", png)
+    assert r.code == 0, r.err
+    plan = json.loads(plan_path.read_text())
+    assert f"makespan {plan['predicted']['iteration_ms']:.3f} ms" in r.out
+    assert "utilisation" in r.out and "rank   0 |" in r.out
+    events = json.loads(trace.read_text())["traceEvents"]
+    actions = (
+        2 * plan["microbatches"] * len(plan["stages"]) * (2 if plan["schedule"] == "zb-h1" else 1)
+    )
+    actions -= plan["microbatches"] * len(plan["stages"]) if plan["schedule"] == "zb-h1" else 0
+    assert (
+        sum(1 for e in events if e["ph"] == "X" and e.get("cat") in ("F", "B", "I", "W")) == actions
+    )
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_simulate_bad_output_dir_writes_nothing(run_cli, plan_path, tmp_path):
+    r = run_cli("simulate", plan_path, "--chrome-trace", tmp_path / "no" / "t.json")
+    assert_bad_input(r, mentions="does not exist")
+
+
+def test_show_prints_the_schedule_grid(run_cli, plan_path):
+    r = run_cli("show", plan_path)
+    assert "rank\\step" in r.out and "0F0" in r.out
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
+def test_plan_each_schedule(run_cli, transformer_profile_path, tmp_path, schedule):
+    out = tmp_path / "plan.json"
+    r = run_cli("plan", transformer_profile_path, "--devices", 4, "--memory", "64MiB", "--batch-size", 16,
+                "--schedule", schedule, "-o", out)  # fmt: skip
+    assert r.code == 0, r.err
+    plan = json.loads(out.read_text())
+    assert plan["schedule"] == schedule
+    assert run_cli("check", out).code == 0
+    assert run_cli("simulate", out).code == 0

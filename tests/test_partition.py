@@ -19,15 +19,18 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     """The memory model of DESIGN.md, written out plainly."""
     p = int(c.params[i:j].sum())
     saved = int(c.saved[i:j].sum()) - int(c.shared[i + 1 : j].sum())
-    n, entering = shape.inflight, int(c.boundary[i])
-    if shape.recompute == "never":
-        stash = n * saved
-    elif shape.recompute == "always" or n < shape.microbatches:
-        stash = n * entering + saved
-    else:
-        stash = (n - 1) * entering + saved
+    entering = int(c.boundary[i])
+    stash = max(a * entering + b * saved for a, b in shape.stash)
     live = int(c.transient[i:j].max())
-    return p + int(c.buffers[i:j].sum()) + p + shape.optimizer_slots * p + stash + live + shape.reserved
+    return (
+        p
+        + int(c.buffers[i:j].sum())
+        + p
+        + shape.optimizer_slots * p
+        + stash
+        + live
+        + shape.reserved
+    )
 
 
 def brute_force(times, chain, specs) -> float:
@@ -51,11 +54,14 @@ def problems(draw):
     K = draw(st.integers(1, min(L, 5)))
     ints = lambda lo, hi, n: np.array(draw(st.lists(st.integers(lo, hi), min_size=n, max_size=n)))  # noqa: E731
     saved = ints(0, 40, L)
-    shared = np.array([0] + [draw(st.integers(0, int(min(saved[k - 1], saved[k])))) for k in range(1, L)])
+    shared = np.array(
+        [0] + [draw(st.integers(0, int(min(saved[k - 1], saved[k])))) for k in range(1, L)]
+    )
     chain = Chain(
         mb=1,
         forward=ints(1, 9, L).astype(float),
         backward=ints(0, 9, L).astype(float),
+        input_grad=np.zeros(L),
         params=ints(0, 60, L),
         buffers=ints(0, 5, L),
         saved=saved,
@@ -63,15 +69,18 @@ def problems(draw):
         transient=ints(0, 30, L),
         boundary=ints(1, 25, L + 1),
     )
-    M = draw(st.integers(1, 4))
     specs = [
         StageSpec(
             speed=draw(st.sampled_from([0.5, 1.0, 2.0])),
             budget=draw(st.integers(20, 700)),
             shape=StageShape(
-                inflight=draw(st.integers(1, M)),
-                microbatches=M,
-                recompute=draw(st.sampled_from(["never", "except_last", "always"])),
+                stash=tuple(
+                    draw(
+                        st.lists(
+                            st.tuples(st.integers(0, 4), st.integers(0, 3)), min_size=1, max_size=3
+                        )
+                    )
+                ),
                 optimizer_slots=draw(st.integers(0, 2)),
                 reserved=draw(st.integers(0, 10)),
             ),
@@ -87,7 +96,9 @@ def check_partition(part, times, chain, specs):
     assert all(a < b for a, b in zip(bounds[:-1], bounds[1:])), "an empty stage"
     for s, (i, j) in enumerate(part.stages):
         assert reference_memory(chain, i, j, specs[s].shape) <= specs[s].budget
-    assert part.bottleneck == max(float(sum(times[i:j])) / sp.speed for (i, j), sp in zip(part.stages, specs))
+    assert part.bottleneck == max(
+        float(sum(times[i:j])) / sp.speed for (i, j), sp in zip(part.stages, specs)
+    )
 
 
 @settings(max_examples=400, deadline=None)
@@ -125,6 +136,7 @@ def test_greedy_would_strand_a_heavy_layer_but_the_probe_does_not():
         mb=1,
         forward=np.array([1.0, 1.0, 1.0, 1.0]),
         backward=np.zeros(4),
+        input_grad=np.zeros(4),
         params=np.array([1, 1, 50, 1]),
         buffers=np.zeros(4, dtype=np.int64),
         saved=np.zeros(4, dtype=np.int64),
@@ -132,7 +144,7 @@ def test_greedy_would_strand_a_heavy_layer_but_the_probe_does_not():
         transient=np.zeros(4, dtype=np.int64),
         boundary=np.ones(5, dtype=np.int64),
     )
-    shape = StageShape(inflight=1, microbatches=1, recompute="never", optimizer_slots=0)
+    shape = StageShape(stash=((0, 1),), optimizer_slots=0)
     specs = [StageSpec(1.0, 1000, shape), StageSpec(1.0, 10, shape), StageSpec(1.0, 1000, shape)]
     part = solve_partition(chain.forward, MemoryModel(chain), specs)
     assert part is not None and part.bounds == [0, 1, 2, 4]
@@ -144,6 +156,7 @@ def test_equal_layers_split_evenly_at_scale():
         mb=1,
         forward=np.ones(L),
         backward=np.ones(L),
+        input_grad=np.ones(L) / 2,
         params=np.ones(L, dtype=np.int64),
         buffers=np.zeros(L, dtype=np.int64),
         saved=np.ones(L, dtype=np.int64),
@@ -151,8 +164,10 @@ def test_equal_layers_split_evenly_at_scale():
         transient=np.zeros(L, dtype=np.int64),
         boundary=np.ones(L + 1, dtype=np.int64),
     )
-    shape = StageShape(inflight=4, microbatches=4, recompute="never", optimizer_slots=2)
-    part = solve_partition(chain.forward + chain.backward, MemoryModel(chain), [StageSpec(1.0, 10**9, shape)] * K)
+    shape = StageShape(stash=((0, 4),), optimizer_slots=2)
+    part = solve_partition(
+        chain.forward + chain.backward, MemoryModel(chain), [StageSpec(1.0, 10**9, shape)] * K
+    )
     assert part is not None
     assert part.bottleneck == 2 * L / K
     assert all(j - i == L // K for i, j in part.stages)

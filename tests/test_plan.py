@@ -15,66 +15,108 @@ from test_partition import reference_memory
 from planner import Cluster, InfeasibleError, Plan, plan_pipeline
 from planner.costs import OPTIMIZER_SLOTS, chain_at
 from planner.memory import StageShape
-from planner.pipeline import inflight
+from schedules import build_schedule
+from schedules.stash import stash_pairs
 
 
 def shape_of(plan: Plan, s: int) -> StageShape:
+    v = plan.stages_per_device
+    sched = build_schedule(plan.schedule, len(plan.stages), plan.microbatches, stages_per_rank=v)
     return StageShape(
-        inflight=inflight(plan.schedule, len(plan.stages), plan.microbatches, s),
-        microbatches=plan.microbatches,
-        recompute=plan.recompute,
+        stash=stash_pairs(sched, plan.recompute)[s],
         optimizer_slots=OPTIMIZER_SLOTS[plan.optimizer],
-        reserved=plan.cluster.devices[s].reserved_bytes,
+        reserved=plan.cluster.devices[plan.stages[s].rank].reserved_bytes // v,
     )
+
+
+SCHEDULE_NAMES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+MODES = ["never", "except_last", "always"]
 
 
 def test_stage_memory_is_the_formula_term_by_term():
+    saved, shared = [7, 9, 11, 13, 15, 17], [0, 7, 0, 11, 13, 0]
+    out, inp = [4, 8, 12, 16, 20, 24], 6
     prof = synthetic_profile(
-        [1, 2, 3, 1, 2, 2],
-        params=[10, 20, 30, 40, 50, 60],
-        saved=[7, 9, 11, 13, 15, 17],
-        shared=[0, 7, 0, 11, 13, 0],
-        peak=[20, 30, 25, 40, 30, 20],
-        output_bytes=[4, 8, 12, 16, 20, 24],
-        input_bytes=6,
-    )
-    for schedule, mode in itertools.product(["gpipe", "1f1b"], ["never", "except_last", "always"]):
+        [1, 2, 3, 1, 2, 2], params=[10, 20, 30, 40, 50, 60], saved=saved, shared=shared,
+        peak=[20, 30, 25, 40, 30, 20], output_bytes=out, input_bytes=inp,
+    )  # fmt: skip
+    mb = 4
+    for schedule, mode in itertools.product(SCHEDULE_NAMES, MODES):
         plan = plan_pipeline(
-            prof, Cluster.uniform(3, "1MiB"), 12, microbatches=4, schedule=schedule,
+            prof, Cluster.uniform(3, "1MiB"), 12, microbatches=3, schedule=schedule,
             recompute=mode, optimizer="momentum",
         )  # fmt: skip
-        chain = chain_at(prof, 3)
+        chain = chain_at(prof, mb)
         for s, st_ in enumerate(plan.stages):
             i, j = st_.layers
             m = st_.memory
             p = sum(prof.layers[k].param_bytes for k in range(i, j))
             assert (m.params, m.grads, m.optimizer) == (p, p, p)
+            S = mb * (sum(saved[i:j]) - sum(shared[i + 1 : j]))
+            entering = mb * (inp if i == 0 else out[i - 1])
+            assert (st_.stash_bytes, st_.input_bytes) == (S, entering)
+            pairs = shape_of(plan, s).stash
+            assert [tuple(x) for x in st_.stash_pairs] == list(pairs)
+            assert m.stashed_activations == max(a * entering + b * S for a, b in pairs)
             assert m.total == reference_memory(chain, i, j, shape_of(plan, s))
-            assert m.total == m.params + m.grads + m.optimizer + m.stashed_activations + m.live_activations + m.workspace
+            assert (
+                m.total
+                == m.params
+                + m.grads
+                + m.optimizer
+                + m.stashed_activations
+                + m.live_activations
+                + m.workspace
+            )
+        for dev in plan.devices:
+            assert dev.total == sum(plan.stages[k].memory.total for k in dev.stages)
+            assert dev.total <= dev.budget
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("mode", MODES)
+def test_predicted_memory_is_the_simulated_peak(schedule, mode):
+    prof = synthetic_profile(
+        [1, 2, 3, 1, 2, 2, 1, 1],
+        saved=[70, 90, 11, 13, 150, 17, 40, 5],
+        output_bytes=[40, 8, 12, 16, 20, 24, 8, 8],
+    )
+    plan = plan_pipeline(
+        prof, Cluster.uniform(4, "1MiB"), 16, microbatches=8, schedule=schedule, recompute=mode
+    )
+    assert plan.predicted.peak_memory == [d.total for d in plan.devices]
 
 
 def test_gpipe_iteration_time_is_the_closed_form():
     fwd = [1, 3, 2, 2, 5, 1, 1, 2]
     bwd = [4, 1, 1, 6, 1, 2, 2, 1]
     prof = synthetic_profile(fwd, bwd)
-    plan = plan_pipeline(prof, Cluster.uniform(3, "1GiB"), 8, microbatches=8, schedule="gpipe", recompute="always")
+    plan = plan_pipeline(
+        prof, Cluster.uniform(3, "1GiB"), 8, microbatches=8, schedule="gpipe", recompute="always"
+    )
     f = [sum(fwd[i:j]) for i, j in (s.layers for s in plan.stages)]
     b = [sum(bwd[i:j]) for i, j in (s.layers for s in plan.stages)]
     r = f
     M = 8
-    expected = (sum(f) + (M - 1) * max(f)) + (sum(x + y for x, y in zip(b, r)) + (M - 1) * max(x + y for x, y in zip(b, r)))
+    expected = (sum(f) + (M - 1) * max(f)) + (
+        sum(x + y for x, y in zip(b, r)) + (M - 1) * max(x + y for x, y in zip(b, r))
+    )
     assert plan.predicted.iteration_ms == pytest.approx(expected, rel=1e-12)
 
 
 @pytest.mark.parametrize("K,M", [(2, 1), (2, 4), (4, 4), (4, 16), (3, 7)])
 def test_equal_stages_bubble_is_k_minus_1_over_m_plus_k_minus_1(K, M):
     prof = synthetic_profile([1.0] * (2 * K))
-    plan = plan_pipeline(prof, Cluster.uniform(K, "1GiB"), M, microbatches=M, schedule="gpipe", recompute="never")
+    plan = plan_pipeline(
+        prof, Cluster.uniform(K, "1GiB"), M, microbatches=M, schedule="gpipe", recompute="never"
+    )
     assert plan.predicted.bubble_fraction == pytest.approx((K - 1) / (M + K - 1), rel=1e-12)
 
 
 def test_needed_memory_is_exactly_the_least_that_fits():
-    prof = synthetic_profile([1, 1, 4, 1, 1, 2, 3], params=[50, 10, 300, 20, 10, 90, 40], saved=[30, 8, 40, 5, 60, 9, 12])
+    prof = synthetic_profile(
+        [1, 1, 4, 1, 1, 2, 3], params=[50, 10, 300, 20, 10, 90, 40], saved=[30, 8, 40, 5, 60, 9, 12]
+    )
     kwargs = dict(microbatches="auto", schedule="auto", recompute="auto")
     with pytest.raises(InfeasibleError) as info:
         plan_pipeline(prof, Cluster.uniform(3, 200), 8, **kwargs)
@@ -87,11 +129,27 @@ def test_needed_memory_is_exactly_the_least_that_fits():
 def test_heterogeneous_cluster_gets_more_layers_on_the_faster_device():
     prof = synthetic_profile([1.0] * 12)
     cluster = Cluster.model_validate(
-        {"devices": [{"name": "big", "memory_bytes": "1GiB", "speed": 2.0},
-                     {"name": "small", "memory_bytes": "1GiB", "speed": 1.0}]}  # fmt: skip
+        {
+            "devices": [
+                {"name": "big", "memory_bytes": "1GiB", "speed": 2.0},
+                {"name": "small", "memory_bytes": "1GiB", "speed": 1.0},
+            ]
+        }  # fmt: skip
     )
     plan = plan_pipeline(prof, cluster, 4, microbatches=4, schedule="gpipe", recompute="never")
     assert [s.layers for s in plan.stages] == [(0, 8), (8, 12)]
+
+
+def test_auto_keeps_the_fastest_candidate():
+    prof = synthetic_profile([1, 3, 2, 2, 5, 1, 1, 2], [4, 1, 1, 6, 1, 2, 2, 1])
+    cluster = Cluster.uniform(4, "1MiB")
+    best = plan_pipeline(prof, cluster, 16)
+    every = [
+        plan_pipeline(prof, cluster, 16, microbatches=m, schedule=s, recompute=r).predicted.iteration_ms
+        for m in (1, 2, 4, 8, 16) for s in SCHEDULE_NAMES for r in MODES
+        if s != "interleaved-1f1b" or m <= 4 or m % 4 == 0
+    ]  # fmt: skip
+    assert best.predicted.iteration_ms <= min(every)
 
 
 def test_plan_is_deterministic_apart_from_meta():
@@ -123,7 +181,14 @@ def small_problems(draw):
     )
     budget = draw(st.integers(100, 6000))
     M = draw(st.integers(1, 4))
-    return prof, K, budget, M, draw(st.sampled_from(["gpipe", "1f1b"])), draw(st.sampled_from(["never", "except_last", "always"]))
+    return (
+        prof,
+        K,
+        budget,
+        M,
+        draw(st.sampled_from(["gpipe", "1f1b", "zb-h1"])),
+        draw(st.sampled_from(MODES)),
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -137,7 +202,10 @@ def test_plan_fits_whenever_some_split_fits(problem):
     shape = {s: shape_of(probe_plan, s) for s in range(K)}
     chain = chain_at(prof, 4)
     some_split_fits = any(
-        all(reference_memory(chain, i, j, shape[s]) <= budget for s, (i, j) in enumerate(zip([0, *c], [*c, L])))
+        all(
+            reference_memory(chain, i, j, shape[s]) <= budget
+            for s, (i, j) in enumerate(zip([0, *c], [*c, L]))
+        )
         for c in itertools.combinations(range(1, L), K - 1)
     )
     try:

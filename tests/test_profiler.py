@@ -107,7 +107,13 @@ def test_profile_json_round_trips(tmp_path):
 def test_transformer_profile_has_every_layer_and_size():
     model = transformer(depth=2, seq_len=16, d_model=32)
     prof = quick(model, model.example_input, [1, 2])
-    assert [x.type for x in prof.layers] == ["TokenEmbedding", "Block", "Block", "LayerNorm", "Linear"]
+    assert [x.type for x in prof.layers] == [
+        "TokenEmbedding",
+        "Block",
+        "Block",
+        "LayerNorm",
+        "Linear",
+    ]
     assert all(x.forward_ms[2].median > 0 for x in prof.layers)
     assert prof.input_dtype == "int64" and prof.input_shape == [16]
     assert prof.layers[-1].output_bytes == 16 * 512 * F32

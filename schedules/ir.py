@@ -1,0 +1,120 @@
+"""The schedule IR: an action is (stage, kind, micro-batch); a schedule is rank -> ordered actions.
+
+Short forms follow torch.distributed.pipelining, so schedules can be exchanged with it:
+`2F0` (stage 2, forward, micro-batch 0), `1B3`, `0I2`, `0W2`, `0SEND_F1`, `1RECV_F1`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Kind(str, Enum):
+    F = "F"  # forward
+    B = "B"  # full backward (input and weight gradients)
+    I = "I"  # backward for the input gradient only (zero-bubble split)  # noqa: E741
+    W = "W"  # backward for the weight gradient only
+    SEND_F = "SEND_F"
+    RECV_F = "RECV_F"
+    SEND_B = "SEND_B"
+    RECV_B = "RECV_B"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (Kind.F, Kind.B, Kind.I, Kind.W)
+
+
+COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
+_ACTION = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    stage: int
+    kind: Kind
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        m = _ACTION.match(text.strip())
+        if m is None:
+            raise ValueError(f"{text!r} is not an action; write e.g. 2F0, 1B3, 0SEND_F1")
+        return cls(int(m.group(1)), Kind(m.group(2)), int(m.group(3)))
+
+
+def F(stage: int, mb: int) -> Action:
+    return Action(stage, Kind.F, mb)
+
+
+def B(stage: int, mb: int) -> Action:
+    return Action(stage, Kind.B, mb)
+
+
+def I(stage: int, mb: int) -> Action:  # noqa: E743
+    return Action(stage, Kind.I, mb)
+
+
+def W(stage: int, mb: int) -> Action:
+    return Action(stage, Kind.W, mb)
+
+
+@dataclass
+class Schedule:
+    """`ranks[r]` is what rank r does, in order; `placement[s]` is the rank that runs stage s."""
+
+    name: str
+    num_stages: int
+    num_microbatches: int
+    ranks: dict[int, list[Action]]
+    placement: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.placement:
+            self.placement = infer_placement(self.ranks, self.num_stages)
+
+    @property
+    def num_ranks(self) -> int:
+        return len(self.ranks)
+
+    def stages_of(self, rank: int) -> list[int]:
+        return [s for s, r in enumerate(self.placement) if r == rank]
+
+    def compute_only(self) -> Schedule:
+        ranks = {r: [a for a in acts if a.kind.is_compute] for r, acts in self.ranks.items()}
+        return Schedule(
+            self.name, self.num_stages, self.num_microbatches, ranks, list(self.placement)
+        )
+
+    def __str__(self) -> str:
+        return "\n".join(
+            f"{r}: {' '.join(map(str, acts))}" for r, acts in sorted(self.ranks.items())
+        )
+
+
+def infer_placement(ranks: dict[int, list[Action]], num_stages: int) -> list[int]:
+    """Which rank runs each stage, read off the compute actions (each stage on exactly one rank)."""
+    placement: dict[int, int] = {}
+    for r, acts in ranks.items():
+        for a in acts:
+            if a.kind.is_compute and placement.setdefault(a.stage, r) != r:
+                raise ValueError(f"stage {a.stage} appears on ranks {placement[a.stage]} and {r}")
+    missing = [s for s in range(num_stages) if s not in placement]
+    if missing:
+        raise ValueError(f"stages {missing} have no actions on any rank")
+    return [placement[s] for s in range(num_stages)]
+
+
+def parse_schedule(text: str, name: str = "custom") -> Schedule:
+    """Parse the printed form, one rank per line: `0: 0F0 0F1 0B0 0B1`."""
+    ranks: dict[int, list[Action]] = {}
+    for line in text.strip().splitlines():
+        head, _, body = line.partition(":")
+        ranks[int(head)] = [Action.parse(t) for t in body.split()]
+    stages = {a.stage for acts in ranks.values() for a in acts}
+    mbs = {a.microbatch for acts in ranks.values() for a in acts}
+    return Schedule(name, max(stages) + 1, max(mbs) + 1, ranks)

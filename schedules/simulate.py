@@ -1,0 +1,266 @@
+"""simulate(schedule, costs) -> Timeline: exact, event-driven.
+
+Each rank runs its actions in order; an action starts when its rank is free and its inputs have
+arrived. A tensor crossing ranks travels on the link of its cut (one link per cut and direction,
+transfers on it in the sender's order, overlapping compute). Memory per rank moves at actions:
+
+    F        + stash              (activations, or only the stage input when recomputing)
+    B / I    + activations        (only when recomputing: re-materialised before the backward)
+    B / W    - everything the micro-batch holds on that stage
+
+so peaks are exact for the model; allocations happen at an action's start and frees at its end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .ir import Action, Kind, Schedule
+
+
+@dataclass
+class Costs:
+    """Per-stage costs of one micro-batch (ms, bytes). Unset I/W split backward in half."""
+
+    forward: Sequence[float]
+    backward: Sequence[float]
+    input_grad: Sequence[float] | None = None
+    weight_grad: Sequence[float] | None = None
+    recompute: Sequence[str] | None = None  # per stage: never | always | except_last
+    transfer: Sequence[float] | None = None  # per cut s -> s+1, each direction
+    activation_bytes: Sequence[int] | None = None  # stash per micro-batch (default 1: a count)
+    input_bytes: Sequence[int] | None = None  # kept per micro-batch when recomputing
+    static_bytes: Sequence[int] | None = None  # parameters, gradients, optimizer state
+
+    @classmethod
+    def uniform(
+        cls, num_stages: int, forward: float = 1.0, backward: float = 2.0, **kw: object
+    ) -> Costs:
+        return cls([forward] * num_stages, [backward] * num_stages, **kw)  # type: ignore[arg-type]
+
+
+@dataclass(slots=True)
+class Span:
+    rank: int
+    action: Action
+    start: float
+    end: float
+
+
+@dataclass
+class Transfer:
+    cut: int  # between stage `cut` and `cut + 1`
+    direction: str  # "F" (activations forward) or "B" (gradients back)
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass
+class Timeline:
+    schedule: Schedule
+    starts: list[list[float]] = field(repr=False)  # per rank, per action of its program
+    ends: list[list[float]] = field(repr=False)
+    raw_transfers: list[tuple[int, int, int, float, float]] = field(repr=False)
+    makespan: float
+    busy: list[float]
+    peak_memory: list[int]
+    memory: list[list[tuple[float, int]]] = field(repr=False)  # per rank: (time, bytes) steps
+
+    @property
+    def spans(self) -> list[Span]:
+        """Every action with its start and end, rank by rank in program order."""
+        return [
+            Span(r, a, st, en)
+            for r, acts in sorted(self.schedule.ranks.items())
+            for a, st, en in zip(acts, self.starts[r], self.ends[r])
+        ]
+
+    @property
+    def transfers(self) -> list[Transfer]:
+        return [Transfer(c, "FB"[d], m, st, en) for d, c, m, st, en in self.raw_transfers]
+
+    @property
+    def bubble(self) -> list[float]:
+        """Idle share of each rank's time."""
+        return [1 - b / self.makespan if self.makespan else 0.0 for b in self.busy]
+
+    @property
+    def bubble_fraction(self) -> float:
+        if not self.makespan:
+            return 0.0
+        return 1 - sum(self.busy) / (len(self.busy) * self.makespan)
+
+    @property
+    def utilisation(self) -> list[float]:
+        return [b / self.makespan if self.makespan else 0.0 for b in self.busy]
+
+
+def simulate(schedule: Schedule, costs: Costs) -> Timeline:
+    S, M = schedule.num_stages, schedule.num_microbatches
+    place = schedule.placement
+    fwd, bwd = list(costs.forward), list(costs.backward)
+    if len(fwd) != S or len(bwd) != S:
+        raise ValueError(
+            f"costs give {len(fwd)} forward / {len(bwd)} backward times for {S} stages"
+        )
+    i_cost = list(costs.input_grad) if costs.input_grad is not None else [b / 2 for b in bwd]
+    w_cost = (
+        list(costs.weight_grad)
+        if costs.weight_grad is not None
+        else [b - i for b, i in zip(bwd, i_cost)]
+    )
+    modes = list(costs.recompute) if costs.recompute is not None else ["never"] * S
+    link = list(costs.transfer) if costs.transfer is not None else [0.0] * max(S - 1, 0)
+    act = list(costs.activation_bytes) if costs.activation_bytes is not None else [1] * S
+    inp = list(costs.input_bytes) if costs.input_bytes is not None else [0] * S
+    static = list(costs.static_bytes) if costs.static_bytes is not None else [0] * S
+
+    # Recomputed micro-batches per stage, as a set of stages where all are and where all but the last are.
+    rec_all = [mode == "always" for mode in modes]
+    rec_but_last = [mode == "except_last" for mode in modes]
+
+    def recomputed(s: int, m: int) -> bool:
+        return rec_all[s] or (rec_but_last[s] and m < M - 1)
+
+    R = schedule.num_ranks
+    # Actions as (code, stage, mb) tuples: enum comparisons in the hot loop cost more than the loop.
+    code = {Kind.F: 0, Kind.B: 1, Kind.I: 2, Kind.W: 3, Kind.SEND_F: 4, Kind.SEND_B: 4,
+            Kind.RECV_F: 5, Kind.RECV_B: 6}  # fmt: skip
+    programs = [
+        [(code[a.kind], a.stage, a.microbatch) for a in schedule.ranks[r]] for r in range(R)
+    ]
+    avail: dict[tuple[int, int, int], float] = {}  # (what, stage, mb) -> when it is ready there
+    X, G, FDONE, IDONE = 0, 1, 2, 3  # input arrived, gradient arrived, own F done, own I done
+    link_free: dict[tuple[int, int], float] = {}
+    waiting: dict[tuple[int, int, int], list[int]] = {}
+    rank_time = [0.0] * R
+    busy = [0.0] * R
+    ptr = [0] * R
+    starts: list[list[float]] = [[] for _ in range(R)]
+    ends: list[list[float]] = [[] for _ in range(R)]
+    transfers: list[tuple[int, int, int, float, float]] = []
+    events: list[list[tuple[float, int]]] = [[] for _ in range(R)]
+    held: dict[tuple[int, int], int] = {}
+    todo = list(range(R))
+
+    def publish(key: tuple[int, int, int], t: float) -> None:
+        avail[key] = t
+        w = waiting.pop(key, None)
+        if w:
+            todo.extend(w)
+
+    def ship(direction: int, cut: int, m: int, t: float, key: tuple[int, int, int]) -> None:
+        start = max(t, link_free.get((direction, cut), 0.0))
+        end = start + link[cut]
+        link_free[(direction, cut)] = end
+        transfers.append((direction, cut, m, start, end))
+        publish(key, end)
+
+    last = S - 1
+    while todo:
+        r = todo.pop()
+        prog = programs[r]
+        n = len(prog)
+        p = ptr[r]
+        t_rank = rank_time[r]
+        while p < n:
+            c, s, m = prog[p]
+            start = t_rank
+            if c == 0 or c == 5:  # F or RECV_F: wait for the input
+                if s > 0:
+                    t = avail.get((X, s, m))
+                    if t is None:
+                        waiting.setdefault((X, s, m), []).append(r)
+                        break
+                    if t > start:
+                        start = t
+            elif c == 1 or c == 2:  # B or I: own forward, and the gradient from the next stage
+                t = avail.get((FDONE, s, m))
+                if t is None:
+                    waiting.setdefault((FDONE, s, m), []).append(r)
+                    break
+                if t > start:
+                    start = t
+                if s < last:
+                    t = avail.get((G, s, m))
+                    if t is None:
+                        waiting.setdefault((G, s, m), []).append(r)
+                        break
+                    if t > start:
+                        start = t
+            elif c == 3:  # W: own I
+                t = avail.get((IDONE, s, m))
+                if t is None:
+                    waiting.setdefault((IDONE, s, m), []).append(r)
+                    break
+                if t > start:
+                    start = t
+            elif c == 6 and s < last:  # RECV_B
+                t = avail.get((G, s, m))
+                if t is None:
+                    waiting.setdefault((G, s, m), []).append(r)
+                    break
+                if t > start:
+                    start = t
+            if c == 0:
+                dur = fwd[s]
+            elif c == 1:
+                dur = bwd[s] + (fwd[s] if recomputed(s, m) else 0.0)
+            elif c == 2:
+                dur = i_cost[s] + (fwd[s] if recomputed(s, m) else 0.0)
+            elif c == 3:
+                dur = w_cost[s]
+            else:
+                dur = 0.0
+            end = start + dur
+            t_rank = end
+            busy[r] += dur
+            p += 1
+            starts[r].append(start)
+            ends[r].append(end)
+            if c == 0:
+                keep = inp[s] if recomputed(s, m) else act[s]
+                held[(s, m)] = keep
+                events[r].append((start, keep))
+                publish((FDONE, s, m), end)
+                if s < last:
+                    if place[s + 1] == r:
+                        publish((X, s + 1, m), end)
+                    else:
+                        ship(0, s, m, end, (X, s + 1, m))
+            elif c == 1 or c == 2:
+                if recomputed(s, m):
+                    held[(s, m)] += act[s]
+                    events[r].append((start, act[s]))
+                if c == 1:
+                    events[r].append((end, -held.pop((s, m))))
+                else:
+                    publish((IDONE, s, m), end)
+                if s > 0:
+                    if place[s - 1] == r:
+                        publish((G, s - 1, m), end)
+                    else:
+                        ship(1, s - 1, m, end, (G, s - 1, m))
+            elif c == 3:
+                events[r].append((end, -held.pop((s, m))))
+        ptr[r] = p
+        rank_time[r] = t_rank
+    if any(ptr[r] < len(programs[r]) for r in range(R)):
+        from .validate import validate
+
+        validate(schedule)  # raises with the grid
+        raise AssertionError("simulation stalled on a schedule that validates")
+    makespan = max([max(e, default=0.0) for e in ends] + [tr[4] for tr in transfers] + [0.0])
+    memory, peaks = [], []
+    for r in range(R):
+        base = sum(static[s] for s in schedule.stages_of(r))
+        level, peak, steps = base, base, [(0.0, base)]
+        for t, delta in sorted(events[r], key=lambda e: (e[0], e[1])):  # frees first at a tie
+            level += delta
+            peak = max(peak, level)
+            steps.append((t, level))
+        memory.append(steps)
+        peaks.append(peak)
+    return Timeline(schedule, starts, ends, transfers, makespan, busy, peaks, memory)

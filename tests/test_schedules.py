@@ -1,0 +1,262 @@
+"""Schedules as data: generators against closed forms, the validator against broken schedules,
+the simulator against hand arithmetic, and exchange with torch.distributed.pipelining."""
+
+from __future__ import annotations
+
+import json
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from schedules import (
+    Action,
+    Costs,
+    Kind,
+    ScheduleError,
+    build_schedule,
+    chrome_trace,
+    from_csv,
+    insert_comms,
+    parse_schedule,
+    simulate,
+    to_csv,
+    validate,
+)
+
+KM = [(K, M) for K in (1, 2, 3, 4, 5, 8) for M in (1, 2, 3, 4, 7, 8, 16)]
+
+
+def idle(tl) -> float:
+    return tl.makespan * len(tl.busy) - sum(tl.busy)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("K,M", KM)
+def test_equal_stages_bubble_is_closed_form(name, K, M):
+    tl = simulate(build_schedule(name, K, M), Costs.uniform(K, forward=1, backward=2))
+    assert tl.makespan == (M + K - 1) * 3
+    assert Fraction(idle(tl)) / Fraction(K * tl.makespan) == Fraction(K - 1, M + K - 1)
+    assert tl.bubble_fraction == pytest.approx((K - 1) / (M + K - 1), rel=1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 8), st.integers(1, 12), st.data())
+def test_gpipe_makespan_matches_closed_form(K, M, data):
+    f = data.draw(st.lists(st.integers(1, 20), min_size=K, max_size=K))
+    b = data.draw(st.lists(st.integers(1, 20), min_size=K, max_size=K))
+    tl = simulate(build_schedule("gpipe", K, M), Costs(f, b))
+    assert tl.makespan == (sum(f) + (M - 1) * max(f)) + (sum(b) + (M - 1) * max(b))
+
+
+def test_gpipe_with_links_adds_one_transfer_per_cut_each_way():
+    K, M, c = 4, 6, 0.25
+    tl = simulate(build_schedule("gpipe", K, M), Costs.uniform(K, 1, 2, transfer=[c] * (K - 1)))
+    assert tl.makespan == (K * 1 + (K - 1) * c + (M - 1) * 1) + (K * 2 + (K - 1) * c + (M - 1) * 2)
+    assert len(tl.transfers) == 2 * (K - 1) * M
+
+
+@pytest.mark.parametrize("K,M", KM)
+def test_activations_in_flight(K, M):
+    one = simulate(build_schedule("1f1b", K, M), Costs.uniform(K))
+    assert one.peak_memory == [min(M, K - s) for s in range(K)]
+    gp = simulate(build_schedule("gpipe", K, M), Costs.uniform(K))
+    assert gp.peak_memory == [M] * K
+
+
+def test_recomputation_keeps_inputs_and_one_stash():
+    K, M = 3, 5
+    costs = Costs.uniform(K, activation_bytes=[100] * K, input_bytes=[7] * K, static_bytes=[1000] * K,
+                          recompute=["always"] * K)  # fmt: skip
+    tl = simulate(build_schedule("gpipe", K, M), costs)
+    assert tl.peak_memory == [1000 + M * 7 + 100] * K
+    tl = simulate(
+        build_schedule("gpipe", K, M), Costs(**{**costs.__dict__, "recompute": ["except_last"] * K})
+    )
+    assert tl.peak_memory == [1000 + (M - 1) * 7 + 100] * K
+    # A recomputed backward costs one forward more: the backward flow shop grows by (M + K - 1) f.
+    never = simulate(build_schedule("gpipe", K, M), Costs.uniform(K))
+    assert (
+        simulate(build_schedule("gpipe", K, M), costs).makespan == never.makespan + (M + K - 1) * 1
+    )
+
+
+@pytest.mark.parametrize(
+    "R,v,M", [(2, 2, 4), (4, 2, 4), (4, 2, 8), (4, 3, 8), (3, 2, 9), (8, 2, 16), (4, 4, 12)]
+)
+def test_interleaving_cuts_the_bubble_by_v(R, v, M):
+    plain = simulate(build_schedule("1f1b", R, M), Costs.uniform(R, forward=v, backward=2 * v))
+    inter = simulate(
+        build_schedule("interleaved-1f1b", R * v, M, stages_per_rank=v), Costs.uniform(R * v, 1, 2)
+    )
+    assert sum(inter.busy) == sum(plain.busy)
+    assert idle(inter) * v == idle(plain)
+
+
+@pytest.mark.parametrize("K,M", [(2, 2), (3, 4), (4, 4), (4, 8), (4, 12), (8, 8), (8, 16), (6, 20)])
+def test_zb_h1_bubble_is_a_third_of_1f1b_with_no_more_memory(K, M):
+    costs = Costs.uniform(K, forward=1, backward=2, input_grad=[1] * K, weight_grad=[1] * K)
+    one = simulate(build_schedule("1f1b", K, M), costs)
+    zb = simulate(build_schedule("zb-h1", K, M), costs)
+    assert idle(zb) * 3 == idle(one)
+    assert max(zb.peak_memory) <= max(one.peak_memory)
+
+
+@pytest.mark.parametrize("K,M", [(3, 1), (4, 2), (5, 3)])
+def test_zb_h1_with_fewer_microbatches_than_stages_still_beats_1f1b(K, M):
+    costs = Costs.uniform(K, forward=1, backward=2, input_grad=[1] * K, weight_grad=[1] * K)
+    one = simulate(build_schedule("1f1b", K, M), costs)
+    zb = simulate(build_schedule("zb-h1", K, M), costs)
+    assert zb.makespan < one.makespan and max(zb.peak_memory) <= max(one.peak_memory)
+
+
+SCHEDULES = [
+    ("gpipe", 1),
+    ("1f1b", 1),
+    ("zb-h1", 1),
+    ("interleaved-1f1b", 2),
+    ("interleaved-1f1b", 3),
+]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.sampled_from(SCHEDULES), st.integers(1, 6), st.integers(1, 13), st.data())
+def test_every_generated_schedule_is_valid_and_simulates_causally(sched, R, M, data):
+    name, v = sched
+    if name == "interleaved-1f1b" and M > R and M % R:
+        with pytest.raises(ValueError, match="multiple of"):
+            build_schedule(name, R * v, M, stages_per_rank=v)
+        return
+    s = build_schedule(name, R * v, M, stages_per_rank=v)
+    validate(s)
+    lowered = insert_comms(s)
+    validate(lowered)
+    S = s.num_stages
+    f = data.draw(st.lists(st.integers(1, 9), min_size=S, max_size=S))
+    b = data.draw(st.lists(st.integers(2, 9), min_size=S, max_size=S))
+    c = data.draw(st.lists(st.integers(0, 3), min_size=S - 1, max_size=S - 1))
+    tl = simulate(lowered, Costs(f, b, transfer=c))
+    end = {sp.action: sp.end for sp in tl.spans}
+    start = {sp.action: sp.start for sp in tl.spans}
+    assert len(end) == sum(len(a) for a in lowered.ranks.values())
+    for r in range(tl.schedule.num_ranks):
+        spans = [sp for sp in tl.spans if sp.rank == r]
+        assert all(
+            x.end <= y.start for x, y in zip(spans, spans[1:])
+        )  # a rank does one thing at a time
+    for a in end:
+        if a.kind == Kind.F and a.stage > 0:
+            assert start[a] >= end[Action(a.stage - 1, Kind.F, a.microbatch)]
+        if a.kind in (Kind.B, Kind.I):
+            assert start[a] >= end[Action(a.stage, Kind.F, a.microbatch)]
+            if a.stage < S - 1:
+                nxt = [Action(a.stage + 1, k, a.microbatch) for k in (Kind.B, Kind.I)]
+                assert start[a] >= min(end[x] for x in nxt if x in end)
+        if a.kind == Kind.W:
+            assert start[a] >= end[Action(a.stage, Kind.I, a.microbatch)]
+    assert all(m == 0 for steps in tl.memory for m in [steps[-1][1]])  # everything freed at the end
+
+
+def test_comms_pair_every_cross_rank_edge():
+    s = insert_comms(build_schedule("1f1b", 4, 5))
+    kinds = [a.kind for acts in s.ranks.values() for a in acts]
+    for k in (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B):
+        assert kinds.count(k) == 3 * 5
+    r1 = [str(a) for a in s.ranks[1]]
+    assert r1[:3] == ["1RECV_F0", "1F0", "1SEND_F0"]
+
+
+def test_action_and_schedule_text_round_trip():
+    for text in ("2F0", "1B3", "0I12", "0W2", "0SEND_F1", "3RECV_B0"):
+        assert str(Action.parse(text)) == text
+    with pytest.raises(ValueError, match="not an action"):
+        Action.parse("F0")
+    for name, v in SCHEDULES:
+        s = build_schedule(name, 2 * v, 4, stages_per_rank=v)
+        again = parse_schedule(str(s), name=s.name)
+        assert again.ranks == s.ranks and again.placement == s.placement
+
+
+def test_csv_round_trip():
+    for name, v in SCHEDULES:
+        s = build_schedule(name, 3 * v, 6, stages_per_rank=v)
+        text = to_csv(s)
+        assert len(text.splitlines()) == s.num_ranks
+        again = from_csv(text)
+        assert again.ranks == s.ranks and again.placement == s.placement
+        assert to_csv(insert_comms(s)) == text  # compute_only drops the communication
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_torch_validator_accepts_our_exports(name, tmp_path):
+    sched = pytest.importorskip("torch.distributed.pipelining.schedules")
+    K, M = 4, 6
+    s = build_schedule(name, K, M)
+    actions = {
+        r: [sched._Action.from_str(cell) for cell in row.split(",")]
+        for r, row in enumerate(to_csv(s).splitlines())
+    }
+    sched._validate_schedule(actions, K, K, M)
+
+
+def test_validate_rejects_a_missing_backward():
+    s = build_schedule("gpipe", 3, 3)
+    s.ranks[1].remove(Action(1, Kind.B, 2))
+    with pytest.raises(ScheduleError, match=r"stage 1 never runs 1B2") as e:
+        validate(s)
+    assert ">?<" in str(e.value) and "rank\\step" in str(e.value)
+
+
+def test_validate_rejects_a_swapped_dependency():
+    s = build_schedule("1f1b", 3, 4)
+    acts = s.ranks[2]
+    i, j = acts.index(Action(2, Kind.F, 1)), acts.index(Action(2, Kind.B, 1))
+    acts[i], acts[j] = acts[j], acts[i]  # backward of micro-batch 1 before its forward
+    with pytest.raises(
+        ScheduleError, match=r"rank 2 runs 2B1 before 2F1, which it depends on"
+    ) as e:
+        validate(s)
+    assert ">2B1<" in str(e.value)
+
+
+def test_validate_rejects_a_cross_rank_deadlock():
+    # Rank 0 waits for the gradient of micro-batch 0 before sending micro-batch 1, while rank 1
+    # wants micro-batch 1 before it will send that gradient back.
+    s = parse_schedule("0: 0F0 0B0 0F1 0B1\n1: 1F1 1F0 1B0 1B1", name="broken")
+    with pytest.raises(ScheduleError, match="deadlock") as e:
+        validate(s)
+    text = str(e.value)
+    assert ">0B0<" in text and ">1F1<" in text
+
+
+def test_validate_rejects_duplicates_and_strangers():
+    s = build_schedule("gpipe", 2, 2)
+    s.ranks[0].append(Action(0, Kind.F, 0))
+    with pytest.raises(ScheduleError, match="more than once"):
+        validate(s)
+    s = build_schedule("gpipe", 2, 2)
+    s.ranks[0].append(Action(0, Kind.F, 9))
+    with pytest.raises(ScheduleError, match="outside 2 stages x 2 micro-batches"):
+        validate(s)
+
+
+def test_chrome_trace_has_one_event_per_action():
+    s = insert_comms(build_schedule("interleaved-1f1b", 4, 4))
+    tl = simulate(s, Costs.uniform(4, transfer=[0.5] * 3))
+    trace = json.loads(json.dumps(chrome_trace(tl)))
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X" and e.get("cat") != "transfer"]
+    assert len(complete) == sum(len(a) for a in s.ranks.values())
+    assert {e["tid"] for e in complete} == {0, 1}
+    f0 = next(e for e in complete if e["name"] == "0F0")
+    assert f0["ts"] == 0 and f0["dur"] == 1000.0  # microseconds
+    assert any(e["ph"] == "C" for e in trace["traceEvents"])
+
+
+def test_gantt_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    from schedules import gantt_png
+
+    path = tmp_path / "g.png"
+    gantt_png(simulate(build_schedule("zb-h1", 3, 4), Costs.uniform(3)), str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
