@@ -1,6 +1,18 @@
-"""codegen: turn a Plan and its Schedule into an executable pipeline program and a Pipe.
+"""codegen: turn a Plan and its Schedule into an executable pipeline program and a Pipe."""
 
-(The emitter and the Pipe arrive with issue #4.)
-"""
+from typing import Any
 
-__all__: list[str] = []
+__all__ = ["Pipe", "auto_pipe", "compile_pipe", "emit_program", "issue_order"]
+
+
+def __getattr__(name: str) -> Any:
+    # Lazy, so `import codegen` stays cheap and torch loads only when a pipe is built.
+    if name in ("Pipe", "compile_pipe", "auto_pipe"):
+        from . import pipe
+
+        return getattr(pipe, name)
+    if name in ("emit_program", "issue_order"):
+        from . import emit
+
+        return getattr(emit, name)
+    raise AttributeError(f"module 'codegen' has no attribute {name!r}")

@@ -20,6 +20,9 @@ class Device(BaseModel):
     reserved_bytes: int = Field(
         default=0, ge=0, description="memory the runtime takes before any stage (CUDA context...)"
     )
+    torch_device: str | None = Field(
+        default=None, description="where a compiled pipe puts this stage, e.g. cuda:3"
+    )
 
     @field_validator("memory_bytes", "reserved_bytes", mode="before")
     @classmethod

@@ -104,6 +104,9 @@ class Plan(Artifact):
     cluster_digest: str
     device_type: str = Field(description="where the profile was measured, e.g. cpu or cuda:0")
     dtype: str
+    input_shape: list[int] = Field(description="one sample of the model's input")
+    input_dtype: str
+    num_layers: int = Field(gt=0)
     cluster: Cluster
     batch_size: int = Field(gt=0)
     microbatches: int = Field(gt=0)

@@ -12,7 +12,7 @@ if ! "$py" -c "import torch" 2>/dev/null; then
   else
     # The CPU wheels live on PyTorch's own index; where a local mirror or wheel cache already has
     # the CPU build, pip takes it from there and only warns that the extra index is unreachable.
-    "$py" -m pip install -q "torch==2.13.0" --extra-index-url https://download.pytorch.org/whl/cpu 2>&1 \
+    "$py" -m pip install -q "torch==2.13.0" numpy --extra-index-url https://download.pytorch.org/whl/cpu 2>&1 \
       | grep -v -e "Retrying" -e "is ignored: it is neither" >&2 || true
     "$py" -c "import torch" || { echo "setup.sh: torch did not install" >&2; exit 1; }
   fi

@@ -1,0 +1,151 @@
+"""The Python API: compile_pipe(model, plan) -> Pipe, and auto_pipe (profile, plan, compile)."""
+
+from __future__ import annotations
+
+import types
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from planner import Cluster, Plan, plan_pipeline
+from profiler.artifact import InputError
+from profiler.measure import profile_model
+from profiler.models import model_digest
+from schedules import Schedule
+
+from .emit import emit_program
+
+
+class Pipe:
+    """A model compiled into a pipeline. Its parameters are the model's own (moved to their
+    devices), so any optimizer over `model.parameters()` works as usual.
+
+        loss = pipe.train_step(x, y, loss_fn)   # .grad as after loss_fn(model(x), y).backward()
+        out = pipe(x)                           # pipelined inference, no graph kept
+    """
+
+    def __init__(self, plan: Plan, schedule: Schedule, source: str, program: Any) -> None:
+        self.plan = plan
+        self.schedule = schedule
+        self.source = source
+        self.program = program
+
+    @property
+    def stages(self) -> list[nn.Sequential]:
+        return self.program.stages
+
+    @property
+    def devices(self) -> list[torch.device]:
+        return self.program.devices
+
+    def train_step(self, x: torch.Tensor, y: Any, loss_fn: Any) -> torch.Tensor:
+        """One step over the mini-batch x (batch first) with targets y; returns the mean loss.
+        `loss_fn(output, target)` must average over the samples it is given."""
+        if isinstance(y, torch.Tensor) and y.dim() > 0 and y.shape[0] != x.shape[0]:
+            raise InputError(
+                f"the target has {y.shape[0]} samples but the input has {x.shape[0]}; "
+                "pass one target per sample (batch first)"
+            )
+        return self.program.train_step(x, y, loss_fn)
+
+    def __call__(self, x: torch.Tensor) -> Any:
+        return self.program.infer(x)
+
+    def __repr__(self) -> str:
+        return (
+            f"Pipe({self.plan.schedule}, {len(self.plan.stages)} stages on "
+            f"{[str(d) for d in self.devices]}, M={self.plan.microbatches})"
+        )
+
+
+def compile_pipe(
+    model: nn.Module,
+    plan: Plan,
+    devices: list[str | torch.device] | None = None,
+    *,
+    deferred_batch_norm: bool = False,
+    check_model: bool = True,
+) -> Pipe:
+    """Compile `plan` for `model`. `devices` (one per plan device) defaults to cuda:0..K-1 when
+    the machine has them, else every stage runs on the CPU (and the Pipe says so once)."""
+    if not isinstance(model, nn.Sequential):
+        raise InputError(
+            f"{type(model).__name__} is not an nn.Sequential; plans split sequential models"
+        )
+    if check_model and model_digest(model) != plan.model_digest:
+        raise InputError(
+            f"the plan was made for a different model ({plan.model}, digest "
+            f"{plan.model_digest[:12]}, this one {model_digest(model)[:12]}); "
+            "profile and plan this model again"
+        )
+    K = len(plan.devices)
+    devs = _resolve_devices(devices, K, plan)
+    source = emit_program(plan)
+    namespace = types.ModuleType("gpipe_plan_program")
+    exec(compile(source, f"<gpipe-plan program {plan.digest()[:12]}>", "exec"), namespace.__dict__)
+    program = namespace.Pipeline(model, devs, deferred_batch_norm=deferred_batch_norm)
+    from planner.search import plan_schedule
+
+    return Pipe(plan, plan_schedule(plan.schedule, K, plan.microbatches), source, program)
+
+
+def auto_pipe(
+    model: nn.Module,
+    sample: torch.Tensor,
+    devices: list[str | torch.device],
+    memory: str | int,
+    batch_size: int,
+    **plan_options: Any,
+) -> Pipe:
+    """Profile on devices[0], plan for len(devices) devices of `memory` each, and compile."""
+    if not devices:
+        raise InputError("auto_pipe needs at least one device")
+    dev = torch.device(devices[0])
+    profile = profile_model(model, sample, device=dev if _exists(dev) else "cpu", progress=False)
+    plan = plan_pipeline(profile, Cluster.uniform(len(devices), memory), batch_size, **plan_options)
+    return compile_pipe(model, plan, devices)
+
+
+def _exists(dev: torch.device) -> bool:
+    if dev.type == "cpu":
+        return True
+    if dev.type == "cuda":
+        return torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()
+    return False
+
+
+def _resolve_devices(
+    devices: list[str | torch.device] | None, K: int, plan: Plan
+) -> list[torch.device]:
+    if devices is not None:
+        if len(devices) != K:
+            raise InputError(
+                f"the plan has {K} devices but devices= lists {len(devices)}; pass {K}"
+            )
+        out = []
+        for d in devices:
+            try:
+                dev = torch.device(d)
+            except (RuntimeError, TypeError):
+                raise InputError(f"device {d!r} is not a torch device") from None
+            if not _exists(dev):
+                raise InputError(
+                    f"device {d} does not exist on this machine "
+                    f"({torch.cuda.device_count()} CUDA device(s)); pass devices=[...] that exist"
+                )
+            out.append(dev)
+        return out
+    named = [d.torch_device for d in plan.cluster.devices]
+    if all(n is not None and _exists(torch.device(n)) for n in named):
+        return [torch.device(n) for n in named]  # type: ignore[arg-type]
+    n_gpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n_gpu >= K:
+        return [torch.device(f"cuda:{k}") for k in range(K)]
+    warnings.warn(
+        f"the plan has {K} devices but this machine has {n_gpu} CUDA device(s): every stage runs "
+        "on the CPU (pass devices=[...] to choose)",
+        stacklevel=3,
+    )
+    return [torch.device("cpu")] * K
