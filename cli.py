@@ -188,6 +188,29 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_codegen(args: argparse.Namespace) -> int:
+    out = _output_path(args.output)
+    from planner import Plan
+
+    plan = Plan.load(args.plan)
+    from codegen.emit import emit_program
+    from profiler.models import load_model, model_digest
+    from profiler.artifact import write_atomic
+
+    model = load_model(args.model)
+    if model_digest(model) != plan.model_digest:
+        raise InputError(
+            f"{args.plan} was made for a different model ({plan.model}); profile and plan "
+            f"{args.model} first"
+        )
+    write_atomic(out, emit_program(plan))
+    print(
+        f"wrote {out}: {plan.schedule} over {len(plan.devices)} device(s), "
+        f"{len(plan.stages)} stage(s), M={plan.microbatches}; run it with: python {out}"
+    )
+    return EXIT_OK
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from planner import Plan
     from planner.search import plan_schedule
@@ -397,6 +420,14 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chrome-trace", help="write a Chrome trace (Perfetto) JSON here")
     s.add_argument("--png", help="write a Gantt chart PNG here (needs matplotlib)")
     s.set_defaults(run=cmd_simulate)
+
+    s = sub.add_parser("codegen", help="emit the pipeline program for a plan")
+    s.add_argument("plan")
+    s.add_argument("--model", required=True, help="the model the plan was made for")
+    s.add_argument("--target", choices=["streams"], default="streams",
+                   help="streams: one process, a CUDA stream per stage (CPU without CUDA)")  # fmt: skip
+    s.add_argument("-o", "--output", default="program.py")
+    s.set_defaults(run=cmd_codegen)
 
     s = sub.add_parser("schema", help="print the JSON schema of a file kind")
     s.add_argument("what", choices=["profile", "cluster", "plan"])

@@ -159,6 +159,9 @@ class PipelineRuntime:
         self.grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
         self.losses: dict[int, torch.Tensor] = {}
         self.ready: dict[tuple[str, int, int], Any] = {}
+        # One draw from the caller's RNG per step; every (layer, micro-batch) forward then runs on
+        # its own seed, so dropout masks do not depend on the schedule or on recomputation.
+        self.seed = int(torch.randint(0, 2**62, (1,)).item())
         xs = torch.tensor_split(x, M)
         self.targets = _split_target(y, M)
         self.weights = [c.shape[0] / n for c in xs]
@@ -267,23 +270,39 @@ class PipelineRuntime:
             ) from e
 
     def _run(self, s: int, m: int, inp: Value) -> Value:
-        stage = self.stages[s]
         recompute = self.RECOMPUTE == "always" or (
             self.RECOMPUTE == "except_last" and m < self.MICROBATCHES - 1
         )
         if not recompute:
-            return stage(inp)
+            return self._layers(s, m, inp)
         calls = [0]
-        ts = _tensors(inp)
 
         def run(*args: torch.Tensor) -> Value:
             # The first call is the real forward; later ones re-materialise for backward and
             # must not count batch-norm statistics again.
             calls[0] += 1
-            with _replaying(stage, replay=calls[0] > 1):
-                return stage(_like(inp, list(args)))
+            with _replaying(self.stages[s], replay=calls[0] > 1):
+                return self._layers(s, m, _like(inp, list(args)))
 
-        return checkpoint(run, *ts, use_reentrant=False, preserve_rng_state=True)
+        return checkpoint(run, *_tensors(inp), use_reentrant=False, preserve_rng_state=True)
+
+    def _layers(self, s: int, m: int, h: Value) -> Value:
+        """Each layer on its own seed: dropout masks depend on (step, layer, micro-batch) only,
+        not on the schedule, the partition or recomputation."""
+        first = self.STAGES[s][0]
+        for k, layer in enumerate(self.stages[s]):
+            with self._seeded(self.devices[s], first + k, m):
+                h = layer(h)
+        return h
+
+    @contextlib.contextmanager
+    def _seeded(self, dev: torch.device, layer: int, m: int) -> Iterator[None]:
+        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+            seed = (self.seed + 1_000_003 * layer + m) % 2**63
+            torch.default_generator.manual_seed(seed)
+            if dev.type == "cuda":
+                torch.cuda.manual_seed(seed)  # the current device: the stage's, inside its stream
+            yield
 
     def _roots(self, s: int, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         if s == len(self.stages) - 1:

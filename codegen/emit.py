@@ -91,8 +91,8 @@ def emit_program(plan: Plan, schedule: Schedule | None = None) -> str:
         for m in [k - s]
         if 0 <= m < M
     )
-    stages = ", ".join(f"({a}, {b})" for a, b in (st.layers for st in plan.stages))
-    ranks = ", ".join(str(st.rank) for st in plan.stages)
+    stages = _py_list("STAGES", [f"({a}, {b})" for a, b in (st.layers for st in plan.stages)])
+    ranks = _py_list("RANKS", [str(st.rank) for st in plan.stages])
     klass = f'''
 
 class Pipeline(PipelineRuntime):
@@ -101,11 +101,13 @@ class Pipeline(PipelineRuntime):
 
     SCHEDULE = "{plan.schedule}"
     MICROBATCHES = {M}
-    STAGES = [{stages}]
-    RANKS = [{ranks}]
+    {stages}
+    {ranks}
     RECOMPUTE = "{plan.recompute}"
 
-    def train_step(self, x: torch.Tensor, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> torch.Tensor:
+    def train_step(
+        self, x: torch.Tensor, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
+    ) -> torch.Tensor:
         """One training step; afterwards every parameter's .grad holds the mini-batch gradient."""
         self.begin(x, y, loss_fn)
 {train}
@@ -152,7 +154,8 @@ def main() -> None:
     import time
 
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    default = "cuda" if torch.cuda.is_available() else "cpu"
+    ap.add_argument("--device", choices=["cuda", "cpu"], default=default)
     args = ap.parse_args()
     n_gpu = torch.cuda.device_count() if args.device == "cuda" else 0
     devices = [f"cuda:{{k % n_gpu}}" if n_gpu else "cpu" for k in range(NUM_DEVICES)]
@@ -173,10 +176,19 @@ def main() -> None:
     if n_gpu:
         torch.cuda.synchronize()
     ms = (time.perf_counter() - t0) * 1e3
-    print(f"{{MODEL}}: one {{pipe.SCHEDULE}} step over {{devices}} in {{ms:.1f}} ms, loss {{float(loss):.4f}}")
+    print(f"{{MODEL}}: one {{pipe.SCHEDULE}} step on {{devices}}: {{ms:.1f}} ms, loss {{float(loss):.4f}}")
 
 
 if __name__ == "__main__":
     main()
 '''
     return header + runtime + klass
+
+
+def _py_list(name: str, items: list[str]) -> str:
+    """`NAME = [a, b]` as a formatter would write it at class level: one line when it fits."""
+    flat = f"{name} = [{', '.join(items)}]"
+    if len(flat) + 4 <= 100:
+        return flat
+    body = "".join(f"        {item},\n" for item in items)
+    return f"{name} = [\n{body}    ]"

@@ -15,6 +15,7 @@ from profiler.measure import profile_model
 from profiler.models import model_digest
 from schedules import Schedule
 
+from ._runtime import StageError
 from .emit import emit_program
 
 
@@ -26,11 +27,14 @@ class Pipe:
         out = pipe(x)                           # pipelined inference, no graph kept
     """
 
-    def __init__(self, plan: Plan, schedule: Schedule, source: str, program: Any) -> None:
+    def __init__(
+        self, plan: Plan, schedule: Schedule, source: str, program: Any, module: Any
+    ) -> None:
         self.plan = plan
         self.schedule = schedule
         self.source = source
         self.program = program
+        self._module = module  # the executed program: its own StageError class lives there
 
     @property
     def stages(self) -> list[nn.Sequential]:
@@ -48,10 +52,16 @@ class Pipe:
                 f"the target has {y.shape[0]} samples but the input has {x.shape[0]}; "
                 "pass one target per sample (batch first)"
             )
-        return self.program.train_step(x, y, loss_fn)
+        try:
+            return self.program.train_step(x, y, loss_fn)
+        except self._module.StageError as e:
+            raise StageError(str(e)) from e.__cause__
 
     def __call__(self, x: torch.Tensor) -> Any:
-        return self.program.infer(x)
+        try:
+            return self.program.infer(x)
+        except self._module.StageError as e:
+            raise StageError(str(e)) from e.__cause__
 
     def __repr__(self) -> str:
         return (
@@ -88,7 +98,9 @@ def compile_pipe(
     program = namespace.Pipeline(model, devs, deferred_batch_norm=deferred_batch_norm)
     from planner.search import plan_schedule
 
-    return Pipe(plan, plan_schedule(plan.schedule, K, plan.microbatches), source, program)
+    return Pipe(
+        plan, plan_schedule(plan.schedule, K, plan.microbatches), source, program, namespace
+    )
 
 
 def auto_pipe(

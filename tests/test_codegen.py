@@ -1,0 +1,403 @@
+"""The compiled pipeline is right when its gradients are the un-pipelined model's: for every
+schedule, recomputation mode and micro-batch count. Plus memory, batch norm, errors, and the
+emitted program itself."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+import subprocess
+import sys
+import warnings
+import weakref
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from codegen import compile_pipe, emit_program
+from codegen._runtime import StageError
+from planner import Cluster, plan_pipeline
+from profiler import InputError, profile_model
+from profiler.examples import mlp, transformer
+
+ROOT = Path(__file__).resolve().parents[1]
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+MODES = ["never", "except_last", "always"]
+K, N = 4, 8
+
+
+def small_transformer(dropout: float = 0.0) -> nn.Sequential:
+    return transformer(vocab=64, d_model=32, heads=2, depth=6, seq_len=8, batch=N, dropout=dropout)
+
+
+def small_mlp() -> nn.Sequential:
+    return mlp(width=32, depth=4, batch=N)
+
+
+def data(kind: str, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    if kind == "mlp":
+        return (
+            torch.randn(N, 32, generator=g),
+            torch.randint(0, 10, (N,), generator=g),
+            nn.CrossEntropyLoss(),
+        )
+    x = torch.randint(0, 64, (N, 8), generator=g)
+    y = torch.randint(0, 64, (N, 8), generator=g)
+    return x, y, lambda out, t: nn.functional.cross_entropy(out.reshape(-1, 64), t.reshape(-1))
+
+
+@pytest.fixture(scope="module")
+def profiles():
+    out = {}
+    for kind, build in (("mlp", small_mlp), ("transformer", small_transformer)):
+        model = build()
+        out[kind] = profile_model(
+            model, model.example_input, batch_sizes=[1, 2, 8], repeats=1, warmup=0, progress=False
+        )
+    return out
+
+
+def compile_quiet(model, plan, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "every stage runs on the CPU"
+        return compile_pipe(model, plan, **kw)
+
+
+def plan_for(profile, schedule, mode, M, memory="1GiB"):
+    return plan_pipeline(
+        profile, Cluster.uniform(K, memory), N, microbatches=M, schedule=schedule, recompute=mode
+    )
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("M", [1, 3, 4, 8])
+def test_gradient_parity(profiles, kind, schedule, mode, M):
+    build = small_mlp if kind == "mlp" else small_transformer
+    reference, piped = build(), build()
+    piped.load_state_dict(reference.state_dict())
+    x, y, loss_fn = data(kind)
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    plan = plan_for(profiles[kind], schedule, mode, M)
+    assert (plan.schedule, plan.recompute, plan.microbatches) == (schedule, mode, M)
+    pipe = compile_quiet(piped, plan)
+    loss = pipe.train_step(x, y, loss_fn)
+    assert rel_err(loss, expected.detach()) <= 1e-5
+    for (name, p), q in zip(piped.named_parameters(), reference.parameters()):
+        assert p.grad is not None, name
+        assert rel_err(p.grad, q.grad) <= 1e-5, name
+
+
+def test_dropout_masks_do_not_depend_on_schedule_or_recomputation(profiles):
+    """Each (stage, micro-batch) forward has its own seed and recomputation replays it: with
+    dropout on, every schedule and recomputation mode gives the same gradients."""
+    runs = {}
+    for schedule in SCHEDULES:
+        for mode in MODES:
+            model = small_transformer(dropout=0.2)
+            pipe = compile_quiet(model, plan_for(profiles["transformer"], schedule, mode, 4))
+            x, y, loss_fn = data("transformer")
+            torch.manual_seed(123)
+            loss = pipe.train_step(x, y, loss_fn)
+            runs[(schedule, mode)] = (loss, [p.grad.clone() for p in model.parameters()])
+    base_loss, base = runs[("gpipe", "never")]
+    for key, (loss, grads) in runs.items():
+        assert rel_err(loss, base_loss) <= 1e-6, key
+        for a, b in zip(grads, base):
+            assert rel_err(a, b) <= 1e-5, key
+    # ... and dropout did act: a different step seed gives different gradients.
+    model = small_transformer(dropout=0.2)
+    pipe = compile_quiet(model, plan_for(profiles["transformer"], "gpipe", "never", 4))
+    torch.manual_seed(124)
+    pipe.train_step(*data("transformer"))
+    assert not torch.equal(next(model.parameters()).grad, base[0])
+
+
+def bn_model() -> nn.Sequential:
+    torch.manual_seed(3)
+    return nn.Sequential(
+        nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)
+    )
+
+
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_deferred_batch_norm_running_stats_equal_unpipelined(mode):
+    reference, piped = bn_model(), bn_model()
+    prof = profile_model(
+        bn_model(), torch.randn(8, 6), batch_sizes=[2, 8], repeats=1, warmup=0, progress=False
+    )
+    plan = plan_pipeline(
+        prof, Cluster.uniform(3, "1GiB"), 8, microbatches=4, schedule="gpipe", recompute=mode
+    )
+    pipe = compile_quiet(piped, plan, deferred_batch_norm=True)
+    loss_fn = nn.MSELoss()
+    for step in range(4):
+        x, y = torch.randn(8, 6) * (step + 1), torch.randn(8, 2)
+        loss_fn(reference(x), y).backward()
+        pipe.train_step(x, y, loss_fn)
+    ref_bn, bn = reference[1], piped[1]  # the model's own layer, shared with the pipe's wrapper
+    assert torch.allclose(bn.running_mean, ref_bn.running_mean, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(bn.running_var, ref_bn.running_var, rtol=1e-5, atol=1e-6)
+    assert int(bn.num_batches_tracked) == int(ref_bn.num_batches_tracked) == 4
+
+
+def test_default_batch_norm_uses_each_microbatch_once_even_when_recomputing():
+    piped, manual = bn_model(), bn_model()
+    prof = profile_model(
+        bn_model(), torch.randn(8, 6), batch_sizes=[2, 8], repeats=1, warmup=0, progress=False
+    )
+    plan = plan_pipeline(
+        prof, Cluster.uniform(3, "1GiB"), 8, microbatches=4, schedule="1f1b", recompute="always"
+    )
+    pipe = compile_quiet(piped, plan)
+    x, y = torch.randn(8, 6), torch.randn(8, 2)
+    pipe.train_step(x, y, nn.MSELoss())
+    for chunk in x.chunk(4):  # per-micro-batch statistics, as the GPipe paper does
+        manual[1](manual[0](chunk))
+    assert torch.allclose(piped[1].running_mean, manual[1].running_mean)
+    assert torch.allclose(piped[1].running_var, manual[1].running_var)
+    assert int(piped[1].num_batches_tracked) == 4
+
+
+class SavedBytes:
+    """Live bytes of saved-for-backward tensors per stage (each storage once), and their peaks."""
+
+    def __init__(self, params: set[int]) -> None:
+        self.params, self.live, self.peak, self.refs = params, {}, {}, {}
+
+    @contextmanager
+    def __call__(self, s: int):
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in self.params:
+                return t
+            key = (s, ptr)
+            if key not in self.refs:
+                self.live[s] = self.live.get(s, 0) + t.untyped_storage().nbytes()
+                self.peak[s] = max(self.peak.get(s, 0), self.live[s])
+            self.refs[key] = self.refs.get(key, 0) + 1
+            holder = _Holder(t.detach())  # not t: a saved output holding its own grad_fn is a cycle
+            weakref.finalize(holder, self._release, key, t.untyped_storage().nbytes())
+            return holder
+
+        def unpack(h):
+            return h.t if isinstance(h, _Holder) else h
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+
+    def _release(self, key, nbytes):
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.live[key[0]] -= nbytes
+
+
+class _Holder:
+    def __init__(self, t):
+        self.t = t
+
+
+@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+def test_saved_activations_held_match_the_plan(profiles, kind, schedule):
+    model = small_mlp() if kind == "mlp" else small_transformer()
+    plan = plan_for(profiles[kind], schedule, "never", 4)
+    pipe = compile_quiet(model, plan)
+    counter = SavedBytes({p.untyped_storage().data_ptr() for p in model.parameters()})
+    pipe.program.stage_context = counter
+    x, y, loss_fn = data(kind)
+    pipe.train_step(x, y, loss_fn)
+    for st in plan.stages:
+        predicted = st.memory.stashed_activations
+        assert counter.peak[st.index] == pytest.approx(predicted, rel=0.05), st.index
+        assert counter.live[st.index] == 0  # all freed after the step
+
+
+def test_inference_matches_the_model(profiles):
+    model = small_mlp()
+    pipe = compile_quiet(model, plan_for(profiles["mlp"], "1f1b", "never", 4))
+    x, _, _ = data("mlp")
+    out = pipe(x)
+    assert not out.requires_grad
+    assert torch.allclose(out, model(x), atol=1e-6)
+
+
+def test_parameters_stay_the_models_own(profiles):
+    model = small_mlp()
+    before = [id(p) for p in model.parameters()]
+    pipe = compile_quiet(model, plan_for(profiles["mlp"], "gpipe", "never", 2))
+    assert [id(p) for st in pipe.stages for p in st.parameters()] == before
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y, loss_fn = data("mlp")
+    first = float(pipe.train_step(x, y, loss_fn))
+    for _ in range(5):
+        opt.step()
+        opt.zero_grad()
+        last = float(pipe.train_step(x, y, loss_fn))
+    assert last < first
+
+
+def test_cpu_fallback_says_so_once(profiles):
+    with pytest.warns(UserWarning, match="every stage runs on the CPU") as record:
+        compile_pipe(small_mlp(), plan_for(profiles["mlp"], "gpipe", "never", 2))
+    assert len(record) == 1
+
+
+def test_plan_for_another_model_is_refused(profiles):
+    with pytest.raises(InputError, match="plan was made for a different model"):
+        compile_pipe(small_transformer(), plan_for(profiles["mlp"], "gpipe", "never", 2))
+
+
+def test_device_that_does_not_exist(profiles):
+    with (
+        pytest.raises(InputError, match="does not exist on this machine")
+        if not torch.cuda.device_count() >= 8
+        else pytest.raises(Exception)
+    ):
+        compile_pipe(
+            small_mlp(),
+            plan_for(profiles["mlp"], "gpipe", "never", 2),
+            devices=["cpu", "cpu", "cpu", "cuda:7"],
+        )
+    with pytest.raises(InputError, match="plan has 4 devices but devices= lists 2"):
+        compile_pipe(
+            small_mlp(), plan_for(profiles["mlp"], "gpipe", "never", 2), devices=["cpu", "cpu"]
+        )
+
+
+def test_target_of_the_wrong_shape(profiles):
+    pipe = compile_quiet(small_mlp(), plan_for(profiles["mlp"], "gpipe", "never", 2))
+    x, y, loss_fn = data("mlp")
+    with pytest.raises(InputError, match="target has 5 samples but the input has 8"):
+        pipe.train_step(x, y[:5], loss_fn)
+
+
+def test_exception_in_a_stage_names_stage_and_microbatch(profiles):
+    pipe = compile_quiet(small_mlp(), plan_for(profiles["mlp"], "1f1b", "never", 4))
+    x, y, _ = data("mlp")
+
+    def loss_fn(out, t):
+        if t[0] == y[4]:  # micro-batch 2 starts at sample 4
+            raise ValueError("bad label")
+        return nn.functional.cross_entropy(out, t)
+
+    with pytest.raises(
+        StageError, match=r"forward of stage 3, micro-batch 2 failed: ValueError: bad label"
+    ):
+        pipe.train_step(x, y, loss_fn)
+    # The pipe is usable again afterwards: nothing is left waiting.
+    assert torch.isfinite(pipe.train_step(x, y, nn.CrossEntropyLoss()))
+
+
+def test_emitted_source_is_deterministic_and_compiles(profiles):
+    plan = plan_for(profiles["transformer"], "zb-h1", "except_last", 4)
+    a, b = emit_program(plan), emit_program(plan.model_copy(deep=True))
+    assert a == b
+    compile(a, "program.py", "exec")
+    assert "import torch" in a and "self.backward_input(3, 0)" in a
+    assert plan.digest()[:16] in a.splitlines()[0]
+    imports = {line.split()[1] for line in a.splitlines() if line.startswith(("import ", "from "))}
+    assert imports <= {
+        "__future__",
+        "contextlib",
+        "collections.abc",
+        "typing",
+        "torch",
+        "torch.utils.checkpoint",
+    }
+
+
+@pytest.mark.skipif(
+    shutil.which("ruff") is None and not (Path(sys.executable).parent / "ruff").exists(),
+    reason="ruff not installed",
+)
+def test_emitted_source_is_formatted(profiles, tmp_path):
+    path = tmp_path / "program.py"
+    path.write_text(emit_program(plan_for(profiles["mlp"], "interleaved-1f1b", "always", 4)))
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    r = subprocess.run(
+        [ruff, "format", "--check", "--line-length", "100", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_running_the_program_directly(tmp_path):
+    import cli
+
+    prof, plan_path, program = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "program.py"
+    assert (
+        cli.main(
+            ["profile", "example:mlp", "--batch-sizes", "2,4", "--repeats", "1", "-o", str(prof)]
+        )
+        == 0
+    )
+    assert (
+        cli.main(
+            [
+                "plan",
+                str(prof),
+                "--devices",
+                "3",
+                "--memory",
+                "1GiB",
+                "--batch-size",
+                "8",
+                "-o",
+                str(plan_path),
+            ]
+        )
+        == 0
+    )
+    assert cli.main(["codegen", str(plan_path), "--model", "example:mlp", "-o", str(program)]) == 0
+    r = subprocess.run([sys.executable, str(program), "--device", "cpu"], capture_output=True, text=True,
+                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "example:mlp: one" in r.stdout and " ms, loss " in r.stdout
+
+
+def test_codegen_refuses_another_model(tmp_path, run_cli):
+    prof, plan_path = tmp_path / "p.json", tmp_path / "plan.json"
+    assert (
+        run_cli("profile", "example:mlp", "--batch-sizes", "2", "--repeats", "1", "-o", prof).code
+        == 0
+    )
+    assert (
+        run_cli(
+            "plan", prof, "--devices", "2", "--memory", "1GiB", "--batch-size", "4", "-o", plan_path
+        ).code
+        == 0
+    )
+    out = tmp_path / "program.py"
+    r = run_cli("codegen", plan_path, "--model", "example:transformer", "-o", out)
+    assert r.code == 2 and "different model" in r.err and not out.exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_cuda_parity_two_stages_on_one_gpu(profiles, schedule):
+    reference, piped = small_transformer(), small_transformer()
+    piped.load_state_dict(reference.state_dict())
+    x, y, loss_fn = data("transformer")
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    plan = plan_for(profiles["transformer"], schedule, "except_last", 4)
+    pipe = compile_pipe(piped, plan, devices=["cuda:0"] * K)
+    loss = pipe.train_step(x.cuda(), y.cuda(), loss_fn)
+    torch.cuda.synchronize()
+    assert rel_err(loss.cpu(), expected.detach()) <= 1e-4
+    for p, q in zip(piped.parameters(), reference.parameters()):
+        assert rel_err(p.grad.cpu(), q.grad) <= 1e-4
