@@ -194,8 +194,8 @@ def cmd_codegen(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)
     from codegen.emit import emit_program
-    from profiler.models import load_model, model_digest
     from profiler.artifact import write_atomic
+    from profiler.models import load_model, model_digest
 
     model = load_model(args.model)
     if model_digest(model) != plan.model_digest:

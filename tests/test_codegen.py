@@ -4,7 +4,6 @@ emitted program itself."""
 
 from __future__ import annotations
 
-import copy
 import shutil
 import subprocess
 import sys
