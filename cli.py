@@ -190,13 +190,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def cmd_codegen(args: argparse.Namespace) -> int:
     out = _output_path(args.output)
-    from planner import Plan
-
-    plan = Plan.load(args.plan)
     from codegen.emit import emit_program
+    from planner import Plan
     from profiler.artifact import write_atomic
     from profiler.models import load_model, model_digest
 
+    plan = Plan.load(args.plan)
     model = load_model(args.model)
     if model_digest(model) != plan.model_digest:
         raise InputError(
