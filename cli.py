@@ -400,7 +400,13 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--checkpoint", default="auto", help="auto, never, except_last or always")
     s.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam")
-    s.add_argument("--solver", choices=["auto", "probe", "dp"], default="auto")
+    s.add_argument(
+        "--solver",
+        choices=["auto", "probe", "dp", "cp-sat"],
+        default="auto",
+        help="probe (exact, fast; auto), dp (reference), cp-sat (re-solves the chosen plan with "
+        "OR-tools and reports its bound)",
+    )
     s.add_argument("-o", "--output", default="plan.json")
     s.set_defaults(run=cmd_plan)
 

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.costs import Chain  # noqa: E402
+from planner.cpsat import solve_partition_cpsat  # noqa: E402
 from planner.dp import solve_partition_dp  # noqa: E402
 from planner.memory import MemoryModel, StageShape  # noqa: E402
 from planner.partition import StageSpec, solve_partition  # noqa: E402
@@ -72,8 +73,10 @@ def main() -> None:
         f"python {platform.python_version()} | numpy {np.__version__} | "
         f"threads pinned to 1: {os.environ.get('OMP_NUM_THREADS') == '1'}"
     )
-    print("| L | K | probe median ms (min-max) | probes | bottleneck | DP agrees |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| L | K | probe median ms (min-max) | probes | bottleneck | DP agrees | CP-SAT ms, agrees |"
+    )
+    print("|---|---|---|---|---|---|---|")
     for L in (100, 1_000, 10_000):
         c = chain(L)
         times = c.forward + c.backward
@@ -85,13 +88,21 @@ def main() -> None:
                 part = solve_partition(times, MemoryModel(c), sp)
                 samples.append((time.perf_counter() - t0) * 1e3)
             assert part is not None
-            agrees = "-"
+            agrees, cp = "-", "-"
             if L <= 100:
                 dp = solve_partition_dp(times, MemoryModel(c), sp)
                 agrees = "yes" if dp is not None and dp.bottleneck == part.bottleneck else "NO"
+                t0 = time.perf_counter()
+                sat = solve_partition_cpsat(times, MemoryModel(c), sp, time_limit_s=60)
+                ms = (time.perf_counter() - t0) * 1e3
+                # CP-SAT works on times rounded to ns: equal to within that rounding.
+                same = sat is not None and abs(sat.bottleneck - part.bottleneck) <= 1e-6 * L
+                proven = "" if sat is not None and sat.extra["optimal"] else " (not proven)"
+                cp = f"{ms:.0f}, {'yes' if same else 'NO'}{proven}"
+            med = statistics.median(samples)
             print(
-                f"| {L} | {K} | {statistics.median(samples):.1f} ({min(samples):.1f}-{max(samples):.1f}) "
-                f"| {part.probes} | {part.bottleneck:.4f} | {agrees} |"
+                f"| {L} | {K} | {med:.1f} ({min(samples):.1f}-{max(samples):.1f}) "
+                f"| {part.probes} | {part.bottleneck:.4f} | {agrees} | {cp} |"
             )
     if args.skip_cli:
         return

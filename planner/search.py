@@ -30,7 +30,7 @@ from .partition import Partition, StageSpec, feasible_split, solve_partition
 from .plan import DeviceUse, MemoryBreakdown, Plan, PlanMeta, Prediction, SolverInfo, StagePlan
 from .units import format_size
 
-SOLVERS = ("auto", "probe", "dp")
+SOLVERS = ("auto", "probe", "dp", "cp-sat")
 INTERLEAVE = 2  # stages per device for interleaved-1f1b
 
 
@@ -111,6 +111,7 @@ def plan_pipeline(
     )
 
     best: Plan | None = None
+    best_cand: _Candidate | None = None
     chains: dict[int, tuple[Chain, MemoryModel]] = {}
     for cand in candidates:
         chain, memory = _chain(profile, batch_size, cand, chains)
@@ -129,9 +130,21 @@ def plan_pipeline(
         if plan.fits and (
             best is None or plan.predicted.iteration_ms < best.predicted.iteration_ms * (1 - 1e-12)
         ):
-            best = plan
-    if best is None:
+            best, best_cand = plan, cand
+    if best is None or best_cand is None:
         raise _infeasible(profile, cluster, batch_size, candidates, optimizer, chains)
+    if solver == "cp-sat":
+        # The search ran on the probe; CP-SAT re-solves the chosen candidate on its own and
+        # reports its own bound, an independent check of the split.
+        from .cpsat import solve_partition_cpsat
+
+        chain, memory = _chain(profile, batch_size, best_cand, chains)
+        specs = _stage_specs(cluster, best_cand, optimizer)
+        part = solve_partition_cpsat(_balance_times(chain, best_cand.recompute), memory, specs)
+        assert part is not None, "CP-SAT found infeasible what the probe solved"
+        best = _build_plan(
+            profile, cluster, batch_size, best_cand, optimizer, chain, memory, specs, part, "cp-sat"
+        )
     best.solver = best.solver.model_copy(update={"candidates": len(candidates)})
     best.meta = best.meta.model_copy(update={"solve_ms": (time.perf_counter() - started) * 1e3})
     return best
@@ -312,9 +325,11 @@ def _build_plan(
         ),
         solver=SolverInfo(
             method=method,
-            optimal=v == 1,
-            lower_bound_ms=part.bottleneck if v == 1 else 0.0,
-            gap=0.0 if v == 1 else 1.0,
+            # Interleaved plans halve each stage's budget: the split is optimal for that, not
+            # proven optimal for the device.
+            optimal=v == 1 and part.extra.get("optimal", 1.0) == 1.0,
+            lower_bound_ms=part.extra.get("lower_bound_ms", part.bottleneck) if v == 1 else 0.0,
+            gap=part.extra.get("gap", 0.0) if v == 1 else 1.0,
             candidates=1,
         ),
         meta=PlanMeta(

@@ -171,3 +171,21 @@ def test_equal_layers_split_evenly_at_scale():
     assert part is not None
     assert part.bottleneck == 2 * L / K
     assert all(j - i == L // K for i, j in part.stages)
+
+
+@settings(max_examples=60, deadline=None)
+@given(problems())
+def test_cpsat_matches_brute_force(problem):
+    from planner.cpsat import solve_partition_cpsat
+
+    chain, specs = problem
+    times = chain.forward + chain.backward  # whole milliseconds: exact after scaling
+    expected = brute_force(times, chain, specs)
+    part = solve_partition_cpsat(times, MemoryModel(chain), specs)
+    if math.isinf(expected):
+        assert part is None
+    else:
+        assert part is not None
+        check_partition(part, times, chain, specs)
+        assert part.bottleneck == expected
+        assert part.extra["optimal"] == 1.0 and part.extra["gap"] == 0.0

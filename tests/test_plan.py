@@ -216,3 +216,20 @@ def test_plan_fits_whenever_some_split_fits(problem):
         assert some_split_fits and plan.fits
         assert all(st_.layers[0] < st_.layers[1] for st_ in plan.stages)
         assert np.all(np.diff([s.layers[0] for s in plan.stages]) > 0)
+
+
+@pytest.mark.parametrize("solver", ["dp", "cp-sat"])
+def test_other_solvers_agree_with_the_probe(solver):
+    prof = synthetic_profile(
+        [1, 3, 2, 2, 5, 1, 1, 2, 4, 1],
+        [4, 1, 1, 6, 1, 2, 2, 1, 2, 2],
+        saved=[30, 8, 40, 5, 60, 9, 12, 7, 3, 9],
+    )
+    kw = dict(microbatches=4, schedule="1f1b", recompute="never")
+    probe = plan_pipeline(prof, Cluster.uniform(3, 2500), 8, **kw)
+    other = plan_pipeline(prof, Cluster.uniform(3, 2500), 8, solver=solver, **kw)
+    assert other.predicted.bottleneck_ms == probe.predicted.bottleneck_ms
+    assert other.solver.method == solver and other.solver.optimal
+    if solver == "cp-sat":
+        assert other.solver.lower_bound_ms == pytest.approx(probe.predicted.bottleneck_ms, rel=1e-9)
+        assert other.solver.gap == 0.0
