@@ -15,7 +15,7 @@ from pathlib import Path
 from planner.plan import Plan
 from planner.search import plan_schedule, simulate_stages
 from schedules import Action, Kind, Schedule, validate
-from schedules.validate import dependencies
+from schedules.validate import dependencies, split_stages
 
 RUNTIME = Path(__file__).with_name("_runtime.py")
 _CALL = {Kind.F: "forward", Kind.B: "backward", Kind.I: "backward_input", Kind.W: "backward_weight"}
@@ -30,6 +30,7 @@ def issue_order(plan: Plan, schedule: Schedule | None = None) -> list[Action]:
     validate(sched)
     timeline = simulate_stages(plan.schedule, len(plan.devices), plan.microbatches, plan.stages)
     start = {sp.action: sp.start for sp in timeline.spans}
+    split = split_stages(sched)
     ptr = dict.fromkeys(sched.ranks, 0)
     done: set[Action] = set()
     waiting: dict[Action, list[int]] = {}
@@ -39,7 +40,7 @@ def issue_order(plan: Plan, schedule: Schedule | None = None) -> list[Action]:
         if ptr[r] == len(sched.ranks[r]):
             return
         a = sched.ranks[r][ptr[r]]
-        missing = next((d for d in dependencies(a, sched, has_comms=False) if d not in done), None)
+        missing = next((d for d in dependencies(a, sched, False, split) if d not in done), None)
         if missing is None:
             heapq.heappush(heap, (start[a], r, a))
         else:

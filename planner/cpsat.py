@@ -6,8 +6,8 @@ stage stage_of[k], which starts at 0, ends at S - 1 and steps by 0 or 1 (contigu
 With x[k][s] = (stage_of[k] == s) and first[k][s] = "k opens stage s", every term of the memory
 model is linear:
 
-    stashed_s >= a * sum_l boundary[k] first[k][s] + b * (sum_l saved[k] x[k][s]
-                                                          - sum_l shared[k] (x[k][s] - first[k][s]))
+    stashed_s >= a * sum_k boundary[k] first[k][s] + b * (sum_k saved[k] x[k][s]
+                                                          - sum_k shared[k] (x[k][s] - first[k][s]))
     live_s    >= transient[k] x[k][s]            for every k
 
 Times are scaled to integers (nanoseconds) and speeds to thousandths, so the optimum is exact for

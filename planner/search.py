@@ -197,7 +197,10 @@ def _balance_times(chain: Chain, recompute: str) -> np.ndarray:
     return per_layer + chain.forward if recompute != "never" else per_layer
 
 
-def _stage_specs(cluster: Cluster, cand: _Candidate, optimizer: str) -> list[StageSpec]:
+def _stage_specs(
+    cluster: Cluster, cand: _Candidate, optimizer: str, budget: int | None = None
+) -> list[StageSpec]:
+    """One spec per stage; `budget` replaces every device's memory (the infeasibility search)."""
     K, v = cluster.size, cand.per_device
     pairs = _pairs(cand.schedule, K, cand.microbatches, cand.recompute)
     specs = []
@@ -206,7 +209,7 @@ def _stage_specs(cluster: Cluster, cand: _Candidate, optimizer: str) -> list[Sta
         specs.append(
             StageSpec(
                 speed=d.speed,
-                budget=d.memory_bytes // v,
+                budget=(d.memory_bytes if budget is None else budget) // v,
                 shape=StageShape(
                     stash=pairs[s],
                     optimizer_slots=OPTIMIZER_SLOTS[optimizer],
@@ -376,24 +379,14 @@ def _infeasible(
     for cand in candidates:
         chain, memory = _chain(profile, batch_size, cand, chains)
         times = _balance_times(chain, cand.recompute)
-        uniform = cluster.model_copy(
-            update={"devices": [d.model_copy(update={"memory_bytes": 1}) for d in cluster.devices]}
-        )
 
-        def specs_at(
-            budget: int, cand: _Candidate = cand, uniform: Cluster = uniform
-        ) -> list[StageSpec]:
-            c = uniform.model_copy(
-                update={
-                    "devices": [
-                        d.model_copy(update={"memory_bytes": budget}) for d in uniform.devices
-                    ]
-                }
-            )
-            return _stage_specs(c, cand, optimizer)
-
-        def fits(budget: int, times: np.ndarray = times, memory: MemoryModel = memory) -> bool:
-            return feasible_split(times, memory, specs_at(budget))
+        def fits(
+            budget: int,
+            cand: _Candidate = cand,
+            times: np.ndarray = times,
+            memory: MemoryModel = memory,
+        ) -> bool:
+            return feasible_split(times, memory, _stage_specs(cluster, cand, optimizer, budget))
 
         hi = need if need is not None else 1
         if need is None:
@@ -407,8 +400,7 @@ def _infeasible(
             lo, hi = (lo, mid) if fits(mid) else (mid, hi)
         if need is None or hi < need:
             need = hi
-            specs = specs_at(hi)
-            part = solve_partition(times, memory, specs)
+            part = solve_partition(times, memory, _stage_specs(cluster, cand, optimizer, hi))
             assert part is not None
             closest = _build_plan(
                 profile, cluster, batch_size, cand, optimizer, chain, memory,

@@ -56,6 +56,5 @@ def format_size(n: float) -> str:
     n = abs(n)
     for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
-            v = n / scale
-            return f"{sign}{v:.3g} {unit}" if v >= 100 else f"{sign}{v:.3g} {unit}"
+            return f"{sign}{n / scale:.3g} {unit}"
     return f"{sign}{int(n)} B"

@@ -53,15 +53,20 @@ def _check_counts(schedule: Schedule) -> None:
                       schedule.ranks[r].index(Action(s, Kind.B, m)))  # fmt: skip
 
 
-def dependencies(a: Action, schedule: Schedule, has_comms: bool) -> list[Action]:
+def split_stages(schedule: Schedule) -> set[int]:
+    """Stages whose backward is split into I and W."""
+    return {a.stage for acts in schedule.ranks.values() for a in acts if a.kind == Kind.I}
+
+
+def dependencies(a: Action, schedule: Schedule, has_comms: bool, split: set[int]) -> list[Action]:
     """What must have run before `a` (on any rank). Cross-rank inputs come through a RECV when
-    the schedule carries communication, directly from the producer when it is compute-only."""
-    S, s, m, place = schedule.num_stages, a.stage, a.microbatch, schedule.placement
-    k = a.kind
-    grad_kind = {}  # which backward kind the next stage uses for micro-batch m
-    if k in (Kind.B, Kind.I, Kind.SEND_B, Kind.RECV_B) and s + (k != Kind.RECV_B) < S:
-        nxt = s + 1 if k != Kind.RECV_B else s
-        grad_kind[nxt] = Kind.I if _is_split(schedule, nxt) else Kind.B
+    the schedule carries communication, directly from the producer when it is compute-only.
+    `split`: the stages whose backward is I + W (see split_stages)."""
+    S, s, m, k, place = schedule.num_stages, a.stage, a.microbatch, a.kind, schedule.placement
+
+    def backward(stage: int) -> Action:
+        return Action(stage, Kind.I if stage in split else Kind.B, m)
+
     if k == Kind.F:
         if s == 0:
             return []
@@ -69,13 +74,11 @@ def dependencies(a: Action, schedule: Schedule, has_comms: bool) -> list[Action]
             return [Action(s, Kind.RECV_F, m)]
         return [Action(s - 1, Kind.F, m)]
     if k in (Kind.B, Kind.I):
-        deps = [Action(s, Kind.F, m)]
-        if s < S - 1:
-            if has_comms and place[s + 1] != place[s]:
-                deps.append(Action(s, Kind.RECV_B, m))
-            else:
-                deps.append(Action(s + 1, grad_kind[s + 1], m))
-        return deps
+        if s == S - 1:
+            return [Action(s, Kind.F, m)]
+        if has_comms and place[s + 1] != place[s]:
+            return [Action(s, Kind.F, m), Action(s, Kind.RECV_B, m)]
+        return [Action(s, Kind.F, m), backward(s + 1)]
     if k == Kind.W:
         return [Action(s, Kind.I, m)]
     if k == Kind.SEND_F:
@@ -83,34 +86,25 @@ def dependencies(a: Action, schedule: Schedule, has_comms: bool) -> list[Action]
     if k == Kind.RECV_F:
         return [Action(s - 1, Kind.SEND_F, m)]
     if k == Kind.SEND_B:
-        return [Action(s, Kind.I if _is_split(schedule, s) else Kind.B, m)]
-    if k == Kind.RECV_B:
-        return [Action(s + 1, Kind.SEND_B, m)]
-    raise AssertionError(k)
-
-
-def _is_split(schedule: Schedule, stage: int) -> bool:
-    r = schedule.placement[stage]
-    return any(a.kind == Kind.I and a.stage == stage for a in schedule.ranks[r])
+        return [backward(s)]
+    return [Action(s + 1, Kind.SEND_B, m)]  # RECV_B
 
 
 def _check_runs(schedule: Schedule) -> None:
     """Run every rank's list in order, each action once all it depends on has run; sends never
     block, receives wait for their send. Stuck before the end means deadlock."""
     has_comms = any(not a.kind.is_compute for acts in schedule.ranks.values() for a in acts)
+    split = split_stages(schedule)
     done: set[Action] = set()
     ptr = dict.fromkeys(schedule.ranks, 0)
     waiting: dict[Action, list[int]] = {}
     todo = list(schedule.ranks)
-    deps_cache: dict[Action, list[Action]] = {}
     while todo:
         r = todo.pop()
         acts = schedule.ranks[r]
         while ptr[r] < len(acts):
             a = acts[ptr[r]]
-            deps = deps_cache.get(a)
-            if deps is None:
-                deps = deps_cache[a] = dependencies(a, schedule, has_comms)
+            deps = dependencies(a, schedule, has_comms, split)
             missing = next((d for d in deps if d not in done), None)
             if missing is not None:
                 waiting.setdefault(missing, []).append(r)
@@ -125,7 +119,7 @@ def _check_runs(schedule: Schedule) -> None:
 
     def missing(r: int) -> list[Action]:
         a = schedule.ranks[r][stuck[r]]
-        return [d for d in dependencies(a, schedule, has_comms) if d not in done]
+        return [d for d in dependencies(a, schedule, has_comms, split) if d not in done]
 
     # A head waiting for something later on its own rank is an order error, the root cause.
     for r in sorted(stuck):

@@ -400,3 +400,19 @@ def test_cuda_parity_two_stages_on_one_gpu(profiles, schedule):
     assert rel_err(loss.cpu(), expected.detach()) <= 1e-4
     for p, q in zip(piped.parameters(), reference.parameters()):
         assert rel_err(p.grad.cpu(), q.grad) <= 1e-4
+
+
+def test_auto_pipe_profiles_plans_and_compiles():
+    from codegen import auto_pipe
+
+    model, reference = small_mlp(), small_mlp()
+    x, y, loss_fn = data("mlp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = auto_pipe(model, x, devices=["cpu"] * 3, memory="1GiB", batch_size=N)
+    assert len(pipe.plan.devices) == 3 and pipe.devices == [torch.device("cpu")] * 3
+    assert pipe.schedule.num_stages == len(pipe.stages) and "class Pipeline" in pipe.source
+    loss_fn(reference(x), y).backward()
+    pipe.train_step(x, y, loss_fn)
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-5
