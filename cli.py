@@ -202,10 +202,15 @@ def cmd_codegen(args: argparse.Namespace) -> int:
             f"{args.plan} was made for a different model ({plan.model}); profile and plan "
             f"{args.model} first"
         )
-    write_atomic(out, emit_program(plan))
+    write_atomic(out, emit_program(plan, target=args.target))
+    run = (
+        f"python {out}"
+        if args.target == "streams"
+        else f"torchrun --nproc-per-node {len(plan.devices)} {out}"
+    )
     print(
         f"wrote {out}: {plan.schedule} over {len(plan.devices)} device(s), "
-        f"{len(plan.stages)} stage(s), M={plan.microbatches}; run it with: python {out}"
+        f"{len(plan.stages)} stage(s), M={plan.microbatches}; run it with: {run}"
     )
     return EXIT_OK
 
@@ -429,8 +434,9 @@ def _build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("codegen", help="emit the pipeline program for a plan")
     s.add_argument("plan")
     s.add_argument("--model", required=True, help="the model the plan was made for")
-    s.add_argument("--target", choices=["streams"], default="streams",
-                   help="streams: one process, a CUDA stream per stage (CPU without CUDA)")  # fmt: skip
+    s.add_argument("--target", choices=["streams", "torchrun"], default="streams",
+                   help="streams: one process, a CUDA stream per stage (CPU without CUDA); "
+                   "torchrun: one process per device, over torch.distributed (gloo or NCCL)")  # fmt: skip
     s.add_argument("-o", "--output", default="program.py")
     s.set_defaults(run=cmd_codegen)
 

@@ -190,9 +190,7 @@ class PipelineRuntime:
             if s == len(self.stages) - 1:
                 self.losses[m] = self.loss_fn(out, self.targets[m]) * self.weights[m]
             else:
-                self._send(
-                    out, s, s + 1, lambda v, s=s, m=m: self.inputs.__setitem__((s + 1, m), v)
-                )
+                self.send_activation(out, s, m)
 
     def backward(self, s: int, m: int) -> None:
         with self._action("backward", s, m):
@@ -242,9 +240,7 @@ class PipelineRuntime:
             if s == len(self.stages) - 1:
                 self.outputs[(s, m)] = out
             else:
-                self._send(
-                    out, s, s + 1, lambda v, s=s, m=m: self.inputs.__setitem__((s + 1, m), v)
-                )
+                self.send_activation(out, s, m)
 
     def infer_finish(self) -> Value:
         self._leave_streams()
@@ -315,11 +311,8 @@ class PipelineRuntime:
         return [o for o, _ in pairs], [g for _, g in pairs]
 
     def _send_input_grads(self, s: int, m: int, grads: list[torch.Tensor | None]) -> None:
-        if s == 0:
-            return
-        self._send_list(
-            grads, s, s - 1, lambda v, s=s, m=m: self.ready.__setitem__(("grad", s - 1, m), v)
-        )
+        if s > 0:
+            self.send_gradient(grads, s, m)
 
     def _free(self, s: int, m: int) -> None:
         self.outputs.pop((s, m), None)
@@ -330,17 +323,16 @@ class PipelineRuntime:
     # event; the send stream (source device) and receive stream (destination device) wait for it
     # and copy; the consumer's compute stream waits for the copy.
 
-    def _send(self, value: Value, src: int, dst: int, deliver: Callable[[Value], None]) -> None:
-        ts = _tensors(value)
-        moved = self._move([t.detach() for t in ts], src, dst)
-        deliver(_like(value, moved))
+    def send_activation(self, value: Value, s: int, m: int) -> None:
+        """Stage s's output for micro-batch m becomes stage s + 1's input."""
+        moved = self._move([t.detach() for t in _tensors(value)], s, s + 1)
+        self.inputs[(s + 1, m)] = _like(value, moved)
 
-    def _send_list(
-        self, ts: list[torch.Tensor | None], src: int, dst: int, deliver: Callable[[Any], None]
-    ) -> None:
-        present = [t for t in ts if t is not None]
-        moved = iter(self._move(present, src, dst))
-        deliver([next(moved) if t is not None else None for t in ts])
+    def send_gradient(self, grads: list[torch.Tensor | None], s: int, m: int) -> None:
+        """The gradient of stage s's input becomes that of stage s - 1's output (None where an
+        input needs no gradient)."""
+        moved = iter(self._move([g for g in grads if g is not None], s, s - 1))
+        self.ready[("grad", s - 1, m)] = [next(moved) if g is not None else None for g in grads]
 
     def _move(self, ts: list[torch.Tensor], src: int, dst: int) -> list[torch.Tensor]:
         a, b = self.devices[src], self.devices[dst]

@@ -1,0 +1,53 @@
+"""Run under torchrun by test_codegen's torchrun tests: for each emitted program given, one step
+on every rank against the un-pipelined model; each rank writes what it measured as JSON."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.environ["GPIPE_ROOT"])
+from profiler.examples import mlp  # noqa: E402
+
+
+def main() -> None:
+    out_dir, programs = sys.argv[1], sys.argv[2:]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = {}
+    for path in programs:
+        ns: dict = {}
+        exec(compile(open(path).read(), path, "exec"), ns)
+        torch.manual_seed(0)
+        model = mlp(width=32, depth=4, batch=8)
+        reference = copy.deepcopy(model)
+        x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+        loss_fn = nn.CrossEntropyLoss()
+        expected = loss_fn(reference(x), y)
+        expected.backward()
+        pipe = ns["Pipeline"](model)
+        loss = pipe.train_step(x if rank == 0 else None, y, loss_fn)
+        errs = []
+        for s in sorted(pipe.local):
+            a, b = pipe.STAGES[s]
+            for i in range(a, b):
+                for p, q in zip(model[i].parameters(), reference[i].parameters()):
+                    errs.append(float((p.grad - q.grad).abs().max() / q.grad.abs().max()))
+        results[os.path.basename(path)] = {
+            "loss_err": abs(float(loss) - float(expected)),
+            "grad_err": max(errs, default=0.0),
+            "params": len(errs),
+        }
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
