@@ -168,6 +168,8 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
         while p < n:
             c, s, m = prog[p]
             start = t_rank
+            # The waits below are written out per kind on purpose: a generic loop over a tuple
+            # of keys made the whole simulation 1.5-2x slower (benchmarks/simulate_bench.py).
             if c == 0 or c == 5:  # F or RECV_F: wait for the input
                 if s > 0:
                     t = avail.get((X, s, m))

@@ -215,7 +215,7 @@ def test_factory_that_raises_and_one_that_returns_junk(run_cli, tmp_path):
         "def broken():\n    raise RuntimeError('weights not found')\n"
         "def junk():\n    return 42\n"
         "import torch\n"
-        "def graph():\n    return torch.nn.Transformer(d_model=8, nhead=2)\n"
+        "def graph():\n    return torch.nn.Transformer(d_model=8, nhead=2, batch_first=True)\n"
     )
     out = tmp_path / "profile.json"
     r = run_cli("profile", f"{src}:broken", "--input-shape", "2,4", "-o", out)

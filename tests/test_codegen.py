@@ -336,54 +336,33 @@ def test_emitted_source_is_formatted(profiles, tmp_path, target):
     assert r.returncode == 0, r.stdout + r.stderr
 
 
-def test_running_the_program_directly(tmp_path):
-    import cli
+@pytest.fixture
+def mlp_plan_path(tmp_path, run_cli):
+    """example:mlp profiled and planned for 3 devices through the command line."""
+    prof, plan_path = tmp_path / "p.json", tmp_path / "plan.json"
+    assert (
+        run_cli("profile", "example:mlp", "--batch-sizes", "2,4", "--repeats", "1", "-o", prof).code
+        == 0
+    )
+    r = run_cli(
+        "plan", prof, "--devices", 3, "--memory", "1GiB", "--batch-size", 8, "-o", plan_path
+    )
+    assert r.code == 0, r.err
+    return plan_path
 
-    prof, plan_path, program = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "program.py"
-    assert (
-        cli.main(
-            ["profile", "example:mlp", "--batch-sizes", "2,4", "--repeats", "1", "-o", str(prof)]
-        )
-        == 0
-    )
-    assert (
-        cli.main(
-            [
-                "plan",
-                str(prof),
-                "--devices",
-                "3",
-                "--memory",
-                "1GiB",
-                "--batch-size",
-                "8",
-                "-o",
-                str(plan_path),
-            ]
-        )
-        == 0
-    )
-    assert cli.main(["codegen", str(plan_path), "--model", "example:mlp", "-o", str(program)]) == 0
+
+def test_running_the_program_directly(tmp_path, mlp_plan_path, run_cli):
+    program = tmp_path / "program.py"
+    assert run_cli("codegen", mlp_plan_path, "--model", "example:mlp", "-o", program).code == 0
     r = subprocess.run([sys.executable, str(program), "--device", "cpu"], capture_output=True, text=True,
                        env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "example:mlp: one" in r.stdout and " ms, loss " in r.stdout
 
 
-def test_codegen_refuses_another_model(tmp_path, run_cli):
-    prof, plan_path = tmp_path / "p.json", tmp_path / "plan.json"
-    assert (
-        run_cli("profile", "example:mlp", "--batch-sizes", "2", "--repeats", "1", "-o", prof).code
-        == 0
-    )
-    assert (
-        run_cli(
-            "plan", prof, "--devices", "2", "--memory", "1GiB", "--batch-size", "4", "-o", plan_path
-        ).code
-        == 0
-    )
+def test_codegen_refuses_another_model(tmp_path, mlp_plan_path, run_cli):
     out = tmp_path / "program.py"
-    r = run_cli("codegen", plan_path, "--model", "example:transformer", "-o", out)
+    r = run_cli("codegen", mlp_plan_path, "--model", "example:transformer", "-o", out)
     assert r.code == 2 and "different model" in r.err and not out.exists()
 
 
@@ -479,20 +458,10 @@ def test_torchrun_gradient_parity(profiles, tmp_path, torchrun_available):
             assert res["params"] > 0 and res["grad_err"] <= 1e-5, (rank, name, res)
 
 
-def test_torchrun_program_runs_directly(profiles, tmp_path, torchrun_available, run_cli):
-    prof, plan_path, program = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "program.py"
-    assert (
-        run_cli("profile", "example:mlp", "--batch-sizes", "2,4", "--repeats", "1", "-o", prof).code
-        == 0
-    )
-    assert (
-        run_cli(
-            "plan", prof, "--devices", "3", "--memory", "1GiB", "--batch-size", "8", "-o", plan_path
-        ).code
-        == 0
-    )
+def test_torchrun_program_runs_directly(tmp_path, mlp_plan_path, torchrun_available, run_cli):
+    program = tmp_path / "program.py"
     r = run_cli(
-        "codegen", plan_path, "--model", "example:mlp", "--target", "torchrun", "-o", program
+        "codegen", mlp_plan_path, "--model", "example:mlp", "--target", "torchrun", "-o", program
     )
     assert r.code == 0 and "torchrun --nproc-per-node 3" in r.out
     source = program.read_text()

@@ -101,6 +101,16 @@ def check_partition(part, times, chain, specs):
     )
 
 
+def assert_optimal(part, expected, times, chain, specs):
+    """`part` is a valid split with the brute-force optimum, or None when nothing fits."""
+    if math.isinf(expected):
+        assert part is None
+    else:
+        assert part is not None
+        check_partition(part, times, chain, specs)
+        assert part.bottleneck == expected
+
+
 @settings(max_examples=400, deadline=None)
 @given(problems())
 def test_probe_and_dp_match_brute_force(problem):
@@ -109,13 +119,7 @@ def test_probe_and_dp_match_brute_force(problem):
     memory = MemoryModel(chain)
     expected = brute_force(times, chain, specs)
     for solve in (solve_partition, solve_partition_dp):
-        part = solve(times, memory, specs)
-        if math.isinf(expected):
-            assert part is None
-        else:
-            assert part is not None
-            check_partition(part, times, chain, specs)
-            assert part.bottleneck == expected
+        assert_optimal(solve(times, memory, specs), expected, times, chain, specs)
 
 
 @settings(max_examples=200, deadline=None)
@@ -182,10 +186,6 @@ def test_cpsat_matches_brute_force(problem):
     times = chain.forward + chain.backward  # whole milliseconds: exact after scaling
     expected = brute_force(times, chain, specs)
     part = solve_partition_cpsat(times, MemoryModel(chain), specs)
-    if math.isinf(expected):
-        assert part is None
-    else:
-        assert part is not None
-        check_partition(part, times, chain, specs)
-        assert part.bottleneck == expected
+    assert_optimal(part, expected, times, chain, specs)
+    if part is not None:
         assert part.extra["optimal"] == 1.0 and part.extra["gap"] == 0.0
