@@ -166,10 +166,10 @@ class PipelineRuntime:
         self.targets = _split_target(y, M)
         self.weights = [c.shape[0] / n for c in xs]
         first, last = self.devices[0], self.devices[-1]
-        self._enter_streams()
         for m, c in enumerate(xs):
             self.inputs[(0, m)] = c.to(first, non_blocking=True)
         self.targets = [_to(t, last) for t in self.targets]
+        self._enter_streams()  # after the copies above, which run on the default streams
 
     def finish(self) -> torch.Tensor:
         """Make the default streams wait for the pipeline, and return the mini-batch loss."""
@@ -228,9 +228,9 @@ class PipelineRuntime:
         M = min(self.MICROBATCHES, x.shape[0])
         self.infer_microbatches = M
         self.inputs, self.outputs, self.ready = {}, {}, {}
-        self._enter_streams()
         for m, c in enumerate(torch.tensor_split(x, M)):
             self.inputs[(0, m)] = c.to(self.devices[0], non_blocking=True)
+        self._enter_streams()
 
     def infer_forward(self, s: int, m: int) -> None:
         if m >= self.infer_microbatches:

@@ -20,6 +20,16 @@ def main() -> None:
     out_dir, programs = sys.argv[1], sys.argv[2:]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+    if out_dir == "--fail":  # the last rank's loss raises mid-step: nobody may hang
+        ns: dict = {}
+        exec(compile(open(programs[0]).read(), programs[0], "exec"), ns)
+        torch.manual_seed(0)
+        pipe = ns["Pipeline"](mlp(width=32, depth=4, batch=8))
+
+        def broken(out, y):
+            raise ValueError("bad label")
+
+        pipe.train_step(torch.randn(8, 32), torch.zeros(8, dtype=torch.long), broken)
     results = {}
     for path in programs:
         ns: dict = {}

@@ -470,3 +470,19 @@ def test_torchrun_program_runs_directly(tmp_path, mlp_plan_path, torchrun_availa
     done = torchrun(3, str(program))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "example:mlp: one" in done.stdout and "on 3 ranks" in done.stdout
+
+
+def test_torchrun_rank_that_raises_does_not_hang_the_others(profiles, tmp_path, torchrun_available):
+    plan = plan_pipeline(
+        profiles["mlp"],
+        Cluster.uniform(2, "1GiB"),
+        N,
+        microbatches=4,
+        schedule="1f1b",
+        recompute="never",
+    )
+    path = tmp_path / "p.py"
+    path.write_text(emit_program(plan, target="torchrun"))
+    r = torchrun(2, str(ROOT / "tests" / "dist_driver.py"), "--fail", str(path), timeout=120)
+    assert r.returncode != 0
+    assert "forward of stage 1, micro-batch 0 failed: ValueError: bad label" in r.stderr
