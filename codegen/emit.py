@@ -304,6 +304,7 @@ def main() -> None:
         if pipe.rank == 0:
             ranks = dist.get_world_size()
             print(f"{MODEL}: one {pipe.SCHEDULE} step on {ranks} ranks: {ms:.1f} ms, {loss=:.4f}")
+        dist.barrier()  # NOTE: tearing gloo down while a peer is still mid-exit can abort it
     finally:
         dist.destroy_process_group()
 

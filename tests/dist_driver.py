@@ -50,12 +50,14 @@ def main() -> None:
                 for p, q in zip(model[i].parameters(), reference[i].parameters()):
                     errs.append(float((p.grad - q.grad).abs().max() / q.grad.abs().max()))
         results[os.path.basename(path)] = {
-            "loss_err": abs(float(loss) - float(expected)),
+            "loss_err": abs(float(loss) - float(expected.detach())),
             "grad_err": max(errs, default=0.0),
             "params": len(errs),
         }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+    print(f"rank {rank}: results written", file=sys.stderr, flush=True)
+    dist.barrier()  # NOTE: tearing gloo down while a peer is still mid-exit can abort the process
     dist.destroy_process_group()
 
 

@@ -415,7 +415,13 @@ def torchrun(nproc: int, *args: str, timeout: int = 240) -> subprocess.Completed
         f"--nproc-per-node={nproc}",
         *args,
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    # NOTE: about 1 run in 30 on this 2-core machine, a worker aborts inside gloo's C++ with
+    # "terminate called without an active exception" (no Python error). Launch once more then;
+    # a Python failure of ours is never retried.
+    if r.returncode != 0 and "terminate called without an active exception" in r.stderr:
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    return r
 
 
 @pytest.fixture(scope="module")
