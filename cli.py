@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,6 +43,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gpipe-plan: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # `gpipe-plan show plan.json | head`: the reader left; stop quietly, as Unix tools do.
+        # NOTE: point stdout at devnull so the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 # ---------------------------------------------------------------------------------- commands
