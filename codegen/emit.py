@@ -89,7 +89,7 @@ def emit_program(plan: Plan, schedule: Schedule | None = None, target: str = "st
     else:
         validate(sched)
         runtime += "\n\n" + _without_dropped_lines(DIST_RUNTIME.read_text())
-        body = _torchrun_class(plan, insert_comms(sched.compute_only()))
+        body = _torchrun_class(plan, insert_comms(sched))
         main = _TORCHRUN_MAIN
     constants = f"""
 

@@ -32,10 +32,6 @@ class MemoryBreakdown(_Strict):
     total: int
     budget: int
 
-    @property
-    def over_by(self) -> int:
-        return self.total - self.budget
-
 
 class StagePlan(_Strict):
     index: int

@@ -39,6 +39,8 @@ def test_equal_stages_bubble_is_closed_form(name, K, M):
     assert tl.makespan == (M + K - 1) * 3
     assert Fraction(idle(tl)) / Fraction(K * tl.makespan) == Fraction(K - 1, M + K - 1)
     assert tl.bubble_fraction == pytest.approx((K - 1) / (M + K - 1), rel=1e-12)
+    assert tl.bubble == [1 - b / tl.makespan for b in tl.busy]  # per rank: equal stages, equal idle
+    assert len(set(tl.bubble)) == 1
 
 
 @settings(max_examples=200, deadline=None)
