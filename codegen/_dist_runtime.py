@@ -79,7 +79,7 @@ class DistPipelineRuntime(PipelineRuntime):
         only the last stage's rank needs y (the others may pass None)."""
         M, last = self.MICROBATCHES, len(self.STAGES) - 1
         self.loss_fn = loss_fn
-        self.inputs, self.outputs, self.grads, self.losses, self.ready = {}, {}, {}, {}, {}
+        self._reset()
         self.outbox: dict[tuple[str, int, int], Any] = {}
         self.works: list[Any] = []
         seed = torch.randint(0, 2**62, (1,)).to(self.device)
@@ -108,15 +108,8 @@ class DistPipelineRuntime(PipelineRuntime):
         if last in self.local:
             total = sum(self.losses[m].detach().float() for m in range(self.MICROBATCHES)) + total
         dist.broadcast(total, src=self.RANKS[last])
-        self.inputs, self.outputs, self.grads, self.losses, self.ready, self.outbox = (
-            {},
-            {},
-            {},
-            {},
-            {},
-            {},
-        )
-        self.works = []
+        self._reset()
+        self.outbox, self.works = {}, []
         return total
 
     # Hand-offs: within the rank as before; to another rank through the outbox and SEND actions.

@@ -154,11 +154,7 @@ class PipelineRuntime:
                 f"a batch of {n} cannot be split into {M} micro-batches; pass at least {M} samples"
             )
         self.loss_fn = loss_fn
-        self.inputs: dict[tuple[int, int], Value] = {}
-        self.outputs: dict[tuple[int, int], Value] = {}
-        self.grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
-        self.losses: dict[int, torch.Tensor] = {}
-        self.ready: dict[tuple[str, int, int], Any] = {}
+        self._reset()
         # One draw from the caller's RNG per step; every (layer, micro-batch) forward then runs on
         # its own seed, so dropout masks do not depend on the schedule or on recomputation.
         self.seed = int(torch.randint(0, 2**62, (1,)).item())
@@ -175,8 +171,18 @@ class PipelineRuntime:
         """Make the default streams wait for the pipeline, and return the mini-batch loss."""
         self._leave_streams()
         total = sum(self.losses[m].detach() for m in range(self.MICROBATCHES))
-        self.inputs, self.outputs, self.grads, self.losses, self.ready = {}, {}, {}, {}, {}
+        self._reset()
         return total  # type: ignore[return-value]
+
+    def _reset(self) -> None:
+        """Forget the step: every tensor of it is dropped here, or earlier by _free."""
+        self.inputs: dict[tuple[int, int], Value] = {}
+        self.outputs: dict[tuple[int, int], Value] = {}
+        self.grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}  # from the next stage
+        self.losses: dict[int, torch.Tensor] = {}
+        self.ready: dict[tuple[str, int, int], Any] = {}
+        self.layer_outputs: dict[tuple[int, int], list[Value]] = {}  # for a layer-wise W
+        self.layer_grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
 
     # -- actions --------------------------------------------------------------------------
 
@@ -202,24 +208,45 @@ class PipelineRuntime:
 
     def backward_input(self, s: int, m: int) -> None:
         with self._action("backward_input", s, m):
-            wrt = [t for t in _tensors(self.inputs[(s, m)]) if t.requires_grad]
+            inputs = _tensors(self.inputs[(s, m)])
+            wrt = [t for t in inputs if t.requires_grad]
+            # Without recomputation, also ask for the gradient of every layer's output: the same
+            # pass computes them, and then W can run each layer's weight gradient on its own.
+            inner = self.layer_outputs.get((s, m), [])
+            hidden = [t for out in inner[:-1] for t in _tensors(out) if t.requires_grad]
             roots, grads = self._roots(s, m)
             got: list[torch.Tensor | None] = []
-            if wrt and roots:
+            if (wrt or hidden) and roots:
                 got = list(
-                    torch.autograd.grad(roots, wrt, grads, retain_graph=True, allow_unused=True)
+                    torch.autograd.grad(
+                        roots, wrt + hidden, grads, retain_graph=True, allow_unused=True
+                    )
                 )
-            it = iter(got)
-            self._send_input_grads(
-                s, m, [next(it) if t.requires_grad else None for t in _tensors(self.inputs[(s, m)])]
-            )
+            self.layer_grads[(s, m)] = got[len(wrt) :]
+            it = iter(got[: len(wrt)])
+            self._send_input_grads(s, m, [next(it) if t.requires_grad else None for t in inputs])
 
     def backward_weight(self, s: int, m: int) -> None:
         with self._action("backward_weight", s, m):
-            params = [p for p in self.stages[s].parameters() if p.requires_grad]
             roots, grads = self._roots(s, m)
-            if roots and params:
-                torch.autograd.backward(roots, grads, inputs=params)
+            inner = self.layer_outputs.pop((s, m), None)
+            if inner is None:  # recomputed: one pass over the whole stage for its weights
+                params = [p for p in self.stages[s].parameters() if p.requires_grad]
+                if roots and params:
+                    torch.autograd.backward(roots, grads, inputs=params)
+            else:  # layer by layer, from each layer's output and the gradient I left for it
+                hidden = iter(self.layer_grads.pop((s, m)))
+                for k, layer in enumerate(self.stages[s]):
+                    if k == len(inner) - 1:  # the stage's own roots (the loss on the last stage)
+                        outs, gs = roots, grads
+                    else:
+                        tensors = [t for t in _tensors(inner[k]) if t.requires_grad]
+                        pairs = [(t, next(hidden)) for t in tensors]
+                        outs = [t for t, g in pairs if g is not None]
+                        gs = [g for _, g in pairs if g is not None]
+                    params = [p for p in layer.parameters() if p.requires_grad]
+                    if outs and params:
+                        torch.autograd.backward(outs, gs, inputs=params)
             self._free(s, m)
 
     # -- inference ------------------------------------------------------------------------
@@ -270,7 +297,7 @@ class PipelineRuntime:
             self.RECOMPUTE == "except_last" and m < self.MICROBATCHES - 1
         )
         if not recompute:
-            return self._layers(s, m, inp)
+            return self._layers(s, m, inp, keep=self.SCHEDULE == "zb-h1")
         calls = [0]
 
         def run(*args: torch.Tensor) -> Value:
@@ -282,13 +309,18 @@ class PipelineRuntime:
 
         return checkpoint(run, *_tensors(inp), use_reentrant=False, preserve_rng_state=True)
 
-    def _layers(self, s: int, m: int, h: Value) -> Value:
+    def _layers(self, s: int, m: int, h: Value, keep: bool = False) -> Value:
         """Each layer on its own seed: dropout masks depend on (step, layer, micro-batch) only,
-        not on the schedule, the partition or recomputation."""
+        not on the schedule, the partition or recomputation. `keep`: remember every layer's
+        output, for a layer-by-layer weight gradient (zero-bubble W)."""
         first = self.STAGES[s][0]
+        outs = []
         for k, layer in enumerate(self.stages[s]):
             with self._seeded(self.devices[s], first + k, m):
                 h = layer(h)
+            outs.append(h)
+        if keep:
+            self.layer_outputs[(s, m)] = outs
         return h
 
     @contextlib.contextmanager
@@ -315,6 +347,8 @@ class PipelineRuntime:
             self.send_gradient(grads, s, m)
 
     def _free(self, s: int, m: int) -> None:
+        self.layer_outputs.pop((s, m), None)
+        self.layer_grads.pop((s, m), None)
         self.outputs.pop((s, m), None)
         self.grads.pop((s, m), None)
         self.inputs.pop((s, m), None)
