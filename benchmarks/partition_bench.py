@@ -44,6 +44,7 @@ def chain(L: int, seed: int = 0) -> Chain:
         shared=np.zeros(L, dtype=np.int64),
         transient=rng.integers(0, 20_000, L),
         boundary=rng.integers(1_000, 10_000, L + 1),
+        weight_grad=rng.uniform(0.5, 1.0, L),  # drawn last: the other arrays keep their values
     )
 
 

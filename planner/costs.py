@@ -42,7 +42,8 @@ class Chain:
     mb: int
     forward: np.ndarray
     backward: np.ndarray
-    input_grad: np.ndarray  # the part of backward that computes the input gradient (<= backward)
+    input_grad: np.ndarray  # zero-bubble I: the input gradient alone
+    weight_grad: np.ndarray  # zero-bubble W: the weight gradients alone, as the pipe runs them
     params: np.ndarray
     buffers: np.ndarray
     saved: np.ndarray
@@ -76,7 +77,8 @@ def chain_at(profile: Profile, mb: int) -> Chain:
         mb=mb,
         forward=times("forward_ms"),
         backward=times("backward_ms"),
-        input_grad=np.minimum(times("backward_input_ms"), times("backward_ms")),
+        input_grad=times("backward_input_ms"),
+        weight_grad=times("backward_weight_ms"),
         params=np.array([x.param_bytes for x in layers], dtype=np.int64),
         buffers=np.array([x.buffer_bytes for x in layers], dtype=np.int64),
         saved=saved,

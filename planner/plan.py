@@ -46,7 +46,11 @@ class StagePlan(_Strict):
     )
     forward_ms: float = Field(description="per micro-batch, on this device")
     backward_ms: float
-    input_grad_ms: float = Field(description="the input-gradient part of backward (zero-bubble I)")
+    input_grad_ms: float = Field(description="the input gradient alone (zero-bubble I)")
+    weight_grad_ms: float = Field(
+        description="the weight gradients alone, layer by layer (zero-bubble W); I + W may exceed "
+        "backward_ms: W re-derives each layer's internal gradients"
+    )
     recompute_ms: float
     send_bytes: int = Field(description="per micro-batch, to the next stage (0 for the last)")
     send_ms: float

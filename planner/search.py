@@ -263,6 +263,7 @@ def _build_plan(
         f = float(chain.forward[i:j].sum()) / spec.speed
         b = float(chain.backward[i:j].sum()) / spec.speed
         i_ms = float(chain.input_grad[i:j].sum()) / spec.speed
+        w_ms = float(chain.weight_grad[i:j].sum()) / spec.speed
         send_bytes = int(chain.boundary[j]) if s < S - 1 else 0
         send = _link_ms(cluster, rank, (s + 1) % K, send_bytes) if s < S - 1 else 0.0
         terms = {k: int(x[0]) for k, x in memory.terms(i, j, spec.shape).items()}
@@ -280,6 +281,7 @@ def _build_plan(
                 forward_ms=f,
                 backward_ms=b,
                 input_grad_ms=i_ms,
+                weight_grad_ms=w_ms,
                 recompute_ms=f if cand.recompute != "never" else 0.0,
                 send_bytes=send_bytes,
                 send_ms=send,
@@ -352,7 +354,7 @@ def simulate_stages(
         forward=[st.forward_ms for st in stages],
         backward=[st.backward_ms for st in stages],
         input_grad=[st.input_grad_ms for st in stages],
-        weight_grad=[st.backward_ms - st.input_grad_ms for st in stages],
+        weight_grad=[st.weight_grad_ms for st in stages],
         recompute=[st.recompute for st in stages],
         transfer=[st.send_ms for st in stages[:-1]],
         activation_bytes=[st.stash_bytes for st in stages],

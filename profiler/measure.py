@@ -91,6 +91,7 @@ def profile_model(
                 forward_ms={b: r["forward"] for b, r in rows.items()},
                 backward_ms={b: r["backward"] for b, r in rows.items()},
                 backward_input_ms={b: r["backward_input"] for b, r in rows.items()},
+                backward_weight_ms={b: r["backward_weight"] for b, r in rows.items()},
                 saved_bytes={b: r["saved"] for b, r in rows.items()},
                 shared_bytes={b: r["shared"] for b, r in rows.items()},
                 peak_bytes={b: r["peak"] for b, r in rows.items()},
@@ -152,8 +153,9 @@ def _measure_layer(
             torch.cuda.synchronize(dev)
             peak = torch.cuda.max_memory_allocated(dev) - base
         forward = _time(lambda: layer(inp), dev, repeats, warmup)
-        backward = _time_backward(layer, inp, dev, repeats, warmup)
-        backward_input = _time_backward(layer, inp, dev, repeats, warmup, inputs_only=True)
+        backward = _time_backward(layer, inp, dev, repeats, warmup, "full")
+        backward_input = _time_backward(layer, inp, dev, repeats, warmup, "input")
+        backward_weight = _time_backward(layer, inp, dev, repeats, warmup, "weight")
     except InputError:
         raise
     except Exception as e:
@@ -178,6 +180,7 @@ def _measure_layer(
         "forward": forward,
         "backward": backward,
         "backward_input": backward_input,
+        "backward_weight": backward_weight,
         "saved": saved_total,
         "shared": sum(n for ptr, n in saved_bytes.items() if ptr in prev_saved),
         "peak": max(int(peak), 0),
@@ -197,28 +200,29 @@ def _time(fn: Callable[[], object], dev: torch.device, repeats: int, warmup: int
 
 
 def _time_backward(
-    layer: nn.Module,
-    inp: Value,
-    dev: torch.device,
-    repeats: int,
-    warmup: int,
-    inputs_only: bool = False,
+    layer: nn.Module, inp: Value, dev: torch.device, repeats: int, warmup: int, part: str
 ) -> Timing:
-    """Full backward, or (inputs_only) just the input gradient: the zero-bubble schedules' I,
-    whose complement W = B - I is the weight gradient."""
+    """Backward of the layer alone: "full"; "input", the input gradient only (zero-bubble I);
+    or "weight", the weight gradients only, run the way the compiled pipe runs W (from the
+    layer's output, `inputs=` its parameters)."""
     wrt = [t for t in _tensors(inp) if t.requires_grad]
+    params = [p for p in layer.parameters() if p.requires_grad]
     samples = []
     for k in range(warmup + repeats):
         out = layer(inp)
         roots, grads = _backward_args(out)
-        if not roots or (inputs_only and not wrt):
+        if not roots or (part == "input" and not wrt) or (part == "weight" and not params):
             ms = 0.0
-        elif inputs_only:
+        elif part == "input":
             ms = _elapsed(lambda: torch.autograd.grad(roots, wrt, grads, allow_unused=True), dev)  # noqa: B023
+        elif part == "weight":
+            ms = _elapsed(lambda: torch.autograd.backward(roots, grads, inputs=params), dev)  # noqa: B023
         else:
             ms = _elapsed(lambda: torch.autograd.backward(roots, grads), dev)  # noqa: B023
         if k >= warmup:
             samples.append(ms)
+    for p in params:
+        p.grad = None
     return Timing(median=statistics.median(samples), min=min(samples), max=max(samples))
 
 

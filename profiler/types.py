@@ -39,7 +39,10 @@ class LayerProfile(BaseModel):
     forward_ms: dict[int, Timing]
     backward_ms: dict[int, Timing]
     backward_input_ms: dict[int, Timing] = Field(
-        description="the input gradient alone (zero-bubble I); the weight gradient W is the rest"
+        description="the input gradient alone (zero-bubble I)"
+    )
+    backward_weight_ms: dict[int, Timing] = Field(
+        description="the weight gradients alone, from the layer's output (zero-bubble W)"
     )
     saved_bytes: dict[int, int]
     shared_bytes: dict[int, int]

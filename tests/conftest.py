@@ -45,6 +45,7 @@ def synthetic_profile(
             forward_ms={b: _t(forward[i] * b) for b in sizes},
             backward_ms={b: _t(backward[i] * b) for b in sizes},
             backward_input_ms={b: _t(backward[i] * b / 2) for b in sizes},
+            backward_weight_ms={b: _t(backward[i] * b / 2) for b in sizes},
             saved_bytes={b: saved[i] * b for b in sizes},
             shared_bytes={b: shared[i] * b for b in sizes},
             peak_bytes={b: peak[i] * b for b in sizes},

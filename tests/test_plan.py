@@ -55,6 +55,10 @@ def test_stage_memory_is_the_formula_term_by_term():
             S = mb * (sum(saved[i:j]) - sum(shared[i + 1 : j]))
             entering = mb * (inp if i == 0 else out[i - 1])
             assert (st_.stash_bytes, st_.input_bytes) == (S, entering)
+            bwd = sum(prof.layers[k].backward_ms[1].median for k in range(i, j)) * mb
+            assert st_.backward_ms == pytest.approx(bwd) and st_.weight_grad_ms == pytest.approx(
+                bwd / 2
+            )
             pairs = shape_of(plan, s).stash
             assert [tuple(x) for x in st_.stash_pairs] == list(pairs)
             assert m.stashed_activations == max(a * entering + b * S for a, b in pairs)

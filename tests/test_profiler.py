@@ -55,6 +55,9 @@ def test_linear_relu_linear_saved_and_output_bytes_are_exact():
     assert [x.output_bytes for x in prof.layers] == [3 * F32, 3 * F32, 5 * F32]
     assert [x.output_shape for x in prof.layers] == [[[3]], [[3]], [[5]]]
     assert [x.param_bytes for x in prof.layers] == [(12 + 3) * F32, 0, (15 + 5) * F32]
+    assert relu.backward_weight_ms[4].median == 0.0  # no weights
+    assert lin1.backward_input_ms[4].median == 0.0  # the model's input needs no gradient
+    assert lin2.backward_weight_ms[4].median > 0 and lin2.backward_input_ms[4].median > 0
     assert prof.input_bytes == 4 * F32
 
 
