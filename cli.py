@@ -268,7 +268,8 @@ def _cluster(args: argparse.Namespace) -> Any:
 def _summary(plan: Any) -> str:
     p = plan.predicted
     return (
-        f"{plan.model}: {len(plan.stages)} stages, batch {plan.batch_size} as {plan.microbatches} "
+        f"{plan.model}: {len(plan.stages)} stages on {len(plan.devices)} devices, "
+        f"batch {plan.batch_size} as {plan.microbatches} "
         f"micro-batches of <= {plan.microbatch_size}, schedule {plan.schedule}, "
         f"recompute {plan.recompute}, optimizer {plan.optimizer}\n"
         f"predicted {p.iteration_ms:.2f} ms/iteration, bubble {p.bubble_fraction:.3f}, "
