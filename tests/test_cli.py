@@ -66,7 +66,11 @@ def test_check_fails_with_a_table_of_devices_over_budget(run_cli, plan_path):
     assert r.out.startswith(f"FAIL: {len(over)} of 4 devices over the memory budget")
     table = r.out.strip().splitlines()[3:]
     assert [row.split()[0] for row in table] == [d["name"] for d in over]
-    assert [row.split()[-2:] for row in table][0][0] == "MiB" or True
+    from planner import format_size
+
+    assert [" ".join(row.split()[-2:]) for row in table] == [
+        format_size(d["total"] - smallest) for d in over
+    ]
 
 
 def test_check_max_bubble(run_cli, plan_path):
