@@ -75,12 +75,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
         batch_sizes=sizes,
         repeats=args.repeats,
         warmup=args.warmup,
+        max_repeats=max(args.max_repeats, args.repeats),
+        time_budget_s=args.time_budget,
         model_spec=args.model,
+        loss_fn=args.loss,
+        threads=args.threads,
     )
     profile.save(out)
     fwd = sum(x.forward_ms[profile.batch_sizes[-1]].median for x in profile.layers)
+    loss = f" and its loss ({profile.loss.type})" if profile.loss is not None else ""
     print(
-        f"profiled {len(profile.layers)} layers of {args.model} on {profile.device_name} "
+        f"profiled {len(profile.layers)} layers of {args.model}{loss} on {profile.device_name} "
         f"at batch sizes {profile.batch_sizes} (forward {fwd:.2f} ms at "
         f"{profile.batch_sizes[-1]}) -> {out}"
     )
@@ -101,7 +106,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             args.batch_size,
             microbatches=args.microbatches,
             schedule=args.schedule,
-            recompute=args.checkpoint,
+            recompute=args.recompute,
             optimizer=args.optimizer,
             solver=args.solver,
         )
@@ -219,6 +224,89 @@ def cmd_codegen(args: argparse.Namespace) -> int:
         f"{len(plan.stages)} stage(s), M={plan.microbatches}; run it with: {run}"
     )
     return EXIT_OK
+
+
+def cmd_measure(args: argparse.Namespace) -> int:
+    out = _output_path(args.output) if args.output else None
+    from codegen.measure import make_data, measure_in_process, measure_torchrun
+    from codegen.pipe import compile_pipe
+    from planner import Plan
+    from profiler.artifact import write_atomic
+    from profiler.models import load_model, model_digest
+
+    plan = Plan.load(args.plan)
+    tolerance = _fraction(args.tolerance, "--tolerance")
+    model = load_model(args.model)
+    if model_digest(model) != plan.model_digest:
+        raise InputError(
+            f"{args.plan} was made for a different model ({plan.model}); profile and plan "
+            f"{args.model} first"
+        )
+    if args.target == "torchrun":
+        report = measure_torchrun(plan, args.model, steps=args.steps, tolerance=tolerance)
+    else:
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # every stage on the CPU: said in the report
+            pipe = compile_pipe(model, plan)
+        x, y, loss_fn = make_data(model, plan)
+        report = measure_in_process(
+            plan, pipe.program, x, y, loss_fn, steps=args.steps, tolerance=tolerance
+        )
+    print(_measure_table(report))
+    if out is not None:
+        write_atomic(out, report.model_dump_json(indent=1) + "\n")
+        print(f"wrote {out}")
+    if not report.ok:
+        over = [d.name for d in report.devices if d.memory_error > tolerance]
+        print(
+            f"FAIL: measured peak memory exceeds the prediction by more than "
+            f"{100 * tolerance:g}% on {', '.join(over)}"
+        )
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _measure_table(report: Any) -> str:
+    from planner import format_size
+
+    rows = [
+        [d.name, format_size(d.predicted_peak_bytes), format_size(d.measured_peak_bytes),
+         f"{100 * d.memory_error:+.1f}%", f"{d.predicted_ms:.2f}", f"{d.measured_ms:.2f}",
+         f"{100 * d.time_error:+.1f}%"]
+        for d in report.devices
+    ]  # fmt: skip
+    head = ["device", "predicted peak", "measured peak", "error", "busy ms (plan)",
+            "busy ms (run)", "error"]  # fmt: skip
+    actions = [
+        [str(a.stage), a.kind, str(a.count), f"{a.predicted_ms:.3f}" if a.predicted_ms else "-",
+         f"{a.measured_ms:.3f}", f"{100 * a.time_error:+.1f}%" if a.predicted_ms else "-"]
+        for a in report.actions
+    ]  # fmt: skip
+    how = "devices at once" if report.concurrent else "one process, stages in turn"
+    return "\n".join(
+        [
+            f"measured {report.steps} step(s) with the {report.target} target ({how}): step "
+            f"{report.measured_step_ms:.2f} ms, predicted {report.predicted_step_ms:.2f} ms "
+            f"({100 * report.step_error:+.1f}%)",
+            _table(head, rows),
+            "",
+            _table(["stage", "action", "count", "plan ms", "run ms (median)", "error"], actions),
+        ]
+    )
+
+
+def _fraction(text: str, flag: str) -> float:
+    """`5%` or `0.05`."""
+    body = text.strip()
+    try:
+        value = float(body[:-1]) / 100 if body.endswith("%") else float(body)
+    except ValueError:
+        raise InputError(f"{flag} {text!r}: expected a fraction such as 5% or 0.05") from None
+    if not 0 <= value < 10:
+        raise InputError(f"{flag} {text!r}: expected a fraction such as 5% or 0.05")
+    return value
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -393,7 +481,15 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     s.add_argument("--batch-sizes", help="micro-batch sizes to measure, e.g. 1,2,4,8")
-    s.add_argument("--repeats", type=_positive_int("--repeats"), default=5)
+    s.add_argument("--loss", help="mse, cross_entropy or pkg.mod:fn (examples carry their own)")
+    s.add_argument("--repeats", type=_positive_int("--repeats"), default=5,
+                   help="timed rounds at least (identical layers are timed together)")  # fmt: skip
+    s.add_argument("--max-repeats", type=_positive_int("--max-repeats"), default=100,
+                   help="timed rounds at most, until the median is stable")  # fmt: skip
+    s.add_argument("--time-budget", type=float, default=30.0,
+                   help="seconds of timing beyond the minimum rounds")  # fmt: skip
+    s.add_argument("--threads", type=_positive_int("--threads"),
+                   help="intra-op threads while measuring (1 to match torchrun on CPU)")  # fmt: skip
     s.add_argument("--warmup", type=int, default=2)
     s.add_argument("-o", "--output", default="profile.json")
     s.set_defaults(run=cmd_profile)
@@ -410,7 +506,8 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument(
         "--schedule", default="auto", help="auto, gpipe, 1f1b, interleaved-1f1b or zb-h1"
     )
-    s.add_argument("--checkpoint", default="auto", help="auto, never, except_last or always")
+    s.add_argument("--recompute", "--checkpoint", dest="recompute", default="auto",
+                   help="auto, never, except_last or always (--checkpoint is an alias)")  # fmt: skip
     s.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam")
     s.add_argument(
         "--solver",
@@ -446,6 +543,18 @@ def _build_parser() -> argparse.ArgumentParser:
                    "torchrun: one process per device, over torch.distributed (gloo or NCCL)")  # fmt: skip
     s.add_argument("-o", "--output", default="program.py")
     s.set_defaults(run=cmd_codegen)
+
+    s = sub.add_parser("measure", help="run a plan and compare its predictions with the run")
+    s.add_argument("plan")
+    s.add_argument("--model", required=True, help="the model the plan was made for")
+    s.add_argument("--target", choices=["streams", "torchrun"], default="streams",
+                   help="streams: in this process (on CPU, stages in turn: memory and per-action "
+                   "times compare); torchrun: one process per device on this host")  # fmt: skip
+    s.add_argument("--steps", type=_positive_int("--steps"), default=3)
+    s.add_argument("--tolerance", default="5%",
+                   help="exit 1 when a device's measured peak exceeds its prediction by more")  # fmt: skip
+    s.add_argument("-o", "--output", help="write the report as JSON here")
+    s.set_defaults(run=cmd_measure)
 
     s = sub.add_parser("schema", help="print the JSON schema of a file kind")
     s.add_argument("what", choices=["profile", "cluster", "plan"])

@@ -3,7 +3,8 @@
 # or many); stages on other ranks are reached over torch.distributed point-to-point (gloo on CPU,
 # NCCL on GPU). Each rank's straight-line program receives a tensor right before the action that
 # uses it and sends right after the action that makes it; sends do not block (isend), which is the
-# order the schedule validator proves cannot hang.
+# order the schedule validator proves cannot hang. A sent tensor is let go as soon as its send
+# completes (checked before every action), not at the end of the step.
 #
 # Activations travel as a header (how many tensors, their dtypes and shapes) and then the tensors;
 # gradients need no header: the receiver knows the shapes of the outputs they belong to.
@@ -19,13 +20,14 @@ import torch  # emit: drop
 import torch.distributed as dist
 from torch import nn  # emit: drop
 
+from ._numerics import defer_batch_norm, save_rng  # emit: drop
 from ._runtime import (  # emit: drop
+    Grads,  # emit: drop
     PipelineRuntime,  # emit: drop
     Value,  # emit: drop
     _split_target,  # emit: drop
     _tensors,  # emit: drop
     _to,  # emit: drop
-    defer_batch_norm,  # emit: drop
 )  # emit: drop
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -68,11 +70,20 @@ class DistPipelineRuntime(PipelineRuntime):
                 defer_batch_norm(self.stages[s], self.MICROBATCHES)
         self.cuda = False  # one device per process: no streams of our own
         self.stage_context = lambda s: contextlib.nullcontext()
+        self.action_log = None
+        self.rng = None
+        self._reset()
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters: give them to this rank's optimizer."""
         for s in sorted(self.local):
             yield from self.stages[s].parameters()
+
+    def _reset(self) -> None:
+        super()._reset()
+        self.outbox: dict[tuple[str, int, int], Any] = {}
+        self.out_meta: dict[tuple[int, int], list[tuple[list[int], torch.dtype] | None]] = {}
+        self.sent: list[tuple[list[Any], list[torch.Tensor]]] = []  # in flight: works, tensors
 
     def begin(self, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
         """Every rank calls this with the same mini-batch; only the first stage's rank needs x and
@@ -80,18 +91,16 @@ class DistPipelineRuntime(PipelineRuntime):
         M, last = self.MICROBATCHES, len(self.STAGES) - 1
         self.loss_fn = loss_fn
         self._reset()
-        self.outbox: dict[tuple[str, int, int], Any] = {}
-        self.works: list[Any] = []
         seed = torch.randint(0, 2**62, (1,)).to(self.device)
         dist.broadcast(seed, src=0)  # the same dropout seeds on every rank
         self.seed = int(seed.item())
+        self.rng = save_rng([self.device])
         if 0 in self.local:
             if x is None or x.shape[0] < M:
                 raise ValueError(
                     f"the first stage's rank needs the input batch, with at least {M} samples"
                 )
-            for m, c in enumerate(torch.tensor_split(x, M)):
-                self.inputs[(0, m)] = c.to(self.device)
+            self.batch = list(torch.tensor_split(x, M))
         if last in self.local:
             sized = y if isinstance(y, torch.Tensor) else x
             if sized is None:
@@ -101,33 +110,53 @@ class DistPipelineRuntime(PipelineRuntime):
             self.targets = [_to(t, self.device) for t in _split_target(y, M)]
 
     def finish(self) -> torch.Tensor:
-        for w in self.works:
-            w.wait()
+        for works, _ in self.sent:
+            for w in works:
+                w.wait()
         last = len(self.STAGES) - 1
         total = torch.zeros((), device=self.device)
         if last in self.local:
-            total = sum(self.losses[m].detach().float() for m in range(self.MICROBATCHES)) + total
+            total = sum(self.losses[m].float() for m in range(self.MICROBATCHES)) + total
         dist.broadcast(total, src=self.RANKS[last])
         self._reset()
-        self.outbox, self.works = {}, []
         return total
+
+    @contextlib.contextmanager
+    def _action(self, what: str, s: int, m: int) -> Iterator[None]:
+        self._let_go()
+        with super()._action(what, s, m):
+            yield
+
+    def _let_go(self) -> None:
+        """Drop the tensors whose sends have completed."""
+        self.sent = [(w, ts) for w, ts in self.sent if not all(x.is_completed() for x in w)]
 
     # Hand-offs: within the rank as before; to another rank through the outbox and SEND actions.
 
-    def send_activation(self, value: Value, s: int, m: int) -> None:
+    def push(self, value: Value, s: int, m: int) -> None:
         if s + 1 in self.local:
-            return super().send_activation(value, s, m)
-        self.outbox[("F", s, m)] = (isinstance(value, tuple), [t.detach() for t in _tensors(value)])
+            return super().push(value, s, m)
+        ts = [t.detach() for t in _tensors(value)]
+        self.out_meta[(s, m)] = [
+            (list(t.shape), t.dtype) if t.is_floating_point() else None for t in ts
+        ]
+        self.outbox[("F", s, m)] = (isinstance(value, tuple), ts)
 
-    def send_gradient(self, grads: list[torch.Tensor | None], s: int, m: int) -> None:
+    def leave_grad(self, grads: Grads, s: int, m: int, like: list[torch.Tensor]) -> None:
         if s - 1 in self.local:
-            return super().send_gradient(grads, s, m)
-        inputs = _tensors(self.inputs[(s, m)])
+            return super().leave_grad(grads, s, m, like)
+        # One tensor per floating-point input, zeros where it got no gradient: the receiver
+        # knows the shapes of the outputs they belong to.
         self.outbox[("B", s, m)] = [
-            (g if g is not None else torch.zeros_like(t)).detach()
-            for g, t in zip(grads, inputs)
+            g if g is not None else torch.zeros_like(t)
+            for g, t in zip(grads, like)
             if t.is_floating_point()
         ]
+
+    def pull(self, s: int, m: int) -> Grads:
+        if s + 1 in self.local:
+            return super().pull(s, m)
+        return self.outgrads.pop((s + 1, m))[0]  # received by RECV_B, already ours
 
     def send_forward(self, s: int, m: int) -> None:
         with self._action("send_forward", s, m):
@@ -141,9 +170,9 @@ class DistPipelineRuntime(PipelineRuntime):
                 header + [0] * (_HEADER - len(header)), dtype=torch.int64, device=self.device
             )
             dst = self.RANKS[s + 1]
-            self.works.append(dist.isend(head, dst))
-            self.works += [dist.isend(t.contiguous(), dst) for t in ts]
-            self._keep(head, ts)
+            ts = [t.contiguous() for t in ts]
+            works = [dist.isend(head, dst)] + [dist.isend(t, dst) for t in ts]
+            self.sent.append((works, [head, *ts]))
 
     def recv_forward(self, s: int, m: int) -> None:
         with self._action("recv_forward", s, m):
@@ -163,38 +192,26 @@ class DistPipelineRuntime(PipelineRuntime):
 
     def send_backward(self, s: int, m: int) -> None:
         with self._action("send_backward", s, m):
-            grads = self.outbox.pop(("B", s, m))
-            dst = self.RANKS[s - 1]
-            self.works += [dist.isend(g.contiguous(), dst) for g in grads]
-            self._keep(*grads)
+            ts = [g.contiguous() for g in self.outbox.pop(("B", s, m))]
+            works = [dist.isend(t, self.RANKS[s - 1]) for t in ts]
+            self.sent.append((works, ts))
 
     def recv_backward(self, s: int, m: int) -> None:
         with self._action("recv_backward", s, m):
             src = self.RANKS[s + 1]
             got: list[torch.Tensor | None] = []
-            for o in _tensors(self.outputs[(s, m)]):
-                if o.is_floating_point():
-                    g = torch.empty_like(o)
-                    dist.recv(g, src)
-                    got.append(g)
-                else:
+            for meta in self.out_meta.pop((s, m)):
+                if meta is None:
                     got.append(None)
-            self.ready[("grad", s, m)] = got
-
-    def _keep(self, *objs: Any) -> None:
-        """isend reads its buffer later: hold it until finish() waits for the sends."""
-        self.works.append(_Held(objs))
+                    continue
+                shape, dtype = meta
+                g = torch.empty(shape, dtype=dtype, device=self.device)
+                dist.recv(g, src)
+                got.append(g)
+            self.outgrads[(s + 1, m)] = (got, None)
 
     def _enter_streams(self) -> None:
         pass
 
     def _leave_streams(self) -> None:
         pass
-
-
-class _Held:
-    def __init__(self, objs: Any) -> None:
-        self.objs = objs
-
-    def wait(self) -> None:
-        self.objs = None

@@ -2,92 +2,47 @@
 # gpipe-plan pipeline runtime: the helpers a compiled program's straight-line train_step calls.
 # Imports only torch. Each call runs one action of the schedule for one (stage, micro-batch):
 #
-#     forward(s, m)          run stage s on micro-batch m; send its output to stage s + 1
-#     backward(s, m)         full backward; send the input gradient to stage s - 1
+#     forward(s, m)          run stage s on micro-batch m; push its output to stage s + 1
+#     backward(s, m)         pull the output gradient; full backward; leave the input gradient
 #     backward_input(s, m)   zero-bubble I: the input gradient only (graph kept for W)
 #     backward_weight(s, m)  zero-bubble W: the weight gradients, then free the graph
 #
-# Stage boundaries detach and re-attach autograd: a stage's input is a detached leaf, and its
-# .grad is what travels back. The last stage scales each micro-batch's (mean) loss by its share
-# of the mini-batch, so the gradients add up to those of the whole mini-batch's mean loss.
+# What a stage holds, and for how long, is what the planner counts (schedules/memory.py):
+#   - its input, from the moment the previous stage pushes a copy of it (stage 0 copies its own
+#     micro-batch at forward) until its backward (or I) has made the input gradient;
+#   - what autograd saves; never the stage's output itself: once pushed, the output is dropped
+#     and backward starts from its gradient edge, so its memory goes unless autograd saved it;
+#   - the input gradient, until the previous stage pulls a copy at its own backward (or I);
+#   - zero bubble only: from I to W the output gradient and every layer output's gradient.
+# The last stage runs the loss as its final layer (inside the checkpoint when recomputing) and
+# scales each micro-batch's (mean) loss by its share of the mini-batch, so the gradients add up
+# to those of the whole mini-batch's mean loss.
 # On CUDA each stage has its own compute stream plus send/receive copy streams; events order the
 # streams and record_stream tells the allocator which streams still use a tensor, so one host
 # thread issues every action and kernels of different stages overlap. On CPU the same calls run
-# in order and compute the same numbers.
+# in order and compute the same numbers. Every action runs inside record_function("gpipe.mem:s"),
+# which lets `measure` charge each allocation to the stage that made it.
 # ---------------------------------------------------------------------------------------------
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 from torch.utils.checkpoint import checkpoint
 
+from ._numerics import defer_batch_norm, replaying, restore_rng, save_rng, seed_layer  # emit: drop
+
 Value = Any  # a tensor or a tuple of tensors: what flows between layers of an nn.Sequential
+Grads = list  # per tensor of a stage boundary: its gradient, or None where it needs none
 
 
 class StageError(RuntimeError):
     """An exception inside a stage, naming the action, the stage and the micro-batch."""
-
-
-class DeferredBatchNorm(nn.Module):
-    """BatchNorm that normalises each micro-batch with its own statistics (as GPipe does) but
-    updates the running statistics once per mini-batch, from all its micro-batches together, so
-    they equal the un-pipelined model's. Shares the wrapped layer's parameters and buffers."""
-
-    def __init__(self, bn: nn.modules.batchnorm._BatchNorm, microbatches: int) -> None:
-        super().__init__()
-        self.bn = bn
-        self.microbatches = microbatches
-        self.tracking = True  # False while a checkpoint re-runs the forward
-        self._reset()
-
-    def _reset(self) -> None:
-        self._sum: torch.Tensor | None = None
-        self._sqsum: torch.Tensor | None = None
-        self._count = 0
-        self._seen = 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bn = self.bn
-        if not (self.training and bn.track_running_stats):
-            return bn(x)
-        dims = [0, *range(2, x.dim())]
-        if self.tracking:
-            with torch.no_grad():
-                xf = x.detach().float()
-                s, sq = xf.sum(dims), (xf * xf).sum(dims)
-                self._sum = s if self._sum is None else self._sum + s
-                self._sqsum = sq if self._sqsum is None else self._sqsum + sq
-                self._count += x.numel() // x.shape[1]
-                self._seen += 1
-                if self._seen == self.microbatches:
-                    self._commit()
-        return nn.functional.batch_norm(x, None, None, bn.weight, bn.bias, True, 0.0, bn.eps)
-
-    def _commit(self) -> None:
-        bn, n = self.bn, self._count
-        assert self._sum is not None and self._sqsum is not None
-        mean = self._sum / n
-        var = (self._sqsum / n - mean * mean) * (n / max(n - 1, 1))
-        bn.num_batches_tracked.add_(1)
-        momentum = bn.momentum if bn.momentum is not None else 1.0 / float(bn.num_batches_tracked)
-        bn.running_mean.mul_(1 - momentum).add_(mean.to(bn.running_mean.dtype), alpha=momentum)
-        bn.running_var.mul_(1 - momentum).add_(var.to(bn.running_var.dtype), alpha=momentum)
-        self._reset()
-
-
-def defer_batch_norm(module: nn.Module, microbatches: int) -> nn.Module:
-    """Wrap every BatchNorm in `module` (in place) in a DeferredBatchNorm."""
-    if isinstance(module, nn.modules.batchnorm._BatchNorm):
-        return DeferredBatchNorm(module, microbatches)
-    for name, child in module.named_children():
-        wrapped = defer_batch_norm(child, microbatches)
-        if wrapped is not child:
-            setattr(module, name, wrapped)
-    return module
 
 
 def _tensors(v: Value) -> list[torch.Tensor]:
@@ -101,6 +56,16 @@ def _like(v: Value, ts: list[torch.Tensor]) -> Value:
 def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
     d = t.detach()
     return d.requires_grad_(grad and d.is_floating_point())
+
+
+def _edges(v: Value) -> list[tuple[int, GradientEdge]]:
+    """(position, gradient edge) of each tensor of `v` that autograd reaches."""
+    return [(k, get_gradient_edge(t)) for k, t in enumerate(_tensors(v)) if t.requires_grad]
+
+
+def owner(s: int) -> contextlib.AbstractContextManager[Any]:
+    """Allocations inside belong to stage s (see profiler/memtrack.py)."""
+    return torch.profiler.record_function(f"gpipe.mem:{s}")
 
 
 class PipelineRuntime:
@@ -144,6 +109,11 @@ class PipelineRuntime:
         self.stage_context: Callable[[int], contextlib.AbstractContextManager[Any]] = lambda s: (
             contextlib.nullcontext()
         )
+        # When a list: every action appends (what, stage, micro-batch, start, end); `measure`
+        # reads it (times in ms; CUDA events until action_times() resolves them).
+        self.action_log: list[tuple[str, int, int, Any, Any]] | None = None
+        self.rng: Any = None
+        self._reset()
 
     # -- a step ---------------------------------------------------------------------------
 
@@ -158,63 +128,83 @@ class PipelineRuntime:
         # One draw from the caller's RNG per step; every (layer, micro-batch) forward then runs on
         # its own seed, so dropout masks do not depend on the schedule or on recomputation.
         self.seed = int(torch.randint(0, 2**62, (1,)).item())
-        xs = torch.tensor_split(x, M)
+        self.rng = save_rng(self.devices)
+        self.batch = list(torch.tensor_split(x, M))  # views: each stage copies what it uses
         self.targets = _split_target(y, M)
-        self.weights = [c.shape[0] / n for c in xs]
-        first, last = self.devices[0], self.devices[-1]
-        for m, c in enumerate(xs):
-            self.inputs[(0, m)] = c.to(first, non_blocking=True)
-        self.targets = [_to(t, last) for t in self.targets]
-        self._enter_streams()  # after the copies above, which run on the default streams
+        self.weights = [c.shape[0] / n for c in self.batch]
+        self._enter_streams()
 
     def finish(self) -> torch.Tensor:
         """Make the default streams wait for the pipeline, and return the mini-batch loss."""
         self._leave_streams()
-        total = sum(self.losses[m].detach() for m in range(self.MICROBATCHES))
+        total = sum(self.losses[m] for m in range(self.MICROBATCHES))
         self._reset()
         return total  # type: ignore[return-value]
 
+    def _end_rng(self) -> None:
+        """Give the caller back its RNG as it was before the step (after its seed draw)."""
+        restore_rng(self.rng)
+        self.rng = None
+
     def _reset(self) -> None:
-        """Forget the step: every tensor of it is dropped here, or earlier by _free."""
-        self.inputs: dict[tuple[int, int], Value] = {}
-        self.outputs: dict[tuple[int, int], Value] = {}
-        self.grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}  # from the next stage
-        self.losses: dict[int, torch.Tensor] = {}
-        self.ready: dict[tuple[str, int, int], Any] = {}
-        self.layer_outputs: dict[tuple[int, int], list[Value]] = {}  # for a layer-wise W
-        self.layer_grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        """Forget the step: every tensor of it is dropped here, or earlier by the actions, and
+        the caller's RNG is restored."""
+        self._end_rng()
+        self.batch: list[torch.Tensor] = []
+        self.targets: list[Any] = []
+        self.inputs: dict[tuple[int, int], Value] = {}  # a stage's input, arrival to backward
+        self.roots: dict[tuple[int, int], list[tuple[int, GradientEdge]]] = {}  # its output's
+        self.loss_roots: dict[int, torch.Tensor] = {}  # the last stage's loss, until backward
+        self.losses: dict[int, torch.Tensor] = {}  # detached, for the step's total
+        self.outgrads: dict[tuple[int, int], tuple[Grads, Any]] = {}  # (grads, CUDA event)
+        self.kept: dict[tuple[int, int], tuple[list[Any], Any]] = {}  # zero bubble: I to W
+        self.inner: dict[tuple[int, int], list[list[GradientEdge]]] = {}  # layer output edges
+        self.inner_grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
 
     # -- actions --------------------------------------------------------------------------
 
     def forward(self, s: int, m: int) -> None:
         with self._action("forward", s, m):
-            inp = _like_leaf(self.inputs[(s, m)], grad=s > 0)
+            x = self.batch[m].to(self.devices[s], copy=True) if s == 0 else self.inputs.pop((s, m))
+            inp = _like_leaf(x, grad=s > 0)
+            del x
             self.inputs[(s, m)] = inp
             with self.stage_context(s):
                 out = self._run(s, m, inp)
-            self.outputs[(s, m)] = out
             if s == len(self.stages) - 1:
-                self.losses[m] = self.loss_fn(out, self.targets[m]) * self.weights[m]
-            else:
-                self.send_activation(out, s, m)
+                self.loss_roots[m] = out
+                self.losses[m] = out.detach()
+                return
+            self.roots[(s, m)] = _edges(out)
+            self.push(out, s, m)
 
     def backward(self, s: int, m: int) -> None:
         with self._action("backward", s, m):
-            roots, grads = self._roots(s, m)
+            roots, grads = self._backward_roots(s, m)
+            inp = self.inputs.pop((s, m))
             if roots:
                 torch.autograd.backward(roots, grads)
-            self._send_input_grads(s, m, [t.grad for t in _tensors(self.inputs[(s, m)])])
-            self._free(s, m)
+            if s > 0:
+                ts = _tensors(inp)
+                self.leave_grad([t.grad for t in ts], s, m, ts)
 
     def backward_input(self, s: int, m: int) -> None:
         with self._action("backward_input", s, m):
-            inputs = _tensors(self.inputs[(s, m)])
+            if self._recomputes(m):  # re-materialise now: W needs the graph as much as I does
+                with self.stage_context(s), replaying(self.stages[s], replay=True):
+                    out = self._forward(s, m, self.inputs[(s, m)], keep=True)
+                if s == len(self.stages) - 1:
+                    self.loss_roots[m] = out
+                else:
+                    self.roots[(s, m)] = _edges(out)
+                del out
+            roots, grads = self._backward_roots(s, m)
+            self.kept[(s, m)] = (roots, grads)
+            inputs = _tensors(self.inputs.pop((s, m)))
             wrt = [t for t in inputs if t.requires_grad]
             # Without recomputation, also ask for the gradient of every layer's output: the same
             # pass computes them, and then W can run each layer's weight gradient on its own.
-            inner = self.layer_outputs.get((s, m), [])
-            hidden = [t for out in inner[:-1] for t in _tensors(out) if t.requires_grad]
-            roots, grads = self._roots(s, m)
+            hidden = [e for edges in self.inner.get((s, m), []) for e in edges]
             got: list[torch.Tensor | None] = []
             if (wrt or hidden) and roots:
                 got = list(
@@ -222,58 +212,55 @@ class PipelineRuntime:
                         roots, wrt + hidden, grads, retain_graph=True, allow_unused=True
                     )
                 )
-            self.layer_grads[(s, m)] = got[len(wrt) :]
-            it = iter(got[: len(wrt)])
-            self._send_input_grads(s, m, [next(it) if t.requires_grad else None for t in inputs])
+            self.inner_grads[(s, m)] = got[len(wrt) :]
+            if s > 0:
+                it = iter(got[: len(wrt)] if got else [None] * len(wrt))
+                grads_in = [next(it) if t.requires_grad else None for t in inputs]
+                self.leave_grad(grads_in, s, m, inputs)
 
     def backward_weight(self, s: int, m: int) -> None:
         with self._action("backward_weight", s, m):
-            roots, grads = self._roots(s, m)
-            inner = self.layer_outputs.pop((s, m), None)
-            if inner is None:  # recomputed: one pass over the whole stage for its weights
-                params = [p for p in self.stages[s].parameters() if p.requires_grad]
-                if roots and params:
-                    torch.autograd.backward(roots, grads, inputs=params)
-            else:  # layer by layer, from each layer's output and the gradient I left for it
-                hidden = iter(self.layer_grads.pop((s, m)))
-                for k, layer in enumerate(self.stages[s]):
-                    if k == len(inner) - 1:  # the stage's own roots (the loss on the last stage)
-                        outs, gs = roots, grads
-                    else:
-                        tensors = [t for t in _tensors(inner[k]) if t.requires_grad]
-                        pairs = [(t, next(hidden)) for t in tensors]
-                        outs = [t for t, g in pairs if g is not None]
-                        gs = [g for _, g in pairs if g is not None]
-                    params = [p for p in layer.parameters() if p.requires_grad]
-                    if outs and params:
-                        torch.autograd.backward(outs, gs, inputs=params)
-            self._free(s, m)
+            roots, grads = self.kept.pop((s, m))
+            inner = self.inner.pop((s, m))
+            # layer by layer, from each layer's output and the gradient I left for it
+            hidden = iter(self.inner_grads.pop((s, m)))
+            layers = list(self.stages[s])
+            for k, layer in enumerate(layers):
+                if k == len(layers) - 1:  # the stage's own roots (the loss on the last stage)
+                    outs, gs = roots, grads
+                else:
+                    pairs = [(e, next(hidden)) for e in inner[k]]
+                    outs = [e for e, g in pairs if g is not None]
+                    gs = [g for _, g in pairs if g is not None]
+                params = [p for p in layer.parameters() if p.requires_grad]
+                if outs and params:
+                    torch.autograd.backward(outs, gs, inputs=params)
 
     # -- inference ------------------------------------------------------------------------
 
     def infer_begin(self, x: torch.Tensor) -> None:
         M = min(self.MICROBATCHES, x.shape[0])
         self.infer_microbatches = M
-        self.inputs, self.outputs, self.ready = {}, {}, {}
-        for m, c in enumerate(torch.tensor_split(x, M)):
-            self.inputs[(0, m)] = c.to(self.devices[0], non_blocking=True)
+        self.batch = list(torch.tensor_split(x, M))
+        self.inputs, self.outputs = {}, {}
         self._enter_streams()
 
     def infer_forward(self, s: int, m: int) -> None:
         if m >= self.infer_microbatches:
             return
         with self._action("forward", s, m), torch.no_grad():
-            out = self.stages[s](self.inputs.pop((s, m)))
+            x = self.batch[m].to(self.devices[0]) if s == 0 else self.inputs.pop((s, m))
+            out = self.stages[s](x)
             if s == len(self.stages) - 1:
                 self.outputs[(s, m)] = out
             else:
-                self.send_activation(out, s, m)
+                self.push(out, s, m)
 
     def infer_finish(self) -> Value:
         self._leave_streams()
         last = len(self.stages) - 1
         outs = [self.outputs.pop((last, m)) for m in range(self.infer_microbatches)]
-        self.inputs, self.outputs, self.ready = {}, {}, {}
+        self.inputs, self.outputs, self.batch = {}, {}, []
         if isinstance(outs[0], tuple):
             return tuple(torch.cat(parts) for parts in zip(*outs))
         return torch.cat(outs)
@@ -282,109 +269,141 @@ class PipelineRuntime:
 
     @contextlib.contextmanager
     def _action(self, what: str, s: int, m: int) -> Iterator[None]:
+        log = self.action_log
         try:
-            with self._stream(s):
-                yield
+            with owner(s), self._stream(s):
+                if log is None:
+                    yield
+                else:
+                    start = self._clock(s)
+                    yield
+                    log.append((what, s, m, start, self._clock(s)))
         except StageError:
             raise
         except Exception as e:
+            self._end_rng()
             raise StageError(
                 f"{what} of stage {s}, micro-batch {m} failed: {type(e).__name__}: {e}"
             ) from e
 
-    def _run(self, s: int, m: int, inp: Value) -> Value:
-        recompute = self.RECOMPUTE == "always" or (
+    def _clock(self, s: int) -> Any:
+        if not self.cuda:
+            return time.perf_counter() * 1e3
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.compute[s])
+        return event
+
+    def action_times(self) -> list[tuple[str, int, int, float, float]]:
+        """The action log with times in ms (on CUDA: since the first event, after a sync)."""
+        log = self.action_log or []
+        if not self.cuda or not log:
+            return list(log)
+        torch.cuda.synchronize()
+        first = log[0][3]
+        return [(w, s, m, first.elapsed_time(a), first.elapsed_time(b)) for w, s, m, a, b in log]
+
+    def _recomputes(self, m: int) -> bool:
+        return self.RECOMPUTE == "always" or (
             self.RECOMPUTE == "except_last" and m < self.MICROBATCHES - 1
         )
-        if not recompute:
-            return self._layers(s, m, inp, keep=self.SCHEDULE == "zb-h1")
+
+    def _run(self, s: int, m: int, inp: Value) -> Value:
+        """Stage s's forward on micro-batch m, keeping for backward what the plan says: all it
+        saves, or (recomputing) only its input. Zero bubble re-materialises at I by hand, since
+        W needs the graph too; the other schedules use a checkpoint, re-run inside B."""
+        if not self._recomputes(m):
+            return self._forward(s, m, inp, keep=self.SCHEDULE == "zb-h1")
+        if self.SCHEDULE == "zb-h1":
+            with torch.no_grad():
+                return self._forward(s, m, inp)
         calls = [0]
 
         def run(*args: torch.Tensor) -> Value:
             # The first call is the real forward; later ones re-materialise for backward and
             # must not count batch-norm statistics again.
             calls[0] += 1
-            with _replaying(self.stages[s], replay=calls[0] > 1):
-                return self._layers(s, m, _like(inp, list(args)))
+            with replaying(self.stages[s], replay=calls[0] > 1):
+                return self._forward(s, m, _like(inp, list(args)))
 
-        return checkpoint(run, *_tensors(inp), use_reentrant=False, preserve_rng_state=True)
+        # Each layer re-seeds itself (seeded), so the checkpoint need not keep RNG states.
+        return checkpoint(run, *_tensors(inp), use_reentrant=False, preserve_rng_state=False)
+
+    def _forward(self, s: int, m: int, inp: Value, keep: bool = False) -> Value:
+        """The layers; on the last stage then the loss on a copy of the target made here (so
+        nothing holds it between forward and backward), scaled by the micro-batch's share."""
+        h = self._layers(s, m, inp, keep)
+        if s < len(self.stages) - 1:
+            return h
+        target = _to(self.targets[m], self.devices[s], copy=True)
+        return self.loss_fn(h, target) * self.weights[m]
 
     def _layers(self, s: int, m: int, h: Value, keep: bool = False) -> Value:
         """Each layer on its own seed: dropout masks depend on (step, layer, micro-batch) only,
-        not on the schedule, the partition or recomputation. `keep`: remember every layer's
-        output, for a layer-by-layer weight gradient (zero-bubble W)."""
+        not on the schedule, the partition or recomputation. `keep`: remember every inner
+        layer output's gradient edge, for a layer-by-layer weight gradient (zero-bubble W)."""
         first = self.STAGES[s][0]
-        outs = []
-        for k, layer in enumerate(self.stages[s]):
-            with self._seeded(self.devices[s], first + k, m):
-                h = layer(h)
-            outs.append(h)
+        layers = list(self.stages[s])
+        inner = []
+        for k, layer in enumerate(layers):
+            seed_layer(self.devices[s], self.seed, first + k, m)
+            h = layer(h)
+            if keep and k < len(layers) - 1:
+                inner.append([e for _, e in _edges(h)])
         if keep:
-            self.layer_outputs[(s, m)] = outs
+            self.inner[(s, m)] = inner
         return h
 
-    @contextlib.contextmanager
-    def _seeded(self, dev: torch.device, layer: int, m: int) -> Iterator[None]:
-        with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-            seed = (self.seed + 1_000_003 * layer + m) % 2**63
-            torch.default_generator.manual_seed(seed)
-            if dev.type == "cuda":
-                torch.cuda.manual_seed(seed)  # the current device: the stage's, inside its stream
-            yield
-
-    def _roots(self, s: int, m: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    def _backward_roots(self, s: int, m: int) -> tuple[list[Any], list[torch.Tensor] | None]:
+        """What backward starts from: the loss on the last stage; elsewhere the output's edges,
+        with the gradients pulled from stage s + 1."""
         if s == len(self.stages) - 1:
-            return [self.losses[m]], None
-        outs = _tensors(self.outputs[(s, m)])
-        if (s, m) not in self.grads:  # kept until the graph is freed: W needs it after I
-            self.grads[(s, m)] = self.ready.pop(("grad", s, m))
-        grads = self.grads[(s, m)]
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        return [o for o, _ in pairs], [g for _, g in pairs]
+            return [self.loss_roots.pop(m)], None
+        grads = self.pull(s, m)
+        pairs = [(e, grads[k]) for k, e in self.roots.pop((s, m)) if grads[k] is not None]
+        return [e for e, _ in pairs], [g for _, g in pairs]  # type: ignore[misc]
 
-    def _send_input_grads(self, s: int, m: int, grads: list[torch.Tensor | None]) -> None:
-        if s > 0:
-            self.send_gradient(grads, s, m)
+    # Transport. A cut is always a copy, so each stage owns what it holds. Activations are
+    # pushed when made; gradients stay with their maker until the stage before pulls them. On
+    # CUDA: the producer's stream records an event; the send stream (source device) and receive
+    # stream (destination device) wait for it and copy; the consumer's stream waits for the copy.
 
-    def _free(self, s: int, m: int) -> None:
-        self.layer_outputs.pop((s, m), None)
-        self.layer_grads.pop((s, m), None)
-        self.outputs.pop((s, m), None)
-        self.grads.pop((s, m), None)
-        self.inputs.pop((s, m), None)
-
-    # Transfers. On CPU a transfer is a hand-over. On CUDA: the producing stream records an
-    # event; the send stream (source device) and receive stream (destination device) wait for it
-    # and copy; the consumer's compute stream waits for the copy.
-
-    def send_activation(self, value: Value, s: int, m: int) -> None:
+    def push(self, value: Value, s: int, m: int) -> None:
         """Stage s's output for micro-batch m becomes stage s + 1's input."""
-        moved = self._move([t.detach() for t in _tensors(value)], s, s + 1)
+        with owner(s + 1):
+            moved = self._move([t.detach() for t in _tensors(value)], s, s + 1, None)
         self.inputs[(s + 1, m)] = _like(value, moved)
 
-    def send_gradient(self, grads: list[torch.Tensor | None], s: int, m: int) -> None:
-        """The gradient of stage s's input becomes that of stage s - 1's output (None where an
-        input needs no gradient)."""
-        moved = iter(self._move([g for g in grads if g is not None], s, s - 1))
-        self.ready[("grad", s - 1, m)] = [next(moved) if g is not None else None for g in grads]
+    def leave_grad(self, grads: Grads, s: int, m: int, like: list[torch.Tensor]) -> None:
+        """The gradient of stage s's input tensors `like` (None where there is none), for
+        stage s - 1 to pull."""
+        made = None
+        if self.cuda:
+            made = torch.cuda.Event()
+            made.record(self.compute[s])
+        self.outgrads[(s, m)] = (grads, made)
 
-    def _move(self, ts: list[torch.Tensor], src: int, dst: int) -> list[torch.Tensor]:
-        a, b = self.devices[src], self.devices[dst]
+    def pull(self, s: int, m: int) -> Grads:
+        """The gradient of stage s's output for micro-batch m, copied from stage s + 1."""
+        grads, made = self.outgrads.pop((s + 1, m))
+        moved = iter(self._move([g for g in grads if g is not None], s + 1, s, made))
+        return [next(moved) if g is not None else None for g in grads]
+
+    def _move(
+        self, ts: list[torch.Tensor], src: int, dst: int, produced: Any
+    ) -> list[torch.Tensor]:
+        b = self.devices[dst]
         if not self.cuda:
-            return [t.to(b) for t in ts]
-        produced = torch.cuda.Event()
-        produced.record(self.compute[src])
-        if a == b:
-            self.compute[dst].wait_event(produced)
-            for t in ts:
-                t.record_stream(self.compute[dst])
-            return ts
+            return [t.to(b, copy=True) for t in ts]
+        if produced is None:
+            produced = torch.cuda.Event()
+            produced.record(self.compute[src])
         send, recv = self.send_streams[src], self.recv_streams[dst]
         send.wait_event(produced)
+        recv.wait_event(produced)
         # NOTE: a copy between GPUs runs on the source's current stream and syncs with the
         # destination's current stream; make both ours (as torchgpipe's Copy does).
         with torch.cuda.stream(send), torch.cuda.stream(recv):
-            out = [t.to(b, non_blocking=True) for t in ts]
+            out = [t.to(b, non_blocking=True, copy=True) for t in ts]
         for t in ts:
             t.record_stream(send)
         copied = torch.cuda.Event()
@@ -423,33 +442,9 @@ def _split_target(y: Any, M: int) -> list[Any]:
     return [y] * M
 
 
-def _to(y: Any, device: torch.device) -> Any:
+def _to(y: Any, device: torch.device, copy: bool = False) -> Any:
     if isinstance(y, torch.Tensor):
-        return y.to(device, non_blocking=True)
+        return y.to(device, non_blocking=True, copy=copy)
     if isinstance(y, (tuple, list)):
-        return type(y)(_to(t, device) for t in y)
+        return type(y)(_to(t, device, copy) for t in y)
     return y
-
-
-@contextlib.contextmanager
-def _replaying(stage: nn.Module, replay: bool) -> Iterator[None]:
-    """While a checkpoint re-runs a stage's forward: keep batch-norm running statistics as they
-    were (the real forward already counted this micro-batch) and stop deferred batch norm from
-    accumulating again."""
-    if not replay:
-        yield
-        return
-    deferred = [mod for mod in stage.modules() if isinstance(mod, DeferredBatchNorm)]
-    plain = [mod for mod in stage.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
-    saved = [[b.detach().clone() for b in mod.buffers()] for mod in plain]
-    for mod in deferred:
-        mod.tracking = False
-    try:
-        yield
-    finally:
-        for mod in deferred:
-            mod.tracking = True
-        with torch.no_grad():
-            for mod, bufs in zip(plain, saved):
-                for b, old in zip(mod.buffers(), bufs):
-                    b.copy_(old)

@@ -1,23 +1,21 @@
 """emit_program: a Plan and its Schedule -> the source of a pipeline program that imports only
 torch (and, in its `main`, the model's own module).
 
-The program embeds the runtime helpers (codegen/_runtime.py) and adds a `Pipeline` class whose
-`train_step` is straight-line: one call per action, in an order that respects every dependency
-and follows the simulated timeline, so on CUDA the host issues work roughly when it can start.
-Same plan, same text: nothing in it depends on the clock or the machine.
+The program embeds the runtime helpers (codegen/_runtime.py, _numerics.py) and adds a `Pipeline`
+class whose `train_step` is straight-line: one call per action, in the schedule's issue order
+(schedules/order.py): every dependency first, and memory allocated in exactly the order the
+planner counted it. Same plan, same text: nothing in it depends on the clock or the machine.
 """
 
 from __future__ import annotations
 
-import heapq
 from pathlib import Path
 
 from planner.plan import Plan
-from planner.search import plan_schedule, simulate_stages
-from schedules import Action, Kind, Schedule, insert_comms, validate
-from schedules.validate import dependencies, split_stages
+from planner.search import plan_schedule
+from schedules import Action, Kind, Schedule, canonical_order, insert_comms, validate
 
-RUNTIME = Path(__file__).with_name("_runtime.py")
+RUNTIME = [Path(__file__).with_name(n) for n in ("_runtime.py", "_numerics.py")]
 DIST_RUNTIME = Path(__file__).with_name("_dist_runtime.py")
 _CALL = {
     Kind.F: "forward",
@@ -32,43 +30,13 @@ _CALL = {
 
 
 def issue_order(plan: Plan, schedule: Schedule | None = None) -> list[Action]:
-    """Every compute action once, each after all it depends on; among the actions that could go
-    next, the one the simulator starts first."""
+    """Every compute action once, in the order the host issues them: the schedule's issue order
+    (schedules/order.py), which is also the order the planner counted memory in."""
     sched = (
         schedule or plan_schedule(plan.schedule, len(plan.devices), plan.microbatches)
     ).compute_only()
     validate(sched)
-    timeline = simulate_stages(plan.schedule, len(plan.devices), plan.microbatches, plan.stages)
-    start = {sp.action: sp.start for sp in timeline.spans}
-    split = split_stages(sched)
-    ptr = dict.fromkeys(sched.ranks, 0)
-    done: set[Action] = set()
-    waiting: dict[Action, list[int]] = {}
-    heap: list[tuple[float, int, Action]] = []
-
-    def offer(r: int) -> None:
-        if ptr[r] == len(sched.ranks[r]):
-            return
-        a = sched.ranks[r][ptr[r]]
-        missing = next((d for d in dependencies(a, sched, False, split) if d not in done), None)
-        if missing is None:
-            heapq.heappush(heap, (start[a], r, a))
-        else:
-            waiting.setdefault(missing, []).append(r)
-
-    for r in sched.ranks:
-        offer(r)
-    order: list[Action] = []
-    while heap:
-        _, r, a = heapq.heappop(heap)
-        order.append(a)
-        done.add(a)
-        ptr[r] += 1
-        offer(r)
-        for rr in waiting.pop(a, []):
-            offer(rr)
-    assert len(order) == sum(len(a) for a in sched.ranks.values()), "issue order incomplete"
-    return order
+    return canonical_order(sched, [st.recompute for st in plan.stages])
 
 
 TARGETS = ("streams", "torchrun")
@@ -82,7 +50,7 @@ def emit_program(plan: Plan, schedule: Schedule | None = None, target: str = "st
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
     sched = schedule or plan_schedule(plan.schedule, len(plan.devices), plan.microbatches)
-    runtime = RUNTIME.read_text()
+    runtime = "\n\n".join(_without_dropped_lines(p.read_text()) for p in RUNTIME)
     if target == "streams":
         body = _streams_class(plan, issue_order(plan, sched))
         main = _STREAMS_MAIN

@@ -57,6 +57,21 @@ class Pipe:
         except self._module.StageError as e:
             raise StageError(str(e)) from e.__cause__
 
+    def measure(
+        self, x: torch.Tensor, y: Any, loss_fn: Any, *, steps: int = 3, tolerance: float = 0.05
+    ) -> Any:
+        """Run a warm-up step and `steps` more (each with an optimizer step of the plan's kind,
+        whose tiny learning rate leaves the model all but unchanged) and compare memory and
+        time with the plan: a MeasureReport (codegen/measure.py)."""
+        from .measure import measure_in_process
+
+        try:
+            return measure_in_process(
+                self.plan, self.program, x, y, loss_fn, steps=steps, tolerance=tolerance
+            )
+        except self._module.StageError as e:
+            raise StageError(str(e)) from e.__cause__
+
     def __call__(self, x: torch.Tensor) -> Any:
         try:
             return self.program.infer(x)

@@ -35,8 +35,10 @@ def at_size(measured: dict[int, float], b: int) -> float:
 class Chain:
     """Per-layer costs for micro-batches of `mb` samples (arrays of length L unless noted).
 
-    Times are ms on the profiled device; sizes are bytes. `boundary[l]` is what enters layer l
-    (length L + 1: boundary[0] is the model input, boundary[L] the model output).
+    The profiled loss, when there is one, is the chain's last entry: a layer without weights that
+    always ends the last stage (`num_model_layers` excludes it). Times are ms on the profiled
+    device; sizes are bytes. `boundary[l]` is what enters layer l (length L + 1: boundary[0] is
+    the model input, boundary[L] the output of the last entry).
     """
 
     mb: int
@@ -45,20 +47,40 @@ class Chain:
     input_grad: np.ndarray  # zero-bubble I: the input gradient alone
     weight_grad: np.ndarray  # zero-bubble W: the weight gradients alone, as the pipe runs them
     params: np.ndarray
+    largest_param: np.ndarray  # each layer's largest parameter tensor
     buffers: np.ndarray
     saved: np.ndarray
     shared: np.ndarray
-    transient: np.ndarray
+    input_saved: np.ndarray  # the part of layer l's input that layer l saves
+    loss_saved: np.ndarray  # saved by the loss function (non-zero on the loss entry only)
+    forward_transient: np.ndarray  # beyond what it keeps, while its forward runs
+    backward_transient: np.ndarray  # ... while its backward runs
+    input_unsaved: np.ndarray  # its input, where nothing saves it: alive while its forward runs
+    forward_peak: np.ndarray  # a forward keeping nothing for backward: its most above its input
+    input_grad_transient: np.ndarray  # zero-bubble I: the most it adds above what is kept
+    weight_grad_transient: np.ndarray  # zero-bubble W: the same
+    zgrad: np.ndarray  # zero bubble: the gradient of layer l's output kept from I to W
+    grad_in: np.ndarray  # the gradient of layer l's input (0 where it needs none)
     boundary: np.ndarray
+    num_model_layers: int = -1
 
     @property
     def num_layers(self) -> int:
         return len(self.forward)
 
+    @property
+    def has_loss(self) -> bool:
+        return self.num_layers > self.num_model_layers
+
+
+ALLOCATION_ROUND = {"cuda": 512}  # the CUDA caching allocator hands out multiples of 512 bytes
+
 
 def chain_at(profile: Profile, mb: int) -> Chain:
-    """The profile's layers as arrays, read at micro-batch size `mb`."""
-    layers = profile.layers
+    """The profile's layers (and loss) as arrays, read at micro-batch size `mb`."""
+    layers = profile.layers + ([profile.loss] if profile.loss is not None else [])
+    L = len(profile.layers)
+    unit = ALLOCATION_ROUND.get(profile.device.split(":")[0], 1)
 
     def times(attr: str) -> np.ndarray:
         return np.array(
@@ -68,11 +90,25 @@ def chain_at(profile: Profile, mb: int) -> Chain:
     def sizes(attr: str) -> np.ndarray:
         return np.array([round(at_size(getattr(x, attr), mb)) for x in layers], dtype=np.int64)
 
+    def rounded(n: int) -> int:
+        return -(-n // unit) * unit
+
     saved = sizes("saved_bytes")
-    peak = sizes("peak_bytes")
     boundary = np.array(
-        [profile.input_bytes * mb] + [x.output_bytes * mb for x in layers], dtype=np.int64
+        [rounded(profile.input_bytes * mb)] + [rounded(x.output_bytes * mb) for x in layers],
+        dtype=np.int64,
     )
+    n = len(layers)
+    # Zero bubble keeps, from I to W, the gradient of every layer output inside a stage and of
+    # the stage's own output; the last model layer's output gradient comes from the loss, which
+    # W runs again, so it is not kept (nor is the loss's).
+    zgrad = boundary[1 : n + 1].copy()
+    zgrad[L - 1 :] = 0
+    grad_in = boundary[:n].copy()
+    grad_in[0] = 0  # the model's input needs no gradient
+    loss_saved = np.zeros(n, dtype=np.int64)
+    if n > L:
+        loss_saved[L] = saved[L]
     return Chain(
         mb=mb,
         forward=times("forward_ms"),
@@ -80,9 +116,20 @@ def chain_at(profile: Profile, mb: int) -> Chain:
         input_grad=times("backward_input_ms"),
         weight_grad=times("backward_weight_ms"),
         params=np.array([x.param_bytes for x in layers], dtype=np.int64),
+        largest_param=np.array([x.largest_param_bytes for x in layers], dtype=np.int64),
         buffers=np.array([x.buffer_bytes for x in layers], dtype=np.int64),
         saved=saved,
         shared=np.minimum(sizes("shared_bytes"), saved),
-        transient=np.maximum(peak - saved, 0),
+        input_saved=sizes("input_saved_bytes"),
+        loss_saved=loss_saved,
+        forward_transient=sizes("forward_transient_bytes"),
+        backward_transient=sizes("backward_transient_bytes"),
+        input_unsaved=sizes("input_unsaved_bytes"),
+        forward_peak=sizes("forward_peak_bytes"),
+        input_grad_transient=sizes("input_grad_transient_bytes"),
+        weight_grad_transient=sizes("weight_grad_transient_bytes"),
+        zgrad=zgrad,
+        grad_in=grad_in,
         boundary=boundary,
+        num_model_layers=L,
     )

@@ -3,33 +3,98 @@
 An independent second solver: it cross-checks the probe in the tests and, for `--solver cp-sat`,
 re-solves the chosen candidate and reports CP-SAT's own lower bound and gap. Layer k goes to
 stage stage_of[k], which starts at 0, ends at S - 1 and steps by 0 or 1 (contiguous, none empty).
-With x[k][s] = (stage_of[k] == s) and first[k][s] = "k opens stage s", every term of the memory
-model is linear:
+With x[k][s] = (stage_of[k] == s) and first[k][s] = "k opens stage s", every quantity of the
+memory model (planner/memory.py) is linear, e.g.
 
-    stashed_s >= a * sum_k boundary[k] first[k][s] + b * (sum_k saved[k] x[k][s]
-                                                          - sum_k shared[k] (x[k][s] - first[k][s]))
-    live_s    >= transient[k] x[k][s]            for every k
+    X_s = sum_k boundary[k] first[k][s]      S_s = sum_k saved[k] x[k][s]
+                                                   - sum_k shared[k] (x[k][s] - first[k][s])
+    live_s >= max(fwd, bwd)[k] first[k][s] + max(fwd + unsaved, bwd)[k] (x[k][s] - first[k][s])
 
-Times are scaled to integers (nanoseconds) and speeds to thousandths, so the optimum is exact for
-the scaled costs; the reported bottleneck is recomputed in floating point from the split.
+and the stage fits when, for each occupancy tuple, weights + sum of counts x state bytes + its
+transient + reserved <= budget, and weights + the optimizer step's temporaries + reserved too.
+
+With cuts, first[k][s] (s >= 1) also places the link between stages s - 1 and s at boundary k:
+
+    bottleneck >= cuts[s - 1][k] first[k][s],    first[k][s] = 0 where cuts[s - 1][k] is inf
+
+Times and cuts are scaled to integers (nanoseconds) and speeds to thousandths, so the optimum is
+exact for the scaled costs; the reported bottleneck is recomputed in floating point from the split.
 Imported only when CP-SAT runs: ortools is a heavy import.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+from fractions import Fraction
+
 import numpy as np
 
 from .memory import MemoryModel
-from .partition import Partition, StageSpec, stage_costs
+from .partition import Partition, StageSpec, cut_table, split_cuts, stage_costs
 
 TIME_SCALE = 1e6  # ms -> ns
 SPEED_SCALE = 1000
+
+
+def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first: list, s: int,
+                L: int) -> None:  # fmt: skip
+    """Constrain stage s to its budget under the memory model, as linear expressions."""
+    c, shape, cap = memory.chain, spec.shape, int(spec.budget)
+
+    def over(values: np.ndarray, var: list) -> object:
+        return sum(int(values[k]) * var[k][s] for k in range(L) if values[k])
+
+    inner = [[x[k][s] - first[k][s]] for k in range(L)]  # k in the stage, not its first layer
+    p = over(c.params, x)
+    weights = (2 + shape.optimizer_slots) * p + over(c.buffers, x)
+    X = over(c.boundary[:L], first)
+    Xs = sum(int(min(c.input_saved[k], c.boundary[k])) * first[k][s] for k in range(L))
+    S = over(c.saved, x) - sum(int(c.shared[k]) * inner[k][0] for k in range(L) if c.shared[k])
+    Z = over(c.zgrad, x)
+    G = over(c.grad_in, first)
+    unsaved = np.where(c.grad_in > 0, c.boundary[:L] - np.minimum(c.input_saved, c.boundary[:L]), 0)
+    states = [X, X + S - Xs, X + S - Xs + Z + G, S + Z + over(unsaved, first), G]
+
+    def largest(first_values: np.ndarray, inner_values: np.ndarray, name: str) -> object:
+        top = int(max(first_values.max(), inner_values.max(), 0))
+        var = m.new_int_var(0, top, f"{name}{s}")  # type: ignore[attr-defined]
+        for k in range(L):
+            if first_values[k] or inner_values[k]:
+                m.add(var >= int(first_values[k]) * first[k][s]  # type: ignore[attr-defined]
+                      + int(inner_values[k]) * inner[k][0])  # fmt: skip
+        return var
+
+    transients = [
+        largest(
+            np.maximum(c.forward_transient, c.backward_transient),
+            np.maximum(c.forward_transient + c.input_unsaved, c.backward_transient),
+            "live",
+        ),
+        largest(c.forward_transient, c.forward_transient + c.input_unsaved, "remat"),
+        largest(c.forward_peak, c.forward_peak + c.boundary[:L], "forward"),
+        largest(c.input_grad_transient, c.input_grad_transient, "input"),
+        largest(c.weight_grad_transient, c.weight_grad_transient, "weight"),
+    ]
+    for t in shape.occupancy:
+        held = sum(n * v for n, v in zip(t, states + transients) if n)
+        m.add(weights + held + shape.reserved <= cap)  # type: ignore[attr-defined]
+    if shape.optimizer_step:
+        size = p if shape.foreach else largest(c.largest_param, c.largest_param, "param")
+        # per_byte x size, rounded up as the model does; per_byte as a fraction of integers
+        # (exact for the measured ratios, which have small denominators)
+        ratio = Fraction(shape.optimizer_step).limit_denominator(1 << 20)
+        num, den = ratio.numerator, ratio.denominator
+        step = m.new_int_var(0, max(cap, 0), f"step{s}")  # type: ignore[attr-defined]
+        m.add(step * den >= num * size)  # type: ignore[attr-defined]
+        m.add(weights + step + shape.reserved <= cap)  # type: ignore[attr-defined]
 
 
 def solve_partition_cpsat(
     times: np.ndarray,
     memory: MemoryModel,
     stages: list[StageSpec],
+    cuts: Sequence[np.ndarray] | None = None,
     *,
     time_limit_s: float = 20.0,
     workers: int = 1,
@@ -39,7 +104,7 @@ def solve_partition_cpsat(
     L, S = len(times), len(stages)
     if not 1 <= S <= L:
         raise ValueError(f"cannot split {L} layers into {S} non-empty stages")
-    c = memory.chain
+    links = cut_table(cuts, L, S)
     t = [int(round(float(v) * TIME_SCALE)) for v in times]
     speed = [max(1, int(round(st.speed * SPEED_SCALE))) for st in stages]
     m = cp_model.CpModel()
@@ -61,29 +126,23 @@ def solve_partition_cpsat(
                 m.add_implication(first[k][s], x[k][s])
                 m.add_implication(first[k][s], step[k - 1])
                 m.add_bool_or([first[k][s], x[k][s].Not(), step[k - 1].Not()])
-    horizon = sum(t) * SPEED_SCALE
+    # link[s - 1][k]: ns of the transfer when stages s - 1 and s meet at boundary k; None: forbidden
+    link = [
+        [None if math.isinf(v) else round(v * TIME_SCALE) for v in row.tolist()]
+        for row in (links if links is not None else ())
+    ]
+    horizon = max([sum(t) * SPEED_SCALE] + [v for row in link for v in row if v is not None])
     bottleneck = m.new_int_var(0, horizon, "bottleneck")  # ns
+    for s, row in enumerate(link, start=1):
+        for k in range(1, L):
+            if row[k] is None:
+                m.add(first[k][s] == 0)
+            elif row[k]:
+                m.add(bottleneck >= row[k] * first[k][s])
     for s, spec in enumerate(stages):
         busy = sum(t[k] * x[k][s] for k in range(L))
         m.add(busy * SPEED_SCALE <= bottleneck * speed[s])
-        shape = spec.shape
-        weights = sum(
-            int((2 + shape.optimizer_slots) * c.params[k] + c.buffers[k]) * x[k][s]
-            for k in range(L)
-        )
-        saved = sum(int(c.saved[k]) * x[k][s] for k in range(L)) - sum(
-            int(c.shared[k]) * (x[k][s] - first[k][s]) for k in range(1, L)
-        )
-        entering = sum(int(c.boundary[k]) * first[k][s] for k in range(L))
-        cap = int(spec.budget)
-        stashed = m.new_int_var(0, max(cap, 0), f"stashed{s}")
-        for a, b in shape.stash:
-            m.add(a * entering + b * saved <= stashed)
-        live = m.new_int_var(0, max(cap, 0), f"live{s}")
-        for k in range(L):
-            if c.transient[k]:
-                m.add(int(c.transient[k]) * x[k][s] <= live)
-        m.add(weights + stashed + live + shape.reserved <= cap)
+        _fit_memory(m, memory, spec, x[:], first, s, L)
     m.minimize(bottleneck)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit_s
@@ -98,11 +157,13 @@ def solve_partition_cpsat(
     owner = [solver.value(v) for v in stage_of]
     bounds = [0] + [k for k in range(1, L) if owner[k] != owner[k - 1]] + [L]
     costs = stage_costs(np.asarray(times, dtype=np.float64), bounds, [st.speed for st in stages])
-    bound = solver.best_objective_bound / TIME_SCALE
-    found = solver.objective_value / TIME_SCALE
+    # The objective is an integer (ns) that CP-SAT reports as a float, which can land a hair off:
+    # round the value found, and round the bound up (no integer below it is feasible).
+    found = round(solver.objective_value) / TIME_SCALE
+    bound = math.ceil(solver.best_objective_bound - 1e-6) / TIME_SCALE
     return Partition(
         bounds=bounds,
-        bottleneck=max(costs),
+        bottleneck=max(costs + split_cuts(links, bounds)),
         extra={
             "optimal": float(status == cp_model.OPTIMAL),
             "lower_bound_ms": bound,

@@ -1,6 +1,11 @@
 """Dynamic programming over (stages, layers): the reference solver for small chains.
 
-best[s][j] = the smallest bottleneck of a split of layers [0, j) into s + 1 stages that all fit.
+best[s][j] = the smallest bottleneck of a split of layers [0, j) into s + 1 stages that all fit,
+counting the links between them when cuts are given (cuts[s - 1][i]: stage s - 1 hands over to
+stage s at boundary i):
+
+    best[s][j] = min over i of max(best[s - 1][i], cuts[s - 1][i], (T[j] - T[i]) / speed[s])
+
 O(K * L^2) stage evaluations; exact, simple, and independent of the probe's bookkeeping, which
 is what makes it worth keeping next to the fast solver.
 """
@@ -8,19 +13,24 @@ is what makes it worth keeping next to the fast solver.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 
 from .memory import MemoryModel
-from .partition import Partition, StageSpec
+from .partition import Partition, StageSpec, cut_table
 
 
 def solve_partition_dp(
-    times: np.ndarray, memory: MemoryModel, stages: list[StageSpec]
+    times: np.ndarray,
+    memory: MemoryModel,
+    stages: list[StageSpec],
+    cuts: Sequence[np.ndarray] | None = None,
 ) -> Partition | None:
     L, K = len(times), len(stages)
     if not 1 <= K <= L:
         raise ValueError(f"cannot split {L} layers into {K} non-empty stages")
+    links = cut_table(cuts, L, K)
     prefix = np.concatenate([[0.0], np.cumsum(np.asarray(times, dtype=np.float64))])
     best = np.full((K, L + 1), math.inf)
     arg = np.zeros((K, L + 1), dtype=np.int64)
@@ -30,6 +40,8 @@ def solve_partition_dp(
             cost = (prefix[j] - prefix[i]) / spec.speed
             fits = memory.total(i, np.full(i.shape, j), spec.shape) <= spec.budget
             before = best[s - 1][i] if s else np.where(i == 0, 0.0, math.inf)
+            if s and links is not None:
+                before = np.maximum(before, links[s - 1][i])  # inf: no cut allowed at i
             value = np.where(fits, np.maximum(before, cost), math.inf)
             k = int(np.argmin(value))
             best[s][j], arg[s][j] = value[k], i[k]

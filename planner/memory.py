@@ -1,20 +1,38 @@
-"""The memory of a stage: the one place that says what a stage of layers [i, j) holds at its peak.
+"""The memory of a stage: the one place that says what a stage of layers [i, j) holds.
 
-    params      parameters and buffers of the stage's layers
-    grads       one gradient per parameter
-    optimizer   optimizer slots per parameter (SGD 0, momentum 1, Adam 2)
-    stashed     activations kept for backward: max over the stage's stash pairs (a, b) of
-                a x input + b x S, where a micro-batches are kept as their input only (to be
-                re-materialised) and b whole; the pairs come from the schedule's program order
-                (schedules/stash.py), e.g. GPipe without recomputation ((0, M),), with it ((M, 1),).
-                S = what the layers save for one micro-batch, counting once the tensors two
-                neighbouring layers both save; input = the tensor entering layer i
-    live        the largest transient of one layer above its stash (gradients in flight, temporaries)
-    workspace   what the device reserves before any stage runs
+A device holds its stage's weights all the time, and its micro-batches' tensors state by state
+as the schedule's issue order moves them (schedules/memory.py). Per micro-batch, for the stage
+[i, j) (the loss, when profiled, is the last stage's final layer):
 
-Every term grows as a stage gains layers at its end, which is what makes the partition
-search exact. All functions take numpy arrays of starts and ends, so the solver evaluates
-thousands of candidate stages in one call; scalars work too.
+    X   = boundary[i]                  its input (pushed by the previous stage, or our own copy)
+    Xs  = input_saved[i]               the part of X that layer i saves itself
+    S   = sum saved[i:j] - sum shared[i+1:j]    what its layers save, each tensor once
+    Z   = sum zgrad[i:j]               zero bubble: the gradients kept from I to W (every inner
+                                       layer output's, and the stage output's)
+    G   = grad_in[i]                   its input gradient, until the previous stage pulls it
+    live = max over layers of max(forward_transient, backward_transient), the forward's plus
+           input_unsaved for the layers after the first: the most one layer adds while F or B runs
+    remat_live                         ... the forward alone: a re-materialising forward (zero
+                                       bubble's recomputation, at I)
+    input_live, weight_live            ... while I runs, while W runs (zero bubble)
+    forward_live = max(forward_peak[i], max over i < l < j of forward_peak[l] + boundary[l])
+                                       what a forward that keeps nothing (recomputation) needs:
+                                       one layer's working memory and, inside the stage, its input
+
+    state bytes  input X, activations X + S - Xs, during_i X + S - Xs + Z + G,
+                 between_iw S + Z (+ X - Xs where G > 0: W's graph holds the input), grad G
+
+and the stage's memory is
+
+    params + grads + optimizer slots x params + workspace
+    + max( max over the stage's occupancy tuples (n per state, then which transient runs) of
+               sum n x state bytes + the running transient,
+           the optimizer step's temporaries: per_byte x (all its parameters when the optimizer
+               runs multi-tensor kernels, else its largest parameter) )
+
+Every term grows as a stage gains layers at its end, which is what makes the partition search
+exact. All functions take numpy arrays of starts and ends, so the solver evaluates thousands of
+candidate stages in one call; scalars work too.
 """
 
 from __future__ import annotations
@@ -23,44 +41,42 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from schedules import STATES, StageBytes
+from schedules.memory import TRANSIENTS
+
 from .costs import Chain
 
 RECOMPUTE_MODES = ("never", "except_last", "always")
+N_STATES = len(STATES)
 
 
 @dataclass(frozen=True)
 class StageShape:
     """What a stage's memory depends on besides its layers."""
 
-    stash: tuple[tuple[int, int], ...]  # (inputs kept, whole stashes kept) at the stage's peaks
+    occupancy: tuple[tuple[int, ...], ...]  # (count per state..., running), schedules/memory.py
     optimizer_slots: int
     reserved: int = 0
+    optimizer_step: float = 0.0  # temporaries per byte of parameters (see the module doc)
+    foreach: bool = False
 
     @property
     def inflight(self) -> int:
-        """Micro-batches whose activations (whole or input only) the stage holds at its peak."""
-        return max(a + b for a, b in self.stash)
+        """Micro-batches the stage holds tensors of (beyond an input gradient) at its worst."""
+        return max(sum(t[:4]) for t in self.occupancy)
 
 
-class MemoryModel:
-    """Prefix sums and a range-maximum table over one Chain."""
+class _RangeMax:
+    """O(1) maxima over index ranges [i, j) of one array (a sparse table)."""
 
-    def __init__(self, chain: Chain) -> None:
-        self.chain = chain
-        zero = np.zeros(1, dtype=np.int64)
-        self._params = np.concatenate([zero, np.cumsum(chain.params)])
-        self._buffers = np.concatenate([zero, np.cumsum(chain.buffers)])
-        self._saved = np.concatenate([zero, np.cumsum(chain.saved)])
-        self._shared = np.concatenate([zero, np.cumsum(chain.shared)])
-        self._boundary = chain.boundary
-        # _table[k][i] = max(transient[i : i + 2**k]), for O(1) range maxima.
-        levels = [chain.transient.astype(np.int64)]
-        while 2 ** len(levels) <= len(chain.transient):
+    def __init__(self, values: np.ndarray) -> None:
+        levels = [values.astype(np.int64)]
+        while 2 ** len(levels) <= len(values):
             prev, half = levels[-1], 2 ** (len(levels) - 1)
             levels.append(np.maximum(prev[:-half], prev[half:]))
         self._table = levels
 
-    def _range_max(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    def __call__(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         span = j - i
         k = np.floor(np.log2(np.maximum(span, 1))).astype(np.int64)
         out = np.empty(np.shape(i), dtype=np.int64)
@@ -70,29 +86,135 @@ class MemoryModel:
             out[sel] = np.maximum(table[i[sel]], table[j[sel] - 2**level])
         return out
 
+
+def _prefix(values: np.ndarray) -> np.ndarray:
+    return np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(values.astype(np.int64))])
+
+
+class MemoryModel:
+    """Prefix sums and range-maximum tables over one Chain."""
+
+    def __init__(self, chain: Chain) -> None:
+        self.chain = chain
+        self._params = _prefix(chain.params)
+        self._largest = _RangeMax(chain.largest_param)
+        self._buffers = _prefix(chain.buffers)
+        self._saved = _prefix(chain.saved)
+        self._shared = _prefix(chain.shared)
+        self._loss = _prefix(chain.loss_saved)
+        self._zgrad = _prefix(chain.zgrad)
+        f, b = chain.forward_transient, chain.backward_transient
+        self._first_live = np.maximum(f, b).astype(np.int64)
+        self._inner_live = _RangeMax(np.maximum(f + chain.input_unsaved, b))
+        self._first_remat = f.astype(np.int64)
+        self._inner_remat = _RangeMax(f + chain.input_unsaved)
+        self._input_live = _RangeMax(chain.input_grad_transient)
+        self._weight_live = _RangeMax(chain.weight_grad_transient)
+        self._forward_peak = chain.forward_peak.astype(np.int64)
+        self._inner_forward = _RangeMax(chain.forward_peak + chain.boundary[:-1])
+
+    @staticmethod
+    def _inner(table: _RangeMax, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """Range maxima over the layers after a stage's first: (i, j); 0 where there are none."""
+        return np.where(j - i > 1, table(np.minimum(i + 1, j - 1), j), 0)
+
+    def state_bytes(self, i: np.ndarray | int, j: np.ndarray | int) -> dict[str, np.ndarray]:
+        """Per micro-batch, for stages [i, j): the bytes of each state, `live`, and the parts
+        (`saved` S, `loss` its share from the loss function, `z` Z) the breakdown reports."""
+        i = np.atleast_1d(np.asarray(i, dtype=np.int64))
+        j = np.atleast_1d(np.asarray(j, dtype=np.int64))
+        c = self.chain
+        x = c.boundary[i].astype(np.int64)
+        xs = np.minimum(c.input_saved[i].astype(np.int64), x)
+        saved = self._saved[j] - self._saved[i] - (self._shared[j] - self._shared[i + 1])
+        z = self._zgrad[j] - self._zgrad[i]
+        inner = self._inner(self._inner_forward, i, j)
+        return {
+            "input": x,
+            "activations": x + saved - xs,
+            "during_i": x + saved - xs + z + c.grad_in[i].astype(np.int64),
+            # the graph kept for W holds the input too, when it needs a gradient
+            "between_iw": saved + z + np.where(c.grad_in[i] > 0, x - xs, 0),
+            "grad": c.grad_in[i].astype(np.int64),
+            "live": np.maximum(self._first_live[i], self._inner(self._inner_live, i, j)),
+            "remat_live": np.maximum(self._first_remat[i], self._inner(self._inner_remat, i, j)),
+            "input_live": self._input_live(i, j),
+            "weight_live": self._weight_live(i, j),
+            "forward_live": np.maximum(self._forward_peak[i], inner),
+            "saved": saved,
+            "loss": self._loss[j] - self._loss[i],
+            "input_saved": xs,
+        }
+
+    def stage_bytes(self, i: int, j: int, shape: StageShape) -> StageBytes:
+        """The stage [i, j) as the simulator's StageBytes."""
+        b = {k: int(v[0]) for k, v in self.state_bytes(i, j).items()}
+        terms = self.terms(i, j, shape)
+        static = sum(int(terms[k][0]) for k in ("params", "grads", "optimizer", "workspace"))
+        step = int(terms["optimizer_step_size"][0])
+        return StageBytes(
+            **{name: b[name] for name in STATES + TRANSIENTS},
+            optimizer_step=step,
+            foreach=shape.foreach,
+            static=static,
+        )
+
     def terms(
         self, i: np.ndarray | int, j: np.ndarray | int, shape: StageShape
     ) -> dict[str, np.ndarray]:
-        """The breakdown for stages [i, j) (j > i), as arrays of bytes."""
+        """The breakdown for stages [i, j) (j > i) at the stage's worst moment, in bytes."""
         i = np.atleast_1d(np.asarray(i, dtype=np.int64))
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
         p = self._params[j] - self._params[i]
-        saved = self._saved[j] - self._saved[i] - (self._shared[j] - self._shared[i + 1])
-        entering = self._boundary[i]
-        stashed = np.zeros(i.shape, dtype=np.int64)
-        for a, b in shape.stash:
-            stashed = np.maximum(stashed, a * entering + b * saved)
+        b = self.state_bytes(i, j)
+        best = np.full(i.shape, -1, dtype=np.int64)
+        parts = {k: np.zeros(i.shape, dtype=np.int64) for k in ("stash", "grad", "live", "loss")}
+        z = b["during_i"] - b["activations"] - b["grad"]
+        kept_in = b["between_iw"] - b["saved"] - z
+        for t in shape.occupancy:
+            n_in, n_act, n_di, n_iw, n_grad = t[: len(STATES)]
+            stash = n_in * b["input"] + (n_act + n_di) * b["activations"]
+            stash = stash + n_iw * (b["saved"] + kept_in)
+            grads = (n_di + n_iw) * z + n_di * b["grad"] + n_grad * b["grad"]
+            live = sum(on * b[name] for on, name in zip(t[len(STATES) :], TRANSIENTS))
+            total = stash + grads + live
+            better = total > best
+            best = np.where(better, total, best)
+            loss = (n_act + n_di + n_iw) * b["loss"]
+            for key, value in (("stash", stash), ("grad", grads), ("live", live), ("loss", loss)):
+                parts[key] = np.where(better, value, parts[key])
+        step = self.optimizer_step(i, j, shape)
+        at_step = step > best  # the optimizer step, after the pipeline, is the worst moment
+        zero = np.zeros(i.shape, dtype=np.int64)
         return {
             "params": p + self._buffers[j] - self._buffers[i],
             "grads": p,
             "optimizer": shape.optimizer_slots * p,
-            "stashed_activations": stashed,
-            "live_activations": self._range_max(i, j),
+            "stashed_activations": np.where(at_step, zero, parts["stash"] - parts["loss"]),
+            "loss": np.where(at_step, zero, parts["loss"]),
+            "gradient_buffers": np.where(at_step, zero, parts["grad"]),
+            "live_activations": np.where(at_step, zero, parts["live"]),
+            "optimizer_step": np.where(at_step, step, zero),
             "workspace": np.full(i.shape, shape.reserved, dtype=np.int64),
+            "optimizer_step_size": step,
         }
 
+    def optimizer_step(
+        self, i: np.ndarray | int, j: np.ndarray | int, shape: StageShape
+    ) -> np.ndarray:
+        """The temporaries of one optimizer step over the stage's parameters."""
+        i = np.atleast_1d(np.asarray(i, dtype=np.int64))
+        j = np.atleast_1d(np.asarray(j, dtype=np.int64))
+        if shape.foreach:
+            size = self._params[j] - self._params[i]
+        else:
+            size = self._largest(i, j)
+        return np.ceil(shape.optimizer_step * size).astype(np.int64)
+
     def total(self, i: np.ndarray | int, j: np.ndarray | int, shape: StageShape) -> np.ndarray:
-        return sum(self.terms(i, j, shape).values())  # type: ignore[return-value]
+        terms = self.terms(i, j, shape)
+        terms.pop("optimizer_step_size")
+        return sum(terms.values())  # type: ignore[return-value]
 
     def max_end(self, shape: StageShape, budget: int) -> np.ndarray:
         """For every start i: the largest end j with total(i, j) <= budget, or i if even [i, i+1)

@@ -1,14 +1,20 @@
 """Exact min-bottleneck contiguous partition ("chains on chains") under per-stage memory limits.
 
 Stage s runs layers [i, j) on device s, costs (T[j] - T[i]) / speed[s] per micro-batch and must
-fit budget[s]. We minimise the slowest stage.
+fit budget[s]. Optionally the link between stages s and s + 1 costs cuts[s][j] per micro-batch
+when that cut sits at layer boundary j (math.inf: not allowed there). Links are resources of
+their own (transfers overlap compute), so we minimise the slowest stage or link:
 
-The probe answers "is there a split whose every stage costs at most B?" exactly: it carries the
-set of layer positions that s stages can reach, stage by stage. From a start i, the feasible ends
-are the interval (i, e_s(i)], where e_s(i) is limited by time (a binary search on the prefix
-sums) and by memory (precomputed once per distinct device; memory does not depend on B):
+    bottleneck = max( max_s (T[b_{s+1}] - T[b_s]) / speed[s],  max_{s < K-1} cuts[s][b_{s+1}] )
 
-    reach_0 = {0};   reach_{s+1} = union over i in reach_s of (i, e_s(i)];   feasible iff L in reach_K
+The probe answers "is there a split whose every stage and every cut costs at most B?" exactly: it
+carries the set of layer positions that s stages can reach, stage by stage. From a start i, the
+feasible ends are the interval (i, e_s(i)], where e_s(i) is limited by time (a binary search on
+the prefix sums) and by memory (precomputed once per distinct device; memory does not depend on
+B); a position where the next stage may start must also be a cut the link allows within B:
+
+    reach_0 = {0};   reach_{s+1} = union over i in reach_s of (i, e_s(i)]  &  {j : cuts[s][j] <= B}
+    (no cut mask after the last stage);   feasible iff L in reach_K
 
 Greedy "fill each stage as far as it goes" is not enough here: with unequal devices, or with a
 memory term that depends on where a stage starts (the recomputed stage's input), running ahead
@@ -20,6 +26,7 @@ best bottleneck is feasible, so the answer is the exact optimum, not an approxim
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -39,7 +46,7 @@ class StageSpec:
 @dataclass
 class Partition:
     bounds: list[int]  # K + 1 cut positions: 0 = b_0 < b_1 < ... < b_K = L
-    bottleneck: float
+    bottleneck: float  # the slowest stage, or the slowest transfer at a cut when cuts were given
     probes: int = 0
     extra: dict[str, float] = field(default_factory=dict)
 
@@ -56,9 +63,49 @@ def stage_costs(times: np.ndarray, bounds: list[int], speeds: list[float]) -> li
     ]
 
 
+def cut_table(cuts: Sequence[np.ndarray] | None, layers: int, stages: int) -> np.ndarray | None:
+    """cuts as a (stages - 1, layers + 1) float array, checked; None stays None."""
+    if cuts is None:
+        return None
+    if len(cuts) != stages - 1:
+        raise ValueError(
+            f"cuts has {len(cuts)} arrays but {stages} stages have {stages - 1} links; "
+            "pass one array per link"
+        )
+    table = np.empty((stages - 1, layers + 1), dtype=np.float64)
+    for s, row in enumerate(cuts):
+        row = np.asarray(row, dtype=np.float64)
+        if row.shape != (layers + 1,):
+            raise ValueError(
+                f"cuts[{s}] has shape {row.shape}; pass one entry per layer boundary, "
+                f"{layers + 1} for {layers} layers"
+            )
+        if not (row >= 0).all():
+            raise ValueError(f"cuts[{s}] has a negative or NaN entry; use math.inf to forbid a cut")
+        table[s] = row
+    return table
+
+
+def split_cuts(table: np.ndarray | None, bounds: list[int]) -> list[float]:
+    """The transfer time of each link of a split (empty without cuts)."""
+    if table is None:
+        return []
+    return [float(table[s][j]) for s, j in enumerate(bounds[1:-1])]
+
+
 class _Prober:
-    def __init__(self, times: np.ndarray, memory: MemoryModel, stages: list[StageSpec]) -> None:
+    def __init__(
+        self,
+        times: np.ndarray,
+        memory: MemoryModel,
+        stages: list[StageSpec],
+        cuts: Sequence[np.ndarray] | None = None,
+    ) -> None:
         self.L, self.K = len(times), len(stages)
+        self.cuts = cut_table(cuts, self.L, self.K)
+        # Under an infinite bound a cut is allowed iff finite: compare against the largest one.
+        finite = self.cuts[np.isfinite(self.cuts)] if self.cuts is not None else np.zeros(0)
+        self.max_cut = float(finite.max()) if finite.size else 0.0
         self.prefix = np.concatenate([[0.0], np.cumsum(times, dtype=np.float64)])
         self.speeds = [s.speed for s in stages]
         cache: dict[tuple[StageShape, int], np.ndarray] = {}
@@ -76,20 +123,19 @@ class _Prober:
         base = P[starts]
         if math.isinf(bound):
             j = np.full(starts.shape, self.L, dtype=np.int64)
+        elif bound < 0:  # times are >= 0: not even one layer fits
+            j = starts.copy()
         else:
             j = np.searchsorted(P, base + bound * sp, side="right") - 1
-            # searchsorted compares base + bound*sp; the cost is (P[j] - base) / sp. Agree exactly.
-            for _ in range(4):
-                over = (P[j] - base) / sp > bound
-                if not over.any():
-                    break
-                j = j - over
-            for _ in range(4):
+            # searchsorted compares base + bound*sp; the cost is (P[j] - base) / sp. Agree exactly,
+            # moving a whole run of equal prefix sums (zero-time layers) at a time: they cost the
+            # same. Each pass moves j one way only, so both loops end (mostly after one pass).
+            while (over := (P[j] - base) / sp > bound).any():
+                j = np.where(over, np.searchsorted(P, P[j], side="left") - 1, j)
+            nxt = np.minimum(j + 1, self.L)
+            while (under := (nxt > j) & ((P[nxt] - base) / sp <= bound)).any():
+                j = np.where(under, np.searchsorted(P, P[nxt], side="right") - 1, j)
                 nxt = np.minimum(j + 1, self.L)
-                under = (nxt > j) & ((P[nxt] - base) / sp <= bound)
-                if not under.any():
-                    break
-                j = j + under
         return np.minimum(j, self.mem_end[s][starts])
 
     def probe(self, bound: float) -> list[int] | None:
@@ -98,6 +144,7 @@ class _Prober:
         L, K = self.L, self.K
         reach = np.zeros(L + 1, dtype=bool)
         reach[0] = True
+        cap = min(bound, self.max_cut)  # cuts[s][j] <= cap: within the bound and finite
         steps: list[tuple[np.ndarray, np.ndarray]] = []
         for s in range(K):
             room = L - (K - s)  # a later stage needs at least one layer each
@@ -112,41 +159,59 @@ class _Prober:
             steps.append((starts, e))
             cover = np.bincount(starts + 1, minlength=L + 2) - np.bincount(e + 1, minlength=L + 2)
             reach = np.cumsum(cover)[: L + 1] > 0
+            if self.cuts is not None and s < K - 1:
+                reach &= self.cuts[s] <= cap  # stage s + 1 starts only where its link may cut
         if not reach[L]:
             return None
         bounds = [L]
-        for starts, e in reversed(steps):
+        for starts, e in reversed(steps):  # every start came from a masked reach: an allowed cut
             end = bounds[-1]
             ok = (starts < end) & (e >= end)
             bounds.append(int(starts[ok][0]))  # the earliest start: later stages as long as allowed
         return bounds[::-1]
 
-    def bottleneck(self, bounds: list[int]) -> float:
+    def bottleneck(self, bounds: list[int], probed: float = math.inf) -> float:
+        """The same float expressions the probe compares against its bound, so a split that
+        probe(probed) returned costs at most `probed` (the bisection relies on it to progress)."""
         P = self.prefix
-        return max(
-            float(P[j] - P[i]) / sp for i, j, sp in zip(bounds[:-1], bounds[1:], self.speeds)
+        value = max(
+            [float(P[j] - P[i]) / sp for i, j, sp in zip(bounds[:-1], bounds[1:], self.speeds)]
+            + split_cuts(self.cuts, bounds)
         )
+        assert value <= probed, f"the probe returned {bounds} under {probed}, but it costs {value}"
+        return value
 
 
-def feasible_split(times: np.ndarray, memory: MemoryModel, stages: list[StageSpec]) -> bool:
-    """Whether any split fits every stage's budget (time unbounded)."""
-    return _Prober(np.asarray(times, dtype=np.float64), memory, stages).probe(math.inf) is not None
+def feasible_split(
+    times: np.ndarray,
+    memory: MemoryModel,
+    stages: list[StageSpec],
+    cuts: Sequence[np.ndarray] | None = None,
+) -> bool:
+    """Whether any split fits every stage's budget and cuts only where allowed (time unbounded)."""
+    prober = _Prober(np.asarray(times, dtype=np.float64), memory, stages, cuts)
+    return prober.probe(math.inf) is not None
 
 
 def solve_partition(
-    times: np.ndarray, memory: MemoryModel, stages: list[StageSpec]
+    times: np.ndarray,
+    memory: MemoryModel,
+    stages: list[StageSpec],
+    cuts: Sequence[np.ndarray] | None = None,
 ) -> Partition | None:
     """The split of len(times) layers into len(stages) non-empty contiguous stages that minimises
-    the slowest stage, with every stage within its budget; None when no split fits in memory."""
+    the slowest stage (or link, with cuts: see the module docstring), with every stage within its
+    budget; None when no split fits in memory at allowed cuts."""
     L, K = len(times), len(stages)
     if not 1 <= K <= L:
         raise ValueError(f"cannot split {L} layers into {K} non-empty stages")
-    prober = _Prober(np.asarray(times, dtype=np.float64), memory, stages)
+    prober = _Prober(np.asarray(times, dtype=np.float64), memory, stages, cuts)
     bounds = prober.probe(math.inf)
     if bounds is None:
         return None
     hi = prober.bottleneck(bounds)
     total = float(prober.prefix[-1])
+    # A bound on compute alone, hence at most the optimum with links too.
     lo = max(float(np.max(times)) / max(prober.speeds), total / sum(prober.speeds))
     lo = min(lo, hi) * (1 - 1e-12)
     while hi - lo > 1e-9 * hi:
@@ -155,8 +220,8 @@ def solve_partition(
         if found is None:
             lo = mid
         else:
-            bounds, hi = found, prober.bottleneck(found)
+            bounds, hi = found, prober.bottleneck(found, mid)
     # Prove it: no split is feasible strictly below the best bottleneck found.
-    while (found := prober.probe(float(np.nextafter(hi, -math.inf)))) is not None:
-        bounds, hi = found, prober.bottleneck(found)
+    while (found := prober.probe(below := float(np.nextafter(hi, -math.inf)))) is not None:
+        bounds, hi = found, prober.bottleneck(found, below)
     return Partition(bounds=bounds, bottleneck=hi, probes=prober.probes)

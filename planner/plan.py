@@ -3,7 +3,7 @@ cost. Torch-free, so `check`, `show` and `simulate` answer without importing tor
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -26,11 +26,38 @@ class MemoryBreakdown(_Strict):
     params: int
     grads: int
     optimizer: int
-    stashed_activations: int
-    live_activations: int
+    stashed_activations: int = Field(
+        description="inputs and saved activations of the micro-batches in flight (the loss's apart)"
+    )
+    loss: int = Field(description="what the loss function saves for backward (last stage)")
+    gradient_buffers: int = Field(
+        description="input gradients waiting for the previous stage, zero-bubble I-to-W buffers"
+    )
+    live_activations: int = Field(description="the running action's transient")
+    optimizer_step: int = Field(
+        default=0, description="the optimizer step's temporaries, when that is the worst moment"
+    )
     workspace: int
     total: int
     budget: int
+
+
+class StateBytes(_Strict):
+    """Bytes one micro-batch holds on the stage's device in each state (schedules/memory.py)."""
+
+    input: int
+    activations: int
+    during_i: int
+    between_iw: int
+    grad: int
+    live: int = Field(description="the stage's largest transient while one of its actions runs")
+    remat_live: int = Field(description="... while zero bubble re-materialises at I")
+    forward_live: int = Field(description="... while a forward that keeps nothing runs")
+    input_live: int = Field(description="... while zero-bubble I runs")
+    weight_live: int = Field(description="... while zero-bubble W runs")
+    optimizer_step: int = Field(description="the optimizer step's temporaries, after the step")
+    foreach: bool = Field(description="the optimizer's multi-tensor kernels make them all at once")
+    static: int = Field(description="weights, gradients, optimizer state and workspace")
 
 
 class StagePlan(_Strict):
@@ -40,9 +67,15 @@ class StagePlan(_Strict):
     layers: tuple[int, int] = Field(description="[start, end) in the model's layer order")
     layer_types: list[str]
     recompute: Recompute
-    inflight: int = Field(description="micro-batches whose activations the stage holds at its peak")
-    stash_pairs: list[tuple[int, int]] = Field(
-        description="(kept as input only, kept whole) micro-batch counts at the stage's peaks"
+    inflight: int = Field(description="micro-batches whose tensors the stage holds at its worst")
+    occupancy: list[tuple[int, ...]] = Field(
+        description="micro-batches per state (input, activations, during_i, between_iw, grad), "
+        "then which transient (live, remat_live, forward_live, input_live, weight_live) runs, at "
+        "the stage's candidate peaks"
+    )
+    work_ms: float = Field(
+        description="what the partition balances: one micro-batch's forward, backward (I + W for "
+        "zero bubble) and average recomputation on this device"
     )
     forward_ms: float = Field(description="per micro-batch, on this device")
     backward_ms: float
@@ -56,6 +89,7 @@ class StagePlan(_Strict):
     send_ms: float
     stash_bytes: int = Field(description="what one micro-batch leaves saved for backward")
     input_bytes: int = Field(description="one micro-batch entering the stage")
+    state_bytes: StateBytes
     memory: MemoryBreakdown
 
 
@@ -72,15 +106,19 @@ class Prediction(_Strict):
     iteration_ms: float
     bubble_fraction: float
     throughput_samples_per_s: float
-    bottleneck_ms: float = Field(description="the slowest stage's forward+backward+recompute")
+    bottleneck_ms: float = Field(
+        description="the busiest resource per micro-batch: a stage's work_ms or a link's transfer"
+    )
     peak_memory: list[int] = Field(description="per device, from the simulated schedule")
 
 
 class SolverInfo(_Strict):
     method: str
     optimal: bool = Field(
-        description="the bottleneck is proven minimal for this M, schedule and recomputation"
+        description="the bottleneck is proven minimal for this M, schedule and recomputation, "
+        "under the model the simulator uses"
     )
+    unproven: str = Field(default="", description="what is not proven, when optimal is false")
     lower_bound_ms: float
     gap: float
     candidates: int = Field(
@@ -97,7 +135,9 @@ class PlanMeta(_Strict):
 
 
 class Plan(Artifact):
+    FORMAT_VERSION: ClassVar[int] = 2
     kind: Literal["plan"] = "plan"
+    format_version: int = 2
     model: str
     model_digest: str
     profile_digest: str
@@ -115,6 +155,7 @@ class Plan(Artifact):
     stages_per_device: int = Field(default=1, description="v: chunks per device (interleaved)")
     recompute: Recompute
     optimizer: Optimizer
+    loss: str = Field(default="", description="the profiled loss the last stage includes, if any")
     stages: list[StagePlan] = Field(min_length=1)
     devices: list[DeviceUse] = Field(min_length=1)
     predicted: Prediction

@@ -1,6 +1,12 @@
 """plan_pipeline: search micro-batch counts, schedules and recomputation; solve the partition
 exactly for each; score it with the schedule simulator; keep the fastest that fits every device.
 
+One cost model serves the partition, the lower bounds and the simulator. A stage's work per
+micro-batch is its forward, its backward (I + W for zero bubble, as the simulator charges them)
+and its recomputation averaged over the micro-batches (M - 1 of M recompute under except_last);
+each link carries one transfer per micro-batch and direction. The partition minimises the
+busiest of those resources exactly, and the simulator runs the same numbers.
+
 For interleaved-1f1b each device holds v = 2 stages (looped: stage s on device s mod K). The
 partition then gives each stage half its device's memory, which is sufficient but not necessary:
 such plans are marked not proven optimal. The link from the last device back to the first,
@@ -20,14 +26,23 @@ import numpy as np
 from profiler.artifact import InputError
 from profiler.types import Profile
 from schedules import SCHEDULE_NAMES, Costs, Schedule, Timeline, build_schedule, simulate
-from schedules.stash import stash_pairs
+from schedules.memory import StageBytes, occupancy
 
 from .cluster import Cluster
 from .costs import OPTIMIZER_SLOTS, Chain, chain_at
 from .dp import solve_partition_dp
 from .memory import RECOMPUTE_MODES, MemoryModel, StageShape
 from .partition import Partition, StageSpec, feasible_split, solve_partition
-from .plan import DeviceUse, MemoryBreakdown, Plan, PlanMeta, Prediction, SolverInfo, StagePlan
+from .plan import (
+    DeviceUse,
+    MemoryBreakdown,
+    Plan,
+    PlanMeta,
+    Prediction,
+    SolverInfo,
+    StagePlan,
+    StateBytes,
+)
 from .units import format_size
 
 SOLVERS = ("auto", "probe", "dp", "cp-sat")
@@ -45,7 +60,9 @@ class InfeasibleError(Exception):
 
 
 @dataclass(frozen=True)
-class _Candidate:
+class Candidate:
+    """One combination the search tries."""
+
     microbatches: int
     schedule: str
     recompute: str
@@ -53,6 +70,30 @@ class _Candidate:
     @property
     def per_device(self) -> int:
         return INTERLEAVE if self.schedule == "interleaved-1f1b" else 1
+
+    @property
+    def recomputed_share(self) -> float:
+        """The share of micro-batches whose backward re-runs the forward."""
+        M = self.microbatches
+        return {"never": 0.0, "always": 1.0, "except_last": (M - 1) / M}[self.recompute]
+
+
+@dataclass
+class _Problem:
+    """What every candidate of one plan_pipeline call shares."""
+
+    profile: Profile
+    cluster: Cluster
+    batch_size: int
+    optimizer: str
+    chains: dict[int, tuple[Chain, MemoryModel]]
+
+    def chain(self, cand: Candidate) -> tuple[Chain, MemoryModel]:
+        mb = -(-self.batch_size // cand.microbatches)
+        if mb not in self.chains:
+            chain = chain_at(self.profile, mb)
+            self.chains[mb] = (chain, MemoryModel(chain))
+        return self.chains[mb]
 
 
 def microbatch_candidates(batch_size: int, num_devices: int) -> list[int]:
@@ -98,7 +139,7 @@ def plan_pipeline(
     modes = _choices(recompute, list(RECOMPUTE_MODES), "--checkpoint")
     candidates = [
         c
-        for c in (_Candidate(m, s, r) for m in ms for s in schedules for r in modes)
+        for c in (Candidate(m, s, r) for m in ms for s in schedules for r in modes)
         if _possible(c, K, L)
     ]
     if not candidates:
@@ -109,42 +150,44 @@ def plan_pipeline(
     solve, method = (
         (solve_partition_dp, "dp") if solver == "dp" else (solve_partition, "probe-bisection")
     )
+    problem = _Problem(profile, cluster, batch_size, optimizer, {})
 
     best: Plan | None = None
-    best_cand: _Candidate | None = None
-    chains: dict[int, tuple[Chain, MemoryModel]] = {}
+    best_cand: Candidate | None = None
     for cand in candidates:
-        chain, memory = _chain(profile, batch_size, cand, chains)
-        specs = _stage_specs(cluster, cand, optimizer)
-        part = solve(_balance_times(chain, cand.recompute), memory, specs)
+        chain, memory = problem.chain(cand)
+        specs = _stage_specs(problem, cand)
+        cuts = _cut_costs(cluster, cand, chain)
+        part = solve(_balance_times(chain, cand), memory, specs, cuts=cuts)
         if part is None:
             continue
         if (
             best is not None
-            and _lower_bound(chain, cand, specs, part) >= best.predicted.iteration_ms
+            and _lower_bound(problem, cand, specs, part) >= best.predicted.iteration_ms
         ):
             continue  # cannot beat the best so far: skip the simulation
-        plan = _build_plan(
-            profile, cluster, batch_size, cand, optimizer, chain, memory, specs, part, method
-        )
+        plan = _build_plan(problem, cand, specs, part, method)
         if plan.fits and (
             best is None or plan.predicted.iteration_ms < best.predicted.iteration_ms * (1 - 1e-12)
         ):
             best, best_cand = plan, cand
     if best is None or best_cand is None:
-        raise _infeasible(profile, cluster, batch_size, candidates, optimizer, chains)
+        raise _infeasible(problem, candidates)
     if solver == "cp-sat":
         # The search ran on the probe; CP-SAT re-solves the chosen candidate on its own and
         # reports its own bound, an independent check of the split.
         from .cpsat import solve_partition_cpsat
 
-        chain, memory = _chain(profile, batch_size, best_cand, chains)
-        specs = _stage_specs(cluster, best_cand, optimizer)
-        part = solve_partition_cpsat(_balance_times(chain, best_cand.recompute), memory, specs)
-        assert part is not None, "CP-SAT found infeasible what the probe solved"
-        best = _build_plan(
-            profile, cluster, batch_size, best_cand, optimizer, chain, memory, specs, part, "cp-sat"
+        chain, memory = problem.chain(best_cand)
+        specs = _stage_specs(problem, best_cand)
+        part = solve_partition_cpsat(
+            _balance_times(chain, best_cand),
+            memory,
+            specs,
+            cuts=_cut_costs(cluster, best_cand, chain),
         )
+        assert part is not None, "CP-SAT found infeasible what the probe solved"
+        best = _build_plan(problem, best_cand, specs, part, "cp-sat")
     best.solver = best.solver.model_copy(update={"candidates": len(candidates)})
     best.meta = best.meta.model_copy(update={"solve_ms": (time.perf_counter() - started) * 1e3})
     return best
@@ -163,20 +206,10 @@ def _choices(value: int | str, allowed: list, flag: str) -> list:
     return [value]
 
 
-def _possible(c: _Candidate, K: int, L: int) -> bool:
+def _possible(c: Candidate, K: int, L: int) -> bool:
     if c.schedule != "interleaved-1f1b":
         return True
     return K * INTERLEAVE <= L and (c.microbatches <= K or c.microbatches % K == 0)
-
-
-def _chain(
-    profile: Profile, batch_size: int, cand: _Candidate, cache: dict
-) -> tuple[Chain, MemoryModel]:
-    mb = -(-batch_size // cand.microbatches)
-    if mb not in cache:
-        chain = chain_at(profile, mb)
-        cache[mb] = (chain, MemoryModel(chain))
-    return cache[mb]
 
 
 @lru_cache(maxsize=512)
@@ -187,54 +220,17 @@ def plan_schedule(name: str, num_devices: int, microbatches: int) -> Schedule:
 
 
 @lru_cache(maxsize=2048)
-def _pairs(name: str, num_devices: int, microbatches: int, recompute: str) -> list:
-    return stash_pairs(plan_schedule(name, num_devices, microbatches), recompute)
+def _occupancy(name: str, num_devices: int, microbatches: int, recompute: str) -> list:
+    return occupancy(plan_schedule(name, num_devices, microbatches), recompute)
 
 
-def _balance_times(chain: Chain, recompute: str) -> np.ndarray:
-    """What the partition balances: one micro-batch's forward + backward (+ recompute) per layer."""
-    per_layer = chain.forward + chain.backward
-    return per_layer + chain.forward if recompute != "never" else per_layer
+def _balance_times(chain: Chain, cand: Candidate) -> np.ndarray:
+    """What the partition balances, per layer: the work one micro-batch costs (see module doc)."""
+    back = chain.input_grad + chain.weight_grad if cand.schedule == "zb-h1" else chain.backward
+    return chain.forward * (1 + cand.recomputed_share) + back
 
 
-def _stage_specs(
-    cluster: Cluster, cand: _Candidate, optimizer: str, budget: int | None = None
-) -> list[StageSpec]:
-    """One spec per stage; `budget` replaces every device's memory (the infeasibility search)."""
-    K, v = cluster.size, cand.per_device
-    pairs = _pairs(cand.schedule, K, cand.microbatches, cand.recompute)
-    specs = []
-    for s in range(K * v):
-        d = cluster.devices[s % K]
-        specs.append(
-            StageSpec(
-                speed=d.speed,
-                budget=(d.memory_bytes if budget is None else budget) // v,
-                shape=StageShape(
-                    stash=pairs[s],
-                    optimizer_slots=OPTIMIZER_SLOTS[optimizer],
-                    reserved=d.reserved_bytes // v,
-                ),
-            )
-        )
-    return specs
-
-
-def _lower_bound(chain: Chain, cand: _Candidate, specs: list[StageSpec], part: Partition) -> float:
-    """No schedule beats the busiest device's work, nor one micro-batch's trip there and back."""
-    K = len(specs) // cand.per_device
-    busy = [0.0] * K
-    trip = 0.0
-    for s, (i, j) in enumerate(part.stages):
-        f = float(chain.forward[i:j].sum()) / specs[s].speed
-        b = float(chain.backward[i:j].sum()) / specs[s].speed
-        r = f if cand.recompute != "never" else 0.0
-        busy[s % K] += cand.microbatches * (f + b) + (cand.microbatches - 1) * r
-        trip += f + b
-    return max(max(busy), trip)
-
-
-def _link_ms(cluster: Cluster, rank: int, nxt: int, nbytes: int) -> float:
+def _link_ms(cluster: Cluster, rank: int, nxt: int, nbytes: float) -> float:
     if rank == nxt:
         return 0.0
     if nxt == rank + 1:
@@ -243,64 +239,143 @@ def _link_ms(cluster: Cluster, rank: int, nxt: int, nbytes: int) -> float:
     return max(link.transfer_ms(nbytes) for link in cluster.links)
 
 
-def _build_plan(
-    profile: Profile,
-    cluster: Cluster,
-    batch_size: int,
-    cand: _Candidate,
-    optimizer: str,
-    chain: Chain,
-    memory: MemoryModel,
-    specs: list[StageSpec],
-    part: Partition,
-    method: str,
-) -> Plan:
+def _cut_costs(cluster: Cluster, cand: Candidate, chain: Chain) -> list[np.ndarray] | None:
+    """Per cut between stage s and s + 1: what one micro-batch's transfer costs at each boundary
+    (inf where no cut may go: between the last layer and the loss)."""
+    K, S = cluster.size, cluster.size * cand.per_device
+    if S == 1:
+        return None
+    cuts = []
+    for s in range(S - 1):
+        rank, nxt = s % K, (s + 1) % K
+        c = np.array([_link_ms(cluster, rank, nxt, float(b)) for b in chain.boundary])
+        if chain.has_loss:
+            c[chain.num_model_layers] = math.inf
+        cuts.append(c)
+    return cuts
+
+
+def _stage_specs(problem: _Problem, cand: Candidate, budget: int | None = None) -> list[StageSpec]:
+    """One spec per stage; `budget` replaces every device's memory (the infeasibility search)."""
+    cluster, optimizer = problem.cluster, problem.optimizer
     K, v = cluster.size, cand.per_device
+    occ = _occupancy(cand.schedule, K, cand.microbatches, cand.recompute)
+    step = problem.profile.optimizer_step.get(optimizer)
+    specs = []
+    for s in range(K * v):
+        d = cluster.devices[s % K]
+        specs.append(
+            StageSpec(
+                speed=d.speed,
+                budget=(d.memory_bytes if budget is None else budget) // v,
+                shape=StageShape(
+                    occupancy=occ[s],
+                    optimizer_slots=OPTIMIZER_SLOTS[optimizer],
+                    reserved=d.reserved_bytes // v,
+                    optimizer_step=step.per_byte if step else 0.0,
+                    foreach=step.foreach if step else False,
+                ),
+            )
+        )
+    return specs
+
+
+def _stage_times(chain: Chain, cand: Candidate, i: int, j: int, speed: float) -> dict[str, float]:
+    f = float(chain.forward[i:j].sum()) / speed
+    times = {
+        "forward_ms": f,
+        "backward_ms": float(chain.backward[i:j].sum()) / speed,
+        "input_grad_ms": float(chain.input_grad[i:j].sum()) / speed,
+        "weight_grad_ms": float(chain.weight_grad[i:j].sum()) / speed,
+        "recompute_ms": f if cand.recompute != "never" else 0.0,
+    }
+    back = (
+        times["input_grad_ms"] + times["weight_grad_ms"]
+        if cand.schedule == "zb-h1"
+        else times["backward_ms"]
+    )
+    times["work_ms"] = f * (1 + cand.recomputed_share) + back
+    times["trip_ms"] = f + back  # one micro-batch through the stage, without recomputation
+    return times
+
+
+def _lower_bound(
+    problem: _Problem, cand: Candidate, specs: list[StageSpec], part: Partition
+) -> float:
+    """No schedule beats the busiest device's or link's load, nor one micro-batch's trip there
+    and back (every stage's forward and backward, and every transfer twice)."""
+    chain, _ = problem.chain(cand)
+    K, M = problem.cluster.size, cand.microbatches
+    busy = [0.0] * K
+    trip = 0.0
+    link = 0.0
+    S = len(specs)
+    for s, (i, j) in enumerate(part.stages):
+        t = _stage_times(chain, cand, i, j, specs[s].speed)
+        busy[s % K] += M * t["work_ms"]
+        trip += t.pop("trip_ms")
+        if s < S - 1:
+            c = _link_ms(problem.cluster, s % K, (s + 1) % K, float(chain.boundary[j]))
+            trip += 2 * c
+            link = max(link, M * c)
+    return max(max(busy), trip, link)
+
+
+def _build_plan(
+    problem: _Problem, cand: Candidate, specs: list[StageSpec], part: Partition, method: str
+) -> Plan:
+    profile, cluster = problem.profile, problem.cluster
+    chain, memory = problem.chain(cand)
+    K, v, L = cluster.size, cand.per_device, chain.num_model_layers
     S = K * v
     stages = []
     for s, ((i, j), spec) in enumerate(zip(part.stages, specs)):
         rank = s % K
-        f = float(chain.forward[i:j].sum()) / spec.speed
-        b = float(chain.backward[i:j].sum()) / spec.speed
-        i_ms = float(chain.input_grad[i:j].sum()) / spec.speed
-        w_ms = float(chain.weight_grad[i:j].sum()) / spec.speed
         send_bytes = int(chain.boundary[j]) if s < S - 1 else 0
         send = _link_ms(cluster, rank, (s + 1) % K, send_bytes) if s < S - 1 else 0.0
         terms = {k: int(x[0]) for k, x in memory.terms(i, j, spec.shape).items()}
-        saved = int(memory.terms(i, j, StageShape(((0, 1),), 0))["stashed_activations"][0])
+        terms.pop("optimizer_step_size")
+        sizes = memory.stage_bytes(i, j, spec.shape)
         stages.append(
             StagePlan(
                 index=s,
                 rank=rank,
                 device=cluster.devices[rank].name,
-                layers=(i, j),
-                layer_types=[profile.layers[k].type for k in range(i, j)],
+                layers=(i, min(j, L)),
+                layer_types=[profile.layers[k].type for k in range(i, min(j, L))],
                 recompute=cand.recompute,  # type: ignore[arg-type]
                 inflight=spec.shape.inflight,
-                stash_pairs=list(spec.shape.stash),
-                forward_ms=f,
-                backward_ms=b,
-                input_grad_ms=i_ms,
-                weight_grad_ms=w_ms,
-                recompute_ms=f if cand.recompute != "never" else 0.0,
+                occupancy=list(spec.shape.occupancy),
+                **{
+                    k: x
+                    for k, x in _stage_times(chain, cand, i, j, spec.speed).items()
+                    if k != "trip_ms"
+                },
                 send_bytes=send_bytes,
                 send_ms=send,
-                stash_bytes=saved,
+                stash_bytes=int(memory.state_bytes(i, j)["saved"][0]),
                 input_bytes=int(chain.boundary[i]),
+                state_bytes=StateBytes(**vars(sizes)),
                 memory=MemoryBreakdown(**terms, total=sum(terms.values()), budget=spec.budget),
             )
         )
+    timeline = simulate_stages(cand.schedule, K, cand.microbatches, stages)
     devices = [
         DeviceUse(
             name=d.name,
             stages=[st.index for st in stages if st.rank == k],
-            total=sum(st.memory.total for st in stages if st.rank == k),
+            total=timeline.peak_memory[k],
             budget=d.memory_bytes,
         )
         for k, d in enumerate(cluster.devices)
     ]
-    timeline = simulate_stages(cand.schedule, K, cand.microbatches, stages)
     total_ms = timeline.makespan
+    proven = v == 1 and part.extra.get("optimal", 1.0) == 1.0
+    unproven = ""
+    if v > 1:
+        unproven = "interleaved: each stage was given half its device's memory"
+    elif not proven:
+        unproven = f"{method} stopped before proving its split optimal"
     return Plan(
         model=profile.model,
         model_digest=profile.model_digest,
@@ -310,29 +385,31 @@ def _build_plan(
         dtype=profile.dtype,
         input_shape=profile.input_shape,
         input_dtype=profile.input_dtype,
-        num_layers=len(profile.layers),
+        num_layers=L,
         cluster=cluster,
-        batch_size=batch_size,
+        batch_size=problem.batch_size,
         microbatches=cand.microbatches,
         microbatch_size=chain.mb,
         schedule=cand.schedule,  # type: ignore[arg-type]
         stages_per_device=v,
         recompute=cand.recompute,  # type: ignore[arg-type]
-        optimizer=optimizer,  # type: ignore[arg-type]
+        optimizer=problem.optimizer,  # type: ignore[arg-type]
+        loss=profile.loss.type if profile.loss is not None else "",
         stages=stages,
         devices=devices,
         predicted=Prediction(
             iteration_ms=total_ms,
             bubble_fraction=timeline.bubble_fraction,
-            throughput_samples_per_s=batch_size / total_ms * 1e3 if total_ms > 0 else math.inf,
+            throughput_samples_per_s=(
+                problem.batch_size / total_ms * 1e3 if total_ms > 0 else math.inf
+            ),
             bottleneck_ms=part.bottleneck,
             peak_memory=timeline.peak_memory,
         ),
         solver=SolverInfo(
             method=method,
-            # Interleaved plans halve each stage's budget: the split is optimal for that, not
-            # proven optimal for the device.
-            optimal=v == 1 and part.extra.get("optimal", 1.0) == 1.0,
+            optimal=proven,
+            unproven=unproven,
             lower_bound_ms=part.extra.get("lower_bound_ms", part.bottleneck) if v == 1 else 0.0,
             gap=part.extra.get("gap", 0.0) if v == 1 else 1.0,
             candidates=1,
@@ -344,12 +421,15 @@ def _build_plan(
     )
 
 
+def stage_bytes(stage: StagePlan) -> StageBytes:
+    return StageBytes(**stage.state_bytes.model_dump())
+
+
 def simulate_stages(
     schedule: str, num_devices: int, microbatches: int, stages: list[StagePlan]
 ) -> Timeline:
     """Run the plan's schedule through the simulator with the plan's own stage costs."""
     sched = plan_schedule(schedule, num_devices, microbatches)
-    m = [st.memory for st in stages]
     costs = Costs(
         forward=[st.forward_ms for st in stages],
         backward=[st.backward_ms for st in stages],
@@ -357,38 +437,31 @@ def simulate_stages(
         weight_grad=[st.weight_grad_ms for st in stages],
         recompute=[st.recompute for st in stages],
         transfer=[st.send_ms for st in stages[:-1]],
-        activation_bytes=[st.stash_bytes for st in stages],
-        input_bytes=[st.input_bytes for st in stages],
-        static_bytes=[
-            x.params + x.grads + x.optimizer + x.live_activations + x.workspace for x in m
-        ],
+        memory=[stage_bytes(st) for st in stages],
     )
     return simulate(sched, costs)
 
 
-def _infeasible(
-    profile: Profile,
-    cluster: Cluster,
-    batch_size: int,
-    candidates: list[_Candidate],
-    optimizer: str,
-    chains: dict[int, tuple[Chain, MemoryModel]],
-) -> InfeasibleError:
+def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleError:
     """Find the least memory per device that any candidate split needs (a min-max partition on
     memory, by bisection on a uniform budget), and say how far each device falls short."""
+    cluster = problem.cluster
     need: int | None = None
     closest: Plan | None = None
     for cand in candidates:
-        chain, memory = _chain(profile, batch_size, cand, chains)
-        times = _balance_times(chain, cand.recompute)
+        chain, memory = problem.chain(cand)
+        times = _balance_times(chain, cand)
+        cuts = _cut_costs(cluster, cand, chain)
 
         def fits(
             budget: int,
-            cand: _Candidate = cand,
+            cand: Candidate = cand,
             times: np.ndarray = times,
             memory: MemoryModel = memory,
+            cuts: list[np.ndarray] | None = cuts,
         ) -> bool:
-            return feasible_split(times, memory, _stage_specs(cluster, cand, optimizer, budget))
+            specs = _stage_specs(problem, cand, budget)
+            return feasible_split(times, memory, specs, cuts=cuts)
 
         hi = need if need is not None else 1
         if need is None:
@@ -402,12 +475,12 @@ def _infeasible(
             lo, hi = (lo, mid) if fits(mid) else (mid, hi)
         if need is None or hi < need:
             need = hi
-            part = solve_partition(times, memory, _stage_specs(cluster, cand, optimizer, hi))
+            specs = _stage_specs(problem, cand, hi)
+            part = solve_partition(times, memory, specs, cuts=cuts)
             assert part is not None
             closest = _build_plan(
-                profile, cluster, batch_size, cand, optimizer, chain, memory,
-                _stage_specs(cluster, cand, optimizer), part, "probe-bisection",
-            )  # fmt: skip
+                problem, cand, _stage_specs(problem, cand), part, "probe-bisection"
+            )
     assert need is not None and closest is not None
     worst = max(closest.devices, key=lambda d: d.total - d.budget)
     return InfeasibleError(

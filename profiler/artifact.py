@@ -69,6 +69,11 @@ class Artifact(BaseModel):
                 f"{source}: {expected} format version {version} is newer than this gpipe-plan "
                 f"understands ({cls.FORMAT_VERSION}); upgrade gpipe-plan"
             )
+        if isinstance(version, int) and version < cls.FORMAT_VERSION:
+            raise InputError(
+                f"{source}: {expected} format version {version} was written by an older "
+                f"gpipe-plan (this one reads {cls.FORMAT_VERSION}); make the {expected} again"
+            )
         try:
             return cls.model_validate(data)
         except ValidationError as e:

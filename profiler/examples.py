@@ -1,7 +1,8 @@
 """Built-in example models, named `example:NAME` on the command line.
 
 Each is an `nn.Sequential` of coarse layers and carries its own sample input as
-`model.example_input`, so `gpipe-plan profile example:transformer` needs no `--input-shape`.
+`model.example_input` and its loss as `model.example_loss`, so `gpipe-plan profile
+example:transformer` needs neither `--input-shape` nor `--loss`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ def mlp(width: int = 256, depth: int = 8, batch: int = 8, seed: int = 0) -> nn.S
     layers.append(nn.Linear(width, 10))
     model = nn.Sequential(*layers)
     model.example_input = torch.randn(batch, width)  # type: ignore[assignment]
+    model.example_loss = "cross_entropy"  # type: ignore[assignment]
     return model
 
 
@@ -79,6 +81,7 @@ def transformer(
         nn.Linear(d_model, vocab),
     )
     model.example_input = torch.randint(0, vocab, (batch, seq_len))  # type: ignore[assignment]
+    model.example_loss = "cross_entropy"  # type: ignore[assignment]
     return model
 
 

@@ -1,29 +1,35 @@
 """profile_model: run an nn.Sequential layer by layer and measure what the planner needs.
 
-Each layer runs on a detached copy of its input, so its forward and backward are timed alone;
+Each layer runs on a detached copy of its input, so its forward and backward are measured alone;
 the detached copy shares storage with the previous layer's output, which is what lets us see
-exactly which saved tensors two neighbouring layers hold in common.
+exactly which saved tensors two neighbouring layers hold in common. The loss, when there is one,
+is measured the same way as a layer after the last. Times come from profiler/timing.py
+(identical layers timed together until stable); memory is read off the allocator
+(profiler/memtrack.py), exactly, on CPU as on CUDA.
 """
 
 from __future__ import annotations
 
 import datetime
 import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 
 from .artifact import InputError
+from .losses import LossFn, LossLayer, resolve_loss
+from .memtrack import owned_by, trace_allocations
 from .models import model_digest
-from .types import LayerProfile, Profile, ProfileMeta, Timing
+from .timing import time_layers
+from .types import LayerProfile, OptimizerStep, Profile, ProfileMeta
 
 Value = Any  # a tensor or a tuple of tensors: what flows between layers of an nn.Sequential
+CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to this
 
 
 def profile_model(
@@ -34,11 +40,18 @@ def profile_model(
     *,
     repeats: int = 5,
     warmup: int = 2,
+    max_repeats: int = 100,
+    time_budget_s: float = 30.0,
     model_spec: str = "<python>",
     progress: bool | None = None,
+    loss_fn: str | LossFn | None = None,
+    threads: int | None = None,
 ) -> Profile:
     """Measure every layer of `model` at each micro-batch size (default: powers of two up to the
-    sample's batch). The model is moved to `device`; `sample` is batch-first."""
+    sample's batch). The model is moved to `device`; `sample` is batch-first. `loss_fn`: "mse",
+    "cross_entropy", "pkg.mod:fn" or a callable(output, target); None takes the model's own
+    `example_loss` if it has one. `threads`: intra-op threads while measuring (as the pipeline
+    will run: one per rank under torchrun on CPU)."""
     if not isinstance(model, nn.Sequential):
         raise InputError(
             f"{type(model).__name__} is not an nn.Sequential: gpipe-plan partitions a sequence of "
@@ -54,6 +67,12 @@ def profile_model(
     sizes = sorted(set(batch_sizes or _default_sizes(sample.shape[0])))
     if sizes[0] < 1:
         raise InputError(f"batch sizes must be positive, got {sizes[0]}")
+    loss = resolve_loss(loss_fn, model)
+    saved_threads = torch.get_num_threads()
+    if threads is not None:
+        if threads < 1:
+            raise InputError(f"--threads {threads}: must be at least 1")
+        torch.set_num_threads(threads)
 
     was_training = model.training
     model.to(dev).train()
@@ -61,42 +80,56 @@ def profile_model(
     layers = list(model)
     per_size: dict[int, list[dict[str, Any]]] = {}
     show = sys.stderr.isatty() if progress is None else progress
-    with _progress(len(sizes) * len(layers), show) as tick:
-        for b in sizes:
-            x = _resize(sample, b).to(dev)
-            rows = []
-            prev_saved: dict[int, torch.Tensor] = {}
-            for i, layer in enumerate(layers):
-                row, x, prev_saved = _measure_layer(
-                    i, layer, x, b, dev, model_storages, prev_saved, repeats, warmup
-                )
-                rows.append(row)
-                tick()
-            per_size[b] = rows
-    model.train(was_training)
+    try:
+        with _progress(len(sizes) * (len(layers) + 1), show) as tick:
+            for b in sizes:
+                per_size[b] = _measure_size(
+                    layers, loss, _resize(sample, b).to(dev), dev, model_storages, tick,
+                    repeats, warmup, max_repeats, time_budget_s / len(sizes),
+                )  # fmt: skip
+    finally:
+        torch.set_num_threads(saved_threads)
+        model.train(was_training)
 
     first = per_size[sizes[0]]
-    out = []
-    for i, layer in enumerate(layers):
+
+    def entry(i: int, layer: nn.Module, name: str, kind: str) -> LayerProfile:
         rows = {b: per_size[b][i] for b in sizes}
-        out.append(
-            LayerProfile(
-                index=i,
-                name=str(i),
-                type=type(layer).__name__,
-                param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
-                buffer_bytes=sum(t.numel() * t.element_size() for t in layer.buffers()),
-                output_shape=first[i]["output_shape"],
-                output_bytes=first[i]["output_bytes"] // sizes[0],
-                forward_ms={b: r["forward"] for b, r in rows.items()},
-                backward_ms={b: r["backward"] for b, r in rows.items()},
-                backward_input_ms={b: r["backward_input"] for b, r in rows.items()},
-                backward_weight_ms={b: r["backward_weight"] for b, r in rows.items()},
-                saved_bytes={b: r["saved"] for b, r in rows.items()},
-                shared_bytes={b: r["shared"] for b, r in rows.items()},
-                peak_bytes={b: r["peak"] for b, r in rows.items()},
-            )
+        return LayerProfile(
+            index=i,
+            name=name,
+            type=kind,
+            param_bytes=sum(p.numel() * p.element_size() for p in layer.parameters()),
+            largest_param_bytes=max(
+                (_alloc(p.numel() * p.element_size(), dev) for p in layer.parameters()), default=0
+            ),
+            buffer_bytes=sum(t.numel() * t.element_size() for t in layer.buffers()),
+            output_shape=first[i]["output_shape"],
+            output_bytes=first[i]["output_bytes"] // sizes[0],
+            **{
+                f: {b: r[f] for b, r in rows.items()}
+                for f in (
+                    "forward_ms",
+                    "backward_ms",
+                    "backward_input_ms",
+                    "backward_weight_ms",
+                    "saved_bytes",
+                    "shared_bytes",
+                    "input_saved_bytes",
+                    "forward_transient_bytes",
+                    "backward_transient_bytes",
+                    "input_unsaved_bytes",
+                    "forward_peak_bytes",
+                    "input_grad_transient_bytes",
+                    "weight_grad_transient_bytes",
+                )  # fmt: skip
+            },
         )
+
+    out = [entry(i, layer, str(i), type(layer).__name__) for i, layer in enumerate(layers)]
+    loss_entry = None
+    if loss is not None:
+        loss_entry = entry(len(layers), nn.Module(), "loss", loss.name)
     return Profile(
         model=model_spec,
         model_digest=model_digest(model),
@@ -105,31 +138,82 @@ def profile_model(
         dtype=str(_model_dtype(model)).removeprefix("torch."),
         input_shape=list(sample.shape[1:]),
         input_dtype=str(sample.dtype).removeprefix("torch."),
-        input_bytes=sample[:1].numel() * sample.element_size(),
+        input_bytes=_alloc(sample[:1].numel() * sample.element_size(), dev),
         batch_sizes=sizes,
         layers=out,
+        loss=loss_entry,
+        optimizer_step=_optimizer_steps(model, dev),
         meta=ProfileMeta(
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             torch_version=torch.__version__,
             warmup=warmup,
             repeats=repeats,
+            threads=threads or saved_threads,
         ),
     )
 
 
-def _measure_layer(
+def _measure_size(
+    layers: list[nn.Module],
+    loss: Any,
+    x: Value,
+    dev: torch.device,
+    model_storages: set[int],
+    tick: Callable[[], None],
+    repeats: int,
+    warmup: int,
+    max_repeats: int,
+    budget_s: float,
+) -> list[dict[str, Any]]:
+    """Every layer (and the loss) at one micro-batch size: memory first, one layer at a time,
+    then all the timings together."""
+    rows, inputs, measured = [], [], list(layers)
+    prev_saved: dict[int, torch.Tensor] = {}
+    for i, layer in enumerate(layers):
+        inp = _detach(x, requires_grad=i > 0)  # the model's own input needs no gradient
+        row, x, prev_saved = _memory(i, layer, inp, dev, model_storages, prev_saved)
+        rows.append(row)
+        inputs.append(inp)
+        tick()
+    if loss is not None:
+        loss_layer = LossLayer(loss, loss.make_target(x))
+        inp = _detach(x, requires_grad=True)
+        row, _, _ = _memory(len(layers), loss_layer, inp, dev, model_storages, prev_saved)
+        rows.append(row)
+        inputs.append(inp)
+        measured.append(loss_layer)
+    try:
+        timings = time_layers(
+            measured, inputs, dev, warmup=warmup, min_repeats=repeats, max_repeats=max_repeats,
+            time_budget_s=budget_s,
+        )  # fmt: skip
+    except InputError:
+        raise
+    except Exception as e:
+        raise InputError(
+            f"timing the layers failed: {type(e).__name__}: {_first_line(e)}"
+        ) from None
+    tick()
+    for row, t in zip(rows, timings):
+        row.update(
+            forward_ms=t.forward,
+            backward_ms=t.backward,
+            backward_input_ms=t.backward_input,
+            backward_weight_ms=t.backward_weight,
+        )
+    return rows
+
+
+def _memory(
     i: int,
     layer: nn.Module,
-    x: Value,
-    b: int,
+    inp: Value,
     dev: torch.device,
     model_storages: set[int],
     prev_saved: dict[int, torch.Tensor],
-    repeats: int,
-    warmup: int,
 ) -> tuple[dict[str, Any], Value, dict[int, torch.Tensor]]:
-    # The model's own input needs no gradient; between layers it does (it is a stage boundary).
-    inp = _detach(x, requires_grad=i > 0)
+    """What layer i saves, shares with layer i - 1, saves of its own input, and allocates
+    beyond that while it runs; and its output (the next layer's input)."""
     # Saved tensors by storage address. Holding them (and the previous layer's) alive until the
     # next layer is measured keeps the allocator from reusing an address for something else.
     saved: dict[int, torch.Tensor] = {}
@@ -141,114 +225,162 @@ def _measure_layer(
         return t
 
     try:
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-            torch.cuda.reset_peak_memory_stats(dev)
-            base = torch.cuda.memory_allocated(dev)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = layer(inp)
         _check_output(out)
         _backward(out)
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-            peak = torch.cuda.max_memory_allocated(dev) - base
-        forward = _time(lambda: layer(inp), dev, repeats, warmup)
-        backward = _time_backward(layer, inp, dev, repeats, warmup, "full")
-        backward_input = _time_backward(layer, inp, dev, repeats, warmup, "input")
-        backward_weight = _time_backward(layer, inp, dev, repeats, warmup, "weight")
+        for t in _tensors(inp):
+            t.grad = None  # a stage input's gradient is made once, never added into
+        extra = _transient(layer, inp, dev)
     except InputError:
         raise
     except Exception as e:
-        shape = _shape_text(inp)
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise InputError(
-            f"the model rejected input of shape {shape} at layer {i} ({type(layer).__name__}): {msg}"
+            f"the model rejected input of shape {_shape_text(inp)} at layer {i} "
+            f"({type(layer).__name__}): {_first_line(e)}"
         ) from None
     finally:
         for p in layer.parameters():
             p.grad = None
+        for t in _tensors(inp):
+            t.grad = None
 
-    out_bytes = sum(t.numel() * t.element_size() for t in _tensors(out))
-    in_bytes = sum(t.numel() * t.element_size() for t in _tensors(inp)) if i > 0 else 0
-    saved_bytes = {ptr: t.untyped_storage().nbytes() for ptr, t in saved.items()}
-    saved_total = sum(saved_bytes.values())
-    if dev.type != "cuda":
-        # Without an allocator to ask: the stash, the output, and in backward the output's and
-        # the input's gradients.
-        peak = saved_total + 2 * out_bytes + in_bytes
+    nbytes = {ptr: _alloc(t.untyped_storage().nbytes(), dev) for ptr, t in saved.items()}
+    in_ptrs = {t.untyped_storage().data_ptr(): t for t in _tensors(inp)}
+    in_bytes = {ptr: _alloc(t.untyped_storage().nbytes(), dev) for ptr, t in in_ptrs.items()}
+    # Inside a stage, the layer's input stays alive while its forward runs; where neither this
+    # layer nor the previous one saves it, the stage does not count it among its saved tensors.
+    unsaved_in = sum(n for ptr, n in in_bytes.items() if ptr not in saved and ptr not in prev_saved)
     row = {
-        "forward": forward,
-        "backward": backward,
-        "backward_input": backward_input,
-        "backward_weight": backward_weight,
-        "saved": saved_total,
-        "shared": sum(n for ptr, n in saved_bytes.items() if ptr in prev_saved),
-        "peak": max(int(peak), 0),
+        "saved_bytes": sum(nbytes.values()),
+        "shared_bytes": sum(n for ptr, n in nbytes.items() if ptr in prev_saved),
+        "input_saved_bytes": sum(n for ptr, n in nbytes.items() if ptr in in_ptrs),
+        "forward_transient_bytes": extra["forward"],
+        "backward_transient_bytes": extra["backward"],
+        "input_unsaved_bytes": unsaved_in if i > 0 else 0,
+        "forward_peak_bytes": extra["no_grad"],
+        "input_grad_transient_bytes": extra["input"],
+        "weight_grad_transient_bytes": extra["weight"],
         "output_shape": [list(t.shape[1:]) for t in _tensors(out)],
-        "output_bytes": out_bytes,
+        "output_bytes": sum(_alloc(t.numel() * t.element_size(), dev) for t in _tensors(out)),
     }
     return row, _detach(out, requires_grad=False), saved
 
 
-def _time(fn: Callable[[], object], dev: torch.device, repeats: int, warmup: int) -> Timing:
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(repeats):
-        samples.append(_elapsed(fn, dev))
-    return Timing(median=statistics.median(samples), min=min(samples), max=max(samples))
-
-
-def _time_backward(
-    layer: nn.Module, inp: Value, dev: torch.device, repeats: int, warmup: int, part: str
-) -> Timing:
-    """Backward of the layer alone: "full"; "input", the input gradient only (zero-bubble I);
-    or "weight", the weight gradients only, run the way the compiled pipe runs W (from the
-    layer's output, `inputs=` its parameters)."""
-    wrt = [t for t in _tensors(inp) if t.requires_grad]
+def _transient(layer: nn.Module, inp: Value, dev: torch.device) -> dict[str, int]:
+    """What the layer allocates beyond what the planner counts as kept, read off the allocator,
+    in each way a pipeline runs it: a forward that keeps nothing (recomputation); a forward, its
+    output dropped (a pipeline keeps only its gradient edge), and a backward from a gradient of
+    ones; again a forward, then zero bubble's I (input gradient, graph kept) and W (weight
+    gradients). Every weight's .grad is there beforehand, so the temporary gradient added into
+    it is counted, as it is in every micro-batch but the first. The gradients of the output and
+    the input that I makes are kept, and counted by the planner, so they are left out here."""
     params = [p for p in layer.parameters() if p.requires_grad]
-    samples = []
-    for k in range(warmup + repeats):
-        out = layer(inp)
-        roots, grads = _backward_args(out)
-        if not roots or (part == "input" and not wrt) or (part == "weight" and not params):
-            ms = 0.0
-        elif part == "input":
-            ms = _elapsed(lambda: torch.autograd.grad(roots, wrt, grads, allow_unused=True), dev)  # noqa: B023
-        elif part == "weight":
-            ms = _elapsed(lambda: torch.autograd.backward(roots, grads, inputs=params), dev)  # noqa: B023
-        else:
-            ms = _elapsed(lambda: torch.autograd.backward(roots, grads), dev)  # noqa: B023
-        if k >= warmup:
-            samples.append(ms)
     for p in params:
-        p.grad = None
-    return Timing(median=statistics.median(samples), min=min(samples), max=max(samples))
+        p.grad = torch.zeros_like(p)
+    wrt = [t for t in _tensors(inp) if t.requires_grad]
+
+    def forward() -> tuple[list[Any], list[tuple[torch.Size, torch.dtype]]]:
+        out = layer(inp)
+        roots = [t for t in _tensors(out) if t.requires_grad]
+        return [get_gradient_edge(t) for t in roots], [(t.shape, t.dtype) for t in roots]
+
+    def ones(like: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
+        return [torch.ones(shape, dtype=dtype, device=dev) for shape, dtype in like]
+
+    with trace_allocations() as trace:
+        with owned_by("no_grad"), torch.no_grad():
+            layer(inp)
+        with owned_by("forward"):
+            edges, like = forward()
+        with owned_by("backward"):
+            if edges:
+                torch.autograd.backward(edges, ones(like))
+        with owned_by("forward2"):
+            edges, like = forward()
+        with owned_by("input"):
+            if edges and wrt:
+                got = torch.autograd.grad(edges, wrt, ones(like), retain_graph=True)
+                del got
+        with owned_by("weight"):
+            if edges and params:
+                torch.autograd.backward(edges, ones(like), inputs=params)
+        del edges
+    out_bytes = sum(_alloc(shape.numel() * dtype.itemsize, dev) for shape, dtype in like)
+    in_bytes = sum(_alloc(t.numel() * t.element_size(), dev) for t in wrt)
+    where = _device_key(dev)
+    steps = trace.levels(lambda owner, device: "all" if device == where else None).get("all", [])
+    span = {name: (start, end) for start, end, name in trace.ranges}
+
+    def before(name: str) -> int:
+        return next((level for t, level in reversed(steps) if t < span[name][0]), 0)
+
+    def peak(name: str) -> int:
+        start, end = span[name]
+        return max((level for t, level in steps if start <= t <= end), default=before(name))
+
+    kept = before("backward")  # what the forward left: its saved tensors
+    return {
+        "forward": max(peak("forward") - kept, 0),
+        "backward": max(peak("backward") - kept, 0),
+        "no_grad": max(peak("no_grad") - before("no_grad"), 0),
+        "input": max(peak("input") - before("input") - out_bytes - in_bytes, 0) if wrt else 0,
+        "weight": max(peak("weight") - before("weight") - out_bytes, 0) if params else 0,
+    }
 
 
-def _elapsed(fn: Callable[[], object], dev: torch.device) -> float:
-    if dev.type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize(dev)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return float(start.elapsed_time(end))
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-12),
+    "momentum": lambda ps: torch.optim.SGD(ps, lr=1e-12, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=1e-12),
+}
 
 
-def _backward_args(out: Value) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    roots = [t for t in _tensors(out) if t.requires_grad]
-    return roots, [torch.ones_like(t) for t in roots]
+def _optimizer_steps(model: nn.Module, dev: torch.device) -> dict[str, OptimizerStep]:
+    """Each optimizer's temporaries per byte of parameters, measured on a copy of the model's
+    largest parameter: multi-tensor (foreach) kernels make them for every tensor at once."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    params = [p for p in model.parameters() if p.requires_grad and p.is_floating_point()]
+    if not params:
+        return {}
+    big = max(params, key=lambda p: p.numel())
+    nbytes = _alloc(big.numel() * big.element_size(), dev)
+    out = {}
+    for name, make in OPTIMIZERS.items():
+        p = nn.Parameter(big.detach().clone())
+        p.grad = torch.ones_like(p)
+        opt = make([p])
+        opt.step()  # creates the state
+        with trace_allocations() as trace:
+            opt.step()
+        peak = max(trace.peaks(lambda o, d: "all").values(), default=0)
+        _, foreach = _default_to_fused_or_foreach(params, differentiable=False, use_fused=False)
+        out[name] = OptimizerStep(foreach=bool(foreach), per_byte=peak / nbytes)
+    return out
 
 
 def _backward(out: Value) -> None:
-    roots, grads = _backward_args(out)
+    roots = [t for t in _tensors(out) if t.requires_grad]
     if roots:
-        torch.autograd.backward(roots, grads)
+        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+
+
+def _alloc(nbytes: int, dev: torch.device) -> int:
+    """Bytes the device allocates for `nbytes`: CUDA rounds up to its block size."""
+    if dev.type == "cuda":
+        return -(-nbytes // CUDA_BLOCK) * CUDA_BLOCK
+    return nbytes
+
+
+def _device_key(dev: torch.device) -> str:
+    if dev.type == "cuda" and dev.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(dev)
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
 def _tensors(v: Value) -> list[torch.Tensor]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -10,21 +10,37 @@ from .artifact import Artifact
 
 
 class Timing(BaseModel):
-    """Milliseconds over the timed repeats: the median is used, min and max show the noise."""
+    """Milliseconds over the timed repeats: the median is used, min and max show the noise.
+
+    Structurally identical layers are timed together and share one Timing: `samples` counts the
+    pooled measurements, `spread` is their median absolute deviation relative to the median."""
 
     model_config = ConfigDict(extra="forbid")
     median: float = Field(ge=0)
     min: float = Field(ge=0)
     max: float = Field(ge=0)
+    samples: int = Field(default=1, ge=1)
+    spread: float = Field(default=0.0, ge=0)
 
 
 class LayerProfile(BaseModel):
-    """One layer of the sequential model. Keys of the per-size maps are micro-batch sizes.
+    """One layer of the sequential model (or its loss). Keys of the per-size maps are micro-batch
+    sizes.
 
-    Sizes are bytes. `saved_bytes` is what autograd keeps for this layer's backward (each storage
-    once; parameters and buffers excluded, they are model memory). `shared_bytes` is the part of
-    it that the previous layer saves too (typically its output, which this layer saves as its
-    input): a stage holding both layers holds those bytes once.
+    Sizes are bytes, as the device allocates them (on CUDA, rounded to the caching allocator's
+    blocks). `saved_bytes` is what autograd keeps for this layer's backward (each storage once;
+    parameters and buffers excluded, they are model memory). `shared_bytes` is the part of it
+    that the previous layer saves too (typically its output, which this layer saves as its
+    input): a stage holding both layers holds those bytes once. `input_saved_bytes` is the part
+    of this layer's input that it saves itself. `forward_transient_bytes` and
+    `backward_transient_bytes` are the most the layer allocates beyond what it keeps saved while
+    its forward, or its backward, runs: its output, gradients, temporaries, and the temporary
+    weight gradient added into an existing .grad. `input_unsaved_bytes` is the part of its input
+    that neither it nor the layer before saves: inside a stage, alive only while its forward
+    runs. `forward_peak_bytes` is the most its forward allocates when nothing is kept for backward
+    (how a recomputed stage runs its forward). `input_grad_transient_bytes` and
+    `weight_grad_transient_bytes` are what zero bubble's I and W add beyond what they keep (the
+    gradients of the layer's output and input are counted by the planner as kept).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -33,6 +49,7 @@ class LayerProfile(BaseModel):
     name: str
     type: str
     param_bytes: int = Field(ge=0)
+    largest_param_bytes: int = Field(default=0, ge=0, description="its largest parameter tensor")
     buffer_bytes: int = Field(ge=0)
     output_shape: list[list[int]] = Field(description="per sample, one shape per output tensor")
     output_bytes: int = Field(ge=0, description="per sample: what crosses a cut after this layer")
@@ -46,9 +63,23 @@ class LayerProfile(BaseModel):
     )
     saved_bytes: dict[int, int]
     shared_bytes: dict[int, int]
-    peak_bytes: dict[int, int] = Field(
-        description="transient peak of forward+backward above the layer's input, stash included"
-    )
+    input_saved_bytes: dict[int, int]
+    forward_transient_bytes: dict[int, int]
+    backward_transient_bytes: dict[int, int]
+    input_unsaved_bytes: dict[int, int]
+    forward_peak_bytes: dict[int, int]
+    input_grad_transient_bytes: dict[int, int]
+    weight_grad_transient_bytes: dict[int, int]
+
+
+class OptimizerStep(BaseModel):
+    """What one optimizer step allocates for its temporaries on the profiled device: `per_byte`
+    bytes per byte of parameters, over all of a device's parameters at once when `foreach`
+    (multi-tensor kernels), else over the largest parameter (one tensor after another)."""
+
+    model_config = ConfigDict(extra="forbid")
+    foreach: bool
+    per_byte: float = Field(ge=0)
 
 
 class ProfileMeta(BaseModel):
@@ -57,12 +88,15 @@ class ProfileMeta(BaseModel):
     torch_version: str = ""
     warmup: int = 0
     repeats: int = 0
+    threads: int = 0
 
 
 class Profile(Artifact):
     """Measured per-layer costs of one model on one device, at several micro-batch sizes."""
 
+    FORMAT_VERSION: ClassVar[int] = 2
     kind: Literal["profile"] = "profile"
+    format_version: int = 2
     model: str = Field(description="how the model was named: example:NAME, pkg.mod:fn, file.py:fn")
     model_digest: str = Field(description="sha256 of layer types and parameter shapes")
     device: str
@@ -73,6 +107,13 @@ class Profile(Artifact):
     input_bytes: int = Field(ge=0, description="per sample: what enters the first stage")
     batch_sizes: list[int] = Field(min_length=1)
     layers: list[LayerProfile] = Field(min_length=1)
+    loss: LayerProfile | None = Field(
+        default=None,
+        description="the loss function, measured like a layer after the last one (type: its name)",
+    )
+    optimizer_step: dict[str, OptimizerStep] = Field(
+        default_factory=dict, description="per optimizer (sgd, momentum, adam)"
+    )
     meta: ProfileMeta = ProfileMeta()
 
     @model_validator(mode="after")
@@ -80,14 +121,21 @@ class Profile(Artifact):
         sizes = set(self.batch_sizes)
         if sorted(sizes) != self.batch_sizes or min(sizes) < 1:
             raise ValueError("batch_sizes must be distinct positive integers in increasing order")
-        for layer in self.layers:
+        for layer in self.layers + ([self.loss] if self.loss else []):
             for field in (
                 "forward_ms",
                 "backward_ms",
                 "backward_input_ms",
+                "backward_weight_ms",
                 "saved_bytes",
                 "shared_bytes",
-                "peak_bytes",
+                "input_saved_bytes",
+                "forward_transient_bytes",
+                "backward_transient_bytes",
+                "input_unsaved_bytes",
+                "forward_peak_bytes",
+                "input_grad_transient_bytes",
+                "weight_grad_transient_bytes",
             ):
                 if set(getattr(layer, field)) != sizes:
                     raise ValueError(

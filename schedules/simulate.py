@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .ir import Action, Kind, Schedule
+from .memory import StageBytes, recomputes, replay, timed_levels
 
 
 @dataclass
@@ -29,9 +30,7 @@ class Costs:
     weight_grad: Sequence[float] | None = None
     recompute: Sequence[str] | None = None  # per stage: never | always | except_last
     transfer: Sequence[float] | None = None  # per cut s -> s+1, each direction
-    activation_bytes: Sequence[int] | None = None  # stash per micro-batch (default 1: a count)
-    input_bytes: Sequence[int] | None = None  # kept per micro-batch when recomputing
-    static_bytes: Sequence[int] | None = None  # parameters, gradients, optimizer state
+    memory: Sequence[StageBytes] | None = None  # per stage (default: count stashed micro-batches)
 
     @classmethod
     def uniform(
@@ -97,7 +96,8 @@ class Timeline:
         return [b / self.makespan if self.makespan else 0.0 for b in self.busy]
 
 
-def simulate(schedule: Schedule, costs: Costs) -> Timeline:
+def simulate(schedule: Schedule, costs: Costs, *, memory: bool = True) -> Timeline:
+    """The timeline of `schedule` under `costs`; `memory=False` skips the memory replay."""
     S, M = schedule.num_stages, schedule.num_microbatches
     place = schedule.placement
     fwd, bwd = list(costs.forward), list(costs.backward)
@@ -113,16 +113,7 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     )
     modes = list(costs.recompute) if costs.recompute is not None else ["never"] * S
     link = list(costs.transfer) if costs.transfer is not None else [0.0] * max(S - 1, 0)
-    act = list(costs.activation_bytes) if costs.activation_bytes is not None else [1] * S
-    inp = list(costs.input_bytes) if costs.input_bytes is not None else [0] * S
-    static = list(costs.static_bytes) if costs.static_bytes is not None else [0] * S
-
-    # Recomputed micro-batches per stage, as a set of stages where all are and where all but the last are.
-    rec_all = [mode == "always" for mode in modes]
-    rec_but_last = [mode == "except_last" for mode in modes]
-
-    def recomputed(s: int, m: int) -> bool:
-        return rec_all[s] or (rec_but_last[s] and m < M - 1)
+    rec = [[recomputes(mode, m, M) for m in range(M)] for mode in modes]
 
     R = schedule.num_ranks
     # Actions as (code, stage, mb) tuples: enum comparisons in the hot loop cost more than the loop.
@@ -141,8 +132,6 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     starts: list[list[float]] = [[] for _ in range(R)]
     ends: list[list[float]] = [[] for _ in range(R)]
     transfers: list[tuple[int, int, int, float, float]] = []
-    events: list[list[tuple[float, int]]] = [[] for _ in range(R)]
-    held: dict[tuple[int, int], int] = {}
     todo = list(range(R))
 
     def publish(key: tuple[int, int, int], t: float) -> None:
@@ -209,9 +198,9 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
             if c == 0:
                 dur = fwd[s]
             elif c == 1:
-                dur = bwd[s] + (fwd[s] if recomputed(s, m) else 0.0)
+                dur = bwd[s] + (fwd[s] if rec[s][m] else 0.0)
             elif c == 2:
-                dur = i_cost[s] + (fwd[s] if recomputed(s, m) else 0.0)
+                dur = i_cost[s] + (fwd[s] if rec[s][m] else 0.0)
             elif c == 3:
                 dur = w_cost[s]
             else:
@@ -223,9 +212,6 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
             starts[r].append(start)
             ends[r].append(end)
             if c == 0:
-                keep = inp[s] if recomputed(s, m) else act[s]
-                held[(s, m)] = keep
-                events[r].append((start, keep))
                 publish((FDONE, s, m), end)
                 if s < last:
                     if place[s + 1] == r:
@@ -233,20 +219,13 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
                     else:
                         ship(0, s, m, end, (X, s + 1, m))
             elif c == 1 or c == 2:
-                if recomputed(s, m):
-                    held[(s, m)] += act[s]
-                    events[r].append((start, act[s]))
-                if c == 1:
-                    events[r].append((end, -held.pop((s, m))))
-                else:
+                if c == 2:
                     publish((IDONE, s, m), end)
                 if s > 0:
                     if place[s - 1] == r:
                         publish((G, s - 1, m), end)
                     else:
                         ship(1, s - 1, m, end, (G, s - 1, m))
-            elif c == 3:
-                events[r].append((end, -held.pop((s, m))))
         ptr[r] = p
         rank_time[r] = t_rank
     if any(ptr[r] < len(programs[r]) for r in range(R)):
@@ -255,14 +234,17 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
         validate(schedule)  # raises with the grid
         raise AssertionError("simulation stalled on a schedule that validates")
     makespan = max([max(e, default=0.0) for e in ends] + [tr[4] for tr in transfers] + [0.0])
-    memory, peaks = [], []
-    for r in range(R):
-        base = sum(static[s] for s in schedule.stages_of(r))
-        level, peak, steps = base, base, [(0.0, base)]
-        for t, delta in sorted(events[r], key=lambda e: (e[0], e[1])):  # frees first at a tie
-            level += delta
-            peak = max(peak, level)
-            steps.append((t, level))
-        memory.append(steps)
-        peaks.append(peak)
-    return Timeline(schedule, starts, ends, transfers, makespan, busy, peaks, memory)
+    memory_steps: list[list[tuple[float, int]]] = [[] for _ in range(R)]
+    peaks = [0] * R
+    if memory:
+        sizes = list(costs.memory) if costs.memory is not None else [StageBytes()] * S
+        if len(sizes) != S:
+            raise ValueError(f"costs give memory for {len(sizes)} stages, the schedule has {S}")
+        played = replay(schedule, modes, sizes)
+        when: dict[Action, tuple[float, float]] = {}
+        for r, acts in schedule.ranks.items():
+            for a, st, en in zip(acts, starts[r], ends[r]):
+                when[a] = (st, en)
+        memory_steps = timed_levels(schedule, modes, sizes, when)
+        peaks = played.peaks
+    return Timeline(schedule, starts, ends, transfers, makespan, busy, peaks, memory_steps)

@@ -19,39 +19,71 @@ def synthetic_profile(
     params: Sequence[int] | None = None,
     saved: Sequence[int] | None = None,
     shared: Sequence[int] | None = None,
-    peak: Sequence[int] | None = None,
+    input_saved: Sequence[int] | None = None,
+    transient: Sequence[int] | None = None,
     output_bytes: Sequence[int] | None = None,
     input_bytes: int = 16,
     sizes: Sequence[int] = (1,),
+    loss: dict | None = None,
 ) -> Profile:
     """A profile whose per-sample numbers are given; every quantity scales linearly with the
-    micro-batch size, so values at any size are exact."""
+    micro-batch size, so values at any size are exact. `loss`: forward, backward, saved and
+    transient of a loss to add after the last layer."""
     n = len(forward)
     backward = backward if backward is not None else [2 * f for f in forward]
     params = params if params is not None else [100] * n
     saved = saved if saved is not None else [10] * n
     shared = shared if shared is not None else [0] * n
-    peak = peak if peak is not None else [s + 5 for s in saved]
+    input_saved = input_saved if input_saved is not None else [0] * n
+    transient = transient if transient is not None else [5] * n
     output_bytes = output_bytes if output_bytes is not None else [8] * n
-    layers = [
-        LayerProfile(
+
+    def layer(i: int, kind: str, **v: float) -> LayerProfile:
+        return LayerProfile(
             index=i,
             name=str(i),
-            type="Synthetic",
-            param_bytes=params[i],
+            type=kind,
+            param_bytes=int(v["params"]),
             buffer_bytes=0,
-            output_shape=[[output_bytes[i] // 4]],
-            output_bytes=output_bytes[i],
-            forward_ms={b: _t(forward[i] * b) for b in sizes},
-            backward_ms={b: _t(backward[i] * b) for b in sizes},
-            backward_input_ms={b: _t(backward[i] * b / 2) for b in sizes},
-            backward_weight_ms={b: _t(backward[i] * b / 2) for b in sizes},
-            saved_bytes={b: saved[i] * b for b in sizes},
-            shared_bytes={b: shared[i] * b for b in sizes},
-            peak_bytes={b: peak[i] * b for b in sizes},
+            output_shape=[[int(v["out"]) // 4]],
+            output_bytes=int(v["out"]),
+            forward_ms={b: _t(v["fwd"] * b) for b in sizes},
+            backward_ms={b: _t(v["bwd"] * b) for b in sizes},
+            backward_input_ms={b: _t(v["bwd"] * b / 2) for b in sizes},
+            backward_weight_ms={b: _t(v["bwd"] * b / 2) for b in sizes},
+            saved_bytes={b: int(v["saved"]) * b for b in sizes},
+            shared_bytes={b: int(v["shared"]) * b for b in sizes},
+            input_saved_bytes={b: int(v["input_saved"]) * b for b in sizes},
+            forward_transient_bytes={b: int(v["transient"]) * b for b in sizes},
+            backward_transient_bytes={b: int(v["transient"]) * b for b in sizes},
+            input_unsaved_bytes={b: 0 for b in sizes},
+            forward_peak_bytes={b: int(v["saved"] + v["transient"]) * b for b in sizes},
+            input_grad_transient_bytes={b: int(v["transient"]) * b for b in sizes},
+            weight_grad_transient_bytes={b: int(v["transient"]) * b for b in sizes},
         )
+
+    layers = [
+        layer(
+            i,
+            "Synthetic",
+            params=params[i],
+            out=output_bytes[i],
+            fwd=forward[i],
+            bwd=backward[i],
+            saved=saved[i],
+            shared=shared[i],
+            input_saved=input_saved[i],
+            transient=transient[i],
+        )  # fmt: skip
         for i in range(n)
     ]
+    loss_layer = None
+    if loss is not None:
+        loss_layer = layer(
+            n, "loss", params=0, out=4, fwd=loss.get("forward", 0.0),
+            bwd=loss.get("backward", 0.0), saved=loss.get("saved", 0), shared=0,
+            input_saved=0, transient=loss.get("transient", 0),
+        )  # fmt: skip
     return Profile(
         model="synthetic:chain",
         model_digest="0" * 64,
@@ -63,6 +95,7 @@ def synthetic_profile(
         input_bytes=input_bytes,
         batch_sizes=list(sizes),
         layers=layers,
+        loss=loss_layer,
     )
 
 

@@ -8,8 +8,6 @@ import shutil
 import subprocess
 import sys
 import warnings
-import weakref
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -168,61 +166,6 @@ def test_default_batch_norm_uses_each_microbatch_once_even_when_recomputing():
     assert int(piped[1].num_batches_tracked) == 4
 
 
-class SavedBytes:
-    """Live bytes of saved-for-backward tensors per stage (each storage once), and their peaks."""
-
-    def __init__(self, params: set[int]) -> None:
-        self.params, self.live, self.peak, self.refs = params, {}, {}, {}
-
-    @contextmanager
-    def __call__(self, s: int):
-        def pack(t):
-            ptr = t.untyped_storage().data_ptr()
-            if ptr in self.params:
-                return t
-            key = (s, ptr)
-            if key not in self.refs:
-                self.live[s] = self.live.get(s, 0) + t.untyped_storage().nbytes()
-                self.peak[s] = max(self.peak.get(s, 0), self.live[s])
-            self.refs[key] = self.refs.get(key, 0) + 1
-            holder = _Holder(t.detach())  # not t: a saved output holding its own grad_fn is a cycle
-            weakref.finalize(holder, self._release, key, t.untyped_storage().nbytes())
-            return holder
-
-        def unpack(h):
-            return h.t if isinstance(h, _Holder) else h
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
-
-    def _release(self, key, nbytes):
-        self.refs[key] -= 1
-        if not self.refs[key]:
-            del self.refs[key]
-            self.live[key[0]] -= nbytes
-
-
-class _Holder:
-    def __init__(self, t):
-        self.t = t
-
-
-@pytest.mark.parametrize("kind", ["mlp", "transformer"])
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
-def test_saved_activations_held_match_the_plan(profiles, kind, schedule):
-    model = small_mlp() if kind == "mlp" else small_transformer()
-    plan = plan_for(profiles[kind], schedule, "never", 4)
-    pipe = compile_quiet(model, plan)
-    counter = SavedBytes({p.untyped_storage().data_ptr() for p in model.parameters()})
-    pipe.program.stage_context = counter
-    x, y, loss_fn = data(kind)
-    pipe.train_step(x, y, loss_fn)
-    for st in plan.stages:
-        predicted = st.memory.stashed_activations
-        assert counter.peak[st.index] == pytest.approx(predicted, rel=0.05), st.index
-        assert counter.live[st.index] == 0  # all freed after the step
-
-
 def test_inference_matches_the_model(profiles):
     model = small_mlp()
     pipe = compile_quiet(model, plan_for(profiles["mlp"], "1f1b", "never", 4))
@@ -307,9 +250,11 @@ def test_emitted_source_is_deterministic_and_compiles(profiles):
     assert imports <= {
         "__future__",
         "contextlib",
+        "time",
         "collections.abc",
         "typing",
         "torch",
+        "torch.autograd.graph",
         "torch.utils.checkpoint",
     }
 

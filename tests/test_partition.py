@@ -1,4 +1,5 @@
-"""The partition solvers are exact: checked against brute force over every split."""
+"""The partition solvers are exact: checked against brute force over every split, with and
+without transfer costs at the cuts."""
 
 from __future__ import annotations
 
@@ -6,46 +7,89 @@ import itertools
 import math
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.costs import Chain
 from planner.dp import solve_partition_dp
 from planner.memory import MemoryModel, StageShape
-from planner.partition import StageSpec, solve_partition
+from planner.partition import StageSpec, feasible_split, solve_partition
 
 
 def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     """The memory model of DESIGN.md, written out plainly."""
     p = int(c.params[i:j].sum())
-    saved = int(c.saved[i:j].sum()) - int(c.shared[i + 1 : j].sum())
-    entering = int(c.boundary[i])
-    stash = max(a * entering + b * saved for a, b in shape.stash)
-    live = int(c.transient[i:j].max())
-    return (
-        p
-        + int(c.buffers[i:j].sum())
-        + p
-        + shape.optimizer_slots * p
-        + stash
-        + live
-        + shape.reserved
+    X, Xs = int(c.boundary[i]), min(int(c.input_saved[i]), int(c.boundary[i]))
+    S = int(c.saved[i:j].sum()) - int(c.shared[i + 1 : j].sum())
+    Z, G = int(c.zgrad[i:j].sum()), int(c.grad_in[i])
+    inner = range(i + 1, j)
+    f, b, u = c.forward_transient, c.backward_transient, c.input_unsaved
+    live = max([int(max(f[i], b[i]))] + [int(max(f[k] + u[k], b[k])) for k in inner])
+    remat = max([int(f[i])] + [int(f[k] + u[k]) for k in inner])
+    forward = max(
+        [int(c.forward_peak[i])] + [int(c.forward_peak[k] + c.boundary[k]) for k in inner]
     )
+    states = [X, X + S - Xs, X + S - Xs + Z + G, S + Z + (X - Xs if G else 0), G]
+    transients = [live, remat, forward, int(c.input_grad_transient[i:j].max()),
+                  int(c.weight_grad_transient[i:j].max())]  # fmt: skip
+    held = max(sum(n * b for n, b in zip(t, states + transients)) for t in shape.occupancy)
+    size = p if shape.foreach else int(c.largest_param[i:j].max())
+    step = math.ceil(shape.optimizer_step * size)
+    return (
+        p + int(c.buffers[i:j].sum()) + p + shape.optimizer_slots * p + max(held, step)
+        + shape.reserved
+    )  # fmt: skip
 
 
-def brute_force(times, chain, specs) -> float:
+def occ(*counts: int, running: int = 0) -> tuple[int, ...]:
+    """An occupancy tuple: micro-batches per state, then the transient running (1-5, 0: none)."""
+    counts = counts + (0,) * (5 - len(counts))
+    return (*counts, *(int(running == k) for k in range(1, 6)))
+
+
+def make_chain(L: int, **arrays: np.ndarray) -> Chain:
+    """A chain of L layers: the arrays given, zeros for the rest (boundary: ones)."""
+    zeros = np.zeros(L, dtype=np.int64)
+    fields = dict(
+        mb=1, forward=np.zeros(L), backward=np.zeros(L), input_grad=np.zeros(L),
+        weight_grad=np.zeros(L), params=zeros, largest_param=zeros, buffers=zeros, saved=zeros,
+        shared=zeros, input_saved=zeros, loss_saved=zeros, forward_transient=zeros,
+        backward_transient=zeros, input_unsaved=zeros, forward_peak=zeros, input_grad_transient=zeros,
+        weight_grad_transient=zeros, zgrad=zeros, grad_in=zeros,
+        boundary=np.ones(L + 1, dtype=np.int64), num_model_layers=L,
+    )  # fmt: skip
+    fields.update(arrays)
+    return Chain(**fields)
+
+
+def brute_force(times, chain, specs, cuts=None) -> float:
+    """The smallest max(slowest stage, slowest link) over every split that fits; inf if none."""
     L, K = len(times), len(specs)
     best = math.inf
-    for cuts in itertools.combinations(range(1, L), K - 1):
-        bounds = [0, *cuts, L]
+    for inner in itertools.combinations(range(1, L), K - 1):
+        bounds = [0, *inner, L]
         cost = 0.0
         for s, (i, j) in enumerate(zip(bounds[:-1], bounds[1:])):
             if reference_memory(chain, i, j, specs[s].shape) > specs[s].budget:
                 break
             cost = max(cost, float(sum(times[i:j])) / specs[s].speed)
+            if cuts is not None and s < K - 1:
+                cost = max(cost, float(cuts[s][j]))  # the link to stage s + 1
         else:
-            best = min(best, cost)
+            best = min(best, cost)  # a forbidden (inf) cut leaves best as it was
     return best
+
+
+def unit_chain(params: list[int], boundary: list[int] | None = None) -> Chain:
+    """Layers of forward time 1 ms that hold only their parameters (memory = 2 x params)."""
+    L = len(params)
+    return make_chain(
+        L,
+        forward=np.ones(L),
+        params=np.array(params),
+        boundary=np.array(boundary if boundary is not None else [1] * (L + 1)),
+    )
 
 
 @st.composite
@@ -57,76 +101,152 @@ def problems(draw):
     shared = np.array(
         [0] + [draw(st.integers(0, int(min(saved[k - 1], saved[k])))) for k in range(1, L)]
     )
-    chain = Chain(
-        mb=1,
+    boundary = ints(1, 25, L + 1)
+    params = ints(0, 60, L)
+    chain = make_chain(
+        L,
         forward=ints(1, 9, L).astype(float),
         backward=ints(0, 9, L).astype(float),
-        input_grad=np.zeros(L),
-        weight_grad=np.zeros(L),
-        params=ints(0, 60, L),
+        params=params,
+        largest_param=np.minimum(params, ints(0, 60, L)),
         buffers=ints(0, 5, L),
         saved=saved,
         shared=shared,
-        transient=ints(0, 30, L),
-        boundary=ints(1, 25, L + 1),
+        input_saved=np.minimum(ints(0, 25, L), boundary[:L]),
+        forward_transient=ints(0, 30, L),
+        backward_transient=ints(0, 30, L),
+        input_unsaved=ints(0, 15, L),
+        forward_peak=ints(0, 30, L),
+        input_grad_transient=ints(0, 30, L),
+        weight_grad_transient=ints(0, 30, L),
+        zgrad=ints(0, 20, L),
+        grad_in=np.where(np.arange(L) > 0, boundary[:L], 0),
+        boundary=boundary,
     )
-    specs = [
-        StageSpec(
-            speed=draw(st.sampled_from([0.5, 1.0, 2.0])),
-            budget=draw(st.integers(20, 700)),
-            shape=StageShape(
-                stash=tuple(
-                    draw(
-                        st.lists(
-                            st.tuples(st.integers(0, 4), st.integers(0, 3)), min_size=1, max_size=3
-                        )
-                    )
-                ),
-                optimizer_slots=draw(st.integers(0, 2)),
-                reserved=draw(st.integers(0, 10)),
-            ),
+    tuples = st.lists(
+        st.builds(
+            lambda counts, running: occ(*counts, running=running),
+            st.lists(st.integers(0, 3), min_size=5, max_size=5),
+            st.integers(0, 5),
+        ),
+        min_size=1,
+        max_size=3,
+    )
+    specs = []
+    for _ in range(K):
+        shape = StageShape(
+            occupancy=tuple(draw(tuples)),
+            optimizer_slots=draw(st.integers(0, 2)),
+            reserved=draw(st.integers(0, 10)),
+            optimizer_step=draw(st.sampled_from([0.0, 0.5, 2.0])),
+            foreach=draw(st.booleans()),
         )
-        for _ in range(K)
-    ]
-    return chain, specs
+        # From an even share of the whole chain to all of it: most instances fit, not all.
+        share = reference_memory(chain, 0, L, shape) / K
+        budget = int(share * draw(st.sampled_from([1.0, 1.5, 2.5, K]))) + draw(st.integers(0, 20))
+        specs.append(StageSpec(draw(st.sampled_from([0.5, 1.0, 2.0])), budget, shape))
+    cuts = None
+    if draw(st.sampled_from([True, True, False])):
+        # Link s moves boundary[j] units at a drawn cost per unit (free to slow); a quarter of the
+        # cut positions are forbidden. Multiples of 1/4 ms: exact after CP-SAT's ns scaling.
+        rarely = st.sampled_from([False, False, False, True])
+        cuts = []
+        for _ in range(K - 1):
+            per_unit = draw(st.sampled_from([0.0, 0.25, 1.0, 2.0, 4.0, 8.0]))
+            forbid = draw(st.lists(rarely, min_size=L + 1, max_size=L + 1))
+            cuts.append(np.where(forbid, math.inf, chain.boundary * per_unit))
+    return chain, specs, cuts
 
 
-def check_partition(part, times, chain, specs):
+def check_partition(part, times, chain, specs, cuts=None):
     bounds = part.bounds
     assert bounds[0] == 0 and bounds[-1] == len(times) and len(bounds) == len(specs) + 1
     assert all(a < b for a, b in zip(bounds[:-1], bounds[1:])), "an empty stage"
     for s, (i, j) in enumerate(part.stages):
         assert reference_memory(chain, i, j, specs[s].shape) <= specs[s].budget
+    links = [float(cuts[s][j]) for s, j in enumerate(bounds[1:-1])] if cuts is not None else []
+    assert all(math.isfinite(v) for v in links), "a forbidden cut"
     assert part.bottleneck == max(
-        float(sum(times[i:j])) / sp.speed for (i, j), sp in zip(part.stages, specs)
+        [float(sum(times[i:j])) / sp.speed for (i, j), sp in zip(part.stages, specs)] + links
     )
 
 
-def assert_optimal(part, expected, times, chain, specs):
+def assert_optimal(part, expected, times, chain, specs, cuts=None):
     """`part` is a valid split with the brute-force optimum, or None when nothing fits."""
     if math.isinf(expected):
         assert part is None
     else:
         assert part is not None
-        check_partition(part, times, chain, specs)
+        check_partition(part, times, chain, specs, cuts)
         assert part.bottleneck == expected
 
 
 @settings(max_examples=400, deadline=None)
 @given(problems())
 def test_probe_and_dp_match_brute_force(problem):
-    chain, specs = problem
+    chain, specs, cuts = problem
     times = chain.forward + chain.backward
     memory = MemoryModel(chain)
-    expected = brute_force(times, chain, specs)
+    expected = brute_force(times, chain, specs, cuts)
+    assert feasible_split(times, memory, specs, cuts) == math.isfinite(expected)
     for solve in (solve_partition, solve_partition_dp):
-        assert_optimal(solve(times, memory, specs), expected, times, chain, specs)
+        assert_optimal(solve(times, memory, specs, cuts), expected, times, chain, specs, cuts)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_probe_matches_dp_on_larger_chains_with_binding_cuts(seed):
+    # Float times and cut costs around the stage costs: the two solvers compute the same float
+    # expressions, so their optima agree exactly.
+    rng = np.random.default_rng(seed)
+    L, K = 120, 6
+    chain = make_chain(
+        L,
+        forward=rng.uniform(0.5, 2.0, L),
+        backward=rng.uniform(1.0, 4.0, L),
+        params=rng.integers(1, 100, L),
+        saved=rng.integers(1, 50, L),
+        backward_transient=rng.integers(0, 20, L),
+        boundary=rng.integers(1, 10, L + 1),
+    )
+    times = chain.forward + chain.backward
+    shape = StageShape(occupancy=(occ(0, 4),), optimizer_slots=1)
+    whole = int(MemoryModel(chain).total(0, L, shape)[0])
+    specs = [StageSpec(float(rng.choice([0.5, 1.0, 2.0])), whole // 3, shape) for _ in range(K)]
+    even = float(times.sum()) / K
+    cuts = [np.where(rng.random(L + 1) < 0.2, math.inf, rng.uniform(0, 1.5 * even, L + 1))]
+    cuts += [rng.uniform(0, 1.5 * even, L + 1) for _ in range(K - 2)]
+    memory = MemoryModel(chain)
+    probe = solve_partition(times, memory, specs, cuts)
+    dp = solve_partition_dp(times, memory, specs, cuts)
+    assert probe is not None and dp is not None
+    assert probe.bottleneck == dp.bottleneck
+    assert probe.bottleneck > solve_partition(times, memory, specs).bottleneck  # cuts bind
+    assert all(math.isfinite(cuts[s][j]) for s, j in enumerate(probe.bounds[1:-1]))
+
+
+@pytest.mark.parametrize("seed", [5, 10, 11, 12, 14])  # seeds on which the 4-step version hung
+def test_runs_of_zero_time_layers_keep_the_probe_exact(seed):
+    # Every layer is followed by 6 zero-time ones (all costing the same). Proving the optimum
+    # probes one ulp below a stage's cost, where searchsorted and the cost can disagree inside
+    # such a run: the probe must step over the whole run (it used to step 4 layers, then loop).
+    rng = np.random.default_rng(seed)
+    times = np.concatenate([[t, 0, 0, 0, 0, 0, 0] for t in rng.uniform(0.0, 1.0, 8) / 7])
+    L, K = len(times), 4
+    chain = unit_chain([1] * L)
+    specs = [StageSpec(1.0, 10**9, StageShape(occupancy=(occ(),), optimizer_slots=0))] * K
+    cuts = [np.where(rng.random(L + 1) < 0.3, math.inf, 0.0) for _ in range(K - 1)]
+    memory = MemoryModel(chain)
+    for links in (None, cuts):
+        probe = solve_partition(times, memory, specs, links)
+        dp = solve_partition_dp(times, memory, specs, links)
+        assert probe is not None and dp is not None
+        assert probe.bottleneck == dp.bottleneck
 
 
 @settings(max_examples=200, deadline=None)
 @given(problems())
 def test_memory_model_matches_reference_formula(problem):
-    chain, specs = problem
+    chain, specs, _ = problem
     memory = MemoryModel(chain)
     L = chain.num_layers
     i, j = np.array([(i, j) for i in range(L) for j in range(i + 1, L + 1)]).T
@@ -137,20 +257,8 @@ def test_memory_model_matches_reference_formula(problem):
 
 def test_greedy_would_strand_a_heavy_layer_but_the_probe_does_not():
     # Device 1 is small; filling device 0 greedily to layer 2 leaves the heavy layer 2 on it.
-    chain = Chain(
-        mb=1,
-        forward=np.array([1.0, 1.0, 1.0, 1.0]),
-        backward=np.zeros(4),
-        input_grad=np.zeros(4),
-        weight_grad=np.zeros(4),
-        params=np.array([1, 1, 50, 1]),
-        buffers=np.zeros(4, dtype=np.int64),
-        saved=np.zeros(4, dtype=np.int64),
-        shared=np.zeros(4, dtype=np.int64),
-        transient=np.zeros(4, dtype=np.int64),
-        boundary=np.ones(5, dtype=np.int64),
-    )
-    shape = StageShape(stash=((0, 1),), optimizer_slots=0)
+    chain = make_chain(4, forward=np.ones(4), params=np.array([1, 1, 50, 1]))
+    shape = StageShape(occupancy=(occ(),), optimizer_slots=0)
     specs = [StageSpec(1.0, 1000, shape), StageSpec(1.0, 10, shape), StageSpec(1.0, 1000, shape)]
     part = solve_partition(chain.forward, MemoryModel(chain), specs)
     assert part is not None and part.bounds == [0, 1, 2, 4]
@@ -158,20 +266,14 @@ def test_greedy_would_strand_a_heavy_layer_but_the_probe_does_not():
 
 def test_equal_layers_split_evenly_at_scale():
     L, K = 4096, 64
-    chain = Chain(
-        mb=1,
+    chain = make_chain(
+        L,
         forward=np.ones(L),
         backward=np.ones(L),
-        input_grad=np.ones(L) / 2,
-        weight_grad=np.ones(L) / 2,
         params=np.ones(L, dtype=np.int64),
-        buffers=np.zeros(L, dtype=np.int64),
         saved=np.ones(L, dtype=np.int64),
-        shared=np.zeros(L, dtype=np.int64),
-        transient=np.zeros(L, dtype=np.int64),
-        boundary=np.ones(L + 1, dtype=np.int64),
     )
-    shape = StageShape(stash=((0, 4),), optimizer_slots=2)
+    shape = StageShape(occupancy=(occ(0, 4),), optimizer_slots=2)
     part = solve_partition(
         chain.forward + chain.backward, MemoryModel(chain), [StageSpec(1.0, 10**9, shape)] * K
     )
@@ -180,15 +282,92 @@ def test_equal_layers_split_evenly_at_scale():
     assert all(j - i == L // K for i, j in part.stages)
 
 
+def test_forbidden_even_cuts_cost_one_layer_at_scale():
+    # 4096 layers of 2 ms on 64 stages, no cut allowed at a multiple of 64: the even split is gone,
+    # and with it every split whose stages all hold <= 64 layers, so the best has a stage of 65.
+    L, K = 4096, 64
+    chain = unit_chain([1] * L)
+    times = 2 * chain.forward
+    shape = StageShape(occupancy=(occ(),), optimizer_slots=0)
+    link = np.where(np.arange(L + 1) % 64 == 0, math.inf, 0.5)
+    part = solve_partition(
+        times, MemoryModel(chain), [StageSpec(1.0, 10**9, shape)] * K, [link] * (K - 1)
+    )
+    assert part is not None
+    assert part.bottleneck == 130.0
+    assert all(b % 64 for b in part.bounds[1:-1])
+
+
+def cut_solvers():
+    from planner.cpsat import solve_partition_cpsat
+
+    return (solve_partition, solve_partition_dp, solve_partition_cpsat)
+
+
+def test_a_large_output_on_a_slow_link_moves_the_cut_to_a_cheap_neighbour():
+    # 6 equal layers on 2 stages balance at boundary 3, but layer 2's output (boundary[3]) is
+    # large: 1000 ms on the link. Cutting one layer earlier or later costs 1 ms and a stage of 4.
+    chain = unit_chain([1] * 6, boundary=[1, 1, 1, 1000, 1, 1, 1])
+    shape = StageShape(occupancy=(occ(),), optimizer_slots=0)
+    specs = [StageSpec(1.0, 10**6, shape)] * 2
+    cuts = [chain.boundary * 1.0]
+    memory = MemoryModel(chain)
+    assert solve_partition(chain.forward, memory, specs).bounds == [0, 3, 6]
+    assert brute_force(chain.forward, chain, specs, cuts) == 4.0
+    for solve in cut_solvers():
+        part = solve(chain.forward, memory, specs, cuts)
+        assert part is not None and part.bounds in ([0, 2, 6], [0, 4, 6])
+        assert part.bottleneck == 4.0
+
+
+def test_forbidden_cuts_are_never_chosen():
+    # Without cuts the heavy last layer balances the rest at boundary 4 (4 | 4). Boundary 4 is
+    # forbidden (a loss glued to its layer), so the best is boundary 3 (3 | 5), all cuts free.
+    chain = unit_chain([1] * 5)
+    times = np.array([1.0, 1.0, 1.0, 1.0, 4.0])
+    shape = StageShape(occupancy=(occ(),), optimizer_slots=0)
+    specs = [StageSpec(1.0, 10**6, shape)] * 2
+    cuts = [np.array([0.0, 0.0, 0.0, 0.0, math.inf, 0.0])]
+    memory = MemoryModel(chain)
+    assert solve_partition(times, memory, specs).bounds == [0, 4, 5]
+    for solve in cut_solvers():
+        part = solve(times, memory, specs, cuts)
+        assert part is not None and part.bounds == [0, 3, 5] and part.bottleneck == 5.0
+
+
+def test_no_split_when_the_only_cut_that_fits_is_forbidden():
+    # 2 x 10 bytes per layer, 40 per device: only the cut at boundary 2 fits, and it is forbidden.
+    chain = unit_chain([10] * 4)
+    shape = StageShape(occupancy=(occ(),), optimizer_slots=0)
+    specs = [StageSpec(1.0, 40, shape)] * 2
+    cuts = [np.array([0.0, 0.0, math.inf, 0.0, 0.0])]
+    memory = MemoryModel(chain)
+    assert feasible_split(chain.forward, memory, specs)
+    assert solve_partition(chain.forward, memory, specs).bounds == [0, 2, 4]
+    assert not feasible_split(chain.forward, memory, specs, cuts)
+    for solve in cut_solvers():
+        assert solve(chain.forward, memory, specs, cuts) is None
+
+
+def test_cuts_of_the_wrong_shape_are_refused():
+    chain = unit_chain([1] * 4)
+    specs = [StageSpec(1.0, 10**6, StageShape(occupancy=(occ(),), optimizer_slots=0))] * 3
+    with pytest.raises(ValueError, match="one array per link"):
+        solve_partition(chain.forward, MemoryModel(chain), specs, [np.zeros(5)])
+    with pytest.raises(ValueError, match="one entry per layer boundary"):
+        solve_partition(chain.forward, MemoryModel(chain), specs, [np.zeros(4)] * 2)
+
+
 @settings(max_examples=60, deadline=None)
 @given(problems())
 def test_cpsat_matches_brute_force(problem):
     from planner.cpsat import solve_partition_cpsat
 
-    chain, specs = problem
+    chain, specs, cuts = problem
     times = chain.forward + chain.backward  # whole milliseconds: exact after scaling
-    expected = brute_force(times, chain, specs)
-    part = solve_partition_cpsat(times, MemoryModel(chain), specs)
-    assert_optimal(part, expected, times, chain, specs)
+    expected = brute_force(times, chain, specs, cuts)
+    part = solve_partition_cpsat(times, MemoryModel(chain), specs, cuts)
+    assert_optimal(part, expected, times, chain, specs, cuts)
     if part is not None:
         assert part.extra["optimal"] == 1.0 and part.extra["gap"] == 0.0
+        assert part.extra["lower_bound_ms"] == expected

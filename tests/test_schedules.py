@@ -15,6 +15,7 @@ from schedules import (
     Costs,
     Kind,
     ScheduleError,
+    StageBytes,
     build_schedule,
     chrome_trace,
     from_csv,
@@ -69,16 +70,18 @@ def test_activations_in_flight(K, M):
 
 def test_recomputation_keeps_inputs_and_one_stash():
     K, M = 3, 5
-    costs = Costs.uniform(K, activation_bytes=[100] * K, input_bytes=[7] * K, static_bytes=[1000] * K,
-                          recompute=["always"] * K)  # fmt: skip
+    sizes = StageBytes(input=7, activations=107, static=1000)  # the stash includes its input
+    costs = Costs.uniform(K, memory=[sizes] * K, recompute=["always"] * K)
     tl = simulate(build_schedule("gpipe", K, M), costs)
-    assert tl.peak_memory == [1000 + M * 7 + 100] * K
+    # the last backward: M - 1 inputs kept, one micro-batch re-materialised
+    assert tl.peak_memory == [1000 + (M - 1) * 7 + 107] * K
     tl = simulate(
         build_schedule("gpipe", K, M), Costs(**{**costs.__dict__, "recompute": ["except_last"] * K})
     )
-    assert tl.peak_memory == [1000 + (M - 1) * 7 + 100] * K
+    assert tl.peak_memory == [1000 + (M - 1) * 7 + 107] * K
+    never = simulate(build_schedule("gpipe", K, M), Costs.uniform(K, memory=[sizes] * K))
+    assert never.peak_memory == [1000 + M * 107] * K
     # A recomputed backward costs one forward more: the backward flow shop grows by (M + K - 1) f.
-    never = simulate(build_schedule("gpipe", K, M), Costs.uniform(K))
     assert (
         simulate(build_schedule("gpipe", K, M), costs).makespan == never.makespan + (M + K - 1) * 1
     )

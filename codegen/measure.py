@@ -1,0 +1,359 @@
+"""measure: run a compiled plan and hold its predictions to what the run really does.
+
+Memory is read off the allocator (profiler/memtrack.py): every allocation the step makes is
+charged to the stage whose action made it, and a device's level is its stages' sum. On top of
+that a device holds what existed before the step: weights, gradients and optimizer state (one
+warm-up step with the plan's optimizer creates them, as training would). Time is each action's
+duration and the step's wall time: in one process on CPU the stages run one after another, so
+there only per-action times compare with the plan; the step time compares under torchrun (one
+process per device) or on CUDA streams.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from planner.plan import Plan
+from planner.search import simulate_stages
+from profiler.memtrack import AllocationTrace, owned_by, trace_allocations
+
+KINDS = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W",
+         "send_forward": "SEND_F", "recv_forward": "RECV_F", "send_backward": "SEND_B",
+         "recv_backward": "RECV_B"}  # fmt: skip
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class DeviceMeasure(_Strict):
+    name: str
+    predicted_peak_bytes: int
+    measured_peak_bytes: int
+    memory_error: float = Field(description="(measured - predicted) / predicted")
+    static_bytes: int = Field(description="measured: weights, gradients, optimizer state")
+    predicted_ms: float = Field(description="the device's busy time in one step, simulated")
+    measured_ms: float = Field(description="the sum of its compute actions' times in one step")
+    time_error: float
+
+
+class ActionMeasure(_Strict):
+    stage: int
+    kind: str = Field(description="F, B, I, W (and SEND/RECV under torchrun, not predicted)")
+    count: int = Field(description="actions measured (micro-batches x steps)")
+    predicted_ms: float = Field(description="mean simulated duration; 0 where not modelled")
+    measured_ms: float = Field(description="median measured duration")
+    time_error: float
+
+
+class MeasureReport(_Strict):
+    kind: str = "measure"
+    plan_digest: str
+    target: str
+    steps: int
+    tolerance: float
+    concurrent: bool = Field(description="whether the devices ran at the same time")
+    predicted_step_ms: float
+    measured_step_ms: float = Field(description="median wall time of one step")
+    step_error: float
+    devices: list[DeviceMeasure]
+    actions: list[ActionMeasure]
+    unattributed_bytes: int = Field(description="peak of allocations made outside any stage")
+    ok: bool = Field(description="no device's measured peak exceeds its prediction + tolerance")
+
+
+def _error(measured: float, predicted: float) -> float:
+    return (measured - predicted) / predicted if predicted else 0.0
+
+
+def predicted_actions(plan: Plan) -> dict[tuple[int, str], float]:
+    """Mean simulated duration per (stage, kind)."""
+    tl = simulate_stages(plan.schedule, len(plan.devices), plan.microbatches, plan.stages)
+    spans: dict[tuple[int, str], list[float]] = {}
+    for sp in tl.spans:
+        spans.setdefault((sp.action.stage, sp.action.kind.value), []).append(sp.end - sp.start)
+    return {k: statistics.fmean(v) for k, v in spans.items()}
+
+
+def static_bytes(modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | None) -> int:
+    """Bytes of the storages behind the modules' weights, buffers and gradients and the
+    optimizer's state for them, each storage once."""
+    seen: dict[tuple[str, int], int] = {}
+
+    def add(t: Any) -> None:
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            seen[(str(t.device), st.data_ptr())] = st.nbytes()
+
+    params = []
+    for mod in modules:
+        for p in mod.parameters():
+            params.append(p)
+            add(p)
+            add(p.grad)
+        for b in mod.buffers():
+            add(b)
+    if optimizer is not None:
+        for p in params:
+            for v in optimizer.state.get(p, {}).values():
+                add(v)
+    return sum(seen.values())
+
+
+def make_optimizer(name: str, params: list[nn.Parameter]) -> torch.optim.Optimizer | None:
+    """The plan's optimizer, with a learning rate too small to matter: it is here for its state."""
+    if not params:
+        return None
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-12)
+    return torch.optim.SGD(params, lr=1e-12, momentum=0.9 if name == "momentum" else 0.0)
+
+
+def optimizer_steps(
+    optimizers: list[torch.optim.Optimizer | None],
+    owners: list[int],
+    params: list[list[nn.Parameter]],
+) -> None:
+    """One optimizer step per device, its temporaries charged to the device (through one of its
+    stages); the gradients then stay allocated, zeroed, as the plan counts them."""
+    for opt, stage, ps in zip(optimizers, owners, params):
+        if opt is not None:
+            with owned_by(str(stage)):
+                opt.step()
+        for p in ps:
+            if p.grad is not None:
+                p.grad.zero_()
+
+
+def device_levels(trace: AllocationTrace, rank_of_stage: list[int]) -> tuple[dict[int, int], int]:
+    """Peak bytes each device's stages allocated during the trace, and the peak of what no
+    stage owns."""
+
+    def group(owner: str | None, device: str) -> Any:
+        if owner is None or not owner.isdigit():
+            return "other"
+        return rank_of_stage[int(owner)]
+
+    peaks = trace.peaks(group)
+    other = peaks.pop("other", 0)
+    return {int(k): v for k, v in peaks.items()}, other
+
+
+def measure_in_process(
+    plan: Plan,
+    program: Any,
+    x: torch.Tensor,
+    y: Any,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    *,
+    steps: int = 3,
+    tolerance: float = 0.05,
+) -> MeasureReport:
+    """Run `program` (a compiled streams Pipeline) and compare with `plan`."""
+    K = len(plan.devices)
+    ranks = [st.rank for st in plan.stages]
+    on = [[s for s in range(len(ranks)) if ranks[s] == k] for k in range(K)]
+    params = [[p for s in on[k] for p in program.stages[s].parameters()] for k in range(K)]
+    optimizers = [make_optimizer(plan.optimizer, params[k]) for k in range(K)]
+
+    def step() -> torch.Tensor:
+        loss = program.train_step(x, y, loss_fn)
+        optimizer_steps(optimizers, [stages[0] for stages in on], params)
+        return loss
+
+    step()  # warm-up: creates gradients and optimizer state
+    sync = torch.cuda.synchronize if program.cuda else (lambda: None)
+    sync()
+    with trace_allocations() as trace:
+        step()
+        sync()
+    dynamic, other = device_levels(trace, ranks)
+    static = [static_bytes([program.stages[s] for s in on[k]], optimizers[k]) for k in range(K)]
+    walls, log = [], []
+    program.action_log = []
+    try:
+        for _ in range(steps):
+            sync()
+            t0 = time.perf_counter()
+            step()
+            sync()
+            walls.append((time.perf_counter() - t0) * 1e3)
+            log += program.action_times()
+            program.action_log = []
+    finally:
+        program.action_log = None
+    concurrent = program.cuda and len(set(map(str, program.devices))) > 1
+    return build_report(
+        plan, "streams", steps, tolerance, concurrent, statistics.median(walls),
+        [static[k] + dynamic.get(k, 0) for k in range(K)], static, other, log,
+    )  # fmt: skip
+
+
+def build_report(
+    plan: Plan,
+    target: str,
+    steps: int,
+    tolerance: float,
+    concurrent: bool,
+    step_ms: float,
+    peaks: list[int],
+    static: list[int],
+    other: int,
+    log: list[tuple[str, int, int, float, float]],
+) -> MeasureReport:
+    """Put measured peaks and the action log (what, stage, micro-batch, start, end in ms, over
+    `steps` steps) next to the plan's predictions."""
+    ranks = [st.rank for st in plan.stages]
+    predicted = predicted_actions(plan)
+    tl = simulate_stages(plan.schedule, len(plan.devices), plan.microbatches, plan.stages)
+    durations: dict[tuple[int, str], list[float]] = {}
+    busy = [0.0] * len(plan.devices)
+    for what, s, _m, start, end in log:
+        kind = KINDS[what]
+        durations.setdefault((s, kind), []).append(end - start)
+        if kind in ("F", "B", "I", "W"):
+            busy[ranks[s]] += (end - start) / steps
+    actions = []
+    for (s, kind), ds in sorted(durations.items()):
+        p = predicted.get((s, kind), 0.0)
+        m = statistics.median(ds)
+        actions.append(
+            ActionMeasure(
+                stage=s,
+                kind=kind,
+                count=len(ds),
+                predicted_ms=p,
+                measured_ms=m,
+                time_error=_error(m, p),
+            )  # fmt: skip
+        )
+    devices = []
+    for k, d in enumerate(plan.devices):
+        devices.append(
+            DeviceMeasure(
+                name=d.name,
+                predicted_peak_bytes=d.total,
+                measured_peak_bytes=peaks[k],
+                memory_error=_error(peaks[k], d.total),
+                static_bytes=static[k],
+                predicted_ms=tl.busy[k],
+                measured_ms=busy[k],
+                time_error=_error(busy[k], tl.busy[k]),
+            )
+        )
+    ok = all(d.measured_peak_bytes <= d.predicted_peak_bytes * (1 + tolerance) for d in devices)
+    return MeasureReport(
+        plan_digest=plan.digest(),
+        target=target,
+        steps=steps,
+        tolerance=tolerance,
+        concurrent=concurrent,
+        predicted_step_ms=plan.predicted.iteration_ms,
+        measured_step_ms=step_ms,
+        step_error=_error(step_ms, plan.predicted.iteration_ms),
+        devices=devices,
+        actions=actions,
+        unattributed_bytes=other,
+        ok=ok,
+    )
+
+
+def make_data(model: nn.Module, plan: Plan, seed: int = 0) -> tuple[torch.Tensor, Any, Any]:
+    """A mini-batch of the plan's shapes from a fixed seed, targets for the plan's loss, and the
+    loss: what `measure` runs (the same on every rank and for every target)."""
+    from profiler.losses import resolve_loss
+
+    g = torch.Generator().manual_seed(seed)
+    shape = (plan.batch_size, *plan.input_shape)
+    dtype = getattr(torch, plan.input_dtype)
+    if dtype.is_floating_point:
+        x = torch.randn(shape, generator=g).to(dtype)
+    else:
+        example = getattr(model, "example_input", None)
+        high = int(example.max()) + 1 if isinstance(example, torch.Tensor) else 2
+        x = torch.randint(0, high, shape, generator=g, dtype=dtype)
+    loss = resolve_loss(plan.loss) if plan.loss else None
+    if loss is None:
+        return x, None, _stand_in_loss
+    with torch.no_grad():
+        out = model(x[:1])
+    like = torch.empty((plan.batch_size, *out.shape[1:]), dtype=out.dtype)
+    torch.manual_seed(seed)
+    return x, loss.make_target(like), loss.fn
+
+
+def _stand_in_loss(out: Any, y: Any) -> torch.Tensor:
+    """A loss that needs no targets, for plans profiled without one."""
+    return out.float().square().mean()
+
+
+def measure_torchrun(
+    plan: Plan,
+    model_spec: str,
+    *,
+    steps: int = 3,
+    tolerance: float = 0.05,
+    threads: int = 1,
+    timeout_s: float = 600.0,
+) -> MeasureReport:
+    """Emit the plan's torchrun program, run it on one process per device of this host
+    (`threads` intra-op threads each) and compare with the plan."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    from profiler.artifact import InputError
+
+    from .emit import emit_program
+
+    K = len(plan.devices)
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="gpipe-measure-") as tmp:
+        program, plan_path = Path(tmp) / "program.py", Path(tmp) / "plan.json"
+        program.write_text(emit_program(plan, target="torchrun"))
+        plan.save(plan_path)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(
+            os.pathsep
+        )
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={K}", "-m", "codegen.measure_rank",
+               str(program), str(plan_path), model_spec, tmp, str(steps)]  # fmt: skip
+        for _ in range(2):
+            run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+            # NOTE: now and then gloo aborts a worker in C++ at teardown ("terminate called
+            # without an active exception", no Python error): launch once more then.
+            if run.returncode == 0 or "terminate called without" not in run.stderr:
+                break
+        ranks = [Path(tmp) / f"rank{r}.json" for r in range(K)]
+        if run.returncode != 0 or not all(p.exists() for p in ranks):
+            tail = " | ".join(run.stderr.strip().splitlines()[-3:])
+            raise InputError(f"the torchrun program failed (exit {run.returncode}): {tail}")
+        results = [json.loads(p.read_text()) for p in ranks]
+    by_rank = {res["rank"]: res for res in results}
+    walls = [max(by_rank[r]["walls"][k] for r in range(K)) for k in range(steps)]
+    log = [tuple(entry) for r in range(K) for entry in by_rank[r]["log"]]
+    return build_report(
+        plan, "torchrun", steps, tolerance, True, statistics.median(walls),
+        [by_rank[r]["static"] + by_rank[r]["dynamic_peak"] for r in range(K)],
+        [by_rank[r]["static"] for r in range(K)], 0, log,  # type: ignore[arg-type]
+    )  # fmt: skip
+
+
+__all__ = [
+    "MeasureReport",
+    "build_report",
+    "make_data",
+    "measure_in_process",
+    "measure_torchrun",
+]

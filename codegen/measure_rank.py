@@ -1,0 +1,74 @@
+"""One rank of `gpipe-plan measure --target torchrun`: run the emitted torchrun program for a
+warm-up step, one step under allocation tracing and `steps` timed steps, and write what this
+rank measured to OUT_DIR/rank<r>.json. The parent process puts the ranks together.
+
+    torchrun --nproc-per-node K -m codegen.measure_rank PROGRAM PLAN MODEL OUT_DIR STEPS
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from planner.plan import Plan
+from profiler.memtrack import trace_allocations
+from profiler.models import load_model
+
+from .measure import make_data, make_optimizer, optimizer_steps, static_bytes
+
+
+def main(argv: list[str]) -> None:
+    program, plan_path, model_spec, out_dir, steps = argv
+    plan = Plan.load(plan_path)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank()
+    try:
+        namespace: dict = {}
+        exec(compile(Path(program).read_text(), program, "exec"), namespace)
+        torch.manual_seed(0)  # the same model and batch on every rank
+        model = load_model(model_spec)
+        x, y, loss_fn = make_data(model, plan)
+        pipe = namespace["Pipeline"](model)
+        params = list(pipe.parameters())
+        optimizer = make_optimizer(plan.optimizer, params)
+        local = sorted(pipe.local)
+
+        def step() -> None:
+            pipe.train_step(x, y, loss_fn)
+            optimizer_steps([optimizer], [local[0]], [params])
+
+        step()  # warm-up: gradients and optimizer state
+        dist.barrier()
+        with trace_allocations() as trace:
+            step()
+        peaks = trace.peaks(lambda owner, device: "mine" if owner and owner.isdigit() else None)
+        walls, log = [], []
+        pipe.action_log = []
+        for _ in range(int(steps)):
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            walls.append((time.perf_counter() - t0) * 1e3)
+            log += pipe.action_times()
+            pipe.action_log = []
+        result = {
+            "rank": rank,
+            "stages": local,
+            "dynamic_peak": peaks.get("mine", 0),
+            "static": static_bytes([pipe.stages[s] for s in local], optimizer),
+            "walls": walls,
+            "log": log,
+        }
+        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()  # NOTE: tearing gloo down while a peer is still mid-exit can abort it
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,99 @@
+"""The loss a profile measures: built in by name, or the user's own function.
+
+The loss is part of the last stage: its time adds to that stage's forward and backward, and what
+it saves for backward (cross-entropy keeps a log-softmax the size of the logits) stays on the
+last device for every micro-batch in flight. A profile measures it like one more layer.
+
+    mse            mean squared error against a target shaped like the output
+    cross_entropy  classes on the last dimension (a language model's tokens x vocabulary
+                   flattened), integer targets
+    pkg.mod:fn     fn(output, target) -> scalar; profiled with fn.make_target(output) when the
+    file.py:fn     function has one, else a random target shaped like the output
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .artifact import InputError
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, target)
+
+
+def cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+
+
+def _float_target(out: Any) -> Any:
+    return torch.randn_like(out) if isinstance(out, torch.Tensor) else None
+
+
+def _class_target(out: torch.Tensor) -> torch.Tensor:
+    return torch.randint(0, out.shape[-1], out.shape[:-1], device=out.device)
+
+
+BUILT_IN: dict[str, tuple[LossFn, Callable[[Any], Any]]] = {
+    "mse": (mse, _float_target),
+    "cross_entropy": (cross_entropy, _class_target),
+}
+
+
+@dataclass(frozen=True)
+class Loss:
+    name: str
+    fn: LossFn
+    make_target: Callable[[Any], Any]
+
+
+def resolve_loss(spec: str | LossFn | None, model: nn.Module | None = None) -> Loss | None:
+    """`spec` as a Loss; None takes the model's own `example_loss`, if it has one."""
+    if spec is None:
+        spec = getattr(model, "example_loss", None)
+        if spec is None:
+            return None
+    if callable(spec):
+        name = getattr(spec, "__qualname__", type(spec).__name__)
+        return Loss(name, spec, getattr(spec, "make_target", _float_target))
+    if spec in BUILT_IN:
+        fn, target = BUILT_IN[spec]
+        return Loss(spec, fn, target)
+    where, sep, name = str(spec).rpartition(":")
+    if not sep or not where or not name:
+        raise InputError(
+            f"--loss {spec!r}: choose {', '.join(BUILT_IN)}, or name a function as "
+            "package.module:fn or file.py:fn"
+        )
+    from .models import _import
+
+    fn = getattr(_import(where, spec), name, None)
+    if fn is None or not callable(fn):
+        raise InputError(f"--loss {spec!r}: {where} has no callable named {name!r}")
+    return Loss(spec, fn, getattr(fn, "make_target", _float_target))
+
+
+class LossLayer(nn.Module):
+    """The loss as a layer the profiler can measure: output -> loss(output, target)."""
+
+    def __init__(self, loss: Loss, target: Any) -> None:
+        super().__init__()
+        self.loss = loss
+        self.target = target
+
+    def forward(self, out: Any) -> torch.Tensor:
+        value = self.loss.fn(out, self.target)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise InputError(
+                f"the loss {self.loss.name} returned {shape}, not a scalar tensor; "
+                "it must average over the samples it is given"
+            )
+        return value

@@ -1,0 +1,108 @@
+"""The issue order: the one sequence in which a single host issues every compute action.
+
+A compiled pipeline on one host issues each action in turn (on CUDA the kernels then run on the
+stages' streams, overlapping; on CPU they simply run). Memory is allocated and freed as the host
+issues work, so what each device holds at any moment is fixed by this order alone. It is chosen
+from the schedule alone, never from measured costs: then the planner can know each stage's
+memory before it knows the split, and the simulator, the planner and the compiled program all
+replay the same order.
+
+The order: run the schedule through the simulator with unit costs (F = 1, B = 2, I = W = 1, one
+more for a recomputed backward), then issue actions by their start there, each after everything
+it depends on (ties: lower rank first, then program order).
+
+    1f1b, K = 2, M = 3:  0F0 0F1 1F0 1B0 0B0 1F1 1B1 0F2 0B1 1F2 1B2 0B2
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from .ir import Action, Schedule
+
+
+def issue_order(schedule: Schedule, start: dict[Action, float]) -> list[Action]:
+    """Every compute action once, each after all it depends on; among the actions that could go
+    next, the one that starts first in `start`."""
+    from .validate import dependencies, split_stages
+
+    sched = schedule.compute_only()
+    split = split_stages(sched)
+    ptr = dict.fromkeys(sched.ranks, 0)
+    done: set[Action] = set()
+    waiting: dict[Action, list[int]] = {}
+    heap: list[tuple[float, int, int, Action]] = []
+
+    def offer(r: int) -> None:
+        if ptr[r] == len(sched.ranks[r]):
+            return
+        a = sched.ranks[r][ptr[r]]
+        missing = next((d for d in dependencies(a, sched, False, split) if d not in done), None)
+        if missing is None:
+            heapq.heappush(heap, (start[a], r, ptr[r], a))
+        else:
+            waiting.setdefault(missing, []).append(r)
+
+    for r in sched.ranks:
+        offer(r)
+    order: list[Action] = []
+    while heap:
+        _, r, _, a = heapq.heappop(heap)
+        order.append(a)
+        done.add(a)
+        ptr[r] += 1
+        offer(r)
+        for rr in waiting.pop(a, []):
+            offer(rr)
+    if len(order) != sum(len(a) for a in sched.ranks.values()):
+        from .validate import validate
+
+        validate(sched)  # raises with the grid
+        raise AssertionError("issue order incomplete for a schedule that validates")
+    return order
+
+
+def canonical_order(schedule: Schedule, recompute: str | Sequence[str] = "never") -> list[Action]:
+    """The issue order of `schedule` under recomputation `recompute` (one mode, or one per stage)."""
+    modes = (recompute,) * schedule.num_stages if isinstance(recompute, str) else tuple(recompute)
+    return list(_canonical(schedule, modes))
+
+
+def _canonical(schedule: Schedule, modes: tuple[str, ...]) -> tuple[Action, ...]:
+    key = (
+        schedule.name,
+        schedule.num_stages,
+        schedule.num_microbatches,
+        tuple(schedule.placement),
+        tuple((r, tuple(acts)) for r, acts in sorted(schedule.ranks.items())),
+        modes,
+    )
+    return _cached(key, schedule)
+
+
+_CACHE: dict[tuple, tuple[Action, ...]] = {}
+
+
+def _cached(key: tuple, schedule: Schedule) -> tuple[Action, ...]:
+    hit = _CACHE.get(key)
+    if hit is None:
+        if len(_CACHE) > 256:
+            _CACHE.clear()
+        hit = _CACHE[key] = tuple(_unit_cost_order(schedule, key[-1]))
+    return hit
+
+
+UNIT = (1.0, 2.0, 1.0, 1.0)  # F, B, I, W: the costs the order is simulated with
+
+
+def _unit_cost_order(schedule: Schedule, modes: tuple[str, ...]) -> list[Action]:
+    from .simulate import Costs, simulate
+
+    f, b, i, w = UNIT
+    S = schedule.num_stages
+    sched = schedule.compute_only()
+    costs = Costs([f] * S, [b] * S, input_grad=[i] * S, weight_grad=[w] * S, recompute=modes)
+    timeline = simulate(sched, costs, memory=False)
+    start = {sp.action: sp.start for sp in timeline.spans}
+    return issue_order(sched, start)

@@ -1,0 +1,159 @@
+"""The plan tells the truth: what `measure` reads off the allocator during a real step is what
+the plan predicted, for every schedule and recomputation mode; and the accounting itself counts
+tensors of known size exactly."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from codegen import compile_pipe
+from codegen.measure import make_data
+from planner import Cluster, Plan, plan_pipeline
+from profiler import profile_model
+from profiler.examples import mlp, transformer
+from profiler.memtrack import UNOWNED, owned_by, trace_allocations
+
+F32 = 4
+RNG_STATE = torch.get_rng_state().numel()
+
+
+def test_trace_counts_known_tensors_exactly():
+    keep = torch.empty(10)  # made before the trace: not counted, and its free is not either
+    with trace_allocations() as trace:
+        with owned_by("a"):
+            x = torch.empty(1000)  # a: 4000
+            with owned_by("b"):
+                y = torch.empty(250, dtype=torch.float64)  # b: 2000 (the innermost owner)
+            z = torch.empty(3, 5)  # a: 4060
+        with owned_by("b"):
+            del x  # a: 60 -- a free is charged to the allocation's owner
+            w = torch.empty(500, dtype=torch.int16)  # b: 3000
+        del keep
+        loose = torch.empty(7)  # nobody's: 28
+        del z, y
+    assert trace.peaks() == {"a": 4060, "b": 3000, UNOWNED: 28}
+    assert trace.live() == {"a": 0, "b": 1000, UNOWNED: 28}
+    assert [e.size for e in trace.events] == [4000, 2000, 60, -4000, 1000, 28, -60, -2000]
+    del w, loose
+
+
+def test_trace_sees_what_autograd_saves_and_frees():
+    lin = nn.Linear(256, 128)
+    x = torch.randn(32, 256, requires_grad=True)
+    with trace_allocations() as trace:
+        with owned_by("forward"):
+            out = lin(x).relu()  # relu saves its result; the linear's output dies after relu
+        with owned_by("backward"):
+            out.sum().backward()
+        del out
+    peaks = trace.peaks()
+    # forward: the linear's output (32x128) and relu's result, both alive while relu runs
+    assert peaks["forward"] == 2 * 32 * 128 * F32
+    # backward allocates the weight and bias gradients and the input gradient, among others
+    assert peaks["backward"] >= (256 * 128 + 128 + 32 * 256) * F32
+
+
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+MODES = ["never", "except_last", "always"]
+# (devices, micro-batches, batch): micro-batch sizes the profile measured, and interleaving's
+# rule (at most K micro-batches or a multiple of K) met
+LAYOUTS = [(2, 4, 8), (3, 3, 12), (4, 4, 8)]
+
+
+def small_transformer() -> nn.Sequential:
+    return transformer(vocab=256, d_model=32, heads=2, depth=6, seq_len=16, batch=12)
+
+
+def small_mlp() -> nn.Sequential:
+    return mlp(width=64, depth=4, batch=12)
+
+
+MODELS = {"transformer": small_transformer, "mlp": small_mlp}
+
+
+@pytest.fixture(scope="module")
+def profiles():
+    out = {}
+    for name, build in MODELS.items():
+        model = build()
+        out[name] = profile_model(
+            model, model.example_input, batch_sizes=[2, 4], repeats=1, max_repeats=1, warmup=0,
+            progress=False,
+        )  # fmt: skip
+    return out
+
+
+def measured(profile, build, K, M, N, schedule, mode):
+    plan = plan_pipeline(
+        profile, Cluster.uniform(K, "1GiB"), N, microbatches=M, schedule=schedule, recompute=mode
+    )
+    model = build()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # every stage on the CPU
+        pipe = compile_pipe(model, plan)
+    x, y, loss_fn = make_data(model, plan)
+    return plan, pipe.measure(x, y, loss_fn, steps=1)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda k: f"K{k[0]}")
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_predicted_peak_memory_is_what_the_run_allocates(profiles, name, schedule, mode, layout):
+    K, M, N = layout
+    plan, report = measured(profiles[name], MODELS[name], K, M, N, schedule, mode)
+    assert report.ok
+    for d, dev in zip(report.devices, plan.devices):
+        assert d.predicted_peak_bytes == dev.total
+        assert abs(d.memory_error) <= 0.05, d
+        # ... and so is what a step adds above the weights, gradients and optimizer state,
+        # the part a loose model would get wrong
+        predicted = d.predicted_peak_bytes - d.static_bytes
+        added = d.measured_peak_bytes - d.static_bytes
+        assert abs(added - predicted) <= 0.05 * predicted, d
+    # outside the stages: only the caller's RNG state, kept for the step, and the scalar loss
+    assert report.unattributed_bytes <= RNG_STATE + 64
+
+
+def test_the_loss_is_on_the_last_device(profiles):
+    """Cross-entropy keeps a log-softmax the size of the logits for every micro-batch in flight;
+    a plan that forgot it would be short by that much on the last device."""
+    prof = profiles["transformer"]
+    assert prof.loss is not None and prof.loss.type == "cross_entropy"
+    logits = 256 * 16 * F32  # vocabulary x sequence, per sample
+    assert prof.loss.saved_bytes[2] >= 2 * logits
+    plan, report = measured(prof, small_transformer, 2, 4, 8, "gpipe", "never")
+    assert plan.stages[-1].memory.loss == 4 * prof.loss.saved_bytes[2]  # M micro-batches of 2
+    assert abs(report.devices[-1].memory_error) <= 0.05
+
+
+def test_report_json_and_a_failing_gate(tmp_path, run_cli):
+    prof, plan_path = tmp_path / "p.json", tmp_path / "plan.json"
+    assert run_cli("profile", "example:mlp", "--batch-sizes", "2,4", "--repeats", "1",
+                   "--max-repeats", "1", "-o", prof).code == 0  # fmt: skip
+    r = run_cli("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 8,
+                "--microbatches", 2, "--schedule", "1f1b", "-o", plan_path)  # fmt: skip
+    assert r.code == 0, r.err
+    report = tmp_path / "report.json"
+    r = run_cli("measure", plan_path, "--model", "example:mlp", "--steps", 1, "-o", report)
+    assert r.code == 0, r.err + r.out
+    data = json.loads(report.read_text())
+    assert {d["name"] for d in data["devices"]} == {"dev0", "dev1"}
+    assert {(a["stage"], a["kind"]) for a in data["actions"]} == {
+        (s, k) for s in (0, 1) for k in ("F", "B")
+    }
+    assert all(a["count"] == 2 for a in data["actions"])  # two micro-batches, one step
+    # A plan that claims less memory than the run needs fails the gate.
+    plan = Plan.load(plan_path)
+    plan.devices[1].total = int(plan.devices[1].total * 0.9)
+    plan.save(plan_path)
+    r = run_cli("measure", plan_path, "--model", "example:mlp", "--steps", 1)
+    assert r.code == 1 and "FAIL" in r.out and "dev1" in r.out
+    assert run_cli("measure", plan_path, "--model", "example:mlp", "--tolerance", "15%").code == 0
+    r = run_cli("measure", plan_path, "--model", "example:mlp", "--tolerance", "lots")
+    assert r.code == 2 and "--tolerance" in r.err
