@@ -364,6 +364,8 @@ def _summary(plan: Any) -> str:
         f"{p.throughput_samples_per_s:.1f} samples/s "
         f"(solver {plan.solver.method}, {'optimal' if plan.solver.optimal else 'not proven optimal'}, "
         f"{plan.solver.candidates} candidates in {plan.meta.solve_ms:.0f} ms)"
+        + (f"\nnot proven: {plan.solver.unproven}" if plan.solver.unproven else "")
+        + (f"\nthe last stage includes the loss ({plan.loss})" if plan.loss else "")
     )
 
 
@@ -371,8 +373,10 @@ def _stage_table(plan: Any) -> str:
     from planner import format_size
 
     rows = []
+    zero_bubble = plan.schedule == "zb-h1"
     for st in plan.stages:
         m = st.memory
+        back = st.input_grad_ms + st.weight_grad_ms if zero_bubble else st.backward_ms
         rows.append(
             [
                 str(st.index),
@@ -380,17 +384,21 @@ def _stage_table(plan: Any) -> str:
                 f"{st.layers[0]}-{st.layers[1] - 1}",
                 _types(st.layer_types),
                 f"{st.forward_ms:.2f}",
-                f"{st.backward_ms:.2f}",
+                f"{back:.2f}",
                 f"{st.recompute_ms:.2f}",
+                f"{st.send_ms:.2f}",
                 format_size(m.params + m.grads + m.optimizer),
-                format_size(m.stashed_activations),
+                format_size(m.stashed_activations + m.loss),
+                format_size(m.gradient_buffers),
+                format_size(m.live_activations + m.optimizer_step),
                 format_size(m.total),
                 format_size(m.budget),
                 f"{100 * m.total / m.budget:.0f}%" + (" OVER" if m.total > m.budget else ""),
             ]
         )
-    head = ["stage", "device", "layers", "types", "fwd ms", "bwd ms", "recomp ms",
-            "weights+opt", "stash", "total", "budget", "used"]  # fmt: skip
+    head = ["stage", "device", "layers", "types", "fwd ms", "I+W ms" if zero_bubble else "bwd ms",
+            "recomp ms", "send ms", "weights+opt", "activations", "grad bufs", "transient",
+            "total", "budget", "used"]  # fmt: skip
     return _table(head, rows)
 
 

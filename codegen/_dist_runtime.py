@@ -3,8 +3,9 @@
 # or many); stages on other ranks are reached over torch.distributed point-to-point (gloo on CPU,
 # NCCL on GPU). Each rank's straight-line program receives a tensor right before the action that
 # uses it and sends right after the action that makes it; sends do not block (isend), which is the
-# order the schedule validator proves cannot hang. A sent tensor is let go as soon as its send
-# completes (checked before every action), not at the end of the step.
+# order the schedule validator proves cannot hang. A sent tensor is let go at the first receive
+# from the same peer that proves the send complete (the peer sent it after taking ours), so a
+# rank never holds its sends to the end of the step; waiting there never blocks.
 #
 # Activations travel as a header (how many tensors, their dtypes and shapes) and then the tensors;
 # gradients need no header: the receiver knows the shapes of the outputs they belong to.
@@ -83,7 +84,7 @@ class DistPipelineRuntime(PipelineRuntime):
         super()._reset()
         self.outbox: dict[tuple[str, int, int], Any] = {}
         self.out_meta: dict[tuple[int, int], list[tuple[list[int], torch.dtype] | None]] = {}
-        self.sent: list[tuple[list[Any], list[torch.Tensor]]] = []  # in flight: works, tensors
+        self.sent: dict[tuple[str, int, int], tuple[list[Any], list[torch.Tensor]]] = {}
 
     def begin(self, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
         """Every rank calls this with the same mini-batch; only the first stage's rank needs x and
@@ -110,9 +111,8 @@ class DistPipelineRuntime(PipelineRuntime):
             self.targets = [_to(t, self.device) for t in _split_target(y, M)]
 
     def finish(self) -> torch.Tensor:
-        for works, _ in self.sent:
-            for w in works:
-                w.wait()
+        for key in list(self.sent):
+            self.release(*key)
         last = len(self.STAGES) - 1
         total = torch.zeros((), device=self.device)
         if last in self.local:
@@ -121,15 +121,11 @@ class DistPipelineRuntime(PipelineRuntime):
         self._reset()
         return total
 
-    @contextlib.contextmanager
-    def _action(self, what: str, s: int, m: int) -> Iterator[None]:
-        self._let_go()
-        with super()._action(what, s, m):
-            yield
-
-    def _let_go(self) -> None:
-        """Drop the tensors whose sends have completed."""
-        self.sent = [(w, ts) for w, ts in self.sent if not all(x.is_completed() for x in w)]
+    def release(self, kind: str, s: int, m: int) -> None:
+        """Let go of what SEND_<kind> of stage s, micro-batch m sent: the send has completed."""
+        works, _ = self.sent.pop((kind, s, m))
+        for w in works:
+            w.wait()
 
     # Hand-offs: within the rank as before; to another rank through the outbox and SEND actions.
 
@@ -172,7 +168,7 @@ class DistPipelineRuntime(PipelineRuntime):
             dst = self.RANKS[s + 1]
             ts = [t.contiguous() for t in ts]
             works = [dist.isend(head, dst)] + [dist.isend(t, dst) for t in ts]
-            self.sent.append((works, [head, *ts]))
+            self.sent[("F", s, m)] = (works, [head, *ts])
 
     def recv_forward(self, s: int, m: int) -> None:
         with self._action("recv_forward", s, m):
@@ -194,7 +190,7 @@ class DistPipelineRuntime(PipelineRuntime):
         with self._action("send_backward", s, m):
             ts = [g.contiguous() for g in self.outbox.pop(("B", s, m))]
             works = [dist.isend(t, self.RANKS[s - 1]) for t in ts]
-            self.sent.append((works, ts))
+            self.sent[("B", s, m)] = (works, ts)
 
     def recv_backward(self, s: int, m: int) -> None:
         with self._action("recv_backward", s, m):

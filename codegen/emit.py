@@ -14,6 +14,7 @@ from pathlib import Path
 from planner.plan import Plan
 from planner.search import plan_schedule
 from schedules import Action, Kind, Schedule, canonical_order, insert_comms, validate
+from schedules.comm import send_acks
 
 RUNTIME = [Path(__file__).with_name(n) for n in ("_runtime.py", "_numerics.py")]
 DIST_RUNTIME = Path(__file__).with_name("_dist_runtime.py")
@@ -141,11 +142,16 @@ class Pipeline(PipelineRuntime):
 
 
 def _torchrun_class(plan: Plan, lowered: Schedule) -> str:
+    acks = send_acks(lowered)
     methods = []
     for r in sorted(lowered.ranks):
-        calls = "\n".join(
-            f"        self.{_CALL[a.kind]}({a.stage}, {a.microbatch})" for a in lowered.ranks[r]
-        )
+        lines = []
+        for k, a in enumerate(lowered.ranks[r]):
+            lines.append(f"        self.{_CALL[a.kind]}({a.stage}, {a.microbatch})")
+            for sent in acks[r].get(k, []):
+                kind = "F" if sent.kind == Kind.SEND_F else "B"
+                lines.append(f'        self.release("{kind}", {sent.stage}, {sent.microbatch})')
+        calls = "\n".join(lines)
         methods.append(f"""
     def _rank{r}(self) -> None:
         \"\"\"Rank {r}: stages {lowered.stages_of(r)}.\"\"\"

@@ -163,14 +163,18 @@ def measure_in_process(
     params = [[p for s in on[k] for p in program.stages[s].parameters()] for k in range(K)]
     optimizers = [make_optimizer(plan.optimizer, params[k]) for k in range(K)]
 
-    def step() -> torch.Tensor:
-        loss = program.train_step(x, y, loss_fn)
+    def step() -> float:
+        """One training step; returns the pipeline's part of it in ms (no optimizer)."""
+        sync()
+        t0 = time.perf_counter()
+        program.train_step(x, y, loss_fn)
+        sync()
+        ms = (time.perf_counter() - t0) * 1e3
         optimizer_steps(optimizers, [stages[0] for stages in on], params)
-        return loss
+        return ms
 
-    step()  # warm-up: creates gradients and optimizer state
     sync = torch.cuda.synchronize if program.cuda else (lambda: None)
-    sync()
+    step()  # warm-up: creates gradients and optimizer state
     with trace_allocations() as trace:
         step()
         sync()
@@ -180,11 +184,7 @@ def measure_in_process(
     program.action_log = []
     try:
         for _ in range(steps):
-            sync()
-            t0 = time.perf_counter()
-            step()
-            sync()
-            walls.append((time.perf_counter() - t0) * 1e3)
+            walls.append(step())
             log += program.action_times()
             program.action_log = []
     finally:

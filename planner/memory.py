@@ -67,24 +67,22 @@ class StageShape:
 
 
 class _RangeMax:
-    """O(1) maxima over index ranges [i, j) of one array (a sparse table)."""
+    """O(1) maxima over index ranges [i, j) of one non-negative array (a sparse table)."""
 
     def __init__(self, values: np.ndarray) -> None:
+        n = len(values)
         levels = [values.astype(np.int64)]
-        while 2 ** len(levels) <= len(values):
+        while 2 ** len(levels) <= n:
             prev, half = levels[-1], 2 ** (len(levels) - 1)
             levels.append(np.maximum(prev[:-half], prev[half:]))
-        self._table = levels
+        self._table = np.zeros((len(levels), max(n, 1)), dtype=np.int64)
+        for k, row in enumerate(levels):
+            self._table[k, : len(row)] = row
 
     def __call__(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        span = j - i
-        k = np.floor(np.log2(np.maximum(span, 1))).astype(np.int64)
-        out = np.empty(np.shape(i), dtype=np.int64)
-        for level in np.unique(k):
-            sel = k == level
-            table = self._table[level]
-            out[sel] = np.maximum(table[i[sel]], table[j[sel] - 2**level])
-        return out
+        span = np.maximum(j - i, 1)
+        k = np.frexp(span)[1] - 1  # floor(log2(span)), exactly
+        return np.maximum(self._table[k, i], self._table[k, j - (1 << k)])
 
 
 def _prefix(values: np.ndarray) -> np.ndarray:
@@ -212,9 +210,15 @@ class MemoryModel:
         return np.ceil(shape.optimizer_step * size).astype(np.int64)
 
     def total(self, i: np.ndarray | int, j: np.ndarray | int, shape: StageShape) -> np.ndarray:
-        terms = self.terms(i, j, shape)
-        terms.pop("optimizer_step_size")
-        return sum(terms.values())  # type: ignore[return-value]
+        """What terms() adds up, without the breakdown: the hot path of the partition search."""
+        i = np.atleast_1d(np.asarray(i, dtype=np.int64))
+        j = np.atleast_1d(np.asarray(j, dtype=np.int64))
+        b = self.state_bytes(i, j)
+        values = np.stack([b[name] for name in STATES + TRANSIENTS])
+        held = (np.asarray(shape.occupancy, dtype=np.int64) @ values).max(axis=0)
+        p = self._params[j] - self._params[i]
+        static = (2 + shape.optimizer_slots) * p + self._buffers[j] - self._buffers[i]
+        return static + np.maximum(held, self.optimizer_step(i, j, shape)) + shape.reserved
 
     def max_end(self, shape: StageShape, budget: int) -> np.ndarray:
         """For every start i: the largest end j with total(i, j) <= budget, or i if even [i, i+1)

@@ -87,6 +87,7 @@ class _Problem:
     batch_size: int
     optimizer: str
     chains: dict[int, tuple[Chain, MemoryModel]]
+    digests: tuple[str, str] = ("", "")  # of the profile and the cluster: computed once
 
     def chain(self, cand: Candidate) -> tuple[Chain, MemoryModel]:
         mb = -(-self.batch_size // cand.microbatches)
@@ -150,7 +151,9 @@ def plan_pipeline(
     solve, method = (
         (solve_partition_dp, "dp") if solver == "dp" else (solve_partition, "probe-bisection")
     )
-    problem = _Problem(profile, cluster, batch_size, optimizer, {})
+    problem = _Problem(
+        profile, cluster, batch_size, optimizer, {}, (profile.digest(), cluster.digest())
+    )
 
     best: Plan | None = None
     best_cand: Candidate | None = None
@@ -379,8 +382,8 @@ def _build_plan(
     return Plan(
         model=profile.model,
         model_digest=profile.model_digest,
-        profile_digest=profile.digest(),
-        cluster_digest=cluster.digest(),
+        profile_digest=problem.digests[0],
+        cluster_digest=problem.digests[1],
         device_type=profile.device,
         dtype=profile.dtype,
         input_shape=profile.input_shape,

@@ -157,3 +157,30 @@ def test_report_json_and_a_failing_gate(tmp_path, run_cli):
     assert run_cli("measure", plan_path, "--model", "example:mlp", "--tolerance", "15%").code == 0
     r = run_cli("measure", plan_path, "--model", "example:mlp", "--tolerance", "lots")
     assert r.code == 2 and "--tolerance" in r.err
+
+
+def test_torchrun_holds_what_the_plan_counts(tmp_path, profiles):
+    """One process per device: each rank's allocations against the plan. A rank lets go of what
+    it sent at the first message that proves the send complete, so 1F1B's memory does not grow
+    with the micro-batch count."""
+    pytest.importorskip("torch.distributed.run")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    from codegen.measure import measure_torchrun
+
+    prof = profiles["transformer"]
+    peaks = {}
+    for M in (4, 8):
+        plan = plan_pipeline(
+            prof, Cluster.uniform(2, "1GiB"), 2 * M, microbatches=M, schedule="1f1b",
+            recompute="never",
+        )  # fmt: skip
+        report = measure_torchrun(plan, f"{__file__}:small_transformer", steps=1)
+        assert report.target == "torchrun" and report.concurrent
+        for d in report.devices:
+            assert abs(d.memory_error) <= 0.05, d
+        peaks[M] = [d.measured_peak_bytes for d in report.devices]
+        counts = {(a.stage, a.kind): a.count for a in report.actions}
+        assert counts[(0, "SEND_F")] == counts[(1, "RECV_F")] == M
+    # twice the micro-batches, the same peak (1F1B holds K - s micro-batches at most)
+    assert peaks[8] == pytest.approx(peaks[4], rel=0.02)

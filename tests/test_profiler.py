@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from planner import Plan
 from profiler import InputError, Profile, profile_model
 from profiler.examples import mlp, transformer
 
@@ -131,3 +132,22 @@ def test_rejected_input_names_the_layer():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(5, 2))
     with pytest.raises(InputError, match=r"layer 2 \(Linear\)"):
         quick(model, torch.randn(2, 4), [1])
+
+
+def test_profiling_the_transformer_twice_gives_the_same_plan(tmp_path, run_cli):
+    """Identical blocks are timed together until their median is stable, and share it: the
+    plan balances the model, not the noise of one run."""
+    plans = []
+    for k in range(2):
+        prof, plan = tmp_path / f"p{k}.json", tmp_path / f"plan{k}.json"
+        r = run_cli("profile", "example:transformer", "--batch-sizes", "4,8", "--max-repeats",
+                    "40", "--time-budget", "4", "-o", prof)  # fmt: skip
+        assert r.code == 0, r.err
+        blocks = [x for x in Profile.load(prof).layers if x.type == "Block"]
+        assert len({x.forward_ms[8].median for x in blocks}) == 1  # one figure for all eight
+        assert blocks[0].forward_ms[8].samples >= 5 * len(blocks)
+        r = run_cli("plan", prof, "--devices", 4, "--memory", "1GiB", "--batch-size", 32,
+                    "--schedule", "1f1b", "--microbatches", 4, "--recompute", "never", "-o", plan)  # fmt: skip
+        assert r.code == 0, r.err
+        plans.append(Plan.load(plan))
+    assert [s.layers for s in plans[0].stages] == [s.layers for s in plans[1].stages]

@@ -1,0 +1,144 @@
+"""Predicted against measured, per device: peak memory and step time, for the examples and every
+schedule, on this CPU (issue #7).
+
+Memory is measured in one process (`gpipe-plan measure`, streams target: the allocator's own
+reports per stage); time with the torchrun target, one process per device and one thread each.
+The profile is taken with one thread too, and the links between the two ranks are measured
+first (gloo over loopback: a ping-pong fitted to latency + bytes / bandwidth), so the plan's
+cluster describes the machine the step runs on.
+
+    OMP_NUM_THREADS=1 python benchmarks/measure_bench.py [--steps 5] [--out bench-out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+CASES = [  # (example, batch, micro-batches)
+    ("mlp", 64, 8),
+    ("transformer", 32, 8),
+]
+SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
+
+PING = """
+import sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+r = dist.get_rank()
+out = {}
+for n in [2**k for k in range(10, 23, 2)]:
+    t = torch.zeros(n // 4)
+    samples = []
+    for i in range(25):
+        dist.barrier()
+        t0 = time.perf_counter()
+        if r == 0:
+            dist.send(t, 1); dist.recv(t, 1)
+        else:
+            dist.recv(t, 0); dist.send(t, 0)
+        samples.append((time.perf_counter() - t0) * 1e3 / 2)
+    out[n] = sorted(samples)[len(samples) // 2]
+if r == 0:
+    print(repr(out))
+dist.destroy_process_group()
+"""
+
+
+def link() -> tuple[float, float]:
+    """(latency ms, bytes per second) of one gloo transfer between two local ranks."""
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "ping.py"
+        script.write_text(PING)
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        run = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
+             "--nproc-per-node=2", str(script)],
+            capture_output=True, text=True, env=env, check=True,
+        )  # fmt: skip
+    times = eval(run.stdout.strip().splitlines()[-1])  # {bytes: ms}
+    xs, ys = list(times), list(times.values())
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    latency = max(my - slope * mx, 0.0)
+    return latency, 1e3 / slope
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, str(ROOT / "cli.py"), *args], capture_output=True, text=True, env=env
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--out", default="bench-out")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(exist_ok=True)
+    latency, bandwidth = link()
+    print(f"gloo link: latency {latency:.3f} ms, bandwidth {bandwidth / 1e9:.2f} GB/s", flush=True)
+    cluster = out / "cluster.json"
+    cluster.write_text(json.dumps({
+        "kind": "cluster",
+        "devices": [{"name": f"rank{k}", "memory_bytes": "4GiB"} for k in range(2)],
+        "links": [{"bandwidth_bytes_per_s": bandwidth, "latency_ms": latency}],
+    }))  # fmt: skip
+    rows = []
+    for example, batch, M in CASES:
+        prof = out / f"{example}.json"
+        mb = batch // M
+        sizes = ",".join(str(b) for b in sorted({max(1, mb // 2), mb, 2 * mb}))
+        t0 = time.perf_counter()
+        r = cli("profile", f"example:{example}", "--threads", "1", "--batch-sizes", sizes,
+                "-o", str(prof))  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        print(f"profiled {example} in {time.perf_counter() - t0:.0f} s", flush=True)
+        for schedule in SCHEDULES:
+            plan = out / f"{example}-{schedule}.json"
+            r = cli("plan", str(prof), "--cluster", str(cluster), "--batch-size", str(batch),
+                    "--microbatches", str(M), "--schedule", schedule, "--recompute", "never",
+                    "-o", str(plan))  # fmt: skip
+            assert r.returncode == 0, r.stderr
+            reports = {}
+            for target in ("streams", "torchrun"):
+                rep = out / f"{example}-{schedule}-{target}.json"
+                r = cli("measure", str(plan), "--model", f"example:{example}", "--target",
+                        target, "--steps", str(args.steps), "-o", str(rep))  # fmt: skip
+                assert r.returncode in (0, 1), r.stderr
+                reports[target] = json.loads(rep.read_text())
+            mem, run = reports["streams"], reports["torchrun"]
+            for d, t in zip(mem["devices"], run["devices"]):
+                rows.append([
+                    example, schedule, d["name"],
+                    f"{d['predicted_peak_bytes'] / 2**20:.2f}",
+                    f"{d['measured_peak_bytes'] / 2**20:.2f}",
+                    f"{100 * d['memory_error']:+.1f}%",
+                    f"{100 * t['memory_error']:+.1f}%",
+                    f"{run['predicted_step_ms']:.1f}",
+                    f"{run['measured_step_ms']:.1f}",
+                    f"{100 * run['step_error']:+.1f}%",
+                ])  # fmt: skip
+            print(" | ".join(rows[-1]), flush=True)
+    head = ["example", "schedule", "device", "predicted peak MiB", "measured peak MiB",
+            "memory error", "memory error (torchrun)", "predicted step ms",
+            "measured step ms (torchrun, median)", "step error"]  # fmt: skip
+    print("\n| " + " | ".join(head) + " |")
+    print("|" + "---|" * len(head))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()
