@@ -118,6 +118,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plan.save(out)
     print(_summary(plan))
     print(_stage_table(plan))
+    if not plan.loss:
+        print(
+            "note: the profile has no loss, so the last stage's loss is not in this plan "
+            "(profile with --loss)",
+            file=sys.stderr,
+        )
     print(f"wrote {out}")
     return EXIT_OK
 
@@ -228,8 +234,8 @@ def cmd_codegen(args: argparse.Namespace) -> int:
 
 def cmd_measure(args: argparse.Namespace) -> int:
     out = _output_path(args.output) if args.output else None
-    from codegen.measure import make_data, measure_in_process, measure_torchrun
-    from codegen.pipe import compile_pipe
+    from codegen.measure import make_data, measure_torchrun
+    from codegen.pipe import StageError, compile_pipe
     from planner import Plan
     from profiler.artifact import write_atomic
     from profiler.models import load_model, model_digest
@@ -251,9 +257,10 @@ def cmd_measure(args: argparse.Namespace) -> int:
             warnings.simplefilter("ignore")  # every stage on the CPU: said in the report
             pipe = compile_pipe(model, plan)
         x, y, loss_fn = make_data(model, plan)
-        report = measure_in_process(
-            plan, pipe.program, x, y, loss_fn, steps=args.steps, tolerance=tolerance
-        )
+        try:
+            report = pipe.measure(x, y, loss_fn, steps=args.steps, tolerance=tolerance)
+        except StageError as e:
+            raise InputError(f"the pipeline failed: {e}") from None
     print(_measure_table(report))
     if out is not None:
         write_atomic(out, report.model_dump_json(indent=1) + "\n")

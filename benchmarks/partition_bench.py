@@ -33,23 +33,35 @@ from planner.partition import StageSpec, solve_partition  # noqa: E402
 
 def chain(L: int, seed: int = 0) -> Chain:
     rng = np.random.default_rng(seed)
+    zeros = np.zeros(L, dtype=np.int64)
+    forward, backward, input_grad = (rng.uniform(0.5, 2.0, L), rng.uniform(1.0, 4.0, L),
+                                     rng.uniform(0.5, 1.0, L))  # fmt: skip
+    params, saved = rng.integers(1_000, 100_000, L), rng.integers(1_000, 50_000, L)
+    transient, boundary = rng.integers(0, 20_000, L), rng.integers(1_000, 10_000, L + 1)
     return Chain(
-        mb=1,
-        forward=rng.uniform(0.5, 2.0, L),
-        backward=rng.uniform(1.0, 4.0, L),
-        input_grad=rng.uniform(0.5, 1.0, L),
-        params=rng.integers(1_000, 100_000, L),
-        buffers=np.zeros(L, dtype=np.int64),
-        saved=rng.integers(1_000, 50_000, L),
-        shared=np.zeros(L, dtype=np.int64),
-        transient=rng.integers(0, 20_000, L),
-        boundary=rng.integers(1_000, 10_000, L + 1),
-        weight_grad=rng.uniform(0.5, 1.0, L),  # drawn last: the other arrays keep their values
-    )
+        mb=1, forward=forward, backward=backward, input_grad=input_grad,
+        weight_grad=rng.uniform(0.5, 1.0, L), params=params, largest_param=params, buffers=zeros,
+        saved=saved, shared=zeros, input_saved=zeros, loss_saved=zeros,
+        forward_transient=transient, backward_transient=transient, input_unsaved=zeros,
+        forward_peak=transient, input_grad_transient=transient, weight_grad_transient=transient,
+        zgrad=boundary[1:], grad_in=boundary[:-1], boundary=boundary, num_model_layers=L,
+    )  # fmt: skip
+
+
+def link_costs(c: Chain, K: int, seed: int = 1) -> list[np.ndarray]:
+    """Per cut: a transfer costing up to 1.5x an even stage's work, and one boundary in fifty
+    not allowed."""
+    rng = np.random.default_rng(seed)
+    even = float((c.forward + c.backward).sum()) / K
+    return [
+        np.where(rng.random(c.num_layers + 1) < 0.02, np.inf, rng.uniform(0, 1.5 * even, c.num_layers + 1))
+        for _ in range(K - 1)
+    ]  # fmt: skip
 
 
 def specs(c: Chain, K: int) -> list[StageSpec]:
-    shape = StageShape(stash=((0, 8),), optimizer_slots=2)
+    # eight micro-batches' activations and the running layer's transient
+    shape = StageShape(occupancy=((0, 8, 0, 0, 0, 0, 1, 0, 0, 0, 0),), optimizer_slots=2)
     whole = int(MemoryModel(c).total(0, c.num_layers, shape)[0])
     return [StageSpec(1.0, int(1.5 * whole / K), shape)] * K  # binds: 1.5x an even share
 
@@ -75,9 +87,10 @@ def main() -> None:
         f"threads pinned to 1: {os.environ.get('OMP_NUM_THREADS') == '1'}"
     )
     print(
-        "| L | K | probe median ms (min-max) | probes | bottleneck | DP agrees | CP-SAT ms, agrees |"
+        "| L | K | probe median ms (min-max) | probes | bottleneck | DP agrees | CP-SAT ms, agrees "
+        "| with link costs: probe median ms (min-max) | bottleneck | DP agrees |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for L in (100, 1_000, 10_000):
         c = chain(L)
         times = c.forward + c.backward
@@ -100,10 +113,25 @@ def main() -> None:
                 same = sat is not None and abs(sat.bottleneck - part.bottleneck) <= 1e-6 * L
                 proven = "" if sat is not None and sat.extra["optimal"] else " (not proven)"
                 cp = f"{ms:.0f}, {'yes' if same else 'NO'}{proven}"
-            med = statistics.median(samples)
+            cuts = link_costs(c, K)
+            linked, lpart = [], None
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                lpart = solve_partition(times, MemoryModel(c), sp, cuts)
+                linked.append((time.perf_counter() - t0) * 1e3)
+            lagrees = "-"
+            if L <= 100:
+                ldp = solve_partition_dp(times, MemoryModel(c), sp, cuts)
+                same = (ldp is None) == (lpart is None)
+                same = same and (ldp is None or ldp.bottleneck == lpart.bottleneck)
+                lagrees = "yes" if same else "NO"
+            med, lmed = statistics.median(samples), statistics.median(linked)
             print(
                 f"| {L} | {K} | {med:.1f} ({min(samples):.1f}-{max(samples):.1f}) "
-                f"| {part.probes} | {part.bottleneck:.4f} | {agrees} | {cp} |"
+                f"| {part.probes} | {part.bottleneck:.4f} | {agrees} | {cp} "
+                f"| {lmed:.1f} ({min(linked):.1f}-{max(linked):.1f}) "
+                f"| {f'{lpart.bottleneck:.4f}' if lpart else 'no split fits'} "
+                f"| {lagrees} |"
             )
     if args.skip_cli:
         return

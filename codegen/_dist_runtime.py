@@ -3,9 +3,12 @@
 # or many); stages on other ranks are reached over torch.distributed point-to-point (gloo on CPU,
 # NCCL on GPU). Each rank's straight-line program receives a tensor right before the action that
 # uses it and sends right after the action that makes it; sends do not block (isend), which is the
-# order the schedule validator proves cannot hang. A sent tensor is let go at the first receive
-# from the same peer that proves the send complete (the peer sent it after taking ours), so a
-# rank never holds its sends to the end of the step; waiting there never blocks.
+# order the schedule validator proves cannot hang. gloo cannot tell whether a send has completed
+# without waiting for it, so a sent tensor is let go at the first receive from the same peer that
+# proves it taken (the peer sent that message after taking ours), where waiting never blocks;
+# sends nothing acknowledges are let go at the end of the step. What a rank holds that way is
+# bounded by the schedule, not by the micro-batch count, but the plan does not count it (the plan
+# counts the streams target's hand-offs; `measure --target torchrun` shows the difference).
 #
 # Activations travel as a header (how many tensors, their dtypes and shapes) and then the tensors;
 # gradients need no header: the receiver knows the shapes of the outputs they belong to.

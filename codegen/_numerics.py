@@ -98,23 +98,32 @@ def restore_rng(saved: tuple[torch.Tensor, dict[int, torch.Tensor]] | None) -> N
 
 
 @contextlib.contextmanager
-def replaying(stage: nn.Module, replay: bool) -> Iterator[None]:
-    """While a checkpoint re-runs a stage's forward: keep batch-norm running statistics as they
-    were (the real forward already counted this micro-batch) and stop deferred batch norm from
-    accumulating again."""
+def replaying(stage: nn.Module, replay: bool, checkpointed: bool = True) -> Iterator[None]:
+    """While a stage's forward runs again to re-materialise it (in a checkpoint, or by hand for
+    zero bubble at I): the real forward already counted this micro-batch, so batch norm must
+    leave its running statistics as they were. In a checkpoint the re-run must save what the
+    first run saved, so batch norm updates them and they are put back afterwards; by hand the
+    graph is kept for I and W and must not see its saved tensors change, so batch norm stops
+    tracking them while it runs (same numbers: each micro-batch's own statistics)."""
     if not replay:
         yield
         return
     deferred = [mod for mod in stage.modules() if isinstance(mod, DeferredBatchNorm)]
     plain = [mod for mod in stage.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
-    saved = [[b.detach().clone() for b in mod.buffers()] for mod in plain]
+    saved = [[b.detach().clone() for b in mod.buffers()] for mod in plain] if checkpointed else []
+    tracked = [mod.track_running_stats for mod in plain]
     for mod in deferred:
         mod.tracking = False
+    if not checkpointed:
+        for mod in plain:
+            mod.track_running_stats = False
     try:
         yield
     finally:
         for mod in deferred:
             mod.tracking = True
+        for mod, was in zip(plain, tracked):
+            mod.track_running_stats = was
         with torch.no_grad():
             for mod, bufs in zip(plain, saved):
                 for b, old in zip(mod.buffers(), bufs):

@@ -191,7 +191,8 @@ class PipelineRuntime:
     def backward_input(self, s: int, m: int) -> None:
         with self._action("backward_input", s, m):
             if self._recomputes(m):  # re-materialise now: W needs the graph as much as I does
-                with self.stage_context(s), replaying(self.stages[s], replay=True):
+                replay = replaying(self.stages[s], replay=True, checkpointed=False)
+                with self.stage_context(s), replay:
                     out = self._forward(s, m, self.inputs[(s, m)], keep=True)
                 if s == len(self.stages) - 1:
                     self.loss_roots[m] = out

@@ -22,6 +22,7 @@ from torch import nn
 
 from planner.plan import Plan
 from planner.search import simulate_stages
+from profiler.artifact import InputError
 from profiler.memtrack import AllocationTrace, owned_by, trace_allocations
 
 KINDS = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W",
@@ -279,19 +280,33 @@ def make_data(model: nn.Module, plan: Plan, seed: int = 0) -> tuple[torch.Tensor
         example = getattr(model, "example_input", None)
         high = int(example.max()) + 1 if isinstance(example, torch.Tensor) else 2
         x = torch.randint(0, high, shape, generator=g, dtype=dtype)
-    loss = resolve_loss(plan.loss) if plan.loss else None
-    if loss is None:
+    if not plan.loss:
         return x, None, _stand_in_loss
-    with torch.no_grad():
-        out = model(x[:1])
+    try:
+        loss = resolve_loss(plan.loss)
+    except InputError:
+        raise InputError(
+            f"the plan's loss {plan.loss!r} was a Python function, which measure cannot name; "
+            "measure from Python instead: pipe.measure(x, y, loss_fn)"
+        ) from None
+    assert loss is not None
+    was_training = model.training
+    model.eval()  # only the output's shape is wanted: leave batch-norm statistics alone
+    try:
+        with torch.no_grad():
+            out = model(x[:1])
+    finally:
+        model.train(was_training)
     like = torch.empty((plan.batch_size, *out.shape[1:]), dtype=out.dtype)
     torch.manual_seed(seed)
     return x, loss.make_target(like), loss.fn
 
 
 def _stand_in_loss(out: Any, y: Any) -> torch.Tensor:
-    """A loss that needs no targets, for plans profiled without one."""
-    return out.float().square().mean()
+    """A loss that needs no targets and keeps nothing for backward, for plans profiled without
+    one (whose memory counts no loss)."""
+    outs = out if isinstance(out, tuple) else (out,)
+    return sum(t.sum() for t in outs if t.is_floating_point()) * 0.0  # type: ignore[return-value]
 
 
 def measure_torchrun(
@@ -307,12 +322,9 @@ def measure_torchrun(
     (`threads` intra-op threads each) and compare with the plan."""
     import json
     import os
-    import subprocess
     import sys
     import tempfile
     from pathlib import Path
-
-    from profiler.artifact import InputError
 
     from .emit import emit_program
 
@@ -330,7 +342,7 @@ def measure_torchrun(
                f"--nproc-per-node={K}", "-m", "codegen.measure_rank",
                str(program), str(plan_path), model_spec, tmp, str(steps)]  # fmt: skip
         for _ in range(2):
-            run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout_s)
+            run = _run(cmd, env, timeout_s)
             # NOTE: now and then gloo aborts a worker in C++ at teardown ("terminate called
             # without an active exception", no Python error): launch once more then.
             if run.returncode == 0 or "terminate called without" not in run.stderr:
@@ -348,6 +360,25 @@ def measure_torchrun(
         [by_rank[r]["static"] + by_rank[r]["dynamic_peak"] for r in range(K)],
         [by_rank[r]["static"] for r in range(K)], 0, log,  # type: ignore[arg-type]
     )  # fmt: skip
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> Any:
+    """Run torchrun in its own process group, so a timeout takes every worker down with it."""
+    import os
+    import signal
+    import subprocess
+
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise InputError(f"the torchrun program ran past {timeout_s:g} s and was stopped") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 __all__ = [

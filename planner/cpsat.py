@@ -8,7 +8,8 @@ memory model (planner/memory.py) is linear, e.g.
 
     X_s = sum_k boundary[k] first[k][s]      S_s = sum_k saved[k] x[k][s]
                                                    - sum_k shared[k] (x[k][s] - first[k][s])
-    live_s >= max(fwd, bwd)[k] first[k][s] + max(fwd + unsaved, bwd)[k] (x[k][s] - first[k][s])
+    live_s >= fwd[k] first[k][s] + (fwd + unsaved)[k] (x[k][s] - first[k][s])    for every k
+    live_s >= bwd[k] (x[k][s] AND x[k+1][s]),  (bwd - zgrad)[k] (k ends stage s)
 
 and the stage fits when, for each occupancy tuple, weights + sum of counts x state bytes + its
 transient + reserved <= budget, and weights + the optimizer step's temporaries + reserved too.
@@ -30,11 +31,28 @@ from fractions import Fraction
 
 import numpy as np
 
+from .costs import Chain
 from .memory import MemoryModel
 from .partition import Partition, StageSpec, cut_table, split_cuts, stage_costs
 
 TIME_SCALE = 1e6  # ms -> ns
 SPEED_SCALE = 1000
+
+
+def _live(m: object, c: Chain, x: list, first: list, s: int, L: int) -> object:
+    """live_s: the forward transients (the first layer's, the others' with their unsaved input)
+    and the backward ones, the stage's last layer's without the output gradient it pulls."""
+    f, b, u, z = c.forward_transient, c.backward_transient, c.input_unsaved, c.zgrad
+    top = int(max(f.max(), (f + u).max(), b.max(), 0))
+    var = m.new_int_var(0, top, f"live{s}")  # type: ignore[attr-defined]
+    for k in range(L):
+        m.add(var >= int(f[k]) * first[k][s] + int(f[k] + u[k]) * (x[k][s] - first[k][s]))  # type: ignore[attr-defined]
+        # layer k ends the stage when k + 1 is not in it (or k is the last layer)
+        ends = x[k][s] - (x[k + 1][s] if k + 1 < L else 0)
+        m.add(var >= int(max(b[k] - z[k], 0)) * ends)  # type: ignore[attr-defined]
+        if k + 1 < L:
+            m.add(var >= int(b[k]) * x[k + 1][s] + int(b[k]) * x[k][s] - int(b[k]))  # type: ignore[attr-defined]
+    return var
 
 
 def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first: list, s: int,
@@ -54,7 +72,6 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
     Z = over(c.zgrad, x)
     G = over(c.grad_in, first)
     unsaved = np.where(c.grad_in > 0, c.boundary[:L] - np.minimum(c.input_saved, c.boundary[:L]), 0)
-    states = [X, X + S - Xs, X + S - Xs + Z + G, S + Z + over(unsaved, first), G]
 
     def largest(first_values: np.ndarray, inner_values: np.ndarray, name: str) -> object:
         top = int(max(first_values.max(), inner_values.max(), 0))
@@ -65,12 +82,11 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
                       + int(inner_values[k]) * inner[k][0])  # fmt: skip
         return var
 
+    pulled = largest(c.zgrad, c.zgrad, "pulled")
+    states = [X, X + S - Xs, X + S - Xs + Z + G, S + Z + over(unsaved, first), G, pulled]
+
     transients = [
-        largest(
-            np.maximum(c.forward_transient, c.backward_transient),
-            np.maximum(c.forward_transient + c.input_unsaved, c.backward_transient),
-            "live",
-        ),
+        _live(m, c, x, first, s, L),
         largest(c.forward_transient, c.forward_transient + c.input_unsaved, "remat"),
         largest(c.forward_peak, c.forward_peak + c.boundary[:L], "forward"),
         largest(c.input_grad_transient, c.input_grad_transient, "input"),

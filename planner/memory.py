@@ -10,8 +10,10 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
     Z   = sum zgrad[i:j]               zero bubble: the gradients kept from I to W (every inner
                                        layer output's, and the stage output's)
     G   = grad_in[i]                   its input gradient, until the previous stage pulls it
-    live = max over layers of max(forward_transient, backward_transient), the forward's plus
-           input_unsaved for the layers after the first: the most one layer adds while F or B runs
+    P   = max zgrad[i:j]               the output gradient B pulls and holds while it runs (the
+                                       largest boundary inside: the total must grow with j)
+    live = max(remat_live, the backward transients, the last layer's without its output
+           gradient, which B holds as `pulled`): the most one layer adds while F or B runs
     remat_live                         ... the forward alone: a re-materialising forward (zero
                                        bubble's recomputation, at I)
     input_live, weight_live            ... while I runs, while W runs (zero bubble)
@@ -20,7 +22,8 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
                                        one layer's working memory and, inside the stage, its input
 
     state bytes  input X, activations X + S - Xs, during_i X + S - Xs + Z + G,
-                 between_iw S + Z (+ X - Xs where G > 0: W's graph holds the input), grad G
+                 between_iw S + Z (+ X - Xs where G > 0: W's graph holds the input), grad G,
+                 pulled P
 
 and the stage's memory is
 
@@ -102,14 +105,21 @@ class MemoryModel:
         self._loss = _prefix(chain.loss_saved)
         self._zgrad = _prefix(chain.zgrad)
         f, b = chain.forward_transient, chain.backward_transient
-        self._first_live = np.maximum(f, b).astype(np.int64)
-        self._inner_live = _RangeMax(np.maximum(f + chain.input_unsaved, b))
+        self._pulled = _RangeMax(chain.zgrad)
+        self._backward = _RangeMax(b)
+        self._last_backward = np.maximum(b - chain.zgrad, 0).astype(np.int64)
         self._first_remat = f.astype(np.int64)
         self._inner_remat = _RangeMax(f + chain.input_unsaved)
         self._input_live = _RangeMax(chain.input_grad_transient)
         self._weight_live = _RangeMax(chain.weight_grad_transient)
         self._forward_peak = chain.forward_peak.astype(np.int64)
         self._inner_forward = _RangeMax(chain.forward_peak + chain.boundary[:-1])
+
+    def _backward_live(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """The layers' backward transients; the last one's without its output gradient, which
+        the stage holds as `pulled` (zgrad says where one is pulled)."""
+        before = np.where(j - i > 1, self._backward(i, np.maximum(j - 1, i + 1)), 0)
+        return np.maximum(before, self._last_backward[j - 1])
 
     @staticmethod
     def _inner(table: _RangeMax, i: np.ndarray, j: np.ndarray) -> np.ndarray:
@@ -127,6 +137,7 @@ class MemoryModel:
         saved = self._saved[j] - self._saved[i] - (self._shared[j] - self._shared[i + 1])
         z = self._zgrad[j] - self._zgrad[i]
         inner = self._inner(self._inner_forward, i, j)
+        remat = np.maximum(self._first_remat[i], self._inner(self._inner_remat, i, j))
         return {
             "input": x,
             "activations": x + saved - xs,
@@ -134,8 +145,9 @@ class MemoryModel:
             # the graph kept for W holds the input too, when it needs a gradient
             "between_iw": saved + z + np.where(c.grad_in[i] > 0, x - xs, 0),
             "grad": c.grad_in[i].astype(np.int64),
-            "live": np.maximum(self._first_live[i], self._inner(self._inner_live, i, j)),
-            "remat_live": np.maximum(self._first_remat[i], self._inner(self._inner_remat, i, j)),
+            "pulled": self._pulled(i, j),
+            "live": np.maximum(remat, self._backward_live(i, j)),
+            "remat_live": remat,
             "input_live": self._input_live(i, j),
             "weight_live": self._weight_live(i, j),
             "forward_live": np.maximum(self._forward_peak[i], inner),
@@ -170,10 +182,11 @@ class MemoryModel:
         z = b["during_i"] - b["activations"] - b["grad"]
         kept_in = b["between_iw"] - b["saved"] - z
         for t in shape.occupancy:
-            n_in, n_act, n_di, n_iw, n_grad = t[: len(STATES)]
+            n_in, n_act, n_di, n_iw, n_grad, n_pulled = t[: len(STATES)]
             stash = n_in * b["input"] + (n_act + n_di) * b["activations"]
             stash = stash + n_iw * (b["saved"] + kept_in)
             grads = (n_di + n_iw) * z + n_di * b["grad"] + n_grad * b["grad"]
+            grads = grads + n_pulled * b["pulled"]
             live = sum(on * b[name] for on, name in zip(t[len(STATES) :], TRANSIENTS))
             total = stash + grads + live
             better = total > best

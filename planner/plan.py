@@ -50,6 +50,7 @@ class StateBytes(_Strict):
     during_i: int
     between_iw: int
     grad: int
+    pulled: int
     live: int = Field(description="the stage's largest transient while one of its actions runs")
     remat_live: int = Field(description="... while zero bubble re-materialises at I")
     forward_live: int = Field(description="... while a forward that keeps nothing runs")
@@ -69,7 +70,8 @@ class StagePlan(_Strict):
     recompute: Recompute
     inflight: int = Field(description="micro-batches whose tensors the stage holds at its worst")
     occupancy: list[tuple[int, ...]] = Field(
-        description="micro-batches per state (input, activations, during_i, between_iw, grad), "
+        description="micro-batches per state (input, activations, during_i, between_iw, grad, "
+        "pulled), "
         "then which transient (live, remat_live, forward_live, input_live, weight_live) runs, at "
         "the stage's candidate peaks"
     )

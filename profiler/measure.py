@@ -171,14 +171,24 @@ def _measure_size(
     prev_saved: dict[int, torch.Tensor] = {}
     for i, layer in enumerate(layers):
         inp = _detach(x, requires_grad=i > 0)  # the model's own input needs no gradient
-        row, x, prev_saved = _memory(i, layer, inp, dev, model_storages, prev_saved)
+        # zero bubble keeps each layer's output gradient from I to W, but not the last one's:
+        # that comes from the loss, which W runs again
+        kept = "both" if i < len(layers) - 1 else "input"
+        row, x, prev_saved = _memory(i, layer, inp, dev, model_storages, prev_saved, kept)
         rows.append(row)
         inputs.append(inp)
         tick()
     if loss is not None:
-        loss_layer = LossLayer(loss, loss.make_target(x))
+        try:
+            target = loss.make_target(x)
+        except Exception as e:
+            raise InputError(
+                f"the loss {loss.name} cannot make a target for the model's output "
+                f"({_shape_text(x)}): {_first_line(e)}"
+            ) from None
+        loss_layer = LossLayer(loss, target)
         inp = _detach(x, requires_grad=True)
-        row, _, _ = _memory(len(layers), loss_layer, inp, dev, model_storages, prev_saved)
+        row, _, _ = _memory(len(layers), loss_layer, inp, dev, model_storages, prev_saved, "loss")
         rows.append(row)
         inputs.append(inp)
         measured.append(loss_layer)
@@ -211,6 +221,7 @@ def _memory(
     dev: torch.device,
     model_storages: set[int],
     prev_saved: dict[int, torch.Tensor],
+    kept: str,
 ) -> tuple[dict[str, Any], Value, dict[int, torch.Tensor]]:
     """What layer i saves, shares with layer i - 1, saves of its own input, and allocates
     beyond that while it runs; and its output (the next layer's input)."""
@@ -231,7 +242,7 @@ def _memory(
         _backward(out)
         for t in _tensors(inp):
             t.grad = None  # a stage input's gradient is made once, never added into
-        extra = _transient(layer, inp, dev)
+        extra = _transient(layer, inp, dev, kept)
     except InputError:
         raise
     except Exception as e:
@@ -267,14 +278,16 @@ def _memory(
     return row, _detach(out, requires_grad=False), saved
 
 
-def _transient(layer: nn.Module, inp: Value, dev: torch.device) -> dict[str, int]:
+def _transient(layer: nn.Module, inp: Value, dev: torch.device, kept: str) -> dict[str, int]:
     """What the layer allocates beyond what the planner counts as kept, read off the allocator,
     in each way a pipeline runs it: a forward that keeps nothing (recomputation); a forward, its
     output dropped (a pipeline keeps only its gradient edge), and a backward from a gradient of
     ones; again a forward, then zero bubble's I (input gradient, graph kept) and W (weight
     gradients). Every weight's .grad is there beforehand, so the temporary gradient added into
-    it is counted, as it is in every micro-batch but the first. The gradients of the output and
-    the input that I makes are kept, and counted by the planner, so they are left out here."""
+    it is counted, as it is in every micro-batch but the first. Gradients zero bubble keeps from
+    I to W are counted by the planner and left out here (`kept`: "both" the output's and the
+    input's, "input" only for the last layer, whose output gradient comes from the loss, and
+    none for the loss, whose backward W runs again)."""
     params = [p for p in layer.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -306,8 +319,9 @@ def _transient(layer: nn.Module, inp: Value, dev: torch.device) -> dict[str, int
             if edges and params:
                 torch.autograd.backward(edges, ones(like), inputs=params)
         del edges
-    out_bytes = sum(_alloc(shape.numel() * dtype.itemsize, dev) for shape, dtype in like)
-    in_bytes = sum(_alloc(t.numel() * t.element_size(), dev) for t in wrt)
+    out_kept = sum(_alloc(shape.numel() * dtype.itemsize, dev) for shape, dtype in like)
+    out_kept *= kept == "both"
+    in_kept = sum(_alloc(t.numel() * t.element_size(), dev) for t in wrt) * (kept != "loss")
     where = _device_key(dev)
     steps = trace.levels(lambda owner, device: "all" if device == where else None).get("all", [])
     span = {name: (start, end) for start, end, name in trace.ranges}
@@ -319,13 +333,17 @@ def _transient(layer: nn.Module, inp: Value, dev: torch.device) -> dict[str, int
         start, end = span[name]
         return max((level for t, level in steps if start <= t <= end), default=before(name))
 
-    kept = before("backward")  # what the forward left: its saved tensors
+    kept_bytes = before("backward")  # what the forward left: its saved tensors
     return {
-        "forward": max(peak("forward") - kept, 0),
-        "backward": max(peak("backward") - kept, 0),
+        "forward": max(peak("forward") - kept_bytes, 0),
+        "backward": max(peak("backward") - kept_bytes, 0),
         "no_grad": max(peak("no_grad") - before("no_grad"), 0),
-        "input": max(peak("input") - before("input") - out_bytes - in_bytes, 0) if wrt else 0,
-        "weight": max(peak("weight") - before("weight") - out_bytes, 0) if params else 0,
+        "input": max(peak("input") - before("input") - out_kept - in_kept, 0) if wrt else 0,
+        "weight": (
+            max(peak("weight") - before("weight") - out_kept, 0)
+            if params
+            else max(peak("backward") - kept_bytes, 0) * (kept == "loss")
+        ),
     }
 
 

@@ -12,13 +12,15 @@ many is the planner's business, given here per stage as StageBytes):
     between_iw    zero bubble, after I and before W: saved activations plus inner and output
                   gradients (a recomputed micro-batch is re-materialised at I and kept to W)
     grad          the input gradient made by B or I, until the previous stage pulls it
+    pulled        the output gradient B pulled from the next stage, held while B runs
 
 Transitions, at an action's start (allocations) or its end (frees and hand-offs):
 
     F(s,m)  start  s = 0: input +1 (its own copy); not recomputed: input -> activations
             end    output pushed to stage s+1: input +1 there
-    B(s,m)  start  pulls its output gradient: grad -1 on stage s+1; recomputed: input -> activations
-            end    activations -1; grad +1 (s > 0)
+    B(s,m)  start  pulls its output gradient: grad -1 on stage s+1, pulled +1 (s < S-1);
+                   recomputed: input -> activations
+            end    activations -1; pulled -1; grad +1 (s > 0)
     I(s,m)  start  as B (a recomputed one re-materialises first, as a phase of its own), then
                    activations -> during_i
             end    during_i -> between_iw; grad +1 (s > 0)
@@ -40,8 +42,8 @@ from dataclasses import dataclass
 from .ir import Action, Kind, Schedule
 from .order import canonical_order
 
-STATES = ("input", "activations", "during_i", "between_iw", "grad")
-IN, ACT, DURING_I, IW, GRAD = range(len(STATES))
+STATES = ("input", "activations", "during_i", "between_iw", "grad", "pulled")
+IN, ACT, DURING_I, IW, GRAD, PULLED = range(len(STATES))
 TRANSIENTS = ("live", "remat_live", "forward_live", "input_live", "weight_live")
 LIVE, REMAT_LIVE, FORWARD_LIVE, INPUT_LIVE, WEIGHT_LIVE = range(
     len(STATES), len(STATES) + len(TRANSIENTS)
@@ -72,6 +74,7 @@ class StageBytes:
     during_i: int = 1
     between_iw: int = 1
     grad: int = 0
+    pulled: int = 0
     live: int = 0
     remat_live: int = 0
     forward_live: int = 0
@@ -136,6 +139,9 @@ def _steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
                 start += [(s, ACT, -1), (s, DURING_I, 1)]
                 end += [(s, DURING_I, -1), (s, IW, 1)]
             else:
+                if s < S - 1:
+                    start.append((s, PULLED, 1))
+                    end.append((s, PULLED, -1))
                 end.append((s, ACT, -1))
             if s > 0:
                 end.append((s, GRAD, 1))

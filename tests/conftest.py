@@ -27,8 +27,11 @@ def synthetic_profile(
     loss: dict | None = None,
 ) -> Profile:
     """A profile whose per-sample numbers are given; every quantity scales linearly with the
-    micro-batch size, so values at any size are exact. `loss`: forward, backward, saved and
-    transient of a loss to add after the last layer."""
+    micro-batch size, so values at any size are exact. From each layer's `transient` t the
+    transients differ on purpose, so a test catches one used for another: forward t, backward
+    t + 1, forward keeping nothing saved + t + 3, I t + 4, W t + 5; and 2 bytes of every input
+    but the model's are saved by nobody. `loss`: forward, backward, saved and transient of a loss
+    to add after the last layer."""
     n = len(forward)
     backward = backward if backward is not None else [2 * f for f in forward]
     params = params if params is not None else [100] * n
@@ -55,11 +58,11 @@ def synthetic_profile(
             shared_bytes={b: int(v["shared"]) * b for b in sizes},
             input_saved_bytes={b: int(v["input_saved"]) * b for b in sizes},
             forward_transient_bytes={b: int(v["transient"]) * b for b in sizes},
-            backward_transient_bytes={b: int(v["transient"]) * b for b in sizes},
-            input_unsaved_bytes={b: 0 for b in sizes},
-            forward_peak_bytes={b: int(v["saved"] + v["transient"]) * b for b in sizes},
-            input_grad_transient_bytes={b: int(v["transient"]) * b for b in sizes},
-            weight_grad_transient_bytes={b: int(v["transient"]) * b for b in sizes},
+            backward_transient_bytes={b: int(v["transient"] + 1) * b for b in sizes},
+            input_unsaved_bytes={b: 2 * b * (i > 0) for b in sizes},
+            forward_peak_bytes={b: int(v["saved"] + v["transient"] + 3) * b for b in sizes},
+            input_grad_transient_bytes={b: int(v["transient"] + 4) * b for b in sizes},
+            weight_grad_transient_bytes={b: int(v["transient"] + 5) * b for b in sizes},
         )
 
     layers = [

@@ -25,12 +25,15 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     Z, G = int(c.zgrad[i:j].sum()), int(c.grad_in[i])
     inner = range(i + 1, j)
     f, b, u = c.forward_transient, c.backward_transient, c.input_unsaved
-    live = max([int(max(f[i], b[i]))] + [int(max(f[k] + u[k], b[k])) for k in inner])
     remat = max([int(f[i])] + [int(f[k] + u[k]) for k in inner])
+    # the last layer's backward without the output gradient B pulls (zgrad: where it does)
+    back = [int(b[k]) for k in range(i, j - 1)] + [max(int(b[j - 1] - c.zgrad[j - 1]), 0)]
+    live = max([remat, *back])
     forward = max(
         [int(c.forward_peak[i])] + [int(c.forward_peak[k] + c.boundary[k]) for k in inner]
     )
-    states = [X, X + S - Xs, X + S - Xs + Z + G, S + Z + (X - Xs if G else 0), G]
+    P = int(c.zgrad[i:j].max())
+    states = [X, X + S - Xs, X + S - Xs + Z + G, S + Z + (X - Xs if G else 0), G, P]
     transients = [live, remat, forward, int(c.input_grad_transient[i:j].max()),
                   int(c.weight_grad_transient[i:j].max())]  # fmt: skip
     held = max(sum(n * b for n, b in zip(t, states + transients)) for t in shape.occupancy)
@@ -44,7 +47,7 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
 
 def occ(*counts: int, running: int = 0) -> tuple[int, ...]:
     """An occupancy tuple: micro-batches per state, then the transient running (1-5, 0: none)."""
-    counts = counts + (0,) * (5 - len(counts))
+    counts = counts + (0,) * (6 - len(counts))
     return (*counts, *(int(running == k) for k in range(1, 6)))
 
 
@@ -126,7 +129,7 @@ def problems(draw):
     tuples = st.lists(
         st.builds(
             lambda counts, running: occ(*counts, running=running),
-            st.lists(st.integers(0, 3), min_size=5, max_size=5),
+            st.lists(st.integers(0, 3), min_size=6, max_size=6),
             st.integers(0, 5),
         ),
         min_size=1,
