@@ -8,6 +8,10 @@ first (gloo over loopback: a ping-pong fitted to latency + bytes / bandwidth), s
 cluster describes the machine the step runs on.
 
     OMP_NUM_THREADS=1 python benchmarks/measure_bench.py [--steps 5] [--out bench-out]
+
+On a GPU: `--device cuda:0` profiles there and measures the streams target with both stages on
+that GPU (named in the cluster); the torchrun target then needs a GPU per rank and is skipped
+with fewer.
 """
 
 from __future__ import annotations
@@ -84,7 +88,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--out", default="bench-out")
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
+    cuda = args.device.startswith("cuda")
+    import torch
+
+    torchrun = not cuda or torch.cuda.device_count() >= 2
     out = Path(args.out)
     out.mkdir(exist_ok=True)
     latency, bandwidth = link()
@@ -92,7 +101,11 @@ def main() -> None:
     cluster = out / "cluster.json"
     cluster.write_text(json.dumps({
         "kind": "cluster",
-        "devices": [{"name": f"rank{k}", "memory_bytes": "4GiB"} for k in range(2)],
+        "devices": [
+            {"name": f"rank{k}", "memory_bytes": "4GiB"}
+            | ({"torch_device": args.device if not torchrun else f"cuda:{k}"} if cuda else {})
+            for k in range(2)
+        ],
         "links": [{"bandwidth_bytes_per_s": bandwidth, "latency_ms": latency}],
     }))  # fmt: skip
     rows = []
@@ -101,8 +114,9 @@ def main() -> None:
         mb = batch // M
         sizes = ",".join(str(b) for b in sorted({max(1, mb // 2), mb, 2 * mb}))
         t0 = time.perf_counter()
-        r = cli("profile", f"example:{example}", "--threads", "1", "--batch-sizes", sizes,
-                "-o", str(prof))  # fmt: skip
+        threads = [] if cuda else ["--threads", "1"]
+        r = cli("profile", f"example:{example}", *threads, "--batch-sizes", sizes,
+                "--device", args.device, "-o", str(prof))  # fmt: skip
         assert r.returncode == 0, r.stderr
         print(f"profiled {example} in {time.perf_counter() - t0:.0f} s", flush=True)
         for schedule in SCHEDULES:
@@ -112,13 +126,14 @@ def main() -> None:
                     "-o", str(plan))  # fmt: skip
             assert r.returncode == 0, r.stderr
             reports = {}
-            for target in ("streams", "torchrun"):
+            for target in ("streams", "torchrun") if torchrun else ("streams",):
                 rep = out / f"{example}-{schedule}-{target}.json"
                 r = cli("measure", str(plan), "--model", f"example:{example}", "--target",
                         target, "--steps", str(args.steps), "-o", str(rep))  # fmt: skip
                 assert r.returncode in (0, 1), r.stderr
                 reports[target] = json.loads(rep.read_text())
-            mem, run = reports["streams"], reports["torchrun"]
+            mem = reports["streams"]
+            run = reports.get("torchrun", mem)
             for d, t in zip(mem["devices"], run["devices"]):
                 rows.append([
                     example, schedule, d["name"],
