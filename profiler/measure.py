@@ -26,7 +26,7 @@ from .losses import LossFn, LossLayer, resolve_loss
 from .memtrack import owned_by, trace_allocations
 from .models import model_digest
 from .timing import time_layers
-from .types import LayerProfile, OptimizerStep, Profile, ProfileMeta
+from .types import PER_SIZE, LayerProfile, OptimizerStep, Profile, ProfileMeta
 
 Value = Any  # a tensor or a tuple of tensors: what flows between layers of an nn.Sequential
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to this
@@ -106,24 +106,7 @@ def profile_model(
             buffer_bytes=sum(t.numel() * t.element_size() for t in layer.buffers()),
             output_shape=first[i]["output_shape"],
             output_bytes=first[i]["output_bytes"] // sizes[0],
-            **{
-                f: {b: r[f] for b, r in rows.items()}
-                for f in (
-                    "forward_ms",
-                    "backward_ms",
-                    "backward_input_ms",
-                    "backward_weight_ms",
-                    "saved_bytes",
-                    "shared_bytes",
-                    "input_saved_bytes",
-                    "forward_transient_bytes",
-                    "backward_transient_bytes",
-                    "input_unsaved_bytes",
-                    "forward_peak_bytes",
-                    "input_grad_transient_bytes",
-                    "weight_grad_transient_bytes",
-                )  # fmt: skip
-            },
+            **{f: {b: r[f] for b, r in rows.items()} for f in PER_SIZE},
         )
 
     out = [entry(i, layer, str(i), type(layer).__name__) for i, layer in enumerate(layers)]

@@ -72,6 +72,11 @@ class LayerProfile(BaseModel):
     weight_grad_transient_bytes: dict[int, int]
 
 
+PER_SIZE = tuple(name for name, f in LayerProfile.model_fields.items() if f.annotation is not None
+                 and str(f.annotation).startswith("dict[int"))  # fmt: skip
+"""The LayerProfile fields measured at every micro-batch size."""
+
+
 class OptimizerStep(BaseModel):
     """What one optimizer step allocates for its temporaries on the profiled device: `per_byte`
     bytes per byte of parameters, over all of a device's parameters at once when `foreach`
@@ -122,21 +127,7 @@ class Profile(Artifact):
         if sorted(sizes) != self.batch_sizes or min(sizes) < 1:
             raise ValueError("batch_sizes must be distinct positive integers in increasing order")
         for layer in self.layers + ([self.loss] if self.loss else []):
-            for field in (
-                "forward_ms",
-                "backward_ms",
-                "backward_input_ms",
-                "backward_weight_ms",
-                "saved_bytes",
-                "shared_bytes",
-                "input_saved_bytes",
-                "forward_transient_bytes",
-                "backward_transient_bytes",
-                "input_unsaved_bytes",
-                "forward_peak_bytes",
-                "input_grad_transient_bytes",
-                "weight_grad_transient_bytes",
-            ):
+            for field in PER_SIZE:
                 if set(getattr(layer, field)) != sizes:
                     raise ValueError(
                         f"layer {layer.index}: {field} is not given for every batch size"
