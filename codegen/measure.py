@@ -25,6 +25,14 @@ from planner.search import simulate_stages
 from profiler.artifact import InputError
 from profiler.memtrack import AllocationTrace, owned_by, trace_allocations
 
+__all__ = [
+    "MeasureReport",
+    "build_report",
+    "make_data",
+    "measure_in_process",
+    "measure_torchrun",
+]
+
 KINDS = {"forward": "F", "backward": "B", "backward_input": "I", "backward_weight": "W",
          "send_forward": "SEND_F", "recv_forward": "RECV_F", "send_backward": "SEND_B",
          "recv_backward": "RECV_B"}  # fmt: skip
@@ -379,12 +387,3 @@ def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> Any:
         proc.communicate()
         raise InputError(f"the torchrun program ran past {timeout_s:g} s and was stopped") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-__all__ = [
-    "MeasureReport",
-    "build_report",
-    "make_data",
-    "measure_in_process",
-    "measure_torchrun",
-]
