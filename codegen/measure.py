@@ -24,6 +24,7 @@ from planner.plan import Plan
 from planner.search import simulate_stages
 from profiler.artifact import InputError
 from profiler.memtrack import AllocationTrace, owned_by, trace_allocations
+from schedules import Timeline
 
 __all__ = [
     "MeasureReport",
@@ -82,9 +83,8 @@ def _error(measured: float, predicted: float) -> float:
     return (measured - predicted) / predicted if predicted else 0.0
 
 
-def predicted_actions(plan: Plan) -> dict[tuple[int, str], float]:
-    """Mean simulated duration per (stage, kind)."""
-    tl = simulate_stages(plan.schedule, len(plan.devices), plan.microbatches, plan.stages)
+def predicted_actions(tl: Timeline) -> dict[tuple[int, str], float]:
+    """Mean simulated duration per (stage, kind) of the plan's timeline."""
     spans: dict[tuple[int, str], list[float]] = {}
     for sp in tl.spans:
         spans.setdefault((sp.action.stage, sp.action.kind.value), []).append(sp.end - sp.start)
@@ -141,14 +141,25 @@ def optimizer_steps(
                 p.grad.zero_()
 
 
-def device_levels(trace: AllocationTrace, rank_of_stage: list[int]) -> tuple[dict[int, int], int]:
-    """Peak bytes each device's stages allocated during the trace, and the peak of what no
-    stage owns."""
+def device_name(dev: torch.device) -> str:
+    """How the allocator names a device: cuda with its index."""
+    if dev.type == "cuda" and dev.index is None:
+        return f"cuda:{torch.cuda.current_device()}"
+    return str(dev)
+
+
+def device_levels(
+    trace: AllocationTrace, rank_of_stage: list[int], device_of_stage: list[str]
+) -> tuple[dict[int, int], int]:
+    """Peak bytes each device's stages allocated on it during the trace (what a stage's
+    actions allocate elsewhere, say host memory beside a GPU, is not that device's), and the
+    peak of what no stage owns."""
 
     def group(owner: str | None, device: str) -> Any:
         if owner is None or not owner.isdigit():
             return "other"
-        return rank_of_stage[int(owner)]
+        s = int(owner)
+        return rank_of_stage[s] if device == device_of_stage[s] else None
 
     peaks = trace.peaks(group)
     other = peaks.pop("other", 0)
@@ -187,7 +198,7 @@ def measure_in_process(
     with trace_allocations() as trace:
         step()
         sync()
-    dynamic, other = device_levels(trace, ranks)
+    dynamic, other = device_levels(trace, ranks, [device_name(d) for d in program.devices])
     static = [static_bytes([program.stages[s] for s in on[k]], optimizers[k]) for k in range(K)]
     walls, log = [], []
     program.action_log = []
@@ -220,8 +231,8 @@ def build_report(
     """Put measured peaks and the action log (what, stage, micro-batch, start, end in ms, over
     `steps` steps) next to the plan's predictions."""
     ranks = [st.rank for st in plan.stages]
-    predicted = predicted_actions(plan)
     tl = simulate_stages(plan.schedule, len(plan.devices), plan.microbatches, plan.stages)
+    predicted = predicted_actions(tl)
     durations: dict[tuple[int, str], list[float]] = {}
     busy = [0.0] * len(plan.devices)
     for what, s, _m, start, end in log:

@@ -19,7 +19,14 @@ from planner.plan import Plan
 from profiler.memtrack import trace_allocations
 from profiler.models import load_model
 
-from .measure import make_data, make_optimizer, optimizer_steps, static_bytes
+from .measure import (
+    device_levels,
+    device_name,
+    make_data,
+    make_optimizer,
+    optimizer_steps,
+    static_bytes,
+)
 
 
 def main(argv: list[str]) -> None:
@@ -50,7 +57,8 @@ def main(argv: list[str]) -> None:
         dist.barrier()
         with trace_allocations() as trace:
             step()
-        peaks = trace.peaks(lambda owner, device: "mine" if owner and owner.isdigit() else None)
+        S = len(pipe.STAGES)
+        peaks, _ = device_levels(trace, [0] * S, [device_name(pipe.device)] * S)
         walls, log = [], []
         pipe.action_log = []
         for _ in range(int(steps)):
@@ -61,7 +69,7 @@ def main(argv: list[str]) -> None:
         result = {
             "rank": rank,
             "stages": local,
-            "dynamic_peak": peaks.get("mine", 0),
+            "dynamic_peak": peaks.get(0, 0),
             "static": static_bytes([pipe.stages[s] for s in local], optimizer),
             "walls": walls,
             "log": log,

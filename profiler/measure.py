@@ -121,7 +121,7 @@ def profile_model(
         dtype=str(_model_dtype(model)).removeprefix("torch."),
         input_shape=list(sample.shape[1:]),
         input_dtype=str(sample.dtype).removeprefix("torch."),
-        input_bytes=_alloc(sample[:1].numel() * sample.element_size(), dev),
+        input_bytes=sample[:1].numel() * sample.element_size(),  # the planner rounds per batch
         batch_sizes=sizes,
         layers=out,
         loss=loss_entry,
@@ -256,7 +256,8 @@ def _memory(
         "input_grad_transient_bytes": extra["input"],
         "weight_grad_transient_bytes": extra["weight"],
         "output_shape": [list(t.shape[1:]) for t in _tensors(out)],
-        "output_bytes": sum(_alloc(t.numel() * t.element_size(), dev) for t in _tensors(out)),
+        # per micro-batch as computed; the planner rounds what crosses a cut at its own size
+        "output_bytes": sum(t.numel() * t.element_size() for t in _tensors(out)),
     }
     return row, _detach(out, requires_grad=False), saved
 

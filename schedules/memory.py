@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .ir import Action, Kind, Schedule
-from .order import canonical_order
+from .order import canonical_order, schedule_key
 
 STATES = ("input", "activations", "during_i", "between_iw", "grad", "pulled")
 IN, ACT, DURING_I, IW, GRAD, PULLED = range(len(STATES))
@@ -107,7 +107,22 @@ class _Step:
     end: Changes  # what changes when it ends
 
 
+_STEPS: dict[tuple, list[_Step]] = {}
+
+
 def _steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
+    """The issue order's state changes, computed once per schedule and recomputation (the
+    planner's occupancy, the simulator's replay and its timed levels all walk them)."""
+    key = schedule_key(schedule.compute_only(), tuple(modes))
+    hit = _STEPS.get(key)
+    if hit is None:
+        if len(_STEPS) > 256:
+            _STEPS.clear()
+        hit = _STEPS[key] = _build_steps(schedule, modes)
+    return hit
+
+
+def _build_steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
     S, M, place = schedule.num_stages, schedule.num_microbatches, schedule.placement
     steps = []
     for a in canonical_order(schedule, modes):

@@ -69,8 +69,9 @@ def canonical_order(schedule: Schedule, recompute: str | Sequence[str] = "never"
     return list(_canonical(schedule, modes))
 
 
-def _canonical(schedule: Schedule, modes: tuple[str, ...]) -> tuple[Action, ...]:
-    key = (
+def schedule_key(schedule: Schedule, modes: tuple[str, ...]) -> tuple:
+    """What an issue order (and anything derived from it alone) depends on."""
+    return (
         schedule.name,
         schedule.num_stages,
         schedule.num_microbatches,
@@ -78,7 +79,10 @@ def _canonical(schedule: Schedule, modes: tuple[str, ...]) -> tuple[Action, ...]
         tuple((r, tuple(acts)) for r, acts in sorted(schedule.ranks.items())),
         modes,
     )
-    return _cached(key, schedule)
+
+
+def _canonical(schedule: Schedule, modes: tuple[str, ...]) -> tuple[Action, ...]:
+    return _cached(schedule_key(schedule, modes), schedule)
 
 
 _CACHE: dict[tuple, tuple[Action, ...]] = {}
