@@ -10,12 +10,38 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any, NoReturn
 
 from profiler.artifact import InputError
+from profiler.files import check_distinct, check_output, write_output
+from profiler.limits import MAX_BATCH, MAX_MS, ArgumentError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
+
+# The library names its arguments as Python does; the CLI reports them under its own flags.
+FLAGS = {
+    "batch_size": "--batch-size",
+    "microbatches": "--microbatches",
+    "schedule": "--schedule",
+    "recompute": "--recompute",
+    "optimizer": "--optimizer",
+    "solver": "--solver",
+    "num_devices": "--devices",
+    "memory": "--memory",
+    "bandwidth": "--bandwidth",
+    "latency_ms": "--latency-ms",
+    "steps": "--steps",
+    "tolerance": "--tolerance",
+    "batch_sizes": "--batch-sizes",
+    "repeats": "--repeats",
+    "warmup": "--warmup",
+    "threads": "--threads",
+    "time_budget_s": "--time-budget",
+    "loss_fn": "--loss",
+    "device": "--device",
+    "input_shape": "--input-shape",
+    "max_repeats": "--max-repeats",
+}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except InputError as e:
         if debug:
             raise
-        print(f"gpipe-plan: error: {e}", file=sys.stderr)
+        print(f"gpipe-plan: error: {_cli_words(e, args_list)}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:
         print("gpipe-plan: interrupted", file=sys.stderr)
@@ -50,11 +76,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 141
 
 
+def _cli_words(e: InputError, argv: list[str]) -> str:
+    """The message, with a library argument renamed to the flag the user typed."""
+    if not isinstance(e, ArgumentError):
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    if e.arg == "cluster":  # too many devices for the model: say it of what was given
+        flag = "--cluster" if "--cluster" in argv else "--devices"
+        return e.named(flag, _given(argv, flag))
+    flag = FLAGS.get(e.arg)
+    return e.named(flag, _given(argv, flag)) if flag else str(e)
+
+
+def _given(argv: list[str], flag: str | None) -> str | None:
+    """What followed `flag` on the command line (`--flag v` or `--flag=v`), if it was there."""
+    for k, a in enumerate(argv):
+        if a == flag and k + 1 < len(argv):
+            return argv[k + 1]
+        if flag and a.startswith(flag + "="):
+            return a[len(flag) + 1 :]
+    return None
+
+
 # ---------------------------------------------------------------------------------- commands
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    out = _output_path(args.output)
+    out = check_output(args.output, inputs=_model_files(args.model))
 
     from profiler.measure import profile_model
     from profiler.models import DTYPES, load_model, sample_input
@@ -65,6 +112,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if sizes is not None and min(sizes) <= 0:
         raise InputError(f"--batch-sizes {args.batch_sizes}: every size must be positive")
     model = load_model(args.model)
+    check_output(args.output, inputs=_model_files(args.model))  # now its module is known
     if any(p.is_floating_point() for p in model.parameters()):
         model = model.to(dtype)
     sample = sample_input(model, shape, dtype)
@@ -93,18 +141,23 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    out = _output_path(args.output)
+    out = check_output(
+        args.output, inputs=[args.profile, *([args.cluster] if args.cluster else [])]
+    )
     from planner import InfeasibleError, plan_pipeline
     from profiler.types import Profile
 
     profile = Profile.load(args.profile)
-    cluster = _cluster(args)
+    cluster = _cluster(args, len(profile.layers))
+    microbatches: int | str = "auto"
+    if args.microbatches != "auto":
+        microbatches = _whole(args.microbatches, "--microbatches", "auto or a whole number")
     try:
         plan = plan_pipeline(
             profile,
             cluster,
             args.batch_size,
-            microbatches=args.microbatches,
+            microbatches=microbatches,
             schedule=args.schedule,
             recompute=args.recompute,
             optimizer=args.optimizer,
@@ -133,8 +186,6 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)
     budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
-    if args.max_bubble is not None and not 0 <= args.max_bubble <= 1:
-        raise InputError(f"--max-bubble {args.max_bubble}: must be between 0 and 1")
     limits = [budget if budget is not None else d.budget for d in plan.devices]
     over = [(d, lim) for d, lim in zip(plan.devices, limits) if d.total > lim]
     bubble = plan.predicted.bubble_fraction
@@ -172,10 +223,12 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from planner.search import simulate_stages
     from schedules import ascii_timeline, gantt_png, write_chrome_trace
 
-    plan = Plan.load(args.plan)
-    for out in (args.chrome_trace, args.png):
+    outputs = {"--chrome-trace": args.chrome_trace, "--png": args.png}
+    for flag, out in outputs.items():
         if out:
-            _output_path(out)  # fail now, not after the work
+            check_output(out, flag=flag, inputs=[args.plan])  # fail now, not after the work
+    check_distinct(outputs)
+    plan = Plan.load(args.plan)
     tl = simulate_stages(plan.schedule, len(plan.devices), plan.microbatches, plan.stages)
     print(
         f"{plan.schedule}, {len(plan.devices)} devices x {plan.stages_per_device} stage(s), "
@@ -194,11 +247,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(_table(["device", "utilisation", "busy ms", "peak memory", "budget"], rows))
     print(ascii_timeline(tl))
     if args.chrome_trace:
-        _write_via_temp(args.chrome_trace, lambda p: write_chrome_trace(tl, p))
+        write_output(args.chrome_trace, lambda p: write_chrome_trace(tl, p))
         print(f"wrote {args.chrome_trace} (open in https://ui.perfetto.dev or chrome://tracing)")
     if args.png:
         try:
-            _write_via_temp(args.png, lambda p: gantt_png(tl, p))
+            write_output(args.png, lambda p: gantt_png(tl, p))
         except RuntimeError as e:
             raise InputError(str(e)) from None
         print(f"wrote {args.png}")
@@ -206,10 +259,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_codegen(args: argparse.Namespace) -> int:
-    out = _output_path(args.output)
+    out = check_output(args.output, inputs=[args.plan, *_model_files(args.model)])
     from codegen.emit import emit_program
     from planner import Plan
-    from profiler.artifact import write_atomic
     from profiler.models import load_model, model_digest
 
     plan = Plan.load(args.plan)
@@ -219,25 +271,26 @@ def cmd_codegen(args: argparse.Namespace) -> int:
             f"{args.plan} was made for a different model ({plan.model}); profile and plan "
             f"{args.model} first"
         )
-    write_atomic(out, emit_program(plan, target=args.target))
+    check_output(args.output, inputs=[args.plan, *_model_files(args.model)])
+    write_output(out, emit_program(plan, target=args.target))
     run = (
-        f"python {out}"
+        f"python {args.output}"
         if args.target == "streams"
-        else f"torchrun --nproc-per-node {len(plan.devices)} {out}"
+        else f"torchrun --nproc-per-node {len(plan.devices)} {args.output}"
     )
     print(
-        f"wrote {out}: {plan.schedule} over {len(plan.devices)} device(s), "
+        f"wrote {args.output}: {plan.schedule} over {len(plan.devices)} device(s), "
         f"{len(plan.stages)} stage(s), M={plan.microbatches}; run it with: {run}"
     )
     return EXIT_OK
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
-    out = _output_path(args.output) if args.output else None
+    inputs = [args.plan, *_model_files(args.model)]
+    out = check_output(args.output, inputs=inputs) if args.output else None
     from codegen.measure import make_data, measure_torchrun
     from codegen.pipe import StageError, compile_pipe
     from planner import Plan
-    from profiler.artifact import write_atomic
     from profiler.models import load_model, model_digest
 
     plan = Plan.load(args.plan)
@@ -263,8 +316,8 @@ def cmd_measure(args: argparse.Namespace) -> int:
             raise InputError(f"the pipeline failed: {e}") from None
     print(_measure_table(report))
     if out is not None:
-        write_atomic(out, report.model_dump_json(indent=1) + "\n")
-        print(f"wrote {out}")
+        write_output(out, report.model_dump_json(indent=1) + "\n")
+        print(f"wrote {args.output}")
     if not report.ok:
         over = [d.name for d in report.devices if d.memory_error > tolerance]
         print(
@@ -341,8 +394,8 @@ def cmd_schema(args: argparse.Namespace) -> int:
 # ---------------------------------------------------------------------------------- helpers
 
 
-def _cluster(args: argparse.Namespace) -> Any:
-    from planner import Cluster, parse_bandwidth
+def _cluster(args: argparse.Namespace, num_layers: int) -> Any:
+    from planner import Cluster, parse_bandwidth, parse_size
 
     if args.cluster:
         if args.devices is not None or args.memory is not None:
@@ -350,13 +403,19 @@ def _cluster(args: argparse.Namespace) -> Any:
         return Cluster.load(args.cluster)
     if args.devices is None or args.memory is None:
         raise InputError("say where to run: --devices K --memory SIZE, or --cluster cluster.json")
-    if args.devices < 1:
+    devices = _whole(args.devices, "--devices", "a whole number of devices")
+    if devices < 1:
         raise InputError(f"--devices {args.devices}: need at least one device")
-    bandwidth = parse_bandwidth(args.bandwidth) if args.bandwidth else None
-    if args.latency_ms < 0:
-        raise InputError(f"--latency-ms {args.latency_ms}: must not be negative")
+    if devices > num_layers:
+        raise InputError(
+            f"--devices {args.devices}: the model has only {num_layers} layers and every stage "
+            f"needs at least one; use {num_layers} devices or fewer"
+        )
     return Cluster.uniform(
-        args.devices, args.memory, bandwidth=bandwidth, latency_ms=args.latency_ms
+        devices,
+        parse_size(args.memory, "--memory"),
+        bandwidth=parse_bandwidth(args.bandwidth, "--bandwidth") if args.bandwidth else None,
+        latency_ms=args.latency_ms,
     )
 
 
@@ -370,7 +429,8 @@ def _summary(plan: Any) -> str:
         f"predicted {p.iteration_ms:.2f} ms/iteration, bubble {p.bubble_fraction:.3f}, "
         f"{p.throughput_samples_per_s:.1f} samples/s "
         f"(solver {plan.solver.method}, {'optimal' if plan.solver.optimal else 'not proven optimal'}, "
-        f"{plan.solver.candidates} candidates in {plan.meta.solve_ms:.0f} ms)"
+        f"{plan.solver.candidates} candidates"
+        + (f" in {plan.solve_ms:.0f} ms)" if plan.solve_ms else ")")
         + (f"\nnot proven: {plan.solver.unproven}" if plan.solver.unproven else "")
         + (f"\nthe last stage includes the loss ({plan.loss})" if plan.loss else "")
     )
@@ -413,24 +473,6 @@ def _layers(plan: Any, stages: list[int]) -> str:
     return ",".join(f"{plan.stages[s].layers[0]}-{plan.stages[s].layers[1] - 1}" for s in stages)
 
 
-def _write_via_temp(path: str, write: Callable[[str], None]) -> None:
-    """Let `write` fill a temp file beside `path`, then rename: all or nothing."""
-    import os
-    import tempfile
-
-    out = Path(path)
-    fd, tmp = tempfile.mkstemp(
-        prefix=f".{out.name}.", suffix=out.suffix, dir=out.parent if str(out.parent) else "."
-    )
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _types(types: list[str]) -> str:
     runs: list[list[Any]] = []
     for t in types:
@@ -460,24 +502,45 @@ def _int_list(text: str, flag: str) -> list[int]:
     return values
 
 
-def _output_path(path: str) -> Path:
-    """Fail before the work, not after it, when the output cannot be written."""
-    out = Path(path)
-    if out.is_dir():
-        raise InputError(f"-o {path}: is a directory; name a file")
-    if not (out.parent if str(out.parent) else Path(".")).is_dir():
-        raise InputError(f"-o {path}: directory {out.parent} does not exist")
-    return out
+def _model_files(spec: str) -> list[str]:
+    """The files a MODEL names (a `file.py:factory`'s file, a module's file once imported)."""
+    where = spec.rpartition(":")[0]
+    if where.endswith(".py"):
+        return [where]
+    module = sys.modules.get(where)
+    file = getattr(module, "__file__", None)
+    return [file] if file else []
 
 
-def _positive_int(flag: str) -> Callable[[str], int]:
-    def parse(text: str) -> int:
+def _whole(text: str, flag: str, what: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise InputError(f"{flag} {text!r}: expected {what}") from None
+
+
+def _number(flag: str, lo: float, hi: float) -> Callable[[str], float]:
+    """A finite float flag in [lo, hi]."""
+
+    def parse(text: str) -> float:
         try:
-            value = int(text)
+            value = float(text)
         except ValueError:
-            raise InputError(f"{flag} {text!r}: expected a whole number") from None
-        if value <= 0:
-            raise InputError(f"{flag} {text}: must be positive")
+            raise InputError(f"{flag} {text!r}: expected a number") from None
+        if not (lo <= value <= hi):  # NaN fails this too
+            raise InputError(f"{flag} {text}: must be between {lo:g} and {hi:g}")
+        return value
+
+    return parse
+
+
+def _count(flag: str, hi: int, lo: int = 1) -> Callable[[str], int]:
+    """A whole-number flag in [lo, hi]."""
+
+    def parse(text: str) -> int:
+        value = _whole(text, flag, "a whole number")
+        if not lo <= value <= hi:
+            raise InputError(f"{flag} {text}: must be from {lo} to {hi}")
         return value
 
     return parse
@@ -497,26 +560,26 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     s.add_argument("--batch-sizes", help="micro-batch sizes to measure, e.g. 1,2,4,8")
     s.add_argument("--loss", help="mse, cross_entropy or pkg.mod:fn (examples carry their own)")
-    s.add_argument("--repeats", type=_positive_int("--repeats"), default=5,
+    s.add_argument("--repeats", type=_count("--repeats", 10_000), default=5,
                    help="timed rounds at least (identical layers are timed together)")  # fmt: skip
-    s.add_argument("--max-repeats", type=_positive_int("--max-repeats"), default=100,
+    s.add_argument("--max-repeats", type=_count("--max-repeats", 100_000), default=100,
                    help="timed rounds at most, until the median is stable")  # fmt: skip
-    s.add_argument("--time-budget", type=float, default=30.0,
+    s.add_argument("--time-budget", type=_number("--time-budget", 0, 86400), default=30.0,
                    help="seconds of timing beyond the minimum rounds")  # fmt: skip
-    s.add_argument("--threads", type=_positive_int("--threads"),
+    s.add_argument("--threads", type=_count("--threads", 1024),
                    help="intra-op threads while measuring (1 to match torchrun on CPU)")  # fmt: skip
-    s.add_argument("--warmup", type=int, default=2)
+    s.add_argument("--warmup", type=_count("--warmup", 1000, lo=0), default=2)
     s.add_argument("-o", "--output", default="profile.json")
     s.set_defaults(run=cmd_profile)
 
     s = sub.add_parser("plan", help="choose stages, micro-batches and recomputation")
     s.add_argument("profile")
-    s.add_argument("--devices", type=int)
+    s.add_argument("--devices")
     s.add_argument("--memory", help="per device, e.g. 16GiB")
     s.add_argument("--bandwidth", help="between neighbouring devices, e.g. 25GB/s")
-    s.add_argument("--latency-ms", type=float, default=0.0)
+    s.add_argument("--latency-ms", type=_number("--latency-ms", 0, MAX_MS), default=0.0)
     s.add_argument("--cluster", help="cluster.json (see: gpipe-plan schema cluster)")
-    s.add_argument("--batch-size", type=_positive_int("--batch-size"), required=True)
+    s.add_argument("--batch-size", type=_count("--batch-size", MAX_BATCH), required=True)
     s.add_argument("--microbatches", default="auto")
     s.add_argument(
         "--schedule", default="auto", help="auto, gpipe, 1f1b, interleaved-1f1b or zb-h1"
@@ -537,7 +600,8 @@ def _build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("check", help="CI gate: exit 1 when a stage is over its memory budget")
     s.add_argument("plan")
     s.add_argument("--memory-budget", help="override every device's budget, e.g. 16GiB")
-    s.add_argument("--max-bubble", type=float, help="fail when the bubble fraction is larger")
+    s.add_argument("--max-bubble", type=_number("--max-bubble", 0, 1),
+                   help="fail when the bubble fraction is larger")  # fmt: skip
     s.set_defaults(run=cmd_check)
 
     s = sub.add_parser("show", help="print a plan")
@@ -565,7 +629,7 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", choices=["streams", "torchrun"], default="streams",
                    help="streams: in this process (on CPU, stages in turn: memory and per-action "
                    "times compare); torchrun: one process per device on this host")  # fmt: skip
-    s.add_argument("--steps", type=_positive_int("--steps"), default=3)
+    s.add_argument("--steps", type=_count("--steps", 10_000), default=3)
     s.add_argument("--tolerance", default="5%",
                    help="exit 1 when a device's measured peak exceeds its prediction by more")  # fmt: skip
     s.add_argument("-o", "--output", help="write the report as JSON here")

@@ -336,7 +336,14 @@ class PipelineRuntime:
         if s < len(self.stages) - 1:
             return h
         target = _to(self.targets[m], self.devices[s], copy=True)
-        return self.loss_fn(h, target) * self.weights[m]
+        loss = self.loss_fn(h, target)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise TypeError(
+                f"the loss function returned {shape}, not a scalar tensor: it must reduce "
+                "(average) over the samples it is given"
+            )
+        return loss * self.weights[m]
 
     def _layers(self, s: int, m: int, h: Value, keep: bool = False) -> Value:
         """Each layer on its own seed: dropout masks depend on (step, layer, micro-batch) only,

@@ -9,8 +9,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from planner import Cluster, Plan, plan_pipeline
+from planner import Cluster, Plan, parse_size, plan_pipeline
 from profiler.artifact import InputError
+from profiler.limits import MAX_BATCH, ArgumentError, real, whole
 from profiler.measure import profile_model
 from profiler.models import model_digest
 from schedules import Schedule
@@ -47,6 +48,9 @@ class Pipe:
     def train_step(self, x: torch.Tensor, y: Any, loss_fn: Any) -> torch.Tensor:
         """One step over the mini-batch x (batch first) with targets y; returns the mean loss.
         `loss_fn(output, target)` must average over the samples it is given."""
+        self._check_batch(x)
+        if not callable(loss_fn):
+            raise ArgumentError("loss_fn", loss_fn, "expected a function (output, target) -> loss")
         if isinstance(y, torch.Tensor) and y.dim() > 0 and y.shape[0] != x.shape[0]:
             raise InputError(
                 f"the target has {y.shape[0]} samples but the input has {x.shape[0]}; "
@@ -65,6 +69,9 @@ class Pipe:
         time with the plan: a MeasureReport (codegen/measure.py)."""
         from .measure import measure_in_process
 
+        self._check_batch(x)
+        whole(steps, "steps", 1, 10_000)
+        real(tolerance, "tolerance", 0, 10)
         try:
             return measure_in_process(
                 self.plan, self.program, x, y, loss_fn, steps=steps, tolerance=tolerance
@@ -73,10 +80,24 @@ class Pipe:
             raise StageError(str(e)) from e.__cause__
 
     def __call__(self, x: torch.Tensor) -> Any:
+        self._check_batch(x)
         try:
             return self.program.infer(x)
         except self._module.StageError as e:
             raise StageError(str(e)) from e.__cause__
+
+    def _check_batch(self, x: Any) -> None:
+        """The plan's memory holds for its batch size: more samples would break its promise."""
+        if not isinstance(x, torch.Tensor) or x.dim() < 1:
+            raise ArgumentError("x", type(x).__name__, "expected a tensor, batch first")
+        N, M = self.plan.batch_size, self.plan.microbatches
+        if not M <= x.shape[0] <= N:
+            raise ArgumentError(
+                "x",
+                f"a batch of {x.shape[0]}",
+                f"the plan is for batches of {M} to {N} samples ({M} micro-batches, its memory "
+                f"figures for {N}); plan again with batch_size={x.shape[0]}",
+            )
 
     def __repr__(self) -> str:
         return (
@@ -99,6 +120,8 @@ def compile_pipe(
         raise InputError(
             f"{type(model).__name__} is not an nn.Sequential; plans split sequential models"
         )
+    if not isinstance(plan, Plan):
+        raise ArgumentError("plan", type(plan).__name__, "expected a Plan (Plan.load(path))")
     if check_model and model_digest(model) != plan.model_digest:
         raise InputError(
             f"the plan was made for a different model ({plan.model}, digest "
@@ -127,8 +150,10 @@ def auto_pipe(
     **plan_options: Any,
 ) -> Pipe:
     """Profile on devices[0], plan for len(devices) devices of `memory` each, and compile."""
-    if not devices:
-        raise InputError("auto_pipe needs at least one device")
+    if not isinstance(devices, list | tuple) or not devices:
+        raise ArgumentError("devices", devices, "expected a list of at least one device")
+    whole(batch_size, "batch_size", 1, MAX_BATCH)
+    parse_size(memory, "memory")
     dev = torch.device(devices[0])
     profile = profile_model(model, sample, device=dev if _exists(dev) else "cpu", progress=False)
     plan = plan_pipeline(profile, Cluster.uniform(len(devices), memory), batch_size, **plan_options)
@@ -147,6 +172,10 @@ def _resolve_devices(
     devices: list[str | torch.device] | None, K: int, plan: Plan
 ) -> list[torch.device]:
     if devices is not None:
+        if not isinstance(devices, list | tuple):
+            raise ArgumentError(
+                "devices", devices, f"expected a list of {K} devices, e.g. {['cpu'] * K}"
+            )
         if len(devices) != K:
             raise InputError(
                 f"the plan has {K} devices but devices= lists {len(devices)}; pass {K}"

@@ -2,23 +2,41 @@
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from profiler.artifact import Artifact, InputError
+from profiler.artifact import Artifact
+from profiler.limits import (
+    MAX_BANDWIDTH,
+    MAX_BYTES,
+    MAX_DEVICES,
+    MAX_MS,
+    MAX_SPEED,
+    ArgumentError,
+    real,
+    whole,
+)
 
 from .units import parse_size
 
 
 class Device(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str
-    memory_bytes: int = Field(gt=0, description="what a stage on this device may use")
-    speed: float = Field(default=1.0, gt=0, description="relative to the profiled device")
+    name: str = Field(min_length=1)
+    memory_bytes: int = Field(gt=0, le=MAX_BYTES, description="what a stage on this device may use")
+    speed: float = Field(
+        default=1.0,
+        gt=0,
+        le=MAX_SPEED,
+        allow_inf_nan=False,
+        description="relative to the profiled device",
+    )
     reserved_bytes: int = Field(
-        default=0, ge=0, description="memory the runtime takes before any stage (CUDA context...)"
+        default=0,
+        ge=0,
+        le=MAX_BYTES,
+        description="memory the runtime takes before any stage (CUDA context...)",
     )
     torch_device: str | None = Field(
         default=None, description="where a compiled pipe puts this stage, e.g. cuda:3"
@@ -29,10 +47,12 @@ class Device(BaseModel):
     def _size_text(cls, v: object) -> object:
         """Cluster files may write sizes as people do: "80GiB"."""
         if isinstance(v, str):
+            if v.strip() in ("0", "0B"):
+                return 0
             try:
                 return parse_size(v)
-            except InputError as e:
-                raise ValueError(str(e)) from None
+            except ArgumentError as e:
+                raise ValueError(e.problem) from None
         return v
 
 
@@ -41,9 +61,13 @@ class Link(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     bandwidth_bytes_per_s: float | None = Field(
-        default=None, gt=0, description="None: transfers are free (not modelled)"
+        default=None,
+        gt=0,
+        le=MAX_BANDWIDTH,
+        allow_inf_nan=False,
+        description="None: transfers are free (not modelled)",
     )
-    latency_ms: float = Field(default=0.0, ge=0)
+    latency_ms: float = Field(default=0.0, ge=0, le=MAX_MS, allow_inf_nan=False)
 
     def transfer_ms(self, nbytes: float) -> float:
         if self.bandwidth_bytes_per_s is None:
@@ -55,7 +79,7 @@ class Cluster(Artifact):
     """Devices in pipeline order: stage k runs on devices[k]."""
 
     kind: Literal["cluster"] = "cluster"
-    devices: list[Device] = Field(min_length=1)
+    devices: list[Device] = Field(min_length=1, max_length=MAX_DEVICES)
     links: list[Link] = Field(default_factory=list, description="len(devices) - 1, or empty")
 
     @model_validator(mode="after")
@@ -66,6 +90,9 @@ class Cluster(Artifact):
             raise ValueError(
                 f"{len(self.devices)} devices need {len(self.devices) - 1} links, got {len(self.links)}"
             )
+        names = [d.name for d in self.devices]
+        if len(set(names)) != len(names):
+            raise ValueError(f"device names must differ: {names}")
         return self
 
     @classmethod
@@ -79,12 +106,16 @@ class Cluster(Artifact):
         latency_ms: float = 0.0,
         name: str = "dev",
     ) -> Cluster:
-        """`num_devices` identical devices of `memory` each (`"16GiB"` or bytes)."""
-        if num_devices < 1:
-            raise InputError(f"--devices {num_devices}: need at least one device")
-        if not math.isfinite(speed) or speed <= 0:
-            raise InputError(f"speed {speed}: must be positive")
-        mem = parse_size(memory, what="--memory")
+        """`num_devices` identical devices of `memory` each (`"16GiB"` or bytes), `bandwidth`
+        bytes per second and `latency_ms` between neighbours (None: transfers are free)."""
+        whole(num_devices, "num_devices", 1, MAX_DEVICES)
+        real(speed, "speed", 0, MAX_SPEED, above=True)
+        if bandwidth is not None:
+            real(bandwidth, "bandwidth", 0, MAX_BANDWIDTH, above=True)
+        real(latency_ms, "latency_ms", 0, MAX_MS)
+        if not isinstance(name, str) or not name:
+            raise ArgumentError("name", name, "expected a non-empty string")
+        mem = parse_size(memory, what="memory")
         return cls(
             devices=[
                 Device(name=f"{name}{k}", memory_bytes=mem, speed=speed) for k in range(num_devices)

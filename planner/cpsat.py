@@ -18,7 +18,7 @@ With cuts, first[k][s] (s >= 1) also places the link between stages s - 1 and s 
 
     bottleneck >= cuts[s - 1][k] first[k][s],    first[k][s] = 0 where cuts[s - 1][k] is inf
 
-Times and cuts are scaled to integers (nanoseconds) and speeds to thousandths, so the optimum is
+Times and cuts are scaled to integers (nanoseconds; coarser only where int64 would overflow) and speeds to thousandths, so the optimum is
 exact for the scaled costs; the reported bottleneck is recomputed in floating point from the split.
 Imported only when CP-SAT runs: ortools is a heavy import.
 """
@@ -30,6 +30,8 @@ from collections.abc import Sequence
 from fractions import Fraction
 
 import numpy as np
+
+from profiler.limits import INT64_SAFE
 
 from .costs import Chain
 from .memory import MemoryModel
@@ -58,7 +60,8 @@ def _live(m: object, c: Chain, x: list, first: list, s: int, L: int) -> object:
 def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first: list, s: int,
                 L: int) -> None:  # fmt: skip
     """Constrain stage s to its budget under the memory model, as linear expressions."""
-    c, shape, cap = memory.chain, spec.shape, int(spec.budget)
+    c, shape = memory.chain, spec.shape
+    cap = min(int(spec.budget), _held_bound(c, shape))  # a budget past all it could hold: same
 
     def over(values: np.ndarray, var: list) -> object:
         return sum(int(values[k]) * var[k][s] for k in range(L) if values[k])
@@ -99,11 +102,27 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
         size = p if shape.foreach else largest(c.largest_param, c.largest_param, "param")
         # per_byte x size, rounded up as the model does; per_byte as a fraction of integers
         # (exact for the measured ratios, which have small denominators)
-        ratio = Fraction(shape.optimizer_step).limit_denominator(1 << 20)
+        # (the denominator is kept small enough for num x size to stay inside int64)
+        top = max(int(c.params.sum()), cap, 1) * (int(shape.optimizer_step) + 1)
+        ratio = Fraction(shape.optimizer_step).limit_denominator(
+            max(1, min(1 << 20, INT64_SAFE // top))
+        )
         num, den = ratio.numerator, ratio.denominator
         step = m.new_int_var(0, max(cap, 0), f"step{s}")  # type: ignore[attr-defined]
         m.add(step * den >= num * size)  # type: ignore[attr-defined]
         m.add(weights + step + shape.reserved <= cap)  # type: ignore[attr-defined]
+
+
+def _held_bound(c: Chain, shape: object) -> int:
+    """More than any stage can hold under `shape`: every layer's weights and, per micro-batch
+    counted in its worst occupancy tuple, every state's bytes and the largest transient."""
+    weights = (2 + shape.optimizer_slots) * int(c.params.sum()) + int(c.buffers.sum())  # type: ignore[attr-defined]
+    per_mb = sum(int(a.sum()) for a in (c.boundary, c.saved, c.zgrad, c.grad_in, c.input_unsaved))
+    transient = max(int(a.max()) for a in (c.forward_transient, c.backward_transient,
+                    c.forward_peak, c.input_grad_transient, c.weight_grad_transient, c.boundary))  # fmt: skip
+    count = max((sum(t) for t in shape.occupancy), default=1)  # type: ignore[attr-defined]
+    step = math.ceil(shape.optimizer_step * int(c.params.sum()))  # type: ignore[attr-defined]
+    return weights + count * (per_mb + 6 * transient) + step + shape.reserved + 1  # type: ignore[attr-defined]
 
 
 def solve_partition_cpsat(
@@ -121,8 +140,12 @@ def solve_partition_cpsat(
     if not 1 <= S <= L:
         raise ValueError(f"cannot split {L} layers into {S} non-empty stages")
     links = cut_table(cuts, L, S)
-    t = [int(round(float(v) * TIME_SCALE)) for v in times]
     speed = [max(1, int(round(st.speed * SPEED_SCALE))) for st in stages]
+    # ns, unless the horizon x speed would leave int64: then coarser, as fine as fits
+    worst = max(float(np.sum(times)), max((float(np.max(r[np.isfinite(r)], initial=0)) for r in
+                (cuts or [])), default=0.0), 1e-9)  # fmt: skip
+    scale = min(TIME_SCALE, 2.0**60 / (worst * SPEED_SCALE * max(speed)))
+    t = [int(round(float(v) * scale)) for v in times]
     m = cp_model.CpModel()
     stage_of = [m.new_int_var(0, S - 1, f"stage_of{k}") for k in range(L)]
     m.add(stage_of[0] == 0)
@@ -144,7 +167,7 @@ def solve_partition_cpsat(
                 m.add_bool_or([first[k][s], x[k][s].Not(), step[k - 1].Not()])
     # link[s - 1][k]: ns of the transfer when stages s - 1 and s meet at boundary k; None: forbidden
     link = [
-        [None if math.isinf(v) else round(v * TIME_SCALE) for v in row.tolist()]
+        [None if math.isinf(v) else round(v * scale) for v in row.tolist()]
         for row in (links if links is not None else ())
     ]
     horizon = max([sum(t) * SPEED_SCALE] + [v for row in link for v in row if v is not None])
@@ -175,8 +198,8 @@ def solve_partition_cpsat(
     costs = stage_costs(np.asarray(times, dtype=np.float64), bounds, [st.speed for st in stages])
     # The objective is an integer (ns) that CP-SAT reports as a float, which can land a hair off:
     # round the value found, and round the bound up (no integer below it is feasible).
-    found = round(solver.objective_value) / TIME_SCALE
-    bound = math.ceil(solver.best_objective_bound - 1e-6) / TIME_SCALE
+    found = round(solver.objective_value) / scale
+    bound = math.ceil(solver.best_objective_bound - 1e-6) / scale
     return Partition(
         bounds=bounds,
         bottleneck=max(costs + split_cuts(links, bounds)),

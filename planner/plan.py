@@ -3,11 +3,12 @@ cost. Torch-free, so `check`, `show` and `simulate` answer without importing tor
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from profiler.artifact import Artifact
+from profiler.limits import MAX_BATCH, MAX_BYTES, MAX_MICROBATCHES
 
 from .cluster import Cluster
 
@@ -17,80 +18,85 @@ Optimizer = Literal["sgd", "momentum", "adam"]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+Bytes = Annotated[int, Field(ge=0, le=2**62)]
+Ms = Annotated[float, Field(ge=0)]
+Count = Annotated[int, Field(ge=0)]
 
 
 class MemoryBreakdown(_Strict):
     """Bytes a stage holds at its peak (planner/memory.py says how each term is computed)."""
 
-    params: int
-    grads: int
-    optimizer: int
-    stashed_activations: int = Field(
+    params: Bytes
+    grads: Bytes
+    optimizer: Bytes
+    stashed_activations: Bytes = Field(
         description="inputs and saved activations of the micro-batches in flight (the loss's apart)"
     )
-    loss: int = Field(description="what the loss function saves for backward (last stage)")
-    gradient_buffers: int = Field(
+    loss: Bytes = Field(description="what the loss function saves for backward (last stage)")
+    gradient_buffers: Bytes = Field(
         description="input gradients waiting for the previous stage, zero-bubble I-to-W buffers"
     )
-    live_activations: int = Field(description="the running action's transient")
-    optimizer_step: int = Field(
+    live_activations: Bytes = Field(description="the running action's transient")
+    optimizer_step: Bytes = Field(
         default=0, description="the optimizer step's temporaries, when that is the worst moment"
     )
-    workspace: int
-    total: int
-    budget: int
+    workspace: Bytes
+    total: Bytes
+    budget: int = Field(gt=0, le=MAX_BYTES)
 
 
 class StateBytes(_Strict):
     """Bytes one micro-batch holds on the stage's device in each state (schedules/memory.py)."""
 
-    input: int
-    activations: int
-    during_i: int
-    between_iw: int
-    grad: int
-    pulled: int
-    live: int = Field(description="the stage's largest transient while one of its actions runs")
-    remat_live: int = Field(description="... while zero bubble re-materialises at I")
-    forward_live: int = Field(description="... while a forward that keeps nothing runs")
-    input_live: int = Field(description="... while zero-bubble I runs")
-    weight_live: int = Field(description="... while zero-bubble W runs")
-    optimizer_step: int = Field(description="the optimizer step's temporaries, after the step")
+    input: Bytes
+    activations: Bytes
+    during_i: Bytes
+    between_iw: Bytes
+    grad: Bytes
+    pulled: Bytes
+    live: Bytes = Field(description="the stage's largest transient while one of its actions runs")
+    remat_live: Bytes = Field(description="... while zero bubble re-materialises at I")
+    forward_live: Bytes = Field(description="... while a forward that keeps nothing runs")
+    input_live: Bytes = Field(description="... while zero-bubble I runs")
+    weight_live: Bytes = Field(description="... while zero-bubble W runs")
+    optimizer_step: Bytes = Field(description="the optimizer step's temporaries, after the step")
     foreach: bool = Field(description="the optimizer's multi-tensor kernels make them all at once")
-    static: int = Field(description="weights, gradients, optimizer state and workspace")
+    static: Bytes = Field(description="weights, gradients, optimizer state and workspace")
 
 
 class StagePlan(_Strict):
-    index: int
-    rank: int = Field(description="position of the stage's device in the cluster")
+    index: Count
+    rank: Count = Field(description="position of the stage's device in the cluster")
     device: str
     layers: tuple[int, int] = Field(description="[start, end) in the model's layer order")
     layer_types: list[str]
     recompute: Recompute
-    inflight: int = Field(description="micro-batches whose tensors the stage holds at its worst")
-    occupancy: list[tuple[int, ...]] = Field(
+    inflight: Count = Field(description="micro-batches whose tensors the stage holds at its worst")
+    occupancy: list[tuple[Count, ...]] = Field(
         description="micro-batches per state (input, activations, during_i, between_iw, grad, "
         "pulled), "
         "then which transient (live, remat_live, forward_live, input_live, weight_live) runs, at "
         "the stage's candidate peaks"
     )
-    work_ms: float = Field(
+    work_ms: Ms = Field(
         description="what the partition balances: one micro-batch's forward, backward (I + W for "
         "zero bubble) and average recomputation on this device"
     )
-    forward_ms: float = Field(description="per micro-batch, on this device")
-    backward_ms: float
-    input_grad_ms: float = Field(description="the input gradient alone (zero-bubble I)")
-    weight_grad_ms: float = Field(
+    forward_ms: Ms = Field(description="per micro-batch, on this device")
+    backward_ms: Ms
+    input_grad_ms: Ms = Field(description="the input gradient alone (zero-bubble I)")
+    weight_grad_ms: Ms = Field(
         description="the weight gradients alone, layer by layer (zero-bubble W); I + W may exceed "
         "backward_ms: W re-derives each layer's internal gradients"
     )
-    recompute_ms: float
-    send_bytes: int = Field(description="per micro-batch, to the next stage (0 for the last)")
-    send_ms: float
-    stash_bytes: int = Field(description="what one micro-batch leaves saved for backward")
-    input_bytes: int = Field(description="one micro-batch entering the stage")
+    recompute_ms: Ms
+    send_bytes: Bytes = Field(description="per micro-batch, to the next stage (0 for the last)")
+    send_ms: Ms
+    stash_bytes: Bytes = Field(description="what one micro-batch leaves saved for backward")
+    input_bytes: Bytes = Field(description="one micro-batch entering the stage")
     state_bytes: StateBytes
     memory: MemoryBreakdown
 
@@ -100,18 +106,18 @@ class DeviceUse(_Strict):
 
     name: str
     stages: list[int]
-    total: int
-    budget: int
+    total: Bytes
+    budget: int = Field(gt=0, le=MAX_BYTES)
 
 
 class Prediction(_Strict):
-    iteration_ms: float
-    bubble_fraction: float
-    throughput_samples_per_s: float
-    bottleneck_ms: float = Field(
+    iteration_ms: Ms
+    bubble_fraction: float = Field(ge=0, le=1)
+    throughput_samples_per_s: float = Field(ge=0, description="0 when the times are all zero")
+    bottleneck_ms: Ms = Field(
         description="the busiest resource per micro-batch: a stage's work_ms or a link's transfer"
     )
-    peak_memory: list[int] = Field(description="per device, from the simulated schedule")
+    peak_memory: list[Bytes] = Field(description="per device, from the simulated schedule")
 
 
 class SolverInfo(_Strict):
@@ -121,19 +127,26 @@ class SolverInfo(_Strict):
         "under the model the simulator uses"
     )
     unproven: str = Field(default="", description="what is not proven, when optimal is false")
-    lower_bound_ms: float
+    lower_bound_ms: Ms
     gap: float
-    candidates: int = Field(
+    candidates: Count = Field(
         description="(micro-batch count, schedule, recompute) combinations solved"
     )
 
 
 class PlanMeta(_Strict):
-    """Facts about the run, not the plan: left out of the digest and free to differ."""
+    """Left out of the digest. Nothing here depends on the time or the machine, so the same
+    inputs give a byte-identical plan.json (the solve time goes to the terminal only)."""
 
-    created: str = ""
     tool_version: str = ""
-    solve_ms: float = 0.0
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_run_facts(cls, data: object) -> object:
+        """Plans written before 0.1 carried `created` and `solve_ms`: read them, keep neither."""
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k not in ("created", "solve_ms")}
+        return data
 
 
 class Plan(Artifact):
@@ -146,15 +159,17 @@ class Plan(Artifact):
     cluster_digest: str
     device_type: str = Field(description="where the profile was measured, e.g. cpu or cuda:0")
     dtype: str
-    input_shape: list[int] = Field(description="one sample of the model's input")
+    input_shape: list[Count] = Field(description="one sample of the model's input")
     input_dtype: str
     num_layers: int = Field(gt=0)
     cluster: Cluster
-    batch_size: int = Field(gt=0)
-    microbatches: int = Field(gt=0)
+    batch_size: int = Field(gt=0, le=MAX_BATCH)
+    microbatches: int = Field(gt=0, le=MAX_MICROBATCHES)
     microbatch_size: int = Field(gt=0, description="the largest micro-batch: ceil(N / M)")
     schedule: Schedule
-    stages_per_device: int = Field(default=1, description="v: chunks per device (interleaved)")
+    stages_per_device: int = Field(
+        default=1, ge=1, le=2, description="v: chunks per device (interleaved)"
+    )
     recompute: Recompute
     optimizer: Optimizer
     loss: str = Field(default="", description="the profiled loss the last stage includes, if any")
@@ -163,7 +178,73 @@ class Plan(Artifact):
     predicted: Prediction
     solver: SolverInfo
     meta: PlanMeta = PlanMeta()
+    _solve_ms: float = PrivateAttr(default=0.0)
 
     @property
     def fits(self) -> bool:
         return all(d.total <= d.budget for d in self.devices)
+
+    @property
+    def solve_ms(self) -> float:
+        """How long plan_pipeline took (0 for a plan read from disk): not saved."""
+        return self._solve_ms
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Plan:
+        """A plan is run as written: one that runs a layer twice, skips one, or disagrees with
+        its own cluster or schedule is refused here, before anything reads it."""
+        K, v, S = len(self.cluster.devices), self.stages_per_device, len(self.stages)
+        if v != (2 if self.schedule == "interleaved-1f1b" else 1):
+            raise ValueError(f"stages_per_device {v} does not fit schedule {self.schedule}")
+        if S != K * v:
+            raise ValueError(f"{S} stages on {K} devices x {v}: expected {K * v} stages")
+        end = 0
+        for s, st in enumerate(self.stages):
+            i, j = st.layers
+            if st.index != s:
+                raise ValueError(f"stage {s} is numbered {st.index}; number stages 0, 1, 2, ...")
+            if i != end or j <= i:
+                raise ValueError(
+                    f"stage {s} holds layers [{i}, {j}), but it must start at layer {end} and "
+                    "hold at least one: stages are contiguous, in order, and cover every layer"
+                )
+            end = j
+            if st.rank != s % K or st.device != self.cluster.devices[s % K].name:
+                raise ValueError(
+                    f"stage {s} is on {st.device} (rank {st.rank}); the cluster puts it on "
+                    f"{self.cluster.devices[s % K].name} (rank {s % K})"
+                )
+            if st.recompute != self.recompute:
+                raise ValueError(
+                    f"stage {s}: recompute {st.recompute}, the plan's is {self.recompute}"
+                )
+        if end != self.num_layers:
+            raise ValueError(f"the stages cover layers [0, {end}) of {self.num_layers}")
+        for st in self.stages:
+            if len(st.layer_types) != st.layers[1] - st.layers[0]:
+                raise ValueError(f"stage {st.index}: {len(st.layer_types)} layer types listed")
+        N, M = self.batch_size, self.microbatches
+        if M > N or self.microbatch_size != -(-N // M):
+            raise ValueError(
+                f"batch {N} as {M} micro-batches needs micro-batches of {-(-N // M)} "
+                f"(and M <= N), not {self.microbatch_size}"
+            )
+        if v > 1 and M > K and M % K:
+            raise ValueError(
+                f"interleaved-1f1b runs {M} micro-batches on {K} devices: needs M <= K or a multiple of K"
+            )
+        if len(self.devices) != K or len(self.predicted.peak_memory) != K:
+            raise ValueError(
+                f"the cluster has {K} devices; devices and predicted.peak_memory list {len(self.devices)} and {len(self.predicted.peak_memory)}"
+            )
+        for k, (use, dev) in enumerate(zip(self.devices, self.cluster.devices)):
+            if use.name != dev.name or use.budget != dev.memory_bytes:
+                raise ValueError(
+                    f"devices[{k}] ({use.name}, budget {use.budget}) differs from the cluster's "
+                    f"device {k} ({dev.name}, {dev.memory_bytes} bytes)"
+                )
+            if use.stages != list(range(k, S, K)):
+                raise ValueError(
+                    f"devices[{k}] lists stages {use.stages}, not {list(range(k, S, K))}"
+                )
+        return self

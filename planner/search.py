@@ -15,7 +15,6 @@ which looping needs, is taken to be as slow as the slowest link.
 
 from __future__ import annotations
 
-import datetime
 import math
 import time
 from dataclasses import dataclass
@@ -23,7 +22,14 @@ from functools import lru_cache
 
 import numpy as np
 
-from profiler.artifact import InputError
+from profiler.limits import (
+    INT64_SAFE,
+    MAX_BATCH,
+    MAX_MICROBATCHES,
+    ArgumentError,
+    choice,
+    whole,
+)
 from profiler.types import Profile
 from schedules import SCHEDULE_NAMES, Costs, Schedule, Timeline, build_schedule, simulate
 from schedules.memory import StageBytes, occupancy
@@ -90,6 +96,7 @@ class _Problem:
     digests: tuple[str, str] = ("", "")  # of the profile and the cluster: computed once
 
     def chain(self, cand: Candidate) -> tuple[Chain, MemoryModel]:
+        """The per-layer costs at the candidate's micro-batch size (computed once per size)."""
         mb = -(-self.batch_size // cand.microbatches)
         if mb not in self.chains:
             chain = chain_at(self.profile, mb)
@@ -99,9 +106,10 @@ class _Problem:
 
 def microbatch_candidates(batch_size: int, num_devices: int) -> list[int]:
     """Every M up to 4K (where the bubble matters most), then powers of two, all <= N."""
-    small = set(range(1, min(batch_size, 4 * num_devices, 64) + 1))
-    powers = {2**k for k in range(int(math.log2(batch_size)) + 1)}
-    return sorted(m for m in small | powers | {batch_size} if m <= batch_size)
+    top = min(batch_size, MAX_MICROBATCHES)
+    small = set(range(1, min(top, 4 * num_devices, 64) + 1))
+    powers = {2**k for k in range(int(math.log2(top)) + 1)}
+    return sorted(small | powers | {top})
 
 
 def plan_pipeline(
@@ -117,36 +125,41 @@ def plan_pipeline(
 ) -> Plan:
     """The fastest predicted plan for `profile` on `cluster` that fits every device's memory.
 
-    Raises InputError for bad arguments and InfeasibleError when no split fits."""
+    Raises ArgumentError (an InputError) for bad arguments and InfeasibleError when no split fits."""
     started = time.perf_counter()
+    if not isinstance(profile, Profile):
+        raise ArgumentError("profile", type(profile).__name__, "expected a Profile")
+    if not isinstance(cluster, Cluster):
+        raise ArgumentError("cluster", type(cluster).__name__, "expected a Cluster")
     K, L = cluster.size, len(profile.layers)
-    if batch_size < 1:
-        raise InputError(f"--batch-size {batch_size}: must be at least 1")
+    whole(batch_size, "batch_size", 1, MAX_BATCH)
     if K > L:
-        raise InputError(
-            f"{K} devices but the model has only {L} layers: every stage needs at least one layer; "
-            f"use --devices {L} or fewer"
+        raise ArgumentError(
+            "cluster",
+            f"{K} devices",
+            f"the model has only {L} layers and every stage needs at least one; use {L} "
+            "devices or fewer",
         )
-    if optimizer not in OPTIMIZER_SLOTS:
-        raise InputError(f"--optimizer {optimizer!r}: choose one of {', '.join(OPTIMIZER_SLOTS)}")
-    if solver not in SOLVERS:
-        raise InputError(f"--solver {solver!r}: choose one of {', '.join(SOLVERS)}")
-    ms = _choices(microbatches, microbatch_candidates(batch_size, K), "--microbatches")
-    if any(m > batch_size or m < 1 for m in ms):
-        raise InputError(
-            f"--microbatches {microbatches}: must be between 1 and the batch size {batch_size}"
-        )
-    schedules = _choices(schedule, list(SCHEDULE_NAMES), "--schedule")
-    modes = _choices(recompute, list(RECOMPUTE_MODES), "--checkpoint")
+    choice(optimizer, "optimizer", tuple(OPTIMIZER_SLOTS))
+    choice(solver, "solver", SOLVERS)
+    if microbatches == "auto":
+        ms = microbatch_candidates(batch_size, K)
+    else:
+        ms = [whole(microbatches, "microbatches", 1, min(batch_size, MAX_MICROBATCHES))]
+    schedules = _choices(schedule, SCHEDULE_NAMES, "schedule")
+    modes = _choices(recompute, RECOMPUTE_MODES, "recompute")
+    _check_magnitude(profile, batch_size)
     candidates = [
         c
         for c in (Candidate(m, s, r) for m in ms for s in schedules for r in modes)
         if _possible(c, K, L)
     ]
     if not candidates:
-        raise InputError(
-            f"--schedule interleaved-1f1b needs {INTERLEAVE * K} layers or more and a micro-batch "
-            f"count that is at most {K} or a multiple of {K}"
+        raise ArgumentError(
+            "schedule",
+            schedule,
+            f"interleaved-1f1b needs {INTERLEAVE * K} layers or more and a micro-batch count "
+            f"that is at most {K} or a multiple of {K}",
         )
     solve, method = (
         (solve_partition_dp, "dp") if solver == "dp" else (solve_partition, "probe-bisection")
@@ -183,30 +196,48 @@ def plan_pipeline(
 
         chain, memory = problem.chain(best_cand)
         specs = _stage_specs(problem, best_cand)
-        part = solve_partition_cpsat(
-            _balance_times(chain, best_cand),
-            memory,
-            specs,
-            cuts=_cut_costs(cluster, best_cand, chain),
-        )
-        assert part is not None, "CP-SAT found infeasible what the probe solved"
-        best = _build_plan(problem, best_cand, specs, part, "cp-sat")
+        try:
+            part = solve_partition_cpsat(
+                _balance_times(chain, best_cand),
+                memory,
+                specs,
+                cuts=_cut_costs(cluster, best_cand, chain),
+            )
+            failed = "" if part is not None else "it found infeasible what the probe solved"
+        except RuntimeError as e:
+            part, failed = None, str(e)
+        if part is not None:
+            best = _build_plan(problem, best_cand, specs, part, "cp-sat")
+        else:  # keep the probe's exact split, and say that CP-SAT did not confirm it
+            best.solver = best.solver.model_copy(
+                update={"unproven": f"CP-SAT could not re-solve the split: {failed}"}
+            )
     best.solver = best.solver.model_copy(update={"candidates": len(candidates)})
-    best.meta = best.meta.model_copy(update={"solve_ms": (time.perf_counter() - started) * 1e3})
+    best._solve_ms = (time.perf_counter() - started) * 1e3
     return best
 
 
-def _choices(value: int | str, allowed: list, flag: str) -> list:
-    if value == "auto":
-        return allowed
-    if isinstance(allowed[0], int):
-        try:
-            return [int(value)]
-        except (TypeError, ValueError):
-            raise InputError(f"{flag} {value!r}: expected auto or a whole number") from None
-    if value not in allowed:
-        raise InputError(f"{flag} {value!r}: choose auto or one of {', '.join(allowed)}")
-    return [value]
+def _choices(value: str, allowed: tuple[str, ...] | list[str], arg: str) -> list[str]:
+    return list(allowed) if value == "auto" else [choice(value, arg, ("auto", *allowed))]
+
+
+def _check_magnitude(profile: Profile, batch_size: int) -> None:
+    """Refuse at once a batch so far past the profiled sizes that its extrapolated bytes would
+    overflow the planner's int64 arithmetic (the total is about the same for every M)."""
+    chain = chain_at(profile, batch_size)
+    per_layer = [getattr(chain, f) for f in _BYTE_TERMS]
+    total = sum(int(x.sum()) for x in per_layer) + 8 * int(chain.params.sum())
+    if total * 4 >= INT64_SAFE:
+        raise ArgumentError(
+            "batch_size",
+            batch_size,
+            f"by the profile (measured up to {max(profile.batch_sizes)} samples) its tensors "
+            f"would take {format_size(total)}, past what any device holds; use a smaller batch",
+        )
+
+
+_BYTE_TERMS = ("saved", "forward_transient", "backward_transient", "input_unsaved", "forward_peak",
+               "input_grad_transient", "weight_grad_transient", "zgrad", "grad_in", "boundary")  # fmt: skip
 
 
 def _possible(c: Candidate, K: int, L: int) -> bool:
@@ -403,9 +434,7 @@ def _build_plan(
         predicted=Prediction(
             iteration_ms=total_ms,
             bubble_fraction=timeline.bubble_fraction,
-            throughput_samples_per_s=(
-                problem.batch_size / total_ms * 1e3 if total_ms > 0 else math.inf
-            ),
+            throughput_samples_per_s=(problem.batch_size / total_ms * 1e3 if total_ms > 0 else 0.0),
             bottleneck_ms=part.bottleneck,
             peak_memory=timeline.peak_memory,
         ),
@@ -417,10 +446,7 @@ def _build_plan(
             gap=part.extra.get("gap", 0.0) if v == 1 else 1.0,
             candidates=1,
         ),
-        meta=PlanMeta(
-            created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            tool_version=_version(),
-        ),
+        meta=PlanMeta(tool_version=_version()),
     )
 
 
@@ -468,8 +494,10 @@ def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleErr
 
         hi = need if need is not None else 1
         if need is None:
-            while not fits(hi):
+            while hi < INT64_SAFE and not fits(hi):
                 hi *= 2
+            if hi >= INT64_SAFE:
+                continue
         elif not fits(hi):
             continue
         lo = 0  # nothing fits in 0 bytes
@@ -484,13 +512,14 @@ def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleErr
             closest = _build_plan(
                 problem, cand, _stage_specs(problem, cand), part, "probe-bisection"
             )
-    assert need is not None and closest is not None
+    if need is None or closest is None:
+        return InfeasibleError("no split fits at any memory size", INT64_SAFE, None)
     worst = max(closest.devices, key=lambda d: d.total - d.budget)
     return InfeasibleError(
         f"no split fits: the best one (M={closest.microbatches}, {closest.schedule}, "
-        f"recompute {closest.recompute}) needs {format_size(need)} per device; {worst.name} "
-        f"would need {format_size(worst.total)} of {format_size(worst.budget)} "
-        f"(over by {format_size(worst.total - worst.budget)})",
+        f"recompute {closest.recompute}) needs {format_size(need, up=True)} ({need} bytes) per "
+        f"device; {worst.name} would need {format_size(worst.total, up=True)} of "
+        f"{format_size(worst.budget)} (over by {format_size(worst.total - worst.budget, up=True)})",
         need,
         closest,
     )

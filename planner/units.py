@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import re
 
-from profiler.artifact import InputError
+from profiler.limits import MAX_BANDWIDTH, MAX_BYTES, ArgumentError
 
 _UNITS = {
     "": 1,
@@ -17,44 +18,76 @@ _UNITS = {
     "gb": 10**9,
     "t": 10**12,
     "tb": 10**12,
+    "p": 10**15,
+    "pb": 10**15,
     "kib": 2**10,
     "mib": 2**20,
     "gib": 2**30,
     "tib": 2**40,
+    "pib": 2**50,
 }
 _SIZE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_size(text: str | int, what: str = "size") -> int:
-    """Bytes from `16GiB` (binary), `16GB` (decimal), `16e9` or a plain integer. Must be > 0."""
-    if isinstance(text, int):
-        value = text
-    else:
-        m = _SIZE.match(str(text))
-        unit = m.group(2).lower() if m else None
-        if m is None or unit not in _UNITS:
-            raise InputError(
-                f"{what} {text!r}: not a size; write e.g. 16GiB, 16GB, 512MiB, 16e9 or 17179869184"
-            )
-        value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
-        raise InputError(f"{what} {text!r}: must be positive")
+def parse_size(text: str | int | float, what: str = "size") -> int:
+    """Bytes from `16GiB` (binary), `16GB` (decimal), `16e9` or a plain integer: more than 0,
+    at most 1 PiB (MAX_BYTES)."""
+    number = _amount(text, what)
+    if number > MAX_BYTES:
+        raise ArgumentError(what, text, f"more than {format_size(MAX_BYTES)}; no device holds that")
+    if number != int(number):
+        raise ArgumentError(what, text, "not a whole number of bytes")
+    return int(number)
+
+
+def parse_bandwidth(text: str, what: str = "bandwidth") -> float:
+    """Bytes per second from `25GB/s` (the `/s` is optional)."""
+    body = text.strip() if isinstance(text, str) else text
+    if isinstance(body, str) and body.lower().endswith("/s"):
+        body = body[:-2]
+    try:
+        value = _amount(body, what)
+    except ArgumentError as e:
+        raise ArgumentError(what, text, e.problem) from None
+    if value > MAX_BANDWIDTH:
+        raise ArgumentError(what, text, f"more than {MAX_BANDWIDTH:g} bytes per second")
     return value
 
 
-def parse_bandwidth(text: str) -> float:
-    """Bytes per second from `25GB/s` (the `/s` is optional)."""
-    body = text.strip()
-    if body.lower().endswith("/s"):
-        body = body[:-2]
-    return float(parse_size(body, what="bandwidth"))
+def _amount(text: str | int | float, what: str) -> float:
+    """A positive, finite number of bytes as written: 16GiB, 16GB, 16e9, 17179869184."""
+    if isinstance(text, bool) or not isinstance(text, str | int | float):
+        raise ArgumentError(what, text, "expected a size such as 16GiB or a number of bytes")
+    if isinstance(text, str):
+        m = _SIZE.match(text)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ArgumentError(
+                what, text, "not a size; write e.g. 16GiB, 16GB, 512MiB, 16e9 or 17179869184"
+            )
+        number = float(m.group(1)) * _UNITS[unit]
+    else:
+        number = float(text)
+    if not math.isfinite(number):
+        raise ArgumentError(what, text, "must be a finite number")
+    if number <= 0:
+        raise ArgumentError(what, text, "must be positive")
+    return number
 
 
-def format_size(n: float) -> str:
-    """Binary units, three significant digits: 1.50 GiB, 512 MiB, 12.0 KiB."""
+def format_size(n: float, *, up: bool = False) -> str:
+    """Binary units, three significant digits: 1.50 GiB, 512 MiB, 12.0 KiB. With `up`, rounded
+    up, never down: for what something needs, so that the figure pasted back is enough."""
     sign = "-" if n < 0 else ""
     n = abs(n)
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    for unit, scale in (
+        ("PiB", 2**50), ("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)
+    ):  # fmt: skip
         if n >= scale:
-            return f"{sign}{n / scale:.3g} {unit}"
-    return f"{sign}{int(n)} B"
+            x = n / scale
+            if up:
+                step = 10.0 ** (math.floor(math.log10(x)) - 2)
+                x = math.ceil(round(x / step, 6)) * step
+            text = f"{x:.3g}"
+            return f"{sign}{x:.0f} {unit}" if "e" in text else f"{sign}{text} {unit}"
+    return f"{sign}{math.ceil(n) if up else int(n)} B"

@@ -9,7 +9,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -44,7 +43,9 @@ class Artifact(BaseModel):
         return hashlib.sha256(self.canonical_json(with_meta=False).encode()).hexdigest()
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        write_atomic(Path(path), self.canonical_json())
+        from .files import write_output
+
+        write_output(path, self.canonical_json())
 
     @classmethod
     def load(cls: type[A], path: str | os.PathLike[str]) -> A:
@@ -78,8 +79,11 @@ class Artifact(BaseModel):
             return cls.model_validate(data)
         except ValidationError as e:
             first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-            raise InputError(f"{source}: invalid {expected}: {where}: {first['msg']}") from None
+            where = ".".join(str(p) for p in first["loc"])
+            msg = first["msg"].removeprefix("Value error, ")
+            raise InputError(
+                f"{source}: invalid {expected}: {where + ': ' if where else ''}{msg}"
+            ) from None
 
 
 def _read(path: Path) -> str:
@@ -91,18 +95,3 @@ def _read(path: Path) -> str:
         raise InputError(f"{path}: is a directory, expected a JSON file") from None
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"{path}: cannot read ({e})") from None
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write to a temp file beside `path`, then rename: readers never see a half-written file."""
-    directory = path.parent if str(path.parent) else Path(".")
-    if not directory.is_dir():
-        raise InputError(f"{path}: directory {directory} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -22,9 +22,10 @@ from torch import nn
 from torch.autograd.graph import get_gradient_edge
 
 from .artifact import InputError
+from .limits import MAX_BATCH, MAX_LAYERS, ArgumentError, real, whole
 from .losses import LossFn, LossLayer, resolve_loss
 from .memtrack import owned_by, trace_allocations
-from .models import model_digest
+from .models import check_allocation, model_digest
 from .timing import time_layers
 from .types import PER_SIZE, LayerProfile, OptimizerStep, Profile, ProfileMeta
 
@@ -59,19 +60,28 @@ def profile_model(
         )
     if len(model) == 0:
         raise InputError("the model has no layers")
-    if repeats < 1 or warmup < 0:
-        raise InputError("--repeats must be at least 1 and --warmup at least 0")
+    if len(model) > MAX_LAYERS:
+        raise ArgumentError("model", f"{len(model)} layers", f"more than {MAX_LAYERS} layers")
+    whole(repeats, "repeats", 1, 10_000)
+    whole(warmup, "warmup", 0, 1000)
+    whole(max_repeats, "max_repeats", 1, 100_000)
+    real(time_budget_s, "time_budget_s", 0, 86400)
+    if threads is not None:
+        whole(threads, "threads", 1, 1024)
     dev = _device(device)
-    if sample.dim() < 1 or sample.shape[0] < 1:
-        raise InputError("the sample input needs a batch dimension of at least 1")
+    if not isinstance(sample, torch.Tensor) or sample.dim() < 1 or sample.shape[0] < 1:
+        raise ArgumentError("sample", type(sample).__name__, "expected a tensor, batch first")
+    if batch_sizes is not None:
+        if not isinstance(batch_sizes, list | tuple) or not 1 <= len(batch_sizes) <= 64:
+            raise ArgumentError("batch_sizes", batch_sizes, "expected a list of 1 to 64 sizes")
+        for b in batch_sizes:
+            whole(b, "batch_sizes", 1, MAX_BATCH)
     sizes = sorted(set(batch_sizes or _default_sizes(sample.shape[0])))
-    if sizes[0] < 1:
-        raise InputError(f"batch sizes must be positive, got {sizes[0]}")
+    per_sample = sample[:1].numel() * sample.element_size()
+    check_allocation(per_sample * sizes[-1], dev, f"the input at batch size {sizes[-1]}")
     loss = resolve_loss(loss_fn, model)
     saved_threads = torch.get_num_threads()
     if threads is not None:
-        if threads < 1:
-            raise InputError(f"--threads {threads}: must be at least 1")
         torch.set_num_threads(threads)
 
     was_training = model.training
@@ -443,16 +453,16 @@ def _device(device: str | torch.device) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:
-        raise InputError(f"--device {device!r}: not a device ({e})") from None
+        raise ArgumentError("device", device, f"not a device ({e})") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise InputError(f"--device {device}: CUDA is not available on this machine")
+            raise ArgumentError("device", device, "CUDA is not available on this machine")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise InputError(
-                f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+            raise ArgumentError(
+                "device", device, f"this machine has {torch.cuda.device_count()} CUDA device(s)"
             )
     elif dev.type != "cpu":
-        raise InputError(f"--device {device}: only cpu and cuda[:N] are supported")
+        raise ArgumentError("device", device, "only cpu and cuda[:N] are supported")
     return dev
 
 

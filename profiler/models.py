@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import torch
 from torch import nn
 
 from .artifact import InputError
+from .limits import ArgumentError
 
 DTYPES = {
     "float32": torch.float32,
@@ -95,11 +98,31 @@ def sample_input(
             )
         return example if not example.is_floating_point() else example.to(dtype)
     if any(d <= 0 for d in input_shape) or len(input_shape) < 1:
-        raise InputError(f"--input-shape {input_shape}: every dimension must be positive")
+        raise ArgumentError("input_shape", input_shape, "every dimension must be positive")
+    numel = math.prod(input_shape)
+    check_allocation(numel * torch.empty((), dtype=dtype).element_size(), torch.device("cpu"),
+                     f"an input of shape {input_shape}")  # fmt: skip
     if isinstance(example, torch.Tensor) and not example.is_floating_point():
         high = int(example.max().item()) + 1
         return torch.randint(0, max(high, 1), tuple(input_shape), dtype=example.dtype)
     return torch.randn(*input_shape, dtype=dtype)
+
+
+def check_allocation(nbytes: int, device: torch.device, what: str) -> None:
+    """Refuse at once a tensor larger than the device's whole memory (a typo in a shape or a
+    batch size), instead of waiting for the allocator, or the kernel's OOM killer, to say so."""
+    if device.type == "cuda":
+        total = torch.cuda.get_device_properties(device).total_memory
+    else:
+        try:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return
+    if nbytes > total:
+        raise InputError(
+            f"{what} would take {nbytes} bytes, more than the {total} bytes of {device} memory; "
+            "use a smaller shape or batch size"
+        )
 
 
 def model_digest(model: nn.Module) -> str:

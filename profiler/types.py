@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .artifact import Artifact
+from .limits import MAX_BATCH, MAX_BYTES, MAX_LAYERS, MAX_MS
+
+Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
+Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 
 
 class Timing(BaseModel):
@@ -16,11 +20,11 @@ class Timing(BaseModel):
     pooled measurements, `spread` is their median absolute deviation relative to the median."""
 
     model_config = ConfigDict(extra="forbid")
-    median: float = Field(ge=0)
-    min: float = Field(ge=0)
-    max: float = Field(ge=0)
+    median: Ms
+    min: Ms
+    max: Ms
     samples: int = Field(default=1, ge=1)
-    spread: float = Field(default=0.0, ge=0)
+    spread: float = Field(default=0.0, ge=0, allow_inf_nan=False)
 
 
 class LayerProfile(BaseModel):
@@ -48,11 +52,13 @@ class LayerProfile(BaseModel):
     index: int = Field(ge=0)
     name: str
     type: str
-    param_bytes: int = Field(ge=0)
-    largest_param_bytes: int = Field(default=0, ge=0, description="its largest parameter tensor")
-    buffer_bytes: int = Field(ge=0)
-    output_shape: list[list[int]] = Field(description="per sample, one shape per output tensor")
-    output_bytes: int = Field(ge=0, description="per sample: what crosses a cut after this layer")
+    param_bytes: Bytes
+    largest_param_bytes: Bytes = Field(default=0, description="its largest parameter tensor")
+    buffer_bytes: Bytes
+    output_shape: list[list[Annotated[int, Field(ge=0)]]] = Field(
+        description="per sample, one shape per output tensor"
+    )
+    output_bytes: Bytes = Field(description="per sample: what crosses a cut after this layer")
     forward_ms: dict[int, Timing]
     backward_ms: dict[int, Timing]
     backward_input_ms: dict[int, Timing] = Field(
@@ -61,19 +67,20 @@ class LayerProfile(BaseModel):
     backward_weight_ms: dict[int, Timing] = Field(
         description="the weight gradients alone, from the layer's output (zero-bubble W)"
     )
-    saved_bytes: dict[int, int]
-    shared_bytes: dict[int, int]
-    input_saved_bytes: dict[int, int]
-    forward_transient_bytes: dict[int, int]
-    backward_transient_bytes: dict[int, int]
-    input_unsaved_bytes: dict[int, int]
-    forward_peak_bytes: dict[int, int]
-    input_grad_transient_bytes: dict[int, int]
-    weight_grad_transient_bytes: dict[int, int]
+    saved_bytes: dict[int, Bytes]
+    shared_bytes: dict[int, Bytes]
+    input_saved_bytes: dict[int, Bytes]
+    forward_transient_bytes: dict[int, Bytes]
+    backward_transient_bytes: dict[int, Bytes]
+    input_unsaved_bytes: dict[int, Bytes]
+    forward_peak_bytes: dict[int, Bytes]
+    input_grad_transient_bytes: dict[int, Bytes]
+    weight_grad_transient_bytes: dict[int, Bytes]
 
 
-PER_SIZE = tuple(name for name, f in LayerProfile.model_fields.items() if f.annotation is not None
-                 and str(f.annotation).startswith("dict[int"))  # fmt: skip
+PER_SIZE = tuple(
+    name for name, f in LayerProfile.model_fields.items() if get_origin(f.annotation) is dict
+)
 """The LayerProfile fields measured at every micro-batch size."""
 
 
@@ -84,7 +91,7 @@ class OptimizerStep(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     foreach: bool
-    per_byte: float = Field(ge=0)
+    per_byte: float = Field(ge=0, le=1e3, allow_inf_nan=False)
 
 
 class ProfileMeta(BaseModel):
@@ -107,11 +114,13 @@ class Profile(Artifact):
     device: str
     device_name: str
     dtype: str
-    input_shape: list[int] = Field(description="the sample input's shape per sample (no batch)")
+    input_shape: list[Annotated[int, Field(ge=0)]] = Field(
+        description="the sample input's shape per sample (no batch)"
+    )
     input_dtype: str
-    input_bytes: int = Field(ge=0, description="per sample: what enters the first stage")
-    batch_sizes: list[int] = Field(min_length=1)
-    layers: list[LayerProfile] = Field(min_length=1)
+    input_bytes: Bytes = Field(description="per sample: what enters the first stage")
+    batch_sizes: list[Annotated[int, Field(ge=1, le=MAX_BATCH)]] = Field(min_length=1)
+    layers: list[LayerProfile] = Field(min_length=1, max_length=MAX_LAYERS)
     loss: LayerProfile | None = Field(
         default=None,
         description="the loss function, measured like a layer after the last one (type: its name)",

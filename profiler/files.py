@@ -1,0 +1,125 @@
+"""Writing outputs without destroying anything: every file gpipe-plan writes goes through here.
+
+An output is checked before any long work starts (`check_output`) and written all or nothing
+(`write_output`): into a temporary file beside the target, renamed over it only when it is a
+regular file or does not exist yet. A symlink is followed (the link stays, its target gets the
+new content). A device, FIFO, socket or directory is refused, and so is a path that names one of
+the command's own inputs. A new file gets the mode the umask allows, an existing file keeps its
+mode (and, where the process may, its owner).
+
+Torch-free, like artifact.py.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from .artifact import InputError
+
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def check_output(
+    path: str | os.PathLike[str], *, flag: str = "-o", inputs: Iterable[str | os.PathLike[str]] = ()
+) -> Path:
+    """The file `path` resolves to, once it is known that writing there destroys nothing and
+    can succeed. `flag` names the output in messages; `inputs` are the files the command reads."""
+    shown = f"{flag} {path}" if flag else str(path)
+    target = Path(os.path.realpath(path))
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise InputError(f"{shown}: cannot use it as an output ({e.strerror})") from None
+    if st is not None:
+        for test, kind in _KINDS:
+            if test(st.st_mode):
+                raise InputError(f"{shown}: is {kind}, not a regular file; name a file to write")
+        for source in inputs:
+            if _same(target, source):
+                raise InputError(
+                    f"{shown}: is also this command's input {source}; write to another file"
+                )
+        if not os.access(target, os.W_OK):
+            raise InputError(f"{shown}: the file is not writable")
+    directory = target.parent
+    if not directory.is_dir():
+        raise InputError(f"{shown}: directory {directory} does not exist")
+    try:  # the only sure test that the directory takes a new file (permissions, read-only fs)
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+    except OSError as e:
+        raise InputError(f"{shown}: cannot write in {directory} ({e.strerror})") from None
+    os.close(fd)
+    os.unlink(probe)
+    return target
+
+
+def check_distinct(outputs: dict[str, str | None]) -> None:
+    """Two outputs of one command must not be the same file (flag -> path, None when unused)."""
+    given = [(flag, path) for flag, path in outputs.items() if path]
+    for k, (flag, path) in enumerate(given):
+        for other, path2 in given[:k]:
+            if os.path.realpath(path) == os.path.realpath(path2):
+                raise InputError(f"{flag} {path}: is also the output of {other}; name two files")
+
+
+def write_output(
+    path: str | os.PathLike[str], content: str | bytes | Callable[[str], None]
+) -> None:
+    """Write `content` (text, bytes, or a function that writes a file at the path it is given)
+    to `path`, all or nothing. Call `check_output` first for the refusals it makes."""
+    target = Path(os.path.realpath(path))
+    try:
+        st: os.stat_result | None = os.stat(target)
+    except FileNotFoundError:
+        st = None
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise InputError(f"{path}: is not a regular file; name a file to write")
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{target.name}.", suffix=f".tmp{target.suffix}", dir=target.parent
+    )
+    try:
+        if callable(content):
+            os.close(fd)
+            content(tmp)
+        else:
+            with os.fdopen(fd, "wb") as f:
+                f.write(content.encode() if isinstance(content, str) else content)
+        _take_mode(tmp, st)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _take_mode(tmp: str, existing: os.stat_result | None) -> None:
+    """mkstemp makes 0600: give the file the mode (and owner) a plain open() would have left."""
+    if existing is None:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        return
+    os.chmod(tmp, stat.S_IMODE(existing.st_mode))
+    if hasattr(os, "chown"):
+        try:
+            os.chown(tmp, existing.st_uid, existing.st_gid)
+        except OSError:
+            pass  # not ours to give away: the new file keeps our ownership, as an editor would
+
+
+def _same(target: Path, source: str | os.PathLike[str]) -> bool:
+    try:
+        return os.path.samefile(target, source)
+    except OSError:
+        return False

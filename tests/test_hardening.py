@@ -1,0 +1,491 @@
+"""Hostile input: nothing is destroyed, nothing hangs, no plan runs the wrong model, every bad
+value is one line and exit status 2, and the same inputs give the same plan bytes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from pathlib import Path
+
+import pytest
+import torch
+
+from codegen.pipe import compile_pipe
+from planner import Cluster, Plan, plan_pipeline
+from planner.units import format_size, parse_size
+from profiler.artifact import InputError
+from profiler.files import check_output, write_output
+from profiler.limits import ArgumentError
+from tests.conftest import synthetic_profile
+from tests.test_cli import assert_bad_input
+
+
+@pytest.fixture
+def prof(tmp_path: Path) -> Path:
+    path = tmp_path / "prof.json"
+    synthetic_profile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], sizes=(1, 2, 4, 8)).save(path)
+    return path
+
+
+@pytest.fixture
+def plan_file(run_cli, prof: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "plan.json"
+    args = ("--devices", 2, "--memory", "1MiB", "--batch-size", 8)
+    assert run_cli("plan", prof, *args, "-o", out).code == 0
+    return out
+
+
+PLAN_ARGS = ("--devices", "2", "--memory", "1MiB", "--batch-size", "8")
+
+
+def _snapshot(*paths: Path) -> list[tuple[int, bytes]]:
+    return [(os.lstat(p).st_mode, p.read_bytes() if p.is_file() else b"") for p in paths]
+
+
+# ------------------------------------------------------------------ outputs that must survive
+
+
+def test_dev_null_as_output_is_refused_and_stays_a_device(run_cli, prof):
+    r = run_cli("plan", prof, *PLAN_ARGS, "-o", "/dev/null")
+    assert_bad_input(r, mentions="character device")
+    assert stat.S_ISCHR(os.stat("/dev/null").st_mode)
+
+
+def test_fifo_as_output_is_refused_without_blocking(run_cli, prof, tmp_path):
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    assert_bad_input(run_cli("plan", prof, *PLAN_ARGS, "-o", fifo), mentions="FIFO")
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_directory_as_output_is_refused(run_cli, prof, tmp_path):
+    assert_bad_input(run_cli("plan", prof, *PLAN_ARGS, "-o", tmp_path), mentions="directory")
+
+
+def test_symlink_output_keeps_the_link_and_writes_its_target(run_cli, prof, tmp_path):
+    target, link = tmp_path / "real.json", tmp_path / "link.json"
+    target.write_text("old")
+    link.symlink_to(target.name)
+    assert run_cli("plan", prof, *PLAN_ARGS, "-o", link).code == 0
+    assert link.is_symlink() and os.readlink(link) == target.name
+    assert Plan.load(target).batch_size == 8
+
+
+@pytest.mark.parametrize("via_link", [False, True])
+def test_plan_refuses_to_overwrite_its_own_profile(run_cli, prof, tmp_path, via_link):
+    given = prof
+    if via_link:
+        given = tmp_path / "alias.json"
+        given.symlink_to(prof)
+    before = _snapshot(prof, given)
+    assert_bad_input(run_cli("plan", given, *PLAN_ARGS, "-o", prof), mentions="input")
+    assert _snapshot(prof, given) == before
+
+
+def test_plan_refuses_to_overwrite_its_cluster(run_cli, prof, tmp_path):
+    cluster = tmp_path / "cluster.json"
+    Cluster.uniform(2, "1MiB").save(cluster)
+    before = cluster.read_bytes()
+    r = run_cli("plan", prof, "--cluster", cluster, "--batch-size", 8, "-o", cluster)
+    assert_bad_input(r, mentions="input")
+    assert cluster.read_bytes() == before
+
+
+def test_commands_refuse_to_overwrite_their_plan(run_cli, plan_file):
+    before = plan_file.read_bytes()
+    for args in (
+        ("codegen", plan_file, "--model", "example:mlp", "-o", plan_file),
+        ("simulate", plan_file, "--chrome-trace", plan_file),
+        ("simulate", plan_file, "--png", plan_file),
+        ("measure", plan_file, "--model", "example:mlp", "-o", plan_file),
+    ):
+        assert_bad_input(run_cli(*args), mentions="input")
+    assert plan_file.read_bytes() == before
+
+
+def test_profile_refuses_to_overwrite_the_model_file_before_profiling(
+    run_cli, tmp_path, monkeypatch
+):
+    import profiler.measure
+
+    model = tmp_path / "m.py"
+    model.write_text(
+        "import torch\n"
+        "def f():\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
+        "    m.example_input = torch.randn(2, 4)\n"
+        "    return m\n"
+    )
+    before = model.read_bytes()
+    monkeypatch.setattr(profiler.measure, "profile_model", _must_not_run)
+    assert_bad_input(run_cli("profile", f"{model}:f", "-o", model), mentions="input")
+    assert model.read_bytes() == before
+
+
+def _must_not_run(*args, **kwargs):
+    raise AssertionError("the work started before the output was checked")
+
+
+def test_unwritable_output_is_refused_before_profiling(run_cli, monkeypatch):
+    import profiler.measure
+
+    monkeypatch.setattr(profiler.measure, "profile_model", _must_not_run)
+    # /proc takes no new files, even for root (a chmod-ed directory would not stop root)
+    r = run_cli("profile", "example:mlp", "-o", "/proc/gpipe-plan-test.json")
+    assert_bad_input(r, mentions="cannot write")
+
+
+def test_two_outputs_of_one_command_must_differ(run_cli, plan_file, tmp_path):
+    out = tmp_path / "same.json"
+    r = run_cli("simulate", plan_file, "--chrome-trace", out, "--png", out)
+    assert_bad_input(r, mentions="--png")
+    assert not out.exists()
+
+
+def test_path_errors_name_the_flag_they_belong_to(run_cli, plan_file, tmp_path):
+    r = run_cli("simulate", plan_file, "--chrome-trace", tmp_path / "nope" / "t.json")
+    assert_bad_input(r, mentions="--chrome-trace")
+
+
+def test_new_files_follow_the_umask_and_old_files_keep_their_mode(run_cli, prof, tmp_path):
+    old = os.umask(0o027)
+    try:
+        fresh = tmp_path / "fresh.json"
+        assert run_cli("plan", prof, *PLAN_ARGS, "-o", fresh).code == 0
+        assert stat.S_IMODE(fresh.stat().st_mode) == 0o640
+        kept = tmp_path / "kept.json"
+        kept.write_text("old")
+        kept.chmod(0o604)
+        assert run_cli("plan", prof, *PLAN_ARGS, "-o", kept).code == 0
+        assert stat.S_IMODE(kept.stat().st_mode) == 0o604
+    finally:
+        os.umask(old)
+
+
+def test_a_failed_write_leaves_the_old_file_and_no_temp(tmp_path):
+    out = tmp_path / "out.json"
+    out.write_text("old")
+
+    def broken(path: str) -> None:
+        Path(path).write_text("half")
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        write_output(out, broken)
+    assert out.read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.json"]
+
+
+def test_check_output_leaves_nothing_behind(tmp_path):
+    assert check_output(tmp_path / "new.json") == tmp_path / "new.json"
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------ values the files may hold
+
+
+def _mutated_profile(prof: Path, tmp_path: Path, edit) -> Path:
+    data = json.loads(prof.read_text())
+    edit(data)
+    out = tmp_path / "bad_profile.json"
+    out.write_text(json.dumps(data))  # json writes NaN / Infinity literals as given
+    return out
+
+
+@pytest.mark.parametrize(
+    "edit, mentions",
+    [
+        (lambda d: d["layers"][2]["forward_ms"]["4"].update(median=float("inf")), "finite"),
+        (lambda d: d["layers"][0]["backward_ms"]["1"].update(median=float("nan")), "finite"),
+        (
+            lambda d: [x["forward_ms"]["8"].update(median=float("inf")) for x in d["layers"]],
+            "finite",
+        ),
+        (lambda d: d["layers"][1]["forward_ms"]["2"].update(median=1e308), "less than or equal"),
+        (lambda d: d["layers"][1]["saved_bytes"].update({"2": -5}), "greater than or equal"),
+        (lambda d: d["layers"][1]["forward_peak_bytes"].update({"2": -1}), "greater than or equal"),
+        (lambda d: d["layers"][3]["shared_bytes"].update({"1": -1}), "greater than or equal"),
+        (lambda d: d["layers"][0].update(param_bytes=10**40), "less than or equal"),
+        (lambda d: d["layers"][4]["backward_weight_ms"].pop("8"), "every batch size"),
+        (lambda d: d.update(batch_sizes=[1, 2, 4, 10**17]), "less than or equal"),
+    ],
+)
+def test_profiles_with_impossible_values_are_refused_at_load(
+    run_cli, prof, tmp_path, edit, mentions
+):
+    bad = _mutated_profile(prof, tmp_path, edit)
+    out = tmp_path / "plan.json"
+    assert_bad_input(run_cli("plan", bad, *PLAN_ARGS, "-o", out), mentions=mentions, no_file=out)
+
+
+@pytest.mark.parametrize(
+    "device, mentions",
+    [
+        ({"speed": float("inf")}, "finite"),
+        ({"speed": 0}, "greater than 0"),
+        ({"memory_bytes": "1e400B"}, "finite"),
+        ({"memory_bytes": -1}, "greater than 0"),
+        ({"reserved_bytes": -1}, "greater than or equal"),
+        ({"name": "dev0"}, "names must differ"),
+    ],
+)
+def test_cluster_files_with_impossible_values_are_refused(
+    run_cli, prof, tmp_path, device, mentions
+):
+    data = json.loads(Cluster.uniform(2, "1MiB").canonical_json())
+    data["devices"][1].update(device)
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(data))
+    r = run_cli("plan", prof, "--cluster", path, "--batch-size", 8, "-o", tmp_path / "p.json")
+    assert_bad_input(r, mentions=mentions)
+
+
+def _edited_plan(plan_file: Path, edit) -> Path:
+    data = json.loads(plan_file.read_text())
+    edit(data)
+    plan_file.write_text(json.dumps(data))
+    return plan_file
+
+
+def _overlap(d: dict) -> None:
+    d["stages"][1]["layers"][0] -= 1
+    d["stages"][1]["layer_types"].insert(0, "Synthetic")
+
+
+def _gap(d: dict) -> None:
+    d["stages"][1]["layers"][0] += 1
+    d["stages"][1]["layer_types"].pop(0)
+
+
+def _other_schedule(name: str) -> str:
+    return "gpipe" if name == "interleaved-1f1b" else "interleaved-1f1b"
+
+
+def _zero_budget(d: dict) -> None:
+    for use in d["devices"]:
+        use.update(budget=0, total=0)
+
+
+@pytest.mark.parametrize(
+    "edit, mentions",
+    [
+        (_overlap, "contiguous"),
+        (_gap, "contiguous"),
+        (lambda d: d["stages"][1].update(layers=[3, 5]), "cover"),
+        (lambda d: d["stages"][0].update(device="dev1"), "cluster puts it on"),
+        (lambda d: d.update(microbatch_size=3), "micro-batches of"),
+        (lambda d: d.update(microbatches=16), "m <= n"),
+        (lambda d: d["stages"][0].update(recompute="always"), "recompute"),
+        (lambda d: d.update(schedule=_other_schedule(d["schedule"])), "stages_per_device"),
+        (lambda d: d["devices"][0].update(stages=[0, 1]), "lists stages"),
+        (_zero_budget, "greater than 0"),
+        (lambda d: d["predicted"].update(iteration_ms=float("inf")), "finite"),
+        (lambda d: d["stages"][0]["memory"].update(params=-1), "greater than or equal"),
+    ],
+)
+@pytest.mark.parametrize("command", ["check", "show", "simulate", "codegen"])
+def test_hand_edited_plans_that_misstate_the_run_are_refused(
+    run_cli, plan_file, tmp_path, edit, mentions, command
+):
+    bad = _edited_plan(plan_file, edit)
+    extra = ("--model", "example:mlp", "-o", tmp_path / "prog.py") if command == "codegen" else ()
+    assert_bad_input(run_cli(command, bad, *extra), mentions=mentions)
+    assert not (tmp_path / "prog.py").exists()
+
+
+def test_plans_written_before_meta_was_trimmed_still_load(plan_file):
+    data = json.loads(plan_file.read_text())
+    data["meta"].update(created="2026-11-01T00:00:00+00:00", solve_ms=12.5)
+    assert Plan.from_json_text(json.dumps(data)).meta.tool_version == data["meta"]["tool_version"]
+
+
+# ------------------------------------------------------------------ flags
+
+
+@pytest.mark.parametrize(
+    "flags, mentions",
+    [
+        (("--devices", "2", "--memory", "1e309"), "--memory 1e309: must be a finite number"),
+        (("--devices", "2", "--memory", "2PiB"), "--memory 2PiB: more than 1 PiB"),
+        (
+            ("--devices", "2", "--memory", "1MiB", "--bandwidth", "1e400GB/s"),
+            "--bandwidth 1e400GB/s",
+        ),
+        (("--devices", "2", "--memory", "1MiB", "--latency-ms", "nan"), "--latency-ms nan"),
+        (("--devices", "2", "--memory", "1MiB", "--latency-ms", "inf"), "--latency-ms inf"),
+        (("--devices", "1000000", "--memory", "1MiB"), "only 6 layers"),
+        (("--devices", "two", "--memory", "1MiB"), "--devices 'two'"),
+        (("--devices", "2", "--memory", "1MiB", "--microbatches", "2.7"), "--microbatches '2.7'"),
+        (("--devices", "2", "--memory", "1MiB", "--microbatches", "9"), "--microbatches 9"),
+        (("--devices", "2", "--memory", "1MiB", "--schedule", "zigzag"), "--schedule zigzag"),
+        (
+            ("--devices", "2", "--memory", "1MiB", "--recompute", "sometimes"),
+            "--recompute sometimes",
+        ),
+    ],
+)
+def test_bad_plan_flags_are_named_as_typed(run_cli, prof, tmp_path, flags, mentions):
+    out = tmp_path / "plan.json"
+    r = run_cli("plan", prof, *flags, "--batch-size", "8", "-o", out)
+    assert_bad_input(r, mentions=mentions, no_file=out)
+
+
+@pytest.mark.parametrize("size", ["10000000000000000", "1e16", "0", "-3", "8.5"])
+def test_absurd_batch_sizes_are_refused_at_once(run_cli, prof, tmp_path, size):
+    r = run_cli("plan", prof, "--devices", 2, "--memory", "1MiB", "--batch-size", size)
+    assert_bad_input(r, mentions="--batch-size")
+
+
+def test_check_flags_are_bounded(run_cli, plan_file):
+    assert_bad_input(run_cli("check", plan_file, "--max-bubble", "nan"), mentions="--max-bubble")
+    r = run_cli("check", plan_file, "--memory-budget", "1e999")
+    assert_bad_input(r, mentions="--memory-budget")
+
+
+def test_infeasible_message_states_enough_memory_to_paste_back(run_cli, prof, tmp_path):
+    r = run_cli("plan", prof, "--devices", 2, "--memory", "200B", "--batch-size", 8)
+    assert r.code == 1
+    match = re.search(r"needs (\S+ \S+) \((\d+) bytes\) per device", r.err)
+    assert match, r.err
+    shown, exact = match.group(1), int(match.group(2))
+    assert parse_size(shown.replace(" ", "")) >= exact  # the rounded figure is never short
+    for memory in (shown.replace(" ", ""), str(exact)):
+        assert run_cli("plan", prof, "--devices", 2, "--memory", memory, "--batch-size", 8,
+                       "-o", tmp_path / "p.json").code == 0  # fmt: skip
+    r = run_cli("plan", prof, "--devices", 2, "--memory", exact - 1, "--batch-size", 8)
+    assert r.code == 1
+
+
+def test_format_size_rounds_up_when_asked():
+    assert format_size(5760) == "5.62 KiB"
+    assert format_size(5760, up=True) == "5.63 KiB"
+    assert format_size(5 * 1024, up=True) == "5 KiB"
+    assert format_size(1025, up=True) == "1.01 KiB"
+
+
+def test_cp_sat_with_the_largest_memory_answers(run_cli, prof, tmp_path):
+    out = tmp_path / "p.json"
+    r = run_cli("plan", prof, "--devices", 2, "--memory", "1PiB", "--batch-size", 8,
+                "--solver", "cp-sat", "-o", out)  # fmt: skip
+    assert r.code == 0, r.err
+    assert Plan.load(out).solver.method == "cp-sat"
+
+
+# ------------------------------------------------------------------ byte-identical plans
+
+
+def test_the_same_inputs_give_the_same_plan_bytes(run_cli, prof, tmp_path):
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    assert run_cli("plan", prof, *PLAN_ARGS, "-o", a).code == 0
+    r = run_cli("plan", prof, *PLAN_ARGS, "-o", b)
+    assert a.read_bytes() == b.read_bytes()
+    assert "candidates in" in r.out  # the solve time is still shown, only not saved
+    assert "solve_ms" not in a.read_text() and "created" not in a.read_text()
+
+
+# ------------------------------------------------------------------ the Python API
+
+
+@pytest.fixture(scope="module")
+def small_profile():
+    return synthetic_profile([1.0, 2.0, 3.0, 4.0], sizes=(1, 2, 4, 8))
+
+
+@pytest.mark.parametrize(
+    "kwargs, arg",
+    [
+        ({"batch_size": "8"}, "batch_size"),
+        ({"batch_size": 8.5}, "batch_size"),
+        ({"batch_size": True}, "batch_size"),
+        ({"batch_size": 10**16}, "batch_size"),
+        ({"microbatches": 2.7}, "microbatches"),
+        ({"microbatches": "2"}, "microbatches"),
+        ({"microbatches": 9}, "microbatches"),
+        ({"schedule": "GPipe"}, "schedule"),
+        ({"recompute": True}, "recompute"),
+        ({"optimizer": "lamb"}, "optimizer"),
+        ({"solver": None}, "solver"),
+    ],
+)
+def test_plan_pipeline_names_the_bad_argument(small_profile, kwargs, arg):
+    args = {"batch_size": 8, **kwargs}
+    with pytest.raises(ArgumentError) as e:
+        plan_pipeline(small_profile, Cluster.uniform(2, "1MiB"), **args)
+    assert e.value.arg == arg
+    assert str(e.value).startswith(f"{arg}=") and "--" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, arg",
+    [
+        (("2", "1MiB"), {}, "num_devices"),
+        ((0, "1MiB"), {}, "num_devices"),
+        ((2, "lots"), {}, "memory"),
+        ((2, float("inf")), {}, "memory"),
+        ((2, "1MiB"), {"bandwidth": float("nan")}, "bandwidth"),
+        ((2, "1MiB"), {"latency_ms": -1.0}, "latency_ms"),
+        ((2, "1MiB"), {"speed": 0}, "speed"),
+    ],
+)
+def test_cluster_uniform_names_the_bad_argument(args, kwargs, arg):
+    with pytest.raises(ArgumentError) as e:
+        Cluster.uniform(*args, **kwargs)
+    assert e.value.arg == arg and "--" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def mlp_pipe():
+    from profiler.examples import EXAMPLES
+    from profiler.measure import profile_model
+
+    torch.manual_seed(0)
+    model = EXAMPLES["mlp"]()
+    profile = profile_model(model, model.example_input[:4], batch_sizes=[1, 2], repeats=1,
+                            warmup=0, max_repeats=1, progress=False)  # fmt: skip
+    plan = plan_pipeline(profile, Cluster.uniform(2, "1GiB"), 4, microbatches=2)
+    return model, plan
+
+
+def test_compile_pipe_refuses_a_string_for_devices(mlp_pipe):
+    model, plan = mlp_pipe
+    with pytest.raises(ArgumentError, match="devices='cpu': expected a list of 2 devices"):
+        compile_pipe(model, plan, devices="cpu")
+
+
+def test_a_pipe_refuses_a_batch_larger_than_its_plan(mlp_pipe):
+    model, plan = mlp_pipe
+    pipe = compile_pipe(model, plan, devices=["cpu", "cpu"])
+    x = model.example_input[:1].repeat(8, *[1] * (model.example_input.dim() - 1))
+    with pytest.raises(ArgumentError, match="batch_size=8"):
+        pipe(x)
+    with pytest.raises(ArgumentError, match="batches of 2 to 4"):
+        pipe(x[:1])
+    assert pipe(x[:3]).shape[0] == 3  # a smaller last batch of an epoch is fine
+
+
+def test_a_loss_that_does_not_reduce_is_reported_as_the_loss(mlp_pipe):
+    from codegen.pipe import StageError
+
+    model, plan = mlp_pipe
+    pipe = compile_pipe(model, plan, devices=["cpu", "cpu"])
+    x = model.example_input[:4]
+    y = torch.zeros(4, dtype=torch.long)
+    with pytest.raises(StageError, match="not a scalar tensor"):
+        pipe.train_step(x, y, lambda out, target: out * 2)  # forgot to reduce
+
+
+def test_sizes_refuse_non_numbers_and_fractions_of_a_byte():
+    for bad in ("", "16QB", "nan", True, None, 0.5, "-1GiB"):
+        with pytest.raises(InputError):
+            parse_size(bad)  # type: ignore[arg-type]
+    assert parse_size(16e9) == 16_000_000_000
+    assert parse_size("1PiB") == 2**50
+
+
+def test_cli_translates_library_argument_names(run_cli, prof):
+    r = run_cli("plan", prof, "--devices", 2, "--memory", "1MiB", "--batch-size", 8,
+                "--microbatches", 100)  # fmt: skip
+    assert_bad_input(r, mentions="--microbatches 100: must be from 1 to 8")
+    assert "microbatches=" not in r.err
