@@ -272,7 +272,7 @@ def cmd_codegen(args: argparse.Namespace) -> int:
             f"{args.model} first"
         )
     check_output(args.output, inputs=[args.plan, *_model_files(args.model)])
-    write_output(out, emit_program(plan, target=args.target))
+    write_output(out, emit_program(plan, target=args.target, model=args.model))
     run = (
         f"python {args.output}"
         if args.target == "streams"

@@ -1,5 +1,5 @@
 """emit_program: a Plan and its Schedule -> the source of a pipeline program that imports only
-torch (and, in its `main`, the model's own module).
+torch (and, in its `load_model`, the model's own module), so it runs from any directory.
 
 The program embeds the runtime helpers (codegen/_runtime.py, _numerics.py) and adds a `Pipeline`
 class whose `train_step` is straight-line: one call per action, in the schedule's issue order
@@ -9,6 +9,8 @@ planner counted it. Same plan, same text: nothing in it depends on the clock or 
 
 from __future__ import annotations
 
+import ast
+import json
 from pathlib import Path
 
 from planner.plan import Plan
@@ -43,8 +45,12 @@ def issue_order(plan: Plan, schedule: Schedule | None = None) -> list[Action]:
 TARGETS = ("streams", "torchrun")
 
 
-def emit_program(plan: Plan, schedule: Schedule | None = None, target: str = "streams") -> str:
+def emit_program(
+    plan: Plan, schedule: Schedule | None = None, target: str = "streams", model: str | None = None
+) -> str:
     """The program's source text for `plan` (and `schedule`, by default the plan's own).
+    `model` names the model as it is found from here (default: as the plan names it, which a
+    relative file path does only from the directory the profile was made in).
 
     streams: one process drives every device, a CUDA stream per stage (CPU without CUDA).
     torchrun: one process per device, point-to-point sends between them (gloo or NCCL)."""
@@ -62,13 +68,14 @@ def emit_program(plan: Plan, schedule: Schedule | None = None, target: str = "st
         main = _TORCHRUN_MAIN
     constants = f"""
 
-MODEL = "{plan.model}"
+MODEL = {json.dumps(plan.model)}
 NUM_DEVICES = {len(plan.devices)}
 BATCH_SIZE = {plan.batch_size}
 INPUT_SHAPE = {list(plan.input_shape)}
 INPUT_DTYPE = "{plan.input_dtype}"
 """
-    return _header(plan, target) + runtime + body + constants + _COMMON_MAIN + main
+    loader = _model_loader(model if model is not None else plan.model)
+    return _header(plan, target) + runtime + body + constants + loader + _COMMON_MAIN + main
 
 
 def _header(plan: Plan, target: str) -> str:
@@ -188,26 +195,6 @@ def _without_dropped_lines(text: str) -> str:
 
 _COMMON_MAIN = '''
 
-def load_model(spec: str) -> nn.Module:
-    """Build the model this program was planned for (its factory must be importable here)."""
-    import importlib
-    import importlib.util
-
-    where, _, name = spec.rpartition(":")
-    if where == "example":
-        from profiler.examples import EXAMPLES
-
-        return EXAMPLES[name]()
-    if where.endswith(".py"):
-        module_spec = importlib.util.spec_from_file_location("_planned_model", where)
-        assert module_spec is not None and module_spec.loader is not None
-        module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(where)
-    return getattr(module, name)()
-
-
 def random_batch(model: nn.Module) -> torch.Tensor:
     """Random input of the planned shape and dtype."""
     example = getattr(model, "example_input", None)
@@ -236,7 +223,7 @@ def main() -> None:
     args = ap.parse_args()
     n_gpu = torch.cuda.device_count() if args.device == "cuda" else 0
     devices = [f"cuda:{k % n_gpu}" if n_gpu else "cpu" for k in range(NUM_DEVICES)]
-    model = load_model(MODEL)
+    model = load_model()
     x = random_batch(model)
     pipe = Pipeline(model, devices)
     pipe.train_step(x, None, stand_in_loss)  # warm-up
@@ -266,7 +253,7 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
         torch.manual_seed(0)  # the same model and batch on every rank
-        model = load_model(MODEL)
+        model = load_model()
         x = random_batch(model)
         pipe = Pipeline(model)
         pipe.train_step(x, None, stand_in_loss)  # warm-up
@@ -286,6 +273,108 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 """
+
+
+def _model_loader(spec: str) -> str:
+    """The program's `load_model()`: an example's own source inlined, a file by its absolute path
+    (resolved here, against the current directory), or a module imported by name."""
+    where, sep, name = spec.rpartition(":")
+    if not sep or not where or not name:  # e.g. "<python>": profiled from a model object
+        return _NO_LOADER
+    if not name.isidentifier():
+        raise ValueError(f"model {spec!r}: the factory name {name!r} is not a Python identifier")
+    if where == "example":
+        factory, source = _example_source(name)
+        return f'''
+
+{source}
+
+
+def load_model() -> nn.Module:
+    """The planned model, {spec}: gpipe-plan's own factory, copied above."""
+    return {factory}()
+'''
+    if where.endswith(".py"):
+        return f'''
+
+def load_model() -> nn.Module:
+    """The planned model: {name}() from its file, found by absolute path."""
+    import importlib.util
+    import os
+    import sys
+
+    path = {json.dumps(str(Path(where).resolve()))}
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{{MODEL}}: the model's file {{path}} is not there; move it back or run gpipe-plan "
+            "codegen again where it is"
+        )
+    module_spec = importlib.util.spec_from_file_location("_planned_model", path)
+    assert module_spec is not None and module_spec.loader is not None
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules["_planned_model"] = module  # dataclasses and pickling look the module up here
+    module_spec.loader.exec_module(module)
+    return module.{name}()
+'''
+    return f'''
+
+def load_model() -> nn.Module:
+    """The planned model: {name}() from the module {where}, which must be importable."""
+    import importlib
+
+    where = {json.dumps(where)}
+    try:
+        module = importlib.import_module(where)
+    except ModuleNotFoundError as e:
+        raise ImportError(
+            f"{{MODEL}}: cannot import {{where}} ({{e}}); run this program where {{where}} is "
+            "importable, e.g. with the directory that holds it on PYTHONPATH"
+        ) from None
+    return module.{name}()
+'''
+
+
+_NO_LOADER = '''
+
+def load_model() -> nn.Module:
+    """The plan names no model to load: it was profiled from a model object in Python."""
+    raise NotImplementedError(
+        f"{MODEL}: the plan was made from a model object, so this program cannot build it; "
+        "construct the model and pass it to Pipeline"
+    )
+'''
+
+
+def _example_source(name: str) -> tuple[str, str]:
+    """The factory of example `name`, and its source with every top-level definition of
+    profiler/examples.py it uses, directly or not, as written there (in file order)."""
+    from profiler import examples
+
+    if name not in examples.EXAMPLES:
+        raise ValueError(
+            f"no example named {name!r}; choose one of {', '.join(sorted(examples.EXAMPLES))}"
+        )
+    source = Path(examples.__file__).read_text()
+    lines = source.splitlines()
+    defs: dict[str, ast.stmt] = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            defs[node.name] = node
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            defs.update((t.id, node) for t in targets if isinstance(t, ast.Name))
+    needed: set[str] = set()
+    factory = examples.EXAMPLES[name].__name__
+    todo = [factory]
+    while todo:
+        if (d := todo.pop()) not in needed:
+            needed.add(d)
+            todo += [n.id for n in ast.walk(defs[d]) if isinstance(n, ast.Name) and n.id in defs]
+    chunks = []
+    for node in dict.fromkeys(defs[d] for d in needed):  # one chunk per statement
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        chunks.append((first, "\n".join(lines[first - 1 : node.end_lineno])))
+    return factory, "\n\n\n".join(text for _, text in sorted(chunks))
 
 
 def _py_list(name: str, items: list[str]) -> str:

@@ -351,7 +351,7 @@ def measure_torchrun(
     root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory(prefix="gpipe-measure-") as tmp:
         program, plan_path = Path(tmp) / "program.py", Path(tmp) / "plan.json"
-        program.write_text(emit_program(plan, target="torchrun"))
+        program.write_text(emit_program(plan, target="torchrun", model=model_spec))
         plan.save(plan_path)
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(

@@ -13,6 +13,7 @@ so peaks are exact for the model; allocations happen at an action's start and fr
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -96,6 +97,27 @@ class Timeline:
         return [b / self.makespan if self.makespan else 0.0 for b in self.busy]
 
 
+def _check_costs(S: int, **times: list[float]) -> None:
+    """Every time a finite number >= 0, one per stage (per cut for transfers): a NaN or a
+    negative time would not fail, it would quietly give a wrong timeline."""
+    for name, values in times.items():
+        want = S - 1 if name == "transfer" else S
+        if len(values) != want:
+            raise ValueError(
+                f"costs.{name}: {len(values)} values for {want} {name == 'transfer' and 'cuts' or 'stages'}"
+            )
+        bad = [v for v in values if not _finite_time(v)]
+        if bad:
+            raise ValueError(f"costs.{name}: {bad[0]!r} is not a finite time >= 0")
+
+
+def _finite_time(v: object) -> bool:
+    try:
+        return 0 <= float(v) < math.inf  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+
+
 def simulate(schedule: Schedule, costs: Costs, *, memory: bool = True) -> Timeline:
     """The timeline of `schedule` under `costs`; `memory=False` skips the memory replay."""
     S, M = schedule.num_stages, schedule.num_microbatches
@@ -113,6 +135,9 @@ def simulate(schedule: Schedule, costs: Costs, *, memory: bool = True) -> Timeli
     )
     modes = list(costs.recompute) if costs.recompute is not None else ["never"] * S
     link = list(costs.transfer) if costs.transfer is not None else [0.0] * max(S - 1, 0)
+    _check_costs(S, forward=fwd, backward=bwd, input_grad=i_cost, weight_grad=w_cost, transfer=link)
+    if len(modes) != S or not set(modes) <= {"never", "always", "except_last"}:
+        raise ValueError(f"costs.recompute {modes}: one of never, always, except_last per stage")
     rec = [[recomputes(mode, m, M) for m in range(M)] for mode in modes]
 
     R = schedule.num_ranks

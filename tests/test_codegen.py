@@ -4,9 +4,11 @@ emitted program itself."""
 
 from __future__ import annotations
 
+import ast
 import shutil
 import subprocess
 import sys
+import types
 import warnings
 from pathlib import Path
 
@@ -17,8 +19,8 @@ from torch import nn
 from codegen import compile_pipe, emit_program
 from codegen._runtime import StageError
 from planner import Cluster, plan_pipeline
-from profiler import InputError, profile_model
-from profiler.examples import mlp, transformer
+from profiler import InputError, model_digest, profile_model
+from profiler.examples import EXAMPLES, mlp, transformer
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
@@ -272,23 +274,115 @@ def test_emitted_source_is_deterministic_and_compiles(profiles):
     }
 
 
+# A model of small_mlp's layers, for `file.py:factory` and `package.module:factory` programs.
+NET = """
+import torch
+from torch import nn
+
+
+def build():
+    torch.manual_seed(0)
+    layers = [m for _ in range(4) for m in (nn.Linear(32, 32), nn.ReLU())]
+    model = nn.Sequential(*layers, nn.Linear(32, 10))
+    model.example_input = torch.randn(8, 32)
+    return model
+"""
+MODEL_SPECS = ["example:mlp", "example:transformer", "net.py:build", "nets.small:build", "<python>"]
+
+
+def every_program(profiles) -> dict[str, str]:
+    """The program of one mlp plan for each way of naming its model and each target."""
+    plan = plan_for(profiles["mlp"], "interleaved-1f1b", "always", 4)
+    return {
+        f"{spec} {target}": emit_program(plan.model_copy(update={"model": spec}), target=target)
+        for spec in MODEL_SPECS
+        for target in ("streams", "torchrun")
+    }
+
+
 @pytest.mark.skipif(
     shutil.which("ruff") is None and not (Path(sys.executable).parent / "ruff").exists(),
     reason="ruff not installed",
 )
-@pytest.mark.parametrize("target", ["streams", "torchrun"])
-def test_emitted_source_is_formatted(profiles, tmp_path, target):
-    path = tmp_path / "program.py"
-    path.write_text(
-        emit_program(plan_for(profiles["mlp"], "interleaved-1f1b", "always", 4), target=target)
-    )
+def test_emitted_source_is_formatted(profiles, tmp_path):
+    for k, source in enumerate(every_program(profiles).values()):
+        (tmp_path / f"program{k}.py").write_text(source)
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     r = subprocess.run(
-        [ruff, "format", "--check", "--line-length", "100", str(path)],
+        [ruff, "format", "--check", "--line-length", "100", str(tmp_path)],
         capture_output=True,
         text=True,
     )
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_emitted_program_imports_only_torch_and_the_standard_library(profiles):
+    """Anywhere in the program, not just at the top: gpipe-plan's packages never."""
+    for name, source in every_program(profiles).items():
+        tree = ast.parse(source)
+        modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+        modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        assert {m.partition(".")[0] for m in modules} <= {
+            "__future__", "argparse", "collections", "contextlib", "importlib", "os", "sys",
+            "time", "torch", "typing",
+        }, name  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_inlined_example_builds_the_examples_model(profiles, name):
+    """example:NAME programs carry the factory's own source: same layers, weights and input."""
+    plan = plan_for(profiles["mlp"], "gpipe", "never", 2).model_copy(
+        update={"model": f"example:{name}"}
+    )
+    program = types.ModuleType("program")
+    exec(compile(emit_program(plan), "program.py", "exec"), program.__dict__)
+    built, reference = program.load_model(), EXAMPLES[name]()
+    assert model_digest(built) == model_digest(reference)
+    expected = reference.state_dict()
+    assert all(torch.equal(t, expected[k]) for k, t in built.state_dict().items())
+    assert torch.equal(built.example_input, reference.example_input)
+
+
+# Runs `python PROGRAM ARGS...` as Python would, but where gpipe-plan's packages cannot be
+# imported: the editable install's finder would otherwise find them from any directory.
+WITHOUT_GPIPE_PLAN = """
+import os
+import runpy
+import sys
+
+
+class NoGpipePlan:
+    def find_spec(self, name, path=None, target=None):
+        if name.partition(".")[0] in ("cli", "codegen", "planner", "profiler", "schedules"):
+            raise ModuleNotFoundError(f"{name} is gpipe-plan's: the program must not import it")
+        return None
+
+
+sys.meta_path.insert(0, NoGpipePlan())
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.fixture
+def without_gpipe_plan(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("launcher") / "without_gpipe_plan.py"
+    path.write_text(WITHOUT_GPIPE_PLAN)
+    return path
+
+
+@pytest.fixture
+def elsewhere(tmp_path_factory) -> Path:
+    """A working directory that is neither the repository nor the program's."""
+    return tmp_path_factory.mktemp("elsewhere")
+
+
+def run_isolated(launcher: Path, program: Path, cwd: Path, pythonpath: str = ""):
+    """`python PROGRAM --device cpu` from `cwd`, with nothing of gpipe-plan importable."""
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath}
+    cmd = [sys.executable, str(launcher), str(program), "--device", "cpu"]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=120)
 
 
 @pytest.fixture
@@ -306,13 +400,59 @@ def mlp_plan_path(tmp_path, run_cli):
     return plan_path
 
 
-def test_running_the_program_directly(tmp_path, mlp_plan_path, run_cli):
+def test_running_the_program_from_another_directory(
+    tmp_path, mlp_plan_path, run_cli, without_gpipe_plan, elsewhere
+):
     program = tmp_path / "program.py"
     assert run_cli("codegen", mlp_plan_path, "--model", "example:mlp", "-o", program).code == 0
-    r = subprocess.run([sys.executable, str(program), "--device", "cpu"], capture_output=True, text=True,
-                       env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"}, timeout=120)  # fmt: skip
+    r = run_isolated(without_gpipe_plan, program, cwd=elsewhere)
     assert r.returncode == 0, r.stderr
     assert "example:mlp: one" in r.stdout and " ms, loss " in r.stdout
+    # ... and the launcher does keep gpipe-plan out:
+    (tmp_path / "imports_it.py").write_text("import profiler\n")
+    r = run_isolated(without_gpipe_plan, tmp_path / "imports_it.py", cwd=elsewhere)
+    assert r.returncode != 0 and "profiler is gpipe-plan's" in r.stderr
+
+
+def test_file_model_is_found_by_absolute_path(
+    tmp_path, run_cli, monkeypatch, without_gpipe_plan, elsewhere
+):
+    """`net.py:build` names the file relative to where gpipe-plan ran; the program records the
+    absolute path, so it runs from any directory."""
+    (tmp_path / "net.py").write_text(NET)
+    monkeypatch.chdir(tmp_path)
+    r = run_cli("profile", "net.py:build", "--batch-sizes", "2,4", "--repeats", "1", "-o", "p.json")
+    assert r.code == 0, r.err
+    r = run_cli(
+        "plan", "p.json", "--devices", 2, "--memory", "1GiB", "--batch-size", 8, "-o", "plan"
+    )
+    assert r.code == 0, r.err
+    assert run_cli("codegen", "plan", "--model", "net.py:build", "-o", "program.py").code == 0
+    assert f'path = "{(tmp_path / "net.py").resolve()}"' in (tmp_path / "program.py").read_text()
+    r = run_isolated(without_gpipe_plan, tmp_path / "program.py", cwd=elsewhere)
+    assert r.returncode == 0, r.stderr
+    assert "net.py:build: one" in r.stdout
+
+
+def test_module_model_is_imported_by_name(profiles, tmp_path, without_gpipe_plan, elsewhere):
+    """`nets.small:build` is imported by name: the program runs where it is importable, and
+    says what to do where it is not."""
+    (tmp_path / "nets").mkdir()
+    (tmp_path / "nets" / "__init__.py").write_text("")
+    (tmp_path / "nets" / "small.py").write_text(NET)
+    plan = plan_for(profiles["mlp"], "1f1b", "never", 4)
+    program = elsewhere / "program.py"  # where the program is is on sys.path, as python does
+    program.write_text(emit_program(plan.model_copy(update={"model": "nets.small:build"})))
+    r = run_isolated(without_gpipe_plan, program, cwd=elsewhere, pythonpath=str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert "nets.small:build: one" in r.stdout
+    r = run_isolated(without_gpipe_plan, program, cwd=elsewhere)
+    assert r.returncode != 0
+    assert (
+        "ImportError: nets.small:build: cannot import nets.small (No module named 'nets'); run "
+        "this program where nets.small is importable, e.g. with the directory that holds it on "
+        "PYTHONPATH"
+    ) in r.stderr
 
 
 def test_codegen_refuses_another_model(tmp_path, mlp_plan_path, run_cli):
@@ -355,13 +495,12 @@ def test_auto_pipe_profiles_plans_and_compiles():
         assert rel_err(p.grad, q.grad) <= 1e-5
 
 
-def torchrun(nproc: int, *args: str, timeout: int = 240) -> subprocess.CompletedProcess:
-    env = {
-        "PATH": "/usr/bin:/bin",
-        "PYTHONPATH": str(ROOT),
-        "GPIPE_ROOT": str(ROOT),
-        "OMP_NUM_THREADS": "1",
-    }
+def torchrun(
+    nproc: int, *args: str, timeout: int = 240, cwd: Path | None = None, repo_on_path: bool = True
+) -> subprocess.CompletedProcess:
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    if repo_on_path:
+        env |= {"PYTHONPATH": str(ROOT), "GPIPE_ROOT": str(ROOT)}
     cmd = [
         sys.executable,
         "-m",
@@ -370,12 +509,12 @@ def torchrun(nproc: int, *args: str, timeout: int = 240) -> subprocess.Completed
         f"--nproc-per-node={nproc}",
         *args,
     ]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
     # NOTE: about 1 run in 30 on this 2-core machine, a worker aborts inside gloo's C++ with
     # "terminate called without an active exception" (no Python error). Launch once more then;
     # a Python failure of ours is never retried.
     if r.returncode != 0 and "terminate called without an active exception" in r.stderr:
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+        r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=cwd, timeout=timeout)
     return r
 
 
@@ -419,7 +558,9 @@ def test_torchrun_gradient_parity(profiles, tmp_path, torchrun_available):
             assert res["params"] > 0 and res["grad_err"] <= 1e-5, (rank, name, res)
 
 
-def test_torchrun_program_runs_directly(tmp_path, mlp_plan_path, torchrun_available, run_cli):
+def test_torchrun_program_runs_from_another_directory(
+    tmp_path, mlp_plan_path, torchrun_available, run_cli, without_gpipe_plan, elsewhere
+):
     program = tmp_path / "program.py"
     r = run_cli(
         "codegen", mlp_plan_path, "--model", "example:mlp", "--target", "torchrun", "-o", program
@@ -428,7 +569,7 @@ def test_torchrun_program_runs_directly(tmp_path, mlp_plan_path, torchrun_availa
     source = program.read_text()
     compile(source, "program.py", "exec")
     assert "def _rank2(self)" in source and "self.recv_forward(" in source
-    done = torchrun(3, str(program))
+    done = torchrun(3, str(without_gpipe_plan), str(program), cwd=elsewhere, repo_on_path=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "example:mlp: one" in done.stdout and "on 3 ranks" in done.stdout
 

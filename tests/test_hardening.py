@@ -489,3 +489,21 @@ def test_cli_translates_library_argument_names(run_cli, prof):
                 "--microbatches", 100)  # fmt: skip
     assert_bad_input(r, mentions="--microbatches 100: must be from 1 to 8")
     assert "microbatches=" not in r.err
+
+
+@pytest.mark.parametrize(
+    "costs, mentions",
+    [
+        ({"forward": [1.0, float("nan")]}, "costs.forward: nan"),
+        ({"backward": [1.0, -2.0]}, "costs.backward: -2.0"),
+        ({"transfer": [float("inf")]}, "costs.transfer: inf"),
+        ({"transfer": [1.0, 1.0]}, "2 values for 1 cuts"),
+        ({"recompute": ["never", "often"]}, "costs.recompute"),
+    ],
+)
+def test_simulate_refuses_costs_that_are_not_times(costs, mentions):
+    from schedules import Costs, build_schedule, simulate
+
+    args = {"forward": [1.0, 1.0], "backward": [2.0, 2.0], **costs}
+    with pytest.raises(ValueError, match=re.escape(mentions)):
+        simulate(build_schedule("gpipe", 2, 2), Costs(**args))
