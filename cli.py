@@ -429,7 +429,8 @@ def _summary(plan: Any) -> str:
         f"predicted {p.iteration_ms:.2f} ms/iteration, bubble {p.bubble_fraction:.3f}, "
         f"{p.throughput_samples_per_s:.1f} samples/s "
         f"(solver {plan.solver.method}, {'optimal' if plan.solver.optimal else 'not proven optimal'}, "
-        f"{plan.solver.candidates} candidates"
+        f"{plan.solver.candidates} candidates, {plan.solver.solved} solved, "
+        f"{plan.solver.pruned} pruned by their bound"
         + (f" in {plan.solve_ms:.0f} ms)" if plan.solve_ms else ")")
         + (f"\nnot proven: {plan.solver.unproven}" if plan.solver.unproven else "")
         + (f"\nthe last stage includes the loss ({plan.loss})" if plan.loss else "")

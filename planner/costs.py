@@ -76,28 +76,60 @@ class Chain:
 ALLOCATION_ROUND = {"cuda": 512}  # the CUDA caching allocator hands out multiples of 512 bytes
 
 
-def chain_at(profile: Profile, mb: int) -> Chain:
+class ProfileTable:
+    """A profile's per-size measurements as (entries x sizes) arrays, made once, so reading them
+    at any micro-batch size is a few vector operations (as `at_size` does one value at a time)."""
+
+    def __init__(self, profile: Profile) -> None:
+        self.profile = profile
+        self.layers = profile.layers + ([profile.loss] if profile.loss is not None else [])
+        self.sizes = sorted(profile.batch_sizes)
+        self._tables: dict[str, np.ndarray] = {}
+
+    def _table(self, attr: str, timing: bool) -> np.ndarray:
+        if attr not in self._tables:
+            rows = [getattr(x, attr) for x in self.layers]
+            self._tables[attr] = np.array(
+                [[(r[b].median if timing else r[b]) for b in self.sizes] for r in rows],
+                dtype=np.float64,
+            ).reshape(len(rows), len(self.sizes))
+        return self._tables[attr]
+
+    def fixed(self, attr: str) -> np.ndarray:
+        """A per-entry value that does not depend on the size (parameters, output per sample)."""
+        if attr not in self._tables:
+            self._tables[attr] = np.array([getattr(x, attr) for x in self.layers], dtype=np.int64)
+        return self._tables[attr]
+
+    def at(self, attr: str, b: int, *, timing: bool = False) -> np.ndarray:
+        """Every entry's `attr` at size b: exact, interpolated or extended; never < 0."""
+        y, xs = self._table(attr, timing), self.sizes
+        if b in xs:
+            return y[:, xs.index(b)].copy()
+        if len(xs) == 1:
+            return y[:, 0] * b / xs[0]
+        k = min(max(bisect.bisect_left(xs, b), 1), len(xs) - 1)
+        x0, x1 = xs[k - 1], xs[k]
+        y0, y1 = y[:, k - 1], y[:, k]
+        return np.maximum(y0 + (y1 - y0) * (b - x0) / (x1 - x0), 0.0)
+
+
+def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
     """The profile's layers (and loss) as arrays, read at micro-batch size `mb`."""
-    layers = profile.layers + ([profile.loss] if profile.loss is not None else [])
+    table = profile if isinstance(profile, ProfileTable) else ProfileTable(profile)
+    profile, layers = table.profile, table.layers
     L = len(profile.layers)
     unit = ALLOCATION_ROUND.get(profile.device.split(":")[0], 1)
 
     def times(attr: str) -> np.ndarray:
-        return np.array(
-            [at_size({b: t.median for b, t in getattr(x, attr).items()}, mb) for x in layers]
-        )
+        return table.at(attr, mb, timing=True)
 
     def sizes(attr: str) -> np.ndarray:
-        return np.array([round(at_size(getattr(x, attr), mb)) for x in layers], dtype=np.int64)
-
-    def rounded(n: int) -> int:
-        return -(-n // unit) * unit
+        return np.round(table.at(attr, mb)).astype(np.int64)
 
     saved = sizes("saved_bytes")
-    boundary = np.array(
-        [rounded(profile.input_bytes * mb)] + [rounded(x.output_bytes * mb) for x in layers],
-        dtype=np.int64,
-    )
+    boundary = np.concatenate([[profile.input_bytes], table.fixed("output_bytes")]) * mb
+    boundary = -(-boundary // unit) * unit  # rounded up to the allocator's blocks
     n = len(layers)
     # Zero bubble keeps, from I to W, the gradient of every layer output inside a stage and of
     # the stage's own output; the last model layer's output gradient comes from the loss, which
@@ -115,9 +147,9 @@ def chain_at(profile: Profile, mb: int) -> Chain:
         backward=times("backward_ms"),
         input_grad=times("backward_input_ms"),
         weight_grad=times("backward_weight_ms"),
-        params=np.array([x.param_bytes for x in layers], dtype=np.int64),
-        largest_param=np.array([x.largest_param_bytes for x in layers], dtype=np.int64),
-        buffers=np.array([x.buffer_bytes for x in layers], dtype=np.int64),
+        params=table.fixed("param_bytes"),
+        largest_param=table.fixed("largest_param_bytes"),
+        buffers=table.fixed("buffer_bytes"),
         saved=saved,
         shared=np.minimum(sizes("shared_bytes"), saved),
         input_saved=sizes("input_saved_bytes"),

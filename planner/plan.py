@@ -130,7 +130,11 @@ class SolverInfo(_Strict):
     lower_bound_ms: Ms
     gap: float
     candidates: Count = Field(
-        description="(micro-batch count, schedule, recompute) combinations solved"
+        description="(micro-batch count, schedule, recompute) combinations considered"
+    )
+    solved: Count = Field(default=0, description="... whose partition was solved")
+    pruned: Count = Field(
+        default=0, description="... skipped: their lower bound could not beat the plan found"
     )
 
 

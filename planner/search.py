@@ -16,8 +16,11 @@ which looping needs, is taken to be as slow as the slowest link.
 from __future__ import annotations
 
 import math
+import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
@@ -28,14 +31,16 @@ from profiler.limits import (
     MAX_MICROBATCHES,
     ArgumentError,
     choice,
+    real,
     whole,
 )
 from profiler.types import Profile
 from schedules import SCHEDULE_NAMES, Costs, Schedule, Timeline, build_schedule, simulate
 from schedules.memory import StageBytes, occupancy
 
+from .bounds import prior_bound
 from .cluster import Cluster
-from .costs import OPTIMIZER_SLOTS, Chain, chain_at
+from .costs import OPTIMIZER_SLOTS, Chain, ProfileTable, chain_at
 from .dp import solve_partition_dp
 from .memory import RECOMPUTE_MODES, MemoryModel, StageShape
 from .partition import Partition, StageSpec, feasible_split, solve_partition
@@ -92,16 +97,27 @@ class _Problem:
     cluster: Cluster
     batch_size: int
     optimizer: str
-    chains: dict[int, tuple[Chain, MemoryModel]]
     digests: tuple[str, str] = ("", "")  # of the profile and the cluster: computed once
+    table: ProfileTable = field(init=False)
+    chains: dict[int, Chain] = field(default_factory=dict)
+    memories: dict[int, MemoryModel] = field(default_factory=dict)
 
-    def chain(self, cand: Candidate) -> tuple[Chain, MemoryModel]:
-        """The per-layer costs at the candidate's micro-batch size (computed once per size)."""
+    def __post_init__(self) -> None:
+        self.table = ProfileTable(self.profile)
+
+    def costs(self, cand: Candidate) -> Chain:
+        """The per-layer costs at the candidate's micro-batch size (read once per size)."""
         mb = -(-self.batch_size // cand.microbatches)
         if mb not in self.chains:
-            chain = chain_at(self.profile, mb)
-            self.chains[mb] = (chain, MemoryModel(chain))
+            self.chains[mb] = chain_at(self.table, mb)
         return self.chains[mb]
+
+    def chain(self, cand: Candidate) -> tuple[Chain, MemoryModel]:
+        """The costs and the memory model built on them (once per size)."""
+        chain = self.costs(cand)
+        if chain.mb not in self.memories:
+            self.memories[chain.mb] = MemoryModel(chain)
+        return chain, self.memories[chain.mb]
 
 
 def microbatch_candidates(batch_size: int, num_devices: int) -> list[int]:
@@ -122,8 +138,12 @@ def plan_pipeline(
     recompute: str = "auto",
     optimizer: str = "adam",
     solver: str = "auto",
+    time_limit_s: float | None = None,
+    progress: bool | None = None,
 ) -> Plan:
     """The fastest predicted plan for `profile` on `cluster` that fits every device's memory.
+    `time_limit_s`: return the best plan found by then, marked not proven (the search goes on
+    until one plan fits). `progress`: a bar on stderr (default: when it is a terminal).
 
     Raises ArgumentError (an InputError) for bad arguments and InfeasibleError when no split fits."""
     started = time.perf_counter()
@@ -142,13 +162,14 @@ def plan_pipeline(
         )
     choice(optimizer, "optimizer", tuple(OPTIMIZER_SLOTS))
     choice(solver, "solver", SOLVERS)
+    if time_limit_s is not None:
+        real(time_limit_s, "time_limit_s", 0, 86400)
     if microbatches == "auto":
         ms = microbatch_candidates(batch_size, K)
     else:
         ms = [whole(microbatches, "microbatches", 1, min(batch_size, MAX_MICROBATCHES))]
     schedules = _choices(schedule, SCHEDULE_NAMES, "schedule")
     modes = _choices(recompute, RECOMPUTE_MODES, "recompute")
-    _check_magnitude(profile, batch_size)
     candidates = [
         c
         for c in (Candidate(m, s, r) for m in ms for s in schedules for r in modes)
@@ -165,28 +186,10 @@ def plan_pipeline(
         (solve_partition_dp, "dp") if solver == "dp" else (solve_partition, "probe-bisection")
     )
     problem = _Problem(
-        profile, cluster, batch_size, optimizer, {}, (profile.digest(), cluster.digest())
+        profile, cluster, batch_size, optimizer, (profile.digest(), cluster.digest())
     )
 
-    best: Plan | None = None
-    best_cand: Candidate | None = None
-    for cand in candidates:
-        chain, memory = problem.chain(cand)
-        specs = _stage_specs(problem, cand)
-        cuts = _cut_costs(cluster, cand, chain)
-        part = solve(_balance_times(chain, cand), memory, specs, cuts=cuts)
-        if part is None:
-            continue
-        if (
-            best is not None
-            and _lower_bound(problem, cand, specs, part) >= best.predicted.iteration_ms
-        ):
-            continue  # cannot beat the best so far: skip the simulation
-        plan = _build_plan(problem, cand, specs, part, method)
-        if plan.fits and (
-            best is None or plan.predicted.iteration_ms < best.predicted.iteration_ms * (1 - 1e-12)
-        ):
-            best, best_cand = plan, cand
+    best, best_cand, visited = _search(problem, candidates, solve, method, time_limit_s, progress)
     if best is None or best_cand is None:
         raise _infeasible(problem, candidates)
     if solver == "cp-sat":
@@ -212,26 +215,124 @@ def plan_pipeline(
             best.solver = best.solver.model_copy(
                 update={"unproven": f"CP-SAT could not re-solve the split: {failed}"}
             )
-    best.solver = best.solver.model_copy(update={"candidates": len(candidates)})
+    unproven = best.solver.unproven
+    if visited.timed_out:
+        unproven = (
+            f"the time limit stopped the search after {visited.solved} of {len(candidates)} "
+            "candidates" + (f"; {unproven}" if unproven else "")
+        )
+    best.solver = best.solver.model_copy(
+        update={
+            "candidates": len(candidates),
+            "solved": visited.solved,
+            "pruned": visited.pruned,
+            "optimal": best.solver.optimal and not visited.timed_out,
+            "unproven": unproven,
+        }
+    )
     best._solve_ms = (time.perf_counter() - started) * 1e3
     return best
+
+
+@dataclass
+class _Visited:
+    solved: int = 0
+    pruned: int = 0
+    timed_out: bool = False
+
+
+def _search(
+    problem: _Problem,
+    candidates: list[Candidate],
+    solve: Callable[..., Partition | None],
+    method: str,
+    time_limit_s: float | None,
+    progress: bool | None,
+) -> tuple[Plan | None, Candidate | None, _Visited]:
+    """Every candidate in the order of its prior bound (planner/bounds.py), skipping those whose
+    bound cannot beat the best plan so far. The winner is the same as an exhaustive search's:
+    the least predicted time, ties (within 1e-12) going to the candidate listed first."""
+    started = time.perf_counter()
+    speeds = [d.speed for d in problem.cluster.devices]
+    order = sorted(
+        range(len(candidates)), key=lambda k: (_prior_bound(problem, candidates[k], speeds), k)
+    )
+    best: tuple[float, int, Plan, Candidate] | None = None
+    visited = _Visited()
+
+    def beaten(bound: float) -> bool:
+        return best is not None and bound > best[0] * (1 + 1e-12)
+
+    show = sys.stderr.isatty() if progress is None else progress
+    with _progress_bar(len(order), show) as tick:
+        for n, k in enumerate(order):
+            cand = candidates[k]
+            if beaten(_prior_bound(problem, cand, speeds)):
+                visited.pruned = len(order) - n  # the rest are sorted by this bound
+                break
+            if time_limit_s is not None and time.perf_counter() - started > time_limit_s:
+                if best is not None:
+                    visited.timed_out = True
+                    break
+            tick()
+            chain, memory = problem.chain(cand)
+            specs = _stage_specs(problem, cand)
+            cuts = _cut_costs(problem.cluster, cand, chain)
+            part = solve(_balance_times(chain, cand), memory, specs, cuts=cuts)
+            visited.solved += 1
+            if part is None or beaten(_lower_bound(problem, cand, specs, part)):
+                continue  # nothing fits, or it cannot beat the best so far: no simulation
+            plan = _build_plan(problem, cand, specs, part, method)
+            t = plan.predicted.iteration_ms
+            if not plan.fits:
+                continue
+            if best is None or _better(t, k, best[0], best[1]):
+                best = (t, k, plan, cand)
+    if best is None:
+        return None, None, visited
+    return best[2], best[3], visited
+
+
+def _better(t: float, k: int, best_t: float, best_k: int) -> bool:
+    """Faster by more than rounding, or as fast and listed earlier."""
+    return t < best_t * (1 - 1e-12) or (t <= best_t * (1 + 1e-12) and k < best_k)
+
+
+def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> float:
+    chain = problem.costs(cand)
+    counted = chain.forward if cand.schedule == "zb-h1" else chain.forward + chain.backward
+    S = problem.cluster.size * cand.per_device
+    return prior_bound(_balance_times(chain, cand), counted, cand.microbatches, S, speeds)
+
+
+@contextmanager
+def _progress_bar(total: int, show: bool) -> Iterator[Callable[[], None]]:
+    """A bar on the terminal, for searches long enough to wonder about (over a second)."""
+    if not show:
+        yield lambda: None
+        return
+    from tqdm import tqdm
+
+    with tqdm(total=total, desc="planning", unit="candidate", file=sys.stderr, leave=False,
+              delay=1.0) as bar:  # fmt: skip
+        yield lambda: bar.update(1)
 
 
 def _choices(value: str, allowed: tuple[str, ...] | list[str], arg: str) -> list[str]:
     return list(allowed) if value == "auto" else [choice(value, arg, ("auto", *allowed))]
 
 
-def _check_magnitude(profile: Profile, batch_size: int) -> None:
+def _check_magnitude(table: ProfileTable, batch_size: int) -> None:
     """Refuse at once a batch so far past the profiled sizes that its extrapolated bytes would
     overflow the planner's int64 arithmetic (the total is about the same for every M)."""
-    chain = chain_at(profile, batch_size)
+    chain = chain_at(table, batch_size)
     per_layer = [getattr(chain, f) for f in _BYTE_TERMS]
     total = sum(int(x.sum()) for x in per_layer) + 8 * int(chain.params.sum())
     if total * 4 >= INT64_SAFE:
         raise ArgumentError(
             "batch_size",
             batch_size,
-            f"by the profile (measured up to {max(profile.batch_sizes)} samples) its tensors "
+            f"by the profile (measured up to {max(table.sizes)} samples) its tensors "
             f"would take {format_size(total)}, past what any device holds; use a smaller batch",
         )
 

@@ -39,8 +39,13 @@ class Artifact(BaseModel):
         return json.dumps(data, sort_keys=True, indent=1) + "\n"
 
     def digest(self) -> str:
-        """sha256 of the content, `meta` excluded, so re-running on the same input keeps it."""
-        return hashlib.sha256(self.canonical_json(with_meta=False).encode()).hexdigest()
+        """sha256 of the content, `meta` excluded, so re-running on the same input keeps it.
+        Compact sorted JSON: the same content always, and json's C encoder (indented output
+        takes its pure-Python path, seconds on a 10 000-layer profile)."""
+        data = self.model_dump(mode="json")
+        data.pop("meta", None)
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
 
     def save(self, path: str | os.PathLike[str]) -> None:
         from .files import write_output

@@ -381,7 +381,7 @@ def test_the_same_inputs_give_the_same_plan_bytes(run_cli, prof, tmp_path):
     assert run_cli("plan", prof, *PLAN_ARGS, "-o", a).code == 0
     r = run_cli("plan", prof, *PLAN_ARGS, "-o", b)
     assert a.read_bytes() == b.read_bytes()
-    assert "candidates in" in r.out  # the solve time is still shown, only not saved
+    assert re.search(r"in \d+ ms\)", r.out)  # the solve time is still shown, only not saved
     assert "solve_ms" not in a.read_text() and "created" not in a.read_text()
 
 

@@ -1,0 +1,47 @@
+"""A lower bound on a candidate's iteration time before its partition is solved, so the search
+visits candidates best-bound-first and skips those that cannot beat the plan it has.
+
+For S stages in pipeline order with per-micro-batch work w_s (forward, backward or I + W, and
+average recomputation, at the stage's speed), any schedule of M micro-batches gives stage s
+
+    Q_s = head_s + M w_s + tail_s <= makespan
+
+head_s: its first action waits for micro-batch 0's forward through the stages before it;
+tail_s: after its last backward, that micro-batch's backward runs through them (zero bubble's
+last action may be a W, which nothing follows, so it gets no tail). With u the part of a layer's
+work that head and tail count (forward + backward; forward alone for zero bubble) and
+rho = min over layers of u / w, Q_s >= rho * sum_{s' < s} w_s' + M w_s. For any split, the
+weights lambda_s that make the coefficient of every w_s equal give
+
+    max_s Q_s >= rho W / (1 - (1 - rho / M)^S)          (W = sum of all w)
+
+which tends to W M / S plus about half the fill-and-drain bubble. The bound also takes the
+devices' total load, M W / sum(speeds). Speeds enter as the fastest device's (a stage runs no
+faster than that), so the bound holds on any cluster. Transfers only add time.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def prior_bound(
+    work: np.ndarray,
+    counted: np.ndarray,
+    microbatches: int,
+    num_stages: int,
+    speeds: list[float],
+) -> float:
+    """A lower bound (ms) on the makespan of any split of layers of per-micro-batch `work` into
+    `num_stages` stages, where `counted` is the part of each layer's work on the fill and drain
+    path (module docstring)."""
+    W = float(work.sum())
+    if W <= 0:
+        return 0.0
+    load = microbatches * W / float(sum(speeds))
+    busy = work > 0
+    rho = min(1.0, float((counted[busy] / work[busy]).min()))
+    if rho <= 0:
+        return load
+    fill = rho * W / (1.0 - (1.0 - rho / microbatches) ** num_stages) / max(speeds)
+    return max(load, fill)
