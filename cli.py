@@ -41,6 +41,7 @@ FLAGS = {
     "device": "--device",
     "input_shape": "--input-shape",
     "max_repeats": "--max-repeats",
+    "time_limit_s": "--time-limit",
 }
 
 
@@ -162,6 +163,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             recompute=args.recompute,
             optimizer=args.optimizer,
             solver=args.solver,
+            time_limit_s=args.time_limit,
         )
     except InfeasibleError as e:
         print(f"gpipe-plan: {e}", file=sys.stderr)
@@ -595,6 +597,8 @@ def _build_parser() -> argparse.ArgumentParser:
         help="probe (exact, fast; auto), dp (reference), cp-sat (re-solves the chosen plan with "
         "OR-tools and reports its bound)",
     )
+    s.add_argument("--time-limit", type=_number("--time-limit", 0, 86400),
+                   help="seconds: then return the best plan found so far, marked not proven")  # fmt: skip
     s.add_argument("-o", "--output", default="plan.json")
     s.set_defaults(run=cmd_plan)
 

@@ -22,6 +22,8 @@ faster than that), so the bound holds on any cluster. Transfers only add time.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -43,5 +45,10 @@ def prior_bound(
     rho = min(1.0, float((counted[busy] / work[busy]).min()))
     if rho <= 0:
         return load
-    fill = rho * W / (1.0 - (1.0 - rho / microbatches) ** num_stages) / max(speeds)
+    # 1 - (1 - rho / M)^S, accurate also where rho / M is tiny
+    x = rho / microbatches
+    share = 1.0 if x >= 1 else -math.expm1(num_stages * math.log1p(-x))
+    if share <= 0:
+        return load
+    fill = rho * W / share / max(speeds)
     return max(load, fill)

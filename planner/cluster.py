@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from profiler.artifact import Artifact
@@ -69,8 +70,11 @@ class Link(BaseModel):
     )
     latency_ms: float = Field(default=0.0, ge=0, le=MAX_MS, allow_inf_nan=False)
 
-    def transfer_ms(self, nbytes: float) -> float:
+    def transfer_ms(self, nbytes: Any) -> Any:
+        """ms to send `nbytes` (a number, or an array of them: then an array)."""
         if self.bandwidth_bytes_per_s is None:
+            if isinstance(nbytes, np.ndarray):
+                return np.where(nbytes != 0, self.latency_ms, 0.0)
             return self.latency_ms if nbytes else 0.0
         return nbytes / self.bandwidth_bytes_per_s * 1e3 + self.latency_ms
 

@@ -380,10 +380,15 @@ def _cut_costs(cluster: Cluster, cand: Candidate, chain: Chain) -> list[np.ndarr
     K, S = cluster.size, cluster.size * cand.per_device
     if S == 1:
         return None
+    nbytes = chain.boundary.astype(np.float64)
+    per_link = [link.transfer_ms(nbytes) for link in cluster.links]
+    loop_back = np.maximum.reduce(per_link) if per_link else np.zeros_like(nbytes)
     cuts = []
     for s in range(S - 1):
         rank, nxt = s % K, (s + 1) % K
-        c = np.array([_link_ms(cluster, rank, nxt, float(b)) for b in chain.boundary])
+        # the same link costs as _link_ms, for every boundary at once
+        c = per_link[rank] if nxt == rank + 1 else loop_back if nxt != rank else 0 * nbytes
+        c = np.array(c, dtype=np.float64)
         if chain.has_loss:
             c[chain.num_model_layers] = math.inf
         cuts.append(c)
