@@ -59,8 +59,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(args_list)
         if args.command is None:
-            parser.print_help()
-            return EXIT_BAD_INPUT
+            raise InputError(
+                "name a command: profile, plan, check, show, simulate, codegen, measure or "
+                "schema (see gpipe-plan --help)"
+            )
         return int(args.run(args))
     except InputError as e:
         if debug:
@@ -230,6 +232,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         if out:
             check_output(out, flag=flag, inputs=[args.plan])  # fail now, not after the work
     check_distinct(outputs)
+    if args.png:
+        _needs_matplotlib()  # before anything is written
     plan = Plan.load(args.plan)
     tl = simulate_stages(plan.schedule, len(plan.devices), plan.microbatches, plan.stages)
     print(
@@ -357,6 +361,13 @@ def _measure_table(report: Any) -> str:
             _table(["stage", "action", "count", "plan ms", "run ms (median)", "error"], actions),
         ]
     )
+
+
+def _needs_matplotlib() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise InputError("--png needs matplotlib: pip install 'gpipe-plan[plot]'")
 
 
 def _fraction(text: str, flag: str) -> float:

@@ -14,6 +14,7 @@ from profiler.limits import (
     MAX_DEVICES,
     MAX_MS,
     MAX_SPEED,
+    MIN_SPEED,
     ArgumentError,
     real,
     whole,
@@ -28,7 +29,7 @@ class Device(BaseModel):
     memory_bytes: int = Field(gt=0, le=MAX_BYTES, description="what a stage on this device may use")
     speed: float = Field(
         default=1.0,
-        gt=0,
+        ge=MIN_SPEED,
         le=MAX_SPEED,
         allow_inf_nan=False,
         description="relative to the profiled device",
@@ -113,7 +114,7 @@ class Cluster(Artifact):
         """`num_devices` identical devices of `memory` each (`"16GiB"` or bytes), `bandwidth`
         bytes per second and `latency_ms` between neighbours (None: transfers are free)."""
         whole(num_devices, "num_devices", 1, MAX_DEVICES)
-        real(speed, "speed", 0, MAX_SPEED, above=True)
+        real(speed, "speed", MIN_SPEED, MAX_SPEED)
         if bandwidth is not None:
             real(bandwidth, "bandwidth", 0, MAX_BANDWIDTH, above=True)
         real(latency_ms, "latency_ms", 0, MAX_MS)

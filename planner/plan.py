@@ -22,7 +22,8 @@ class _Strict(BaseModel):
 
 
 Bytes = Annotated[int, Field(ge=0, le=2**62)]
-Ms = Annotated[float, Field(ge=0)]
+# A stage's time: at most MAX_LAYERS x MAX_MS / MIN_SPEED x 3 (forward, backward, recompute)
+Ms = Annotated[float, Field(ge=0, le=1e21)]
 Count = Annotated[int, Field(ge=0)]
 
 
@@ -111,7 +112,7 @@ class DeviceUse(_Strict):
 
 
 class Prediction(_Strict):
-    iteration_ms: Ms
+    iteration_ms: float = Field(ge=0, le=1e26)
     bubble_fraction: float = Field(ge=0, le=1)
     throughput_samples_per_s: float = Field(ge=0, description="0 when the times are all zero")
     bottleneck_ms: Ms = Field(

@@ -91,9 +91,16 @@ class Artifact(BaseModel):
             ) from None
 
 
+MAX_FILE_BYTES = 2**30  # far past a 100 000-layer profile; /dev/zero is not a profile
+
+
 def _read(path: Path) -> str:
     try:
-        return path.read_text()
+        with open(path, "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise InputError(f"{path}: larger than 1 GiB; not a gpipe-plan file")
+        return data.decode()
     except FileNotFoundError:
         raise InputError(f"{path}: no such file") from None
     except IsADirectoryError:

@@ -19,6 +19,7 @@ MAX_DEVICES = 1024
 MAX_MICROBATCHES = 1024
 MAX_BATCH = 2**24  # samples in one mini-batch
 MAX_SPEED = 1e6  # a device's speed relative to the profiled one
+MIN_SPEED = 1e-3
 MAX_BANDWIDTH = 1e18  # bytes per second
 INT64_SAFE = 2**62  # the planner's byte arithmetic stays below this
 

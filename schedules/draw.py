@@ -131,5 +131,5 @@ def gantt_png(timeline: Timeline, path: str) -> None:
     if R <= 8:
         mem.legend(fontsize=6, ncol=min(R, 4))
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, format="png")  # PNG whatever the name ends with
     plt.close(fig)

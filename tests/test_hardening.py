@@ -224,7 +224,7 @@ def test_profiles_with_impossible_values_are_refused_at_load(
     "device, mentions",
     [
         ({"speed": float("inf")}, "finite"),
-        ({"speed": 0}, "greater than 0"),
+        ({"speed": 0}, "greater than or equal to 0.001"),
         ({"memory_bytes": "1e400B"}, "finite"),
         ({"memory_bytes": -1}, "greater than 0"),
         ({"reserved_bytes": -1}, "greater than or equal"),

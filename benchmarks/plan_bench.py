@@ -1,0 +1,107 @@
+"""The whole `gpipe-plan plan` process at scale: L layers on K devices, `--schedule auto`.
+
+Synthetic profiles: per-layer forward times lognormal (seeded), backward twice the forward,
+parameters, saved activations and outputs drawn uniformly, measured at sizes 1..32, a loss at the
+end. Each run is a fresh process (what a user waits for: import, load, search, write); one run per
+size unless --repeats says more (then the median). Prints a table with the candidates considered,
+solved and pruned by their bound.
+
+    python benchmarks/plan_bench.py [--layers 100,1000,10000] [--devices 4,16,64] [--repeats 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from profiler.types import LayerProfile, Profile, Timing  # noqa: E402
+
+SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def synthetic(L: int, seed: int = 0) -> Profile:
+    rng = np.random.default_rng(seed)
+    fwd = rng.lognormal(0.0, 0.5, L + 1)
+    params = rng.integers(10_000, 1_000_000, L)
+    saved = rng.integers(1_000, 100_000, L + 1)
+    out = rng.integers(1_000, 50_000, L + 1)
+
+    def t(ms: float) -> Timing:
+        return Timing(median=ms, min=ms, max=ms)
+
+    def layer(i: int, kind: str, p: int) -> LayerProfile:
+        per = {b: int(saved[i]) * b for b in SIZES}
+        return LayerProfile(
+            index=i, name=str(i), type=kind, param_bytes=p, largest_param_bytes=p,
+            buffer_bytes=0, output_shape=[[int(out[i]) // 4]], output_bytes=int(out[i]),
+            forward_ms={b: t(fwd[i] * b) for b in SIZES},
+            backward_ms={b: t(2 * fwd[i] * b) for b in SIZES},
+            backward_input_ms={b: t(fwd[i] * b) for b in SIZES},
+            backward_weight_ms={b: t(fwd[i] * b) for b in SIZES},
+            saved_bytes=per, shared_bytes={b: 0 for b in SIZES},
+            input_saved_bytes={b: 0 for b in SIZES},
+            forward_transient_bytes={b: 4096 * b for b in SIZES},
+            backward_transient_bytes={b: 8192 * b for b in SIZES},
+            input_unsaved_bytes={b: 0 for b in SIZES},
+            forward_peak_bytes={b: int(saved[i]) * b + 4096 * b for b in SIZES},
+            input_grad_transient_bytes={b: 4096 * b for b in SIZES},
+            weight_grad_transient_bytes={b: 4096 * b for b in SIZES},
+        )  # fmt: skip
+
+    return Profile(
+        model=f"synthetic:{L}", model_digest="0" * 64, device="cpu", device_name="synthetic",
+        dtype="float32", input_shape=[256], input_dtype="float32", input_bytes=1024,
+        batch_sizes=list(SIZES), layers=[layer(i, "Layer", int(params[i])) for i in range(L)],
+        loss=layer(L, "loss", 0),
+    )  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", default="100,1000,10000")
+    ap.add_argument("--devices", default="4,16,64")
+    ap.add_argument("--batch-size", type=int, default=256)
+    ap.add_argument("--memory", default="1GiB")
+    ap.add_argument("--repeats", type=int, default=1)
+    args = ap.parse_args()
+    exe = str(Path(sys.executable).with_name("gpipe-plan"))
+    print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
+          f"python {platform.python_version()}, batch {args.batch_size}, {args.memory} per device")  # fmt: skip
+    print("| layers | devices | whole process s | candidates | solved | pruned | plan |")
+    print("|---:|---:|---:|---:|---:|---:|---|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for L in map(int, args.layers.split(",")):
+            prof = Path(tmp) / f"p{L}.json"
+            synthetic(L).save(prof)
+            for K in map(int, args.devices.split(",")):
+                if K > L:
+                    continue
+                out = Path(tmp) / "plan.json"
+                cmd = [exe, "plan", str(prof), "--devices", str(K), "--memory", args.memory,
+                       "--batch-size", str(args.batch_size), "-o", str(out)]  # fmt: skip
+                walls = []
+                for _ in range(args.repeats):
+                    t0 = time.perf_counter()
+                    subprocess.run(cmd, check=True, capture_output=True)
+                    walls.append(time.perf_counter() - t0)
+                plan = json.loads(out.read_text())
+                s = plan["solver"]
+                what = f"M={plan['microbatches']} {plan['schedule']} {plan['recompute']}"
+                print(f"| {L} | {K} | {statistics.median(walls):.2f} | {s['candidates']} | "
+                      f"{s['solved']} | {s['pruned']} | {what} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
