@@ -84,7 +84,8 @@ def _cli_words(e: InputError, argv: list[str]) -> str:
     if not isinstance(e, ArgumentError):
         return str(e).splitlines()[0] if str(e) else type(e).__name__
     if e.arg == "cluster":  # too many devices for the model: say it of what was given
-        flag = "--cluster" if "--cluster" in argv else "--devices"
+        given = any(a == "--cluster" or a.startswith("--cluster=") for a in argv)
+        flag = "--cluster" if given else "--devices"
         return e.named(flag, _given(argv, flag))
     flag = FLAGS.get(e.arg)
     return e.named(flag, _given(argv, flag)) if flag else str(e)
@@ -104,7 +105,7 @@ def _given(argv: list[str], flag: str | None) -> str | None:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    out = check_output(args.output, inputs=_model_files(args.model))
+    out = check_output(args.output, inputs=_sources(args.model, args.loss))
 
     from profiler.measure import profile_model
     from profiler.models import DTYPES, load_model, sample_input
@@ -115,7 +116,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     if sizes is not None and min(sizes) <= 0:
         raise InputError(f"--batch-sizes {args.batch_sizes}: every size must be positive")
     model = load_model(args.model)
-    check_output(args.output, inputs=_model_files(args.model))  # now its module is known
+    check_output(args.output, inputs=_sources(args.model, args.loss))  # and what it imported
     if any(p.is_floating_point() for p in model.parameters()):
         model = model.to(dtype)
     sample = sample_input(model, shape, dtype)
@@ -265,7 +266,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 
 def cmd_codegen(args: argparse.Namespace) -> int:
-    out = check_output(args.output, inputs=[args.plan, *_model_files(args.model)])
+    out = check_output(args.output, inputs=[args.plan, *_sources(args.model)])
     from codegen.emit import emit_program
     from planner import Plan
     from profiler.models import load_model, model_digest
@@ -277,7 +278,7 @@ def cmd_codegen(args: argparse.Namespace) -> int:
             f"{args.plan} was made for a different model ({plan.model}); profile and plan "
             f"{args.model} first"
         )
-    check_output(args.output, inputs=[args.plan, *_model_files(args.model)])
+    check_output(args.output, inputs=[args.plan, *_sources(args.model)])
     write_output(out, emit_program(plan, target=args.target, model=args.model))
     run = (
         f"python {args.output}"
@@ -292,8 +293,11 @@ def cmd_codegen(args: argparse.Namespace) -> int:
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
-    inputs = [args.plan, *_model_files(args.model)]
-    out = check_output(args.output, inputs=inputs) if args.output else None
+    out = (
+        check_output(args.output, inputs=[args.plan, *_sources(args.model)])
+        if args.output
+        else None
+    )
     from codegen.measure import make_data, measure_torchrun
     from codegen.pipe import StageError, compile_pipe
     from planner import Plan
@@ -302,6 +306,8 @@ def cmd_measure(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     tolerance = _fraction(args.tolerance, "--tolerance")
     model = load_model(args.model)
+    if args.output:
+        check_output(args.output, inputs=[args.plan, *_sources(args.model)])
     if model_digest(model) != plan.model_digest:
         raise InputError(
             f"{args.plan} was made for a different model ({plan.model}); profile and plan "
@@ -312,14 +318,18 @@ def cmd_measure(args: argparse.Namespace) -> int:
     else:
         import warnings
 
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # every stage on the CPU: said in the report
-            pipe = compile_pipe(model, plan)
-        x, y, loss_fn = make_data(model, plan)
         try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # every stage on the CPU: said in the report
+                pipe = compile_pipe(model, plan)
+            x, y, loss_fn = make_data(model, plan)
             report = pipe.measure(x, y, loss_fn, steps=args.steps, tolerance=tolerance)
+        except InputError:
+            raise
         except StageError as e:
-            raise InputError(f"the pipeline failed: {e}") from None
+            raise InputError(f"the pipeline failed: {e}") from e
+        except Exception as e:  # the user's model (or a hand-edited plan) on real data
+            raise InputError(f"the pipeline failed: {type(e).__name__}: {e}") from e
     print(_measure_table(report))
     if out is not None:
         write_output(out, report.model_dump_json(indent=1) + "\n")
@@ -474,7 +484,8 @@ def _stage_table(plan: Any) -> str:
                 format_size(m.live_activations + m.optimizer_step),
                 format_size(m.total),
                 format_size(m.budget),
-                f"{100 * m.total / m.budget:.0f}%" + (" OVER" if m.total > m.budget else ""),
+                (f"{100 * m.total / m.budget:.0f}%" if m.budget else "-")
+                + (" OVER" if m.total > m.budget else ""),
             ]
         )
     head = ["stage", "device", "layers", "types", "fwd ms", "I+W ms" if zero_bubble else "bwd ms",
@@ -516,14 +527,25 @@ def _int_list(text: str, flag: str) -> list[int]:
     return values
 
 
-def _model_files(spec: str) -> list[str]:
-    """The files a MODEL names (a `file.py:factory`'s file, a module's file once imported)."""
-    where = spec.rpartition(":")[0]
-    if where.endswith(".py"):
-        return [where]
-    module = sys.modules.get(where)
-    file = getattr(module, "__file__", None)
-    return [file] if file else []
+def _sources(*specs: str | None) -> list[str]:
+    """Python files an output must not replace: those the specs (MODEL, --loss) name, found
+    without running them, and every module this process has loaded (a model file's helpers)."""
+    import importlib.util
+
+    files = []
+    for spec in specs:
+        where = (spec or "").rpartition(":")[0]
+        if where.endswith(".py"):
+            files.append(where)
+        elif where and where != "example":
+            try:
+                found = importlib.util.find_spec(where)
+            except (ImportError, ValueError):
+                found = None
+            if found is not None and found.origin:
+                files.append(found.origin)
+    loaded = [getattr(m, "__file__", None) for m in list(sys.modules.values())]
+    return files + [f for f in loaded if f]
 
 
 def _whole(text: str, flag: str, what: str) -> int:
@@ -561,9 +583,16 @@ def _count(flag: str, hi: int, lo: int = 1) -> Callable[[str], int]:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="gpipe-plan", description=__doc__.splitlines()[0])
+    p = _Parser(prog="gpipe-plan", description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
+    sub_parser = sub.add_parser
+
+    def add_parser(name: str, **kw: Any) -> argparse.ArgumentParser:
+        # flags are translated by name (FLAGS): an abbreviation would slip past that
+        return sub_parser(name, allow_abbrev=False, **kw)
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
 
     s = sub.add_parser("profile", help="measure each layer of a model")
     s.add_argument("model", help="example:NAME, package.module:factory or path/to/file.py:factory")

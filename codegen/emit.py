@@ -72,7 +72,7 @@ MODEL = {json.dumps(plan.model)}
 NUM_DEVICES = {len(plan.devices)}
 BATCH_SIZE = {plan.batch_size}
 INPUT_SHAPE = {list(plan.input_shape)}
-INPUT_DTYPE = "{plan.input_dtype}"
+INPUT_DTYPE = {json.dumps(plan.input_dtype)}
 """
     loader = _model_loader(model if model is not None else plan.model)
     return _header(plan, target) + runtime + body + constants + loader + _COMMON_MAIN + main
@@ -291,7 +291,7 @@ def _model_loader(spec: str) -> str:
 
 
 def load_model() -> nn.Module:
-    """The planned model, {spec}: gpipe-plan's own factory, copied above."""
+    """The planned model: gpipe-plan's own example factory, copied above."""
     return {factory}()
 '''
     if where.endswith(".py"):
@@ -319,7 +319,7 @@ def load_model() -> nn.Module:
     return f'''
 
 def load_model() -> nn.Module:
-    """The planned model: {name}() from the module {where}, which must be importable."""
+    """The planned model: {name}() from its module (MODEL), which must be importable."""
     import importlib
 
     where = {json.dumps(where)}

@@ -93,8 +93,8 @@ class Pipe:
         N, M = self.plan.batch_size, self.plan.microbatches
         if not M <= x.shape[0] <= N:
             raise ArgumentError(
-                "x",
-                f"a batch of {x.shape[0]}",
+                "x.shape[0]",
+                x.shape[0],
                 f"the plan is for batches of {M} to {N} samples ({M} micro-batches, its memory "
                 f"figures for {N}); plan again with batch_size={x.shape[0]}",
             )

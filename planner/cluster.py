@@ -14,8 +14,10 @@ from profiler.limits import (
     MAX_DEVICES,
     MAX_MS,
     MAX_SPEED,
+    MIN_BANDWIDTH,
     MIN_SPEED,
     ArgumentError,
+    Text,
     real,
     whole,
 )
@@ -25,7 +27,7 @@ from .units import parse_size
 
 class Device(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    name: str = Field(min_length=1)
+    name: Text = Field(min_length=1)
     memory_bytes: int = Field(gt=0, le=MAX_BYTES, description="what a stage on this device may use")
     speed: float = Field(
         default=1.0,
@@ -40,7 +42,7 @@ class Device(BaseModel):
         le=MAX_BYTES,
         description="memory the runtime takes before any stage (CUDA context...)",
     )
-    torch_device: str | None = Field(
+    torch_device: Text | None = Field(
         default=None, description="where a compiled pipe puts this stage, e.g. cuda:3"
     )
 
@@ -64,7 +66,7 @@ class Link(BaseModel):
     model_config = ConfigDict(extra="forbid")
     bandwidth_bytes_per_s: float | None = Field(
         default=None,
-        gt=0,
+        ge=MIN_BANDWIDTH,
         le=MAX_BANDWIDTH,
         allow_inf_nan=False,
         description="None: transfers are free (not modelled)",
@@ -116,7 +118,7 @@ class Cluster(Artifact):
         whole(num_devices, "num_devices", 1, MAX_DEVICES)
         real(speed, "speed", MIN_SPEED, MAX_SPEED)
         if bandwidth is not None:
-            real(bandwidth, "bandwidth", 0, MAX_BANDWIDTH, above=True)
+            real(bandwidth, "bandwidth", MIN_BANDWIDTH, MAX_BANDWIDTH)
         real(latency_ms, "latency_ms", 0, MAX_MS)
         if not isinstance(name, str) or not name:
             raise ArgumentError("name", name, "expected a non-empty string")

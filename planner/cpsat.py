@@ -38,7 +38,7 @@ from .memory import MemoryModel
 from .partition import Partition, StageSpec, cut_table, split_cuts, stage_costs
 
 TIME_SCALE = 1e6  # ms -> ns
-SPEED_SCALE = 1000
+SPEED_SCALE = 1000  # speeds in thousandths of the slowest stage's, at least
 
 
 def _live(m: object, c: Chain, x: list, first: list, s: int, L: int) -> object:
@@ -140,11 +140,13 @@ def solve_partition_cpsat(
     if not 1 <= S <= L:
         raise ValueError(f"cannot split {L} layers into {S} non-empty stages")
     links = cut_table(cuts, L, S)
-    speed = [max(1, int(round(st.speed * SPEED_SCALE))) for st in stages]
+    # three digits for the slowest stage too (speeds run from 0.001)
+    speed_scale = SPEED_SCALE * max(1.0, 1.0 / min(st.speed for st in stages))
+    speed = [max(1, int(round(st.speed * speed_scale))) for st in stages]
     # ns, unless the horizon x speed would leave int64: then coarser, as fine as fits
     worst = max(float(np.sum(times)), max((float(np.max(r[np.isfinite(r)], initial=0)) for r in
                 (cuts or [])), default=0.0), 1e-9)  # fmt: skip
-    scale = min(TIME_SCALE, 2.0**60 / (worst * SPEED_SCALE * max(speed)))
+    scale = min(TIME_SCALE, 2.0**60 / (worst * speed_scale * max(speed)))
     t = [int(round(float(v) * scale)) for v in times]
     m = cp_model.CpModel()
     stage_of = [m.new_int_var(0, S - 1, f"stage_of{k}") for k in range(L)]
@@ -170,7 +172,7 @@ def solve_partition_cpsat(
         [None if math.isinf(v) else round(v * scale) for v in row.tolist()]
         for row in (links if links is not None else ())
     ]
-    horizon = max([sum(t) * SPEED_SCALE] + [v for row in link for v in row if v is not None])
+    horizon = max([sum(t) * round(speed_scale)] + [v for row in link for v in row if v is not None])
     bottleneck = m.new_int_var(0, horizon, "bottleneck")  # ns
     for s, row in enumerate(link, start=1):
         for k in range(1, L):
@@ -180,7 +182,7 @@ def solve_partition_cpsat(
                 m.add(bottleneck >= row[k] * first[k][s])
     for s, spec in enumerate(stages):
         busy = sum(t[k] * x[k][s] for k in range(L))
-        m.add(busy * SPEED_SCALE <= bottleneck * speed[s])
+        m.add(busy * round(speed_scale) <= bottleneck * speed[s])
         _fit_memory(m, memory, spec, x[:], first, s, L)
     m.minimize(bottleneck)
     solver = cp_model.CpSolver()

@@ -8,7 +8,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from profiler.artifact import Artifact
-from profiler.limits import MAX_BATCH, MAX_BYTES, MAX_MICROBATCHES
+from profiler.limits import MAX_BATCH, MAX_BYTES, MAX_MICROBATCHES, DType, Text
 
 from .cluster import Cluster
 
@@ -46,7 +46,7 @@ class MemoryBreakdown(_Strict):
     )
     workspace: Bytes
     total: Bytes
-    budget: int = Field(gt=0, le=MAX_BYTES)
+    budget: int = Field(ge=0, le=MAX_BYTES, description="0 when a tiny device is split in two")
 
 
 class StateBytes(_Strict):
@@ -71,9 +71,9 @@ class StateBytes(_Strict):
 class StagePlan(_Strict):
     index: Count
     rank: Count = Field(description="position of the stage's device in the cluster")
-    device: str
+    device: Text
     layers: tuple[int, int] = Field(description="[start, end) in the model's layer order")
-    layer_types: list[str]
+    layer_types: list[Text]
     recompute: Recompute
     inflight: Count = Field(description="micro-batches whose tensors the stage holds at its worst")
     occupancy: list[tuple[Count, ...]] = Field(
@@ -105,7 +105,7 @@ class StagePlan(_Strict):
 class DeviceUse(_Strict):
     """A device's memory: the sum over the stages it holds (one, or v when interleaved)."""
 
-    name: str
+    name: Text
     stages: list[int]
     total: Bytes
     budget: int = Field(gt=0, le=MAX_BYTES)
@@ -122,12 +122,12 @@ class Prediction(_Strict):
 
 
 class SolverInfo(_Strict):
-    method: str
+    method: Text
     optimal: bool = Field(
         description="the bottleneck is proven minimal for this M, schedule and recomputation, "
         "under the model the simulator uses"
     )
-    unproven: str = Field(default="", description="what is not proven, when optimal is false")
+    unproven: Text = Field(default="", description="what is not proven, when optimal is false")
     lower_bound_ms: Ms
     gap: float
     candidates: Count = Field(
@@ -143,7 +143,7 @@ class PlanMeta(_Strict):
     """Left out of the digest. Nothing here depends on the time or the machine, so the same
     inputs give a byte-identical plan.json (the solve time goes to the terminal only)."""
 
-    tool_version: str = ""
+    tool_version: Text = ""
 
     @model_validator(mode="before")
     @classmethod
@@ -158,14 +158,14 @@ class Plan(Artifact):
     FORMAT_VERSION: ClassVar[int] = 2
     kind: Literal["plan"] = "plan"
     format_version: int = 2
-    model: str
-    model_digest: str
-    profile_digest: str
-    cluster_digest: str
-    device_type: str = Field(description="where the profile was measured, e.g. cpu or cuda:0")
-    dtype: str
+    model: Text
+    model_digest: Text
+    profile_digest: Text
+    cluster_digest: Text
+    device_type: Text = Field(description="where the profile was measured, e.g. cpu or cuda:0")
+    dtype: DType
     input_shape: list[Count] = Field(description="one sample of the model's input")
-    input_dtype: str
+    input_dtype: DType
     num_layers: int = Field(gt=0)
     cluster: Cluster
     batch_size: int = Field(gt=0, le=MAX_BATCH)
@@ -177,7 +177,7 @@ class Plan(Artifact):
     )
     recompute: Recompute
     optimizer: Optimizer
-    loss: str = Field(default="", description="the profiled loss the last stage includes, if any")
+    loss: Text = Field(default="", description="the profiled loss the last stage includes, if any")
     stages: list[StagePlan] = Field(min_length=1)
     devices: list[DeviceUse] = Field(min_length=1)
     predicted: Prediction

@@ -34,7 +34,7 @@ from profiler.limits import (
     real,
     whole,
 )
-from profiler.types import Profile
+from profiler.types import PER_SIZE, Profile
 from schedules import SCHEDULE_NAMES, Costs, Schedule, Timeline, build_schedule, simulate
 from schedules.memory import StageBytes, occupancy
 
@@ -188,6 +188,7 @@ def plan_pipeline(
     problem = _Problem(
         profile, cluster, batch_size, optimizer, (profile.digest(), cluster.digest())
     )
+    _check_magnitude(problem.table, batch_size)
 
     best, best_cand, visited = _search(problem, candidates, solve, method, time_limit_s, progress)
     if best is None or best_cand is None:
@@ -324,10 +325,11 @@ def _choices(value: str, allowed: tuple[str, ...] | list[str], arg: str) -> list
 
 def _check_magnitude(table: ProfileTable, batch_size: int) -> None:
     """Refuse at once a batch so far past the profiled sizes that its extrapolated bytes would
-    overflow the planner's int64 arithmetic (the total is about the same for every M)."""
-    chain = chain_at(table, batch_size)
-    per_layer = [getattr(chain, f) for f in _BYTE_TERMS]
-    total = sum(int(x.sum()) for x in per_layer) + 8 * int(chain.params.sum())
+    overflow the planner's int64 arithmetic (the total is about the same for every M). In
+    floating point: int64 is what would overflow."""
+    per_size = sum(float(table.at(f, batch_size).sum()) for f in PER_SIZE if f.endswith("_bytes"))
+    crossing = float(table.profile.input_bytes + table.fixed("output_bytes").sum()) * batch_size
+    total = per_size + 3 * crossing + 8 * float(table.fixed("param_bytes").sum())
     if total * 4 >= INT64_SAFE:
         raise ArgumentError(
             "batch_size",
@@ -335,10 +337,6 @@ def _check_magnitude(table: ProfileTable, batch_size: int) -> None:
             f"by the profile (measured up to {max(table.sizes)} samples) its tensors "
             f"would take {format_size(total)}, past what any device holds; use a smaller batch",
         )
-
-
-_BYTE_TERMS = ("saved", "forward_transient", "backward_transient", "input_unsaved", "forward_peak",
-               "input_grad_transient", "weight_grad_transient", "zgrad", "grad_in", "boundary")  # fmt: skip
 
 
 def _possible(c: Candidate, K: int, L: int) -> bool:
@@ -435,7 +433,9 @@ def _stage_times(chain: Chain, cand: Candidate, i: int, j: int, speed: float) ->
         else times["backward_ms"]
     )
     times["work_ms"] = f * (1 + cand.recomputed_share) + back
-    times["trip_ms"] = f + back  # one micro-batch through the stage, without recomputation
+    # One micro-batch through the stage and back, without recomputation: forward, then B (or
+    # zero bubble's I: its W is off the critical path, nothing waits for it)
+    times["trip_ms"] = f + (times["input_grad_ms"] if cand.schedule == "zb-h1" else back)
     return times
 
 

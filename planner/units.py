@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from profiler.limits import MAX_BANDWIDTH, MAX_BYTES, ArgumentError
+from profiler.limits import MAX_BANDWIDTH, MAX_BYTES, MIN_BANDWIDTH, ArgumentError
 
 _UNITS = {
     "": 1,
@@ -35,9 +35,9 @@ def parse_size(text: str | int | float, what: str = "size") -> int:
     number = _amount(text, what)
     if number > MAX_BYTES:
         raise ArgumentError(what, text, f"more than {format_size(MAX_BYTES)}; no device holds that")
-    if number != int(number):
-        raise ArgumentError(what, text, "not a whole number of bytes")
-    return int(number)
+    if number < 1:
+        raise ArgumentError(what, text, "less than one byte")
+    return math.ceil(number)  # 1.64KiB is 1679.36 bytes: a part of a byte counts as one
 
 
 def parse_bandwidth(text: str, what: str = "bandwidth") -> float:
@@ -49,8 +49,10 @@ def parse_bandwidth(text: str, what: str = "bandwidth") -> float:
         value = _amount(body, what)
     except ArgumentError as e:
         raise ArgumentError(what, text, e.problem) from None
-    if value > MAX_BANDWIDTH:
-        raise ArgumentError(what, text, f"more than {MAX_BANDWIDTH:g} bytes per second")
+    if not MIN_BANDWIDTH <= value <= MAX_BANDWIDTH:
+        raise ArgumentError(
+            what, text, f"must be from {MIN_BANDWIDTH:g} to {MAX_BANDWIDTH:g} bytes per second"
+        )
     return value
 
 

@@ -37,7 +37,7 @@ def check_output(
     shown = f"{flag} {path}" if flag else str(path)
     target = Path(os.path.realpath(path))
     try:
-        st = os.stat(target)
+        st = os.stat(path)  # what the path names, through any links (/dev/stdout: a pipe)
     except FileNotFoundError:
         st = None
     except OSError as e:
@@ -47,11 +47,11 @@ def check_output(
             if test(st.st_mode):
                 raise InputError(f"{shown}: is {kind}, not a regular file; name a file to write")
         for source in inputs:
-            if _same(target, source):
+            if _same(path, source):
                 raise InputError(
                     f"{shown}: is also this command's input {source}; write to another file"
                 )
-        if not os.access(target, os.W_OK):
+        if not os.access(path, os.W_OK):
             raise InputError(f"{shown}: the file is not writable")
     directory = target.parent
     if not directory.is_dir():
@@ -118,7 +118,7 @@ def _take_mode(tmp: str, existing: os.stat_result | None) -> None:
             pass  # not ours to give away: the new file keeps our ownership, as an editor would
 
 
-def _same(target: Path, source: str | os.PathLike[str]) -> bool:
+def _same(target: str | os.PathLike[str], source: str | os.PathLike[str]) -> bool:
     try:
         return os.path.samefile(target, source)
     except OSError:

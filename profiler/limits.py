@@ -8,7 +8,9 @@ Torch-free.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import Field
 
 from .artifact import InputError
 
@@ -21,21 +23,36 @@ MAX_BATCH = 2**24  # samples in one mini-batch
 MAX_SPEED = 1e6  # a device's speed relative to the profiled one
 MIN_SPEED = 1e-3
 MAX_BANDWIDTH = 1e18  # bytes per second
+MIN_BANDWIDTH = 1e3
 INT64_SAFE = 2**62  # the planner's byte arithmetic stays below this
+
+
+# Text a file may hold where a program or a table prints it: one line, no control characters
+# (a newline in a device name would end a comment in the emitted program and start code).
+Text = Annotated[str, Field(pattern=r"^[^\x00-\x1f\x7f]*$", max_length=1024)]
+# A torch dtype by its name in torch (torch.float32 -> "float32").
+DType = Annotated[
+    str, Field(pattern=r"^(float(16|32|64)|bfloat16|u?int(8|16|32|64)|bool|complex(64|128))$")
+]
 
 
 class ArgumentError(InputError):
     """A bad argument to a public function, named as the function names it. The CLI reports it
     under its own flag name (`--batch-size` for `batch_size`)."""
 
-    def __init__(self, arg: str, value: Any, problem: str) -> None:
-        self.arg, self.value, self.problem = arg, value, problem
-        shown = f"{arg} {value}" if arg.startswith("-") else f"{arg}={value!r}"
-        super().__init__(f"{shown}: {problem}")
+    def __init__(self, arg: str, value: Any, problem: str, *, missing: bool = False) -> None:
+        self.arg, self.value, self.problem, self.missing = arg, value, problem, missing
+        if missing:  # not wrong but absent: "input_shape is required: ..."
+            super().__init__(f"{arg} {problem}")
+        else:
+            shown = f"{arg} {value}" if arg.startswith("-") else f"{arg}={value!r}"
+            super().__init__(f"{shown}: {problem}")
 
     def named(self, flag: str, given: str | None = None) -> str:
         """The message with `flag` for the argument, and what was typed after it when that is
         not the value itself (how the CLI words it)."""
+        if self.missing:
+            return f"{flag} {self.problem}"
         return f"{flag} {self.value if given is None else given}: {self.problem}"
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .artifact import InputError
+from .limits import ArgumentError
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -68,15 +69,16 @@ def resolve_loss(spec: str | LossFn | None, model: nn.Module | None = None) -> L
         return Loss(spec, fn, target)
     where, sep, name = str(spec).rpartition(":")
     if not sep or not where or not name:
-        raise InputError(
-            f"--loss {spec!r}: choose {', '.join(BUILT_IN)}, or name a function as "
-            "package.module:fn or file.py:fn"
+        raise ArgumentError(
+            "loss_fn",
+            spec,
+            f"choose {', '.join(BUILT_IN)}, or name a function as package.module:fn or file.py:fn",
         )
     from .models import _import
 
     fn = getattr(_import(where, spec), name, None)
     if fn is None or not callable(fn):
-        raise InputError(f"--loss {spec!r}: {where} has no callable named {name!r}")
+        raise ArgumentError("loss_fn", spec, f"{where} has no callable named {name!r}")
     return Loss(spec, fn, getattr(fn, "make_target", _float_target))
 
 

@@ -92,9 +92,12 @@ def sample_input(
     example = getattr(model, "example_input", None)
     if input_shape is None:
         if not isinstance(example, torch.Tensor):
-            raise InputError(
-                "--input-shape is required: the model carries no example_input "
-                "(e.g. --input-shape 8,128 for 8 samples of 128 features)"
+            raise ArgumentError(
+                "input_shape",
+                None,
+                "is required: the model carries no example_input (give the full input shape, "
+                "batch first, e.g. 8,128 for 8 samples of 128 features)",
+                missing=True,
             )
         return example if not example.is_floating_point() else example.to(dtype)
     if any(d <= 0 for d in input_shape) or len(input_shape) < 1:

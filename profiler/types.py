@@ -7,7 +7,7 @@ from typing import Annotated, ClassVar, Literal, get_origin
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .artifact import Artifact
-from .limits import MAX_BATCH, MAX_BYTES, MAX_LAYERS, MAX_MS
+from .limits import MAX_BATCH, MAX_BYTES, MAX_LAYERS, MAX_MS, DType, Text
 
 Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
 Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
@@ -50,8 +50,8 @@ class LayerProfile(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     index: int = Field(ge=0)
-    name: str
-    type: str
+    name: Text
+    type: Text
     param_bytes: Bytes
     largest_param_bytes: Bytes = Field(default=0, description="its largest parameter tensor")
     buffer_bytes: Bytes
@@ -109,15 +109,15 @@ class Profile(Artifact):
     FORMAT_VERSION: ClassVar[int] = 2
     kind: Literal["profile"] = "profile"
     format_version: int = 2
-    model: str = Field(description="how the model was named: example:NAME, pkg.mod:fn, file.py:fn")
-    model_digest: str = Field(description="sha256 of layer types and parameter shapes")
-    device: str
-    device_name: str
-    dtype: str
+    model: Text = Field(description="how the model was named: example:NAME, pkg.mod:fn, file.py:fn")
+    model_digest: Text = Field(description="sha256 of layer types and parameter shapes")
+    device: Text
+    device_name: Text
+    dtype: DType
     input_shape: list[Annotated[int, Field(ge=0)]] = Field(
         description="the sample input's shape per sample (no batch)"
     )
-    input_dtype: str
+    input_dtype: DType
     input_bytes: Bytes = Field(description="per sample: what enters the first stage")
     batch_sizes: list[Annotated[int, Field(ge=1, le=MAX_BATCH)]] = Field(min_length=1)
     layers: list[LayerProfile] = Field(min_length=1, max_length=MAX_LAYERS)

@@ -94,7 +94,7 @@ def gantt_png(timeline: Timeline, path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise RuntimeError("--png needs matplotlib: pip install 'gpipe-plan[plot]'") from e
+        raise RuntimeError("a Gantt PNG needs matplotlib: pip install 'gpipe-plan[plot]'") from e
     R = timeline.schedule.num_ranks
     fig, (ax, mem) = plt.subplots(2, 1, figsize=(12, 1.0 + 0.45 * R + 2.2), sharex=True,
                                   gridspec_kw={"height_ratios": [max(R, 2), 3]})  # fmt: skip

@@ -476,11 +476,13 @@ def test_a_loss_that_does_not_reduce_is_reported_as_the_loss(mlp_pipe):
         pipe.train_step(x, y, lambda out, target: out * 2)  # forgot to reduce
 
 
-def test_sizes_refuse_non_numbers_and_fractions_of_a_byte():
-    for bad in ("", "16QB", "nan", True, None, 0.5, "-1GiB"):
+def test_sizes_refuse_non_numbers_and_round_parts_of_a_byte_up():
+    for bad in ("", "16QB", "nan", True, None, "-1GiB", "0"):
         with pytest.raises(InputError):
             parse_size(bad)  # type: ignore[arg-type]
     assert parse_size(16e9) == 16_000_000_000
+    assert parse_size("1.64KiB") == 1680  # 1679.36: what `needs 1.64 KiB` asks for, pasted back
+    assert parse_size(1.5) == 2
     assert parse_size("1PiB") == 2**50
 
 
@@ -507,3 +509,128 @@ def test_simulate_refuses_costs_that_are_not_times(costs, mentions):
     args = {"forward": [1.0, 1.0], "backward": [2.0, 2.0], **costs}
     with pytest.raises(ValueError, match=re.escape(mentions)):
         simulate(build_schedule("gpipe", 2, 2), Costs(**args))
+
+
+# ------------------------------------------------------------------ found by review
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("input_dtype", 'float32"\nprint("INJECTED")\n_x = "'),
+        ("input_dtype", "int4"),
+        ("model", 'synthetic:chain\nprint("INJECTED")'),
+    ],
+)
+def test_plan_text_cannot_carry_code_into_the_program(run_cli, plan_file, tmp_path, field, value):
+    bad = _edited_plan(plan_file, lambda d: d.update({field: value}))
+    out = tmp_path / "prog.py"
+    r = run_cli("codegen", bad, "--model", "example:mlp", "-o", out)
+    assert_bad_input(r, mentions=field, no_file=out)
+
+
+def test_device_names_are_one_line(run_cli, prof, tmp_path):
+    data = json.loads(Cluster.uniform(2, "1MiB").canonical_json())
+    data["devices"][0]["name"] = "gpu0\nimport os"
+    path = tmp_path / "cluster.json"
+    path.write_text(json.dumps(data))
+    r = run_cli("plan", prof, "--cluster", path, "--batch-size", 8, "-o", tmp_path / "p.json")
+    assert_bad_input(r, mentions="devices.0.name")
+
+
+def _module(tmp_path: Path, name: str, text: str) -> Path:
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    return path
+
+
+MODEL_MODULE = (
+    "import torch\n"
+    "from helper import width\n"
+    "def make():\n"
+    "    m = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Linear(width, width))\n"
+    "    m.example_input = torch.randn(2, width)\n"
+    "    return m\n"
+)
+
+
+@pytest.fixture
+def module_model(tmp_path, monkeypatch):
+    """A package-less module model that imports a helper module, both on sys.path."""
+    import sys
+
+    _module(tmp_path, "helper", "width = 4\n")
+    _module(tmp_path, "mymodel", MODEL_MODULE)
+    _module(tmp_path, "myloss", "import torch\ndef fn(out, y):\n    return out.sum()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    yield tmp_path
+    for name in ("helper", "mymodel", "myloss"):
+        sys.modules.pop(name, None)
+
+
+def test_measure_refuses_to_overwrite_the_model_module(run_cli, module_model):
+    from profiler.models import load_model
+
+    prof, plan = module_model / "prof.json", module_model / "plan.json"
+    args = ("--batch-sizes", "1,2", "--repeats", "1", "--warmup", "0", "--max-repeats", "1")
+    assert run_cli("profile", "mymodel:make", *args, "-o", prof).code == 0
+    assert run_cli("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 2,
+                   "-o", plan).code == 0  # fmt: skip
+    load_model("mymodel:make")
+    for target in ("mymodel.py", "helper.py"):
+        before = (module_model / target).read_bytes()
+        r = run_cli("measure", plan, "--model", "mymodel:make", "--steps", 1, "-o", target)
+        assert_bad_input(r, mentions="input")
+        assert (module_model / target).read_bytes() == before
+
+
+def test_profile_refuses_to_overwrite_its_loss_module_or_a_helper(
+    run_cli, module_model, monkeypatch
+):
+    import profiler.measure
+
+    monkeypatch.setattr(profiler.measure, "profile_model", _must_not_run)
+    for target in ("myloss.py", "helper.py"):
+        before = (module_model / target).read_bytes()
+        r = run_cli("profile", "mymodel:make", "--loss", "myloss:fn", "-o", target)
+        assert_bad_input(r, mentions="input")
+        assert (module_model / target).read_bytes() == before
+
+
+def test_a_pipe_given_as_output_is_refused_as_a_fifo(run_cli, prof, tmp_path):
+    read, write = os.pipe()
+    try:
+        r = run_cli("plan", prof, *PLAN_ARGS, "-o", f"/proc/self/fd/{write}")
+        assert_bad_input(r, mentions="FIFO")
+    finally:
+        os.close(read), os.close(write)
+
+
+def test_flags_cannot_be_abbreviated(run_cli, prof):
+    r = run_cli("plan", prof, "--dev", 2, "--memory", "1MiB", "--batch-size", 8)
+    assert_bad_input(r, mentions="unrecognized arguments: --dev")
+
+
+def test_too_many_devices_in_a_cluster_file_name_the_cluster(run_cli, prof, tmp_path):
+    path = tmp_path / "c.json"
+    Cluster.uniform(9, "1MiB").save(path)
+    r = run_cli("plan", prof, f"--cluster={path}", "--batch-size", 8)
+    assert_bad_input(r, mentions="--cluster")
+
+
+def test_a_device_too_small_to_halve_is_infeasible_not_a_crash(run_cli, prof):
+    r = run_cli("plan", prof, "--devices", 2, "--memory", "1B", "--batch-size", 4,
+                "--schedule", "interleaved-1f1b")  # fmt: skip
+    assert r.code == 1 and "no split fits" in r.err
+
+
+def test_bandwidth_below_a_kilobyte_per_second_is_refused(run_cli, prof):
+    r = run_cli("plan", prof, *PLAN_ARGS, "--bandwidth", "1e-30")
+    assert_bad_input(r, mentions="--bandwidth 1e-30")
+
+
+def test_a_batch_whose_bytes_overflow_is_refused_before_the_search(tmp_path):
+    profile = synthetic_profile([1.0, 1.0], output_bytes=[2**40, 2**40], saved=[2**40, 2**40])
+    with pytest.raises(ArgumentError, match="batch_size=16777216"):
+        plan_pipeline(profile, Cluster.uniform(2, "1PiB"), 2**24)
