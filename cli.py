@@ -530,22 +530,28 @@ def _int_list(text: str, flag: str) -> list[int]:
 def _sources(*specs: str | None) -> list[str]:
     """Python files an output must not replace: those the specs (MODEL, --loss) name, found
     without running them, and every module this process has loaded (a model file's helpers)."""
-    import importlib.util
-
     files = []
     for spec in specs:
         where = (spec or "").rpartition(":")[0]
         if where.endswith(".py"):
             files.append(where)
         elif where and where != "example":
-            try:
-                found = importlib.util.find_spec(where)
-            except (ImportError, ValueError):
-                found = None
-            if found is not None and found.origin:
-                files.append(found.origin)
+            files += _module_file(where)
     loaded = [getattr(m, "__file__", None) for m in list(sys.modules.values())]
     return files + [f for f in loaded if f]
+
+
+def _module_file(name: str) -> list[str]:
+    """Where `pkg.mod` lives, found on sys.path without importing (running) any of it."""
+    from importlib.machinery import PathFinder
+
+    parts, path, spec = name.split("."), None, None
+    for k in range(len(parts)):
+        spec = PathFinder.find_spec(".".join(parts[: k + 1]), path)
+        if spec is None:
+            return []
+        path = spec.submodule_search_locations
+    return [spec.origin] if spec is not None and spec.origin else []
 
 
 def _whole(text: str, flag: str, what: str) -> int:

@@ -634,3 +634,11 @@ def test_a_batch_whose_bytes_overflow_is_refused_before_the_search(tmp_path):
     profile = synthetic_profile([1.0, 1.0], output_bytes=[2**40, 2**40], saved=[2**40, 2**40])
     with pytest.raises(ArgumentError, match="batch_size=16777216"):
         plan_pipeline(profile, Cluster.uniform(2, "1PiB"), 2**24)
+
+
+def test_a_module_that_raises_on_import_is_one_line_not_a_traceback(run_cli, tmp_path, monkeypatch):
+    """Finding the module's file (to protect it) must not run it: only load_model may."""
+    (tmp_path / "badpkg").mkdir()
+    (tmp_path / "badpkg" / "__init__.py").write_text("raise RuntimeError('boom at import')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert_bad_input(run_cli("profile", "badpkg.mod:f", "-o", tmp_path / "o.json"), mentions="boom")
