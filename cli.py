@@ -400,6 +400,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     print(_summary(plan))
     print(_stage_table(plan))
+    if plan.alternatives:
+        print("\n" + _runners_up(plan))
     print(f"\nschedule (rank x step; {plan.schedule}):")
     print(grid(plan_schedule(plan.schedule, len(plan.devices), plan.microbatches)))
     return EXIT_OK
@@ -457,6 +459,30 @@ def _summary(plan: Any) -> str:
         + (f" in {plan.solve_ms:.0f} ms)" if plan.solve_ms else ")")
         + (f"\nnot proven: {plan.solver.unproven}" if plan.solver.unproven else "")
         + (f"\nthe last stage includes the loss ({plan.loss})" if plan.loss else "")
+    )
+
+
+def _runners_up(plan: Any) -> str:
+    """The alternatives the search weighed, best first, and why each lost."""
+    from planner import format_size
+
+    rows = [("runner-up", "predicted", "peak", "why not")]
+    for a in plan.alternatives:
+        ms = (
+            f"{a.iteration_ms:.2f} ms"
+            if a.iteration_ms is not None
+            else f">= {a.at_least_ms:.2f} ms"
+            if a.at_least_ms is not None
+            else "-"
+        )
+        peak = format_size(a.peak_bytes) if a.peak_bytes is not None else "-"
+        rows.append((f"M={a.microbatches} {a.schedule} {a.recompute}", ms, peak, a.reason))
+    widths = [max(len(r[c]) for r in rows) for c in range(3)]
+    return "\n".join(
+        "  ".join(r[c].ljust(widths[c]) if c == 0 else r[c].rjust(widths[c]) for c in range(3))
+        + "  "
+        + r[3]
+        for r in rows
     )
 
 

@@ -238,10 +238,14 @@ class MemoryModel:
         does not fit. Binary search on all starts at once (total grows with j)."""
         n = self.chain.num_layers
         i = np.arange(n, dtype=np.int64)
-        lo, hi = (
-            i.copy(),
-            np.full(n, n + 1, dtype=np.int64),
-        )  # total(i, lo) fits (or lo = i); hi does not
+        # total(i, lo) fits (or lo = i); hi does not. The weights, gradients and optimizer slots
+        # alone bound the end from above (prefix sums); a start whose whole rest fits is done.
+        weights = (2 + shape.optimizer_slots) * self._params + self._buffers
+        cap = np.searchsorted(weights, weights[i] + (budget - shape.reserved), side="right")
+        hi = np.minimum(np.maximum(cap, i + 1), n + 1)
+        lo = i.copy()
+        whole = self.total(i, np.full(n, n, dtype=np.int64), shape) <= budget
+        lo[whole], hi[whole] = n, n + 1
         while True:
             open_ = hi - lo > 1
             if not open_.any():

@@ -139,6 +139,22 @@ class SolverInfo(_Strict):
     )
 
 
+class Alternative(_Strict):
+    """A candidate the search did not choose, and why: what a user reads before overriding."""
+
+    microbatches: int = Field(gt=0, le=MAX_MICROBATCHES)
+    schedule: Schedule
+    recompute: Recompute
+    iteration_ms: float | None = Field(
+        default=None, ge=0, le=1e26, description="predicted, when its plan was simulated"
+    )
+    at_least_ms: float | None = Field(
+        default=None, ge=0, le=1e26, description="a lower bound, when it was not simulated"
+    )
+    peak_bytes: Bytes | None = Field(default=None, description="its busiest device's peak")
+    reason: Text
+
+
 class PlanMeta(_Strict):
     """Left out of the digest. Nothing here depends on the time or the machine, so the same
     inputs give a byte-identical plan.json (the solve time goes to the terminal only)."""
@@ -182,6 +198,9 @@ class Plan(Artifact):
     devices: list[DeviceUse] = Field(min_length=1)
     predicted: Prediction
     solver: SolverInfo
+    alternatives: list[Alternative] = Field(
+        default_factory=list, description="the runners-up, best first, with the reason each lost"
+    )
     meta: PlanMeta = PlanMeta()
     _solve_ms: float = PrivateAttr(default=0.0)
 

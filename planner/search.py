@@ -38,13 +38,14 @@ from profiler.types import PER_SIZE, Profile
 from schedules import SCHEDULE_NAMES, Costs, Schedule, Timeline, build_schedule, simulate
 from schedules.memory import StageBytes, occupancy
 
-from .bounds import prior_bound
+from .bounds import least_bottleneck, prior_bound
 from .cluster import Cluster
 from .costs import OPTIMIZER_SLOTS, Chain, ProfileTable, chain_at
 from .dp import solve_partition_dp
 from .memory import RECOMPUTE_MODES, MemoryModel, StageShape
 from .partition import Partition, StageSpec, feasible_split, solve_partition
 from .plan import (
+    Alternative,
     DeviceUse,
     MemoryBreakdown,
     Plan,
@@ -101,6 +102,7 @@ class _Problem:
     table: ProfileTable = field(init=False)
     chains: dict[int, Chain] = field(default_factory=dict)
     memories: dict[int, MemoryModel] = field(default_factory=dict)
+    granular: dict[tuple[int, bool, int], tuple] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.table = ProfileTable(self.profile)
@@ -231,8 +233,21 @@ def plan_pipeline(
             "unproven": unproven,
         }
     )
+    best.alternatives = _alternatives(problem, candidates, visited, best)
     best._solve_ms = (time.perf_counter() - started) * 1e3
     return best
+
+
+@dataclass
+class _Outcome:
+    """What the search learnt of one candidate: `ms` is its predicted time ("plan", "over"), a
+    lower bound on it ("bound": after its split; "pruned", "unsearched": before), or inf
+    ("nofit": no split fits)."""
+
+    kind: str
+    ms: float
+    peak: int | None = None
+    detail: str = ""
 
 
 @dataclass
@@ -240,6 +255,7 @@ class _Visited:
     solved: int = 0
     pruned: int = 0
     timed_out: bool = False
+    outcomes: dict[int, _Outcome] = field(default_factory=dict)
 
 
 def _search(
@@ -255,11 +271,11 @@ def _search(
     the least predicted time, ties (within 1e-12) going to the candidate listed first."""
     started = time.perf_counter()
     speeds = [d.speed for d in problem.cluster.devices]
-    order = sorted(
-        range(len(candidates)), key=lambda k: (_prior_bound(problem, candidates[k], speeds), k)
-    )
+    prior = [_prior_bound(problem, c, speeds) for c in candidates]
+    order = sorted(range(len(candidates)), key=lambda k: (prior[k], k))
     best: tuple[float, int, Plan, Candidate] | None = None
     visited = _Visited()
+    outcomes = visited.outcomes
 
     def beaten(bound: float) -> bool:
         return best is not None and bound > best[0] * (1 + 1e-12)
@@ -268,12 +284,14 @@ def _search(
     with _progress_bar(len(order), show) as tick:
         for n, k in enumerate(order):
             cand = candidates[k]
-            if beaten(_prior_bound(problem, cand, speeds)):
+            if beaten(prior[k]):
                 visited.pruned = len(order) - n  # the rest are sorted by this bound
+                outcomes.update((q, _Outcome("pruned", prior[q])) for q in order[n:])
                 break
             if time_limit_s is not None and time.perf_counter() - started > time_limit_s:
                 if best is not None:
                     visited.timed_out = True
+                    outcomes.update((q, _Outcome("unsearched", prior[q])) for q in order[n:])
                     break
             tick()
             chain, memory = problem.chain(cand)
@@ -281,17 +299,102 @@ def _search(
             cuts = _cut_costs(problem.cluster, cand, chain)
             part = solve(_balance_times(chain, cand), memory, specs, cuts=cuts)
             visited.solved += 1
-            if part is None or beaten(_lower_bound(problem, cand, specs, part)):
-                continue  # nothing fits, or it cannot beat the best so far: no simulation
+            if part is None:
+                outcomes[k] = _Outcome("nofit", math.inf)
+                continue
+            bound = _lower_bound(problem, cand, specs, part)
+            if beaten(bound):  # it cannot beat the best so far: no simulation
+                outcomes[k] = _Outcome("bound", bound)
+                continue
             plan = _build_plan(problem, cand, specs, part, method)
             t = plan.predicted.iteration_ms
+            peak = max(plan.predicted.peak_memory)
             if not plan.fits:
+                outcomes[k] = _Outcome("over", t, peak, _over_budget(plan))
                 continue
+            outcomes[k] = _Outcome("plan", t, peak)
             if best is None or _better(t, k, best[0], best[1]):
                 best = (t, k, plan, cand)
     if best is None:
         return None, None, visited
     return best[2], best[3], visited
+
+
+def _over_budget(plan: Plan) -> str:
+    worst = max(plan.devices, key=lambda d: d.total - d.budget)
+    over = format_size(worst.total - worst.budget, up=True)
+    return f"{worst.name} over its budget by {over}"
+
+
+def _alternatives(
+    problem: _Problem, candidates: list[Candidate], visited: _Visited, chosen: Plan
+) -> list[Alternative]:
+    """The best candidate of every (schedule, recompute) but the chosen one's, and the chosen
+    pair's best other micro-batch count, best first, each with the reason it lost."""
+    won = (chosen.microbatches, chosen.schedule, chosen.recompute)
+    best_ms = chosen.predicted.iteration_ms
+    groups: dict[tuple[str, str], list[int]] = {}
+    for k, c in enumerate(candidates):
+        if (c.microbatches, c.schedule, c.recompute) != won and k in visited.outcomes:
+            groups.setdefault((c.schedule, c.recompute), []).append(k)
+    # within a group, what is known to be faster first: a predicted time beats a bound
+    rank = {"plan": 0, "over": 3, "bound": 1, "pruned": 1, "unsearched": 1, "nofit": 2}
+    picks = []
+    for members in groups.values():
+        members.sort(key=lambda k: (rank[visited.outcomes[k].kind], visited.outcomes[k].ms, k))
+        picks.append(members[0])
+    picks.sort(key=lambda k: (visited.outcomes[k].ms, k))
+    out = []
+    for k in picks:
+        c, o = candidates[k], visited.outcomes[k]
+        slower = (o.ms / best_ms - 1) * 100 if best_ms > 0 else 0.0
+        if o.kind == "plan":
+            reason = f"{slower:.1f}% slower" if slower >= 0.05 else "as fast, found later"
+        elif o.kind == "over":
+            reason = f"its simulated schedule puts {o.detail}"
+        elif o.kind == "nofit":
+            reason = "no split fits the memory budgets" + _fastest_need(problem, c)
+        elif o.kind == "bound":
+            reason = f"at least {slower:.1f}% slower (its split's lower bound)"
+        elif o.kind == "pruned":
+            reason = f"at least {slower:.1f}% slower by its bound (not solved)"
+        else:
+            reason = "not solved before the time limit"
+        timed = o.kind in ("plan", "over")
+        out.append(
+            Alternative(
+                microbatches=c.microbatches,
+                schedule=c.schedule,  # type: ignore[arg-type]
+                recompute=c.recompute,  # type: ignore[arg-type]
+                iteration_ms=o.ms if timed else None,
+                at_least_ms=o.ms if o.kind in ("bound", "pruned", "unsearched") else None,
+                peak_bytes=o.peak,
+                reason=reason,
+            )
+        )
+    return out
+
+
+def _fastest_need(problem: _Problem, cand: Candidate) -> str:
+    """What the fastest split (memory aside) would need where it is tightest, as a clause."""
+    chain, memory = problem.chain(cand)
+    specs = _stage_specs(problem, cand, budget=INT64_SAFE)
+    part = solve_partition(
+        _balance_times(chain, cand), memory, specs, cuts=_cut_costs(problem.cluster, cand, chain)
+    )
+    if part is None:
+        return ""
+    K = problem.cluster.size
+    need = [0] * K
+    actual = _stage_specs(problem, cand)
+    for s, (i, j) in enumerate(part.stages):
+        need[s % K] += int(memory.total(i, j, actual[s].shape)[0])
+    devices = problem.cluster.devices
+    k = max(range(K), key=lambda k: need[k] - devices[k].memory_bytes)
+    return (
+        f" (its fastest split would need {format_size(need[k], up=True)} on {devices[k].name}, "
+        f"{format_size(need[k] - devices[k].memory_bytes, up=True)} over)"
+    )
 
 
 def _better(t: float, k: int, best_t: float, best_k: int) -> bool:
@@ -301,9 +404,24 @@ def _better(t: float, k: int, best_t: float, best_k: int) -> bool:
 
 def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> float:
     chain = problem.costs(cand)
-    counted = chain.forward if cand.schedule == "zb-h1" else chain.forward + chain.backward
+    zb = cand.schedule == "zb-h1"
+    counted = chain.forward if zb else chain.forward + chain.backward
     S = problem.cluster.size * cand.per_device
-    return prior_bound(_balance_times(chain, cand), counted, cand.microbatches, S, speeds)
+    spread = prior_bound(_balance_times(chain, cand), counted, cand.microbatches, S, speeds)
+    # The split's granularity, without recomputation (which only adds work): once per size.
+    # And each layer l: the stage holding it runs l M times, after micro-batch 0's forward (and
+    # backward, after its last) through every layer before the stage, so at least before l.
+    key = (chain.mb, zb, cand.per_device)
+    if key not in problem.granular:
+        back = chain.input_grad + chain.weight_grad if zb else chain.backward
+        work = chain.forward + back
+        per_stage = [speeds[s % len(speeds)] for s in range(S)]
+        before = np.concatenate([[0.0], np.cumsum(counted)[:-1]])
+        problem.granular[key] = (least_bottleneck(work, per_stage), work, before)
+    least, work, before = problem.granular[key]
+    M = cand.microbatches
+    layer = float((M * work + before).max()) / max(speeds) if cand.per_device == 1 else 0.0
+    return max(spread, M * least, layer)
 
 
 @contextmanager
@@ -443,22 +561,33 @@ def _lower_bound(
     problem: _Problem, cand: Candidate, specs: list[StageSpec], part: Partition
 ) -> float:
     """No schedule beats the busiest device's or link's load, nor one micro-batch's trip there
-    and back (every stage's forward and backward, and every transfer twice)."""
+    and back (every stage's forward and backward, and every transfer twice). With one stage
+    per device, stage s also waits before its first action for micro-batch 0's forward through
+    the stages before it, and after its last backward that micro-batch's backward runs back
+    through them (zero bubble: no tail, its last action may be a W that nothing follows)."""
     chain, _ = problem.chain(cand)
     K, M = problem.cluster.size, cand.microbatches
     busy = [0.0] * K
     trip = 0.0
     link = 0.0
+    head = 0.0  # the forward of one micro-batch to stage s, transfers included
+    tail = 0.0  # its backward from stage s back to the first
+    framed = 0.0
     S = len(specs)
     for s, (i, j) in enumerate(part.stages):
         t = _stage_times(chain, cand, i, j, specs[s].speed)
         busy[s % K] += M * t["work_ms"]
-        trip += t.pop("trip_ms")
+        trip += t["trip_ms"]
+        if cand.per_device == 1:
+            framed = max(framed, head + M * t["work_ms"] + tail)
         if s < S - 1:
             c = _link_ms(problem.cluster, s % K, (s + 1) % K, float(chain.boundary[j]))
             trip += 2 * c
             link = max(link, M * c)
-    return max(max(busy), trip, link)
+            head += t["forward_ms"] + c
+            if cand.schedule != "zb-h1":
+                tail += t["backward_ms"] + c
+    return max(max(busy), trip, link, framed)
 
 
 def _build_plan(
@@ -499,7 +628,7 @@ def _build_plan(
                 memory=MemoryBreakdown(**terms, total=sum(terms.values()), budget=spec.budget),
             )
         )
-    timeline = simulate_stages(cand.schedule, K, cand.microbatches, stages)
+    timeline = simulate_stages(cand.schedule, K, cand.microbatches, stages, levels=False)
     devices = [
         DeviceUse(
             name=d.name,
@@ -561,9 +690,15 @@ def stage_bytes(stage: StagePlan) -> StageBytes:
 
 
 def simulate_stages(
-    schedule: str, num_devices: int, microbatches: int, stages: list[StagePlan]
+    schedule: str,
+    num_devices: int,
+    microbatches: int,
+    stages: list[StagePlan],
+    *,
+    levels: bool = True,
 ) -> Timeline:
-    """Run the plan's schedule through the simulator with the plan's own stage costs."""
+    """Run the plan's schedule through the simulator with the plan's own stage costs
+    (`levels=False`: peaks only, not each device's memory over time)."""
     sched = plan_schedule(schedule, num_devices, microbatches)
     costs = Costs(
         forward=[st.forward_ms for st in stages],
@@ -574,7 +709,7 @@ def simulate_stages(
         transfer=[st.send_ms for st in stages[:-1]],
         memory=[stage_bytes(st) for st in stages],
     )
-    return simulate(sched, costs)
+    return simulate(sched, costs, levels=levels)
 
 
 def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleError:

@@ -27,10 +27,10 @@ Transitions, at an action's start (allocations) or its end (frees and hand-offs)
     W(s,m)  end    between_iw -1
 
 While an action runs, its device also holds that action's transient, the most one layer adds
-above what the states count: `live` for F and B, `remat_live` for the forward that zero bubble
-re-materialises at I, `forward_live` for the forward of a recomputed micro-batch (which keeps
-nothing), `input_live` for I and `weight_live` for W. One host issues
-one action at a time, so a device never holds two transients at once. After the last action,
+above what the states count: `live` for B, `remat_live` for a forward that keeps what it saves
+(F, and the forward zero bubble re-materialises at I), `forward_live` for the forward of a
+recomputed micro-batch (which keeps nothing), `input_live` for I and `weight_live` for W. One
+host issues one action at a time, so a device never holds two transients at once. After the last action,
 the optimizer step runs on every device: its temporaries come on top of the weights alone.
 """
 
@@ -38,6 +38,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from .ir import Action, Kind, Schedule
 from .order import canonical_order, schedule_key
@@ -137,7 +139,8 @@ def _build_steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
                 start.append((s, IN, 1))
             if rec:
                 running = FORWARD_LIVE
-            else:
+            else:  # a forward that keeps what it saves: the same as re-materialising
+                running = REMAT_LIVE
                 start += [(s, IN, -1), (s, ACT, 1)]
             if s < S - 1:
                 end.append((s + 1, IN, 1))
@@ -174,23 +177,206 @@ def occupancy(schedule: Schedule, recompute: str | Sequence[str]) -> list[Occupa
     max over its tuples of b.held(tuple)."""
     S = schedule.num_stages
     modes = [recompute] * S if isinstance(recompute, str) else list(recompute)
-    counts = [[0] * len(STATES) for _ in range(S)]
-    seen: list[set[tuple[int, ...]]] = [set() for _ in range(S)]
-    idle = (0,) * len(TRANSIENTS)
-    for step in _steps(schedule, modes):
-        s = step.action.stage
-        for changes, running in step.phases:
-            for stage, state, d in changes:
-                counts[stage][state] += d
-            flags = tuple(int(running == k) for k in range(LIVE, LIVE + len(TRANSIENTS)))
-            seen[s].add((*counts[s], *flags))
-            for stage in {stage for stage, _, d in changes if d > 0 and stage != s}:
-                seen[stage].add((*counts[stage], *idle))
-        for stage, state, d in step.end:
-            counts[stage][state] += d
-        for stage in {stage for stage, _, _ in step.end}:
-            seen[stage].add((*counts[stage], *idle))
-    return [_pareto(p) for p in seen]
+    ev = _events(schedule, modes)
+    counts = ev.counts(ev.change_stage, ev.snap_stage, np.eye(len(STATES), dtype=np.int64))
+    flags = np.zeros((len(ev.snap_stage), len(TRANSIENTS)), dtype=np.int64)
+    running = ev.snap_running >= 0
+    flags[np.nonzero(running)[0], ev.snap_running[running] - LIVE] = 1
+    rows = _distinct(np.concatenate([ev.snap_stage[:, None], counts, flags], axis=1))
+    cut = np.searchsorted(rows[:, 0], np.arange(S + 1))
+    return [_pareto_array(rows[cut[s] : cut[s + 1], 1:]) for s in range(S)]
+
+
+def _distinct(rows: np.ndarray) -> np.ndarray:
+    """The distinct rows of a non-negative integer array, sorted by their first column. Each row
+    read as one number (its entries as digits, each column's base one past its largest) when
+    that fits in int64: much faster than np.unique over rows."""
+    if not len(rows):
+        return rows
+    base = rows.max(axis=0) + 1
+    if float(np.prod(base.astype(np.float64))) >= 2.0**62:
+        return np.unique(rows, axis=0)
+    weight = np.cumprod(np.concatenate([base[1:], [1]])[::-1])[::-1]  # first column weighs most
+    _, first = np.unique(rows @ weight, return_index=True)
+    return rows[first]
+
+
+def peaks(
+    schedule: Schedule, recompute: str | Sequence[str], sizes: Sequence[StageBytes]
+) -> list[int]:
+    """Each device's peak over the issue order and the optimizer step after it: what `replay`
+    finds, without walking the order in Python (the planner calls this for every plan)."""
+    S, R = schedule.num_stages, schedule.num_ranks
+    modes = [recompute] * S if isinstance(recompute, str) else list(recompute)
+    place = np.asarray(schedule.placement, dtype=np.int64)
+    ev = _events(schedule, modes)
+    per_state = np.array([b.per_state() for b in sizes], dtype=np.int64).reshape(S, -1)
+    trans = np.array(
+        [[b.transient(k) for k in range(LIVE, LIVE + len(TRANSIENTS))] for b in sizes],
+        dtype=np.int64,
+    ).reshape(S, -1)
+    # Device levels: each change weighs its state's bytes on its stage; one column per device.
+    weights = per_state[ev.change_stage, ev.change_state] * ev.change_delta
+    level = ev.counts(place[ev.change_stage], place[ev.snap_stage], None, weights)[:, 0]
+    on = ev.snap_running >= 0
+    extra = np.zeros(len(level), dtype=np.int64)
+    extra[on] = trans[ev.snap_stage[on], ev.snap_running[on] - LIVE]
+    static = np.zeros(R, dtype=np.int64)
+    np.add.at(static, place, [b.static for b in sizes])
+    top = np.zeros(R, dtype=np.int64)
+    if len(level):
+        np.maximum.at(top, place[ev.snap_stage], level + extra)
+    left = np.zeros(R, dtype=np.int64)  # what the states still hold after the last action
+    np.add.at(left, place[ev.change_stage], weights)
+    out = []
+    for r in range(R):
+        mine = [sizes[s] for s in schedule.stages_of(r)]
+        steps = [b.optimizer_step for b in mine]
+        step = sum(steps) if any(b.foreach for b in mine) else max(steps, default=0)
+        out.append(int(static[r] + max(top[r], left[r] + step, 0)))
+    return out
+
+
+@dataclass(frozen=True)
+class _Events:
+    """The issue order's state changes as arrays. Position `seq` orders them: 4k + phase for the
+    phases of order[k] (changes first, then the look at its stage with its transient), 4k + 3
+    for its end. Looks (`snap_*`) are where a peak may sit: the acting stage after each phase,
+    and every stage an end touches."""
+
+    change_seq: np.ndarray
+    change_stage: np.ndarray
+    change_state: np.ndarray
+    change_delta: np.ndarray
+    snap_seq: np.ndarray
+    snap_stage: np.ndarray
+    snap_running: np.ndarray  # the transient running there, -1 for none
+
+    def counts(
+        self,
+        change_group: np.ndarray,
+        snap_group: np.ndarray,
+        columns: np.ndarray | None,
+        weights: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """At every look: per group (stage or device), the running sum of its changes so far,
+        one column per state (`columns`: the one-hot of each state) or one of `weights`."""
+        n_change = len(self.change_seq)
+        group = np.concatenate([change_group, snap_group])
+        seq = np.concatenate([self.change_seq, self.snap_seq])
+        sub = np.concatenate([np.zeros(n_change, np.int64), np.ones(len(self.snap_seq), np.int64)])
+        order = np.lexsort((sub, seq, group))
+        if columns is not None:
+            delta = columns[self.change_state] * self.change_delta[:, None]
+        else:
+            assert weights is not None
+            delta = weights[:, None]
+        rows = np.zeros((len(group), delta.shape[1]), dtype=np.int64)
+        rows[:n_change] = delta
+        run = np.cumsum(rows[order], axis=0)
+        g = group[order]
+        first = np.searchsorted(g, g)  # each group's running sum starts from zero
+        base = np.where((first > 0)[:, None], run[np.maximum(first - 1, 0)], 0)
+        run = run - base
+        at = np.empty(len(group), dtype=np.int64)
+        at[order] = np.arange(len(group))
+        return run[at[n_change:]]
+
+
+_EVENTS: dict[tuple, _Events] = {}
+
+
+def _events(schedule: Schedule, modes: Sequence[str]) -> _Events:
+    key = schedule_key(schedule.compute_only(), tuple(modes))
+    hit = _EVENTS.get(key)
+    if hit is None:
+        if len(_EVENTS) > 256:
+            _EVENTS.clear()
+        hit = _EVENTS[key] = _build_events(schedule, modes)
+    return hit
+
+
+def _build_events(schedule: Schedule, modes: Sequence[str]) -> _Events:
+    """The same transitions as _build_steps (the module doc), rule by rule over all actions."""
+    S, M = schedule.num_stages, schedule.num_microbatches
+    order = canonical_order(schedule, modes)
+    kind_code = {Kind.F: 0, Kind.B: 1, Kind.I: 2, Kind.W: 3}
+    kind = np.fromiter((kind_code[a.kind] for a in order), np.int64, len(order))
+    s = np.fromiter((a.stage for a in order), np.int64, len(order))
+    m = np.fromiter((a.microbatch for a in order), np.int64, len(order))
+    mode_code = np.array([("never", "except_last", "always").index(x) for x in modes])
+    rec = np.where(mode_code[s] == 2, True, np.where(mode_code[s] == 1, m < M - 1, False))
+    k = np.arange(len(order), dtype=np.int64)
+    F, B, I, W = (kind == c for c in range(4))  # noqa: E741
+    last = s == S - 1
+    # the phase that holds I's own changes: 1 after a re-materialising forward, else 0
+    i_phase = np.where(rec, 1, 0)
+    change_parts: list[tuple[np.ndarray, np.ndarray, int, int, np.ndarray]] = []
+
+    def change(mask: np.ndarray, pos: np.ndarray | int, stage_off: int, state: int, d: int) -> None:
+        idx = np.nonzero(mask)[0]
+        p = pos[idx] if isinstance(pos, np.ndarray) else pos
+        change_parts.append((4 * k[idx] + p, s[idx] + stage_off, state, d, idx))
+
+    END = 3
+    change(F & (s == 0), 0, 0, IN, 1)
+    change(F & ~rec, 0, 0, IN, -1)
+    change(F & ~rec, 0, 0, ACT, 1)
+    change(F & ~last, END, 1, IN, 1)
+    BI = B | I
+    change(BI & ~last, 0, 1, GRAD, -1)
+    change(BI & rec, 0, 0, IN, -1)
+    change(BI & rec, 0, 0, ACT, 1)
+    change(I, i_phase, 0, ACT, -1)
+    change(I, i_phase, 0, DURING_I, 1)
+    change(I, END, 0, DURING_I, -1)
+    change(I, END, 0, IW, 1)
+    change(B & ~last, 0, 0, PULLED, 1)
+    change(B & ~last, END, 0, PULLED, -1)
+    change(B, END, 0, ACT, -1)
+    change(BI & (s > 0), END, 0, GRAD, 1)
+    change(W, END, 0, IW, -1)
+    c_seq = np.concatenate([p[0] for p in change_parts])
+    c_stage = np.concatenate([p[1] for p in change_parts])
+    c_state = np.concatenate([np.full(len(p[4]), p[2], np.int64) for p in change_parts])
+    c_delta = np.concatenate([np.full(len(p[4]), p[3], np.int64) for p in change_parts])
+    # Looks: the acting stage after each phase (with its transient), every stage an end touches.
+    running = np.select(
+        [F & rec, F, B, I, W], [FORWARD_LIVE, REMAT_LIVE, LIVE, INPUT_LIVE, WEIGHT_LIVE], -1
+    ).astype(np.int64)
+    remat = I & rec
+    is_end = c_seq % 4 == END
+    snap_seq = np.concatenate([4 * k + np.where(I, i_phase, 0), 4 * k[remat], c_seq[is_end]])
+    snap_stage = np.concatenate([s, s[remat], c_stage[is_end]])
+    snap_running = np.concatenate(
+        [running, np.full(int(remat.sum()), REMAT_LIVE, np.int64), np.full(int(is_end.sum()), -1)]
+    )
+    return _Events(c_seq, c_stage, c_state, c_delta, snap_seq, snap_stage, snap_running)
+
+
+def _pareto_array(rows: np.ndarray) -> Occupancy:
+    """The distinct rows no other row dominates in every entry, as sorted tuples.
+
+    A row can only be dominated by a different one with a larger sum, so rows go in blocks by
+    descending sum: a block's rows that no other row of it strictly dominates are kept (nothing
+    later can dominate them, and whatever was dropped before is dominated by a row kept before,
+    which has already removed it), and they remove every later row they dominate or equal."""
+    rows = rows[np.argsort(-rows.sum(axis=1), kind="stable")]
+    alive = np.ones(len(rows), dtype=bool)
+    kept = []
+    while alive.any():
+        idx = np.nonzero(alive)[0][:64]
+        block = rows[idx]
+        ge = (block[:, None, :] >= block[None, :, :]).all(axis=2)  # ge[a, b]: a >= b
+        strictly = ge & ~ge.T
+        new = block[~strictly.any(axis=0)]
+        kept.append(new)
+        alive[idx] = False
+        rest = np.nonzero(alive)[0]
+        if len(rest) and len(new):
+            gone = (new[:, None, :] >= rows[rest][None, :, :]).all(axis=2).any(axis=0)
+            alive[rest[gone]] = False
+    return tuple(sorted({tuple(int(x) for x in row) for row in np.concatenate(kept)}))
 
 
 @dataclass

@@ -108,5 +108,13 @@ def _unit_cost_order(schedule: Schedule, modes: tuple[str, ...]) -> list[Action]
     sched = schedule.compute_only()
     costs = Costs([f] * S, [b] * S, input_grad=[i] * S, weight_grad=[w] * S, recompute=modes)
     timeline = simulate(sched, costs, memory=False)
-    start = {sp.action: sp.start for sp in timeline.spans}
-    return issue_order(sched, start)
+    # Every action here takes time, so each one starts after all it depends on has started:
+    # issue_order's choice among the ready actions is then simply the order of (start, rank,
+    # place in the program), and a sort gives it without walking the dependencies.
+    keyed = [
+        (st, r, p, a)
+        for r, acts in sorted(sched.ranks.items())
+        for p, (a, st) in enumerate(zip(acts, timeline.starts[r]))
+    ]
+    keyed.sort(key=lambda x: x[:3])
+    return [a for *_, a in keyed]

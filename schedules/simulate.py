@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .ir import Action, Kind, Schedule
-from .memory import StageBytes, recomputes, replay, timed_levels
+from .memory import StageBytes, peaks, recomputes, timed_levels
 
 
 @dataclass
@@ -118,8 +118,11 @@ def _finite_time(v: object) -> bool:
         return False
 
 
-def simulate(schedule: Schedule, costs: Costs, *, memory: bool = True) -> Timeline:
-    """The timeline of `schedule` under `costs`; `memory=False` skips the memory replay."""
+def simulate(
+    schedule: Schedule, costs: Costs, *, memory: bool = True, levels: bool = True
+) -> Timeline:
+    """The timeline of `schedule` under `costs`; `memory=False` skips the memory replay, and
+    `levels=False` keeps its peaks but not each device's level over time (for drawing)."""
     S, M = schedule.num_stages, schedule.num_microbatches
     place = schedule.placement
     fwd, bwd = list(costs.forward), list(costs.backward)
@@ -260,16 +263,16 @@ def simulate(schedule: Schedule, costs: Costs, *, memory: bool = True) -> Timeli
         raise AssertionError("simulation stalled on a schedule that validates")
     makespan = max([max(e, default=0.0) for e in ends] + [tr[4] for tr in transfers] + [0.0])
     memory_steps: list[list[tuple[float, int]]] = [[] for _ in range(R)]
-    peaks = [0] * R
+    peak = [0] * R
     if memory:
         sizes = list(costs.memory) if costs.memory is not None else [StageBytes()] * S
         if len(sizes) != S:
             raise ValueError(f"costs give memory for {len(sizes)} stages, the schedule has {S}")
-        played = replay(schedule, modes, sizes)
-        when: dict[Action, tuple[float, float]] = {}
-        for r, acts in schedule.ranks.items():
-            for a, st, en in zip(acts, starts[r], ends[r]):
-                when[a] = (st, en)
-        memory_steps = timed_levels(schedule, modes, sizes, when)
-        peaks = played.peaks
-    return Timeline(schedule, starts, ends, transfers, makespan, busy, peaks, memory_steps)
+        peak = peaks(schedule, modes, sizes)
+        if levels:
+            when: dict[Action, tuple[float, float]] = {}
+            for r, acts in schedule.ranks.items():
+                for a, st, en in zip(acts, starts[r], ends[r]):
+                    when[a] = (st, en)
+            memory_steps = timed_levels(schedule, modes, sizes, when)
+    return Timeline(schedule, starts, ends, transfers, makespan, busy, peak, memory_steps)

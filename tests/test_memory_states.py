@@ -9,18 +9,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schedules import (
+    Costs,
     StageBytes,
     build_schedule,
     canonical_order,
     insert_comms,
+    issue_order,
+    memory,
     occupancy,
     replay,
+    simulate,
 )
 from schedules.comm import send_acks
 from schedules.ir import Action, Kind
+from schedules.memory import peaks
 
 FLAGS = (0, 0, 0, 0, 0)  # no transient running
 LIVE = (1, 0, 0, 0, 0)
+REMAT = (0, 1, 0, 0, 0)
 
 
 def test_issue_order_follows_a_unit_cost_run():
@@ -41,11 +47,16 @@ def test_occupancy_of_1f1b_by_hand():
     # Stage 0 holds two micro-batches' activations while its first backward runs, and pulls the
     # gradient it consumes; stage 1 holds the next micro-batch's input (pushed at 0F1) and its
     # own gradient for stage 0 to pull.
+    # A forward runs with remat_live (what a forward that keeps its saves adds), B with live.
     occ = occupancy(build_schedule("1f1b", 2, 3), "never")
-    assert occ[0] == ((0, 2, 0, 0, 0, 1, *LIVE),)
+    assert occ[0] == (
+        (0, 2, 0, 0, 0, 0, *REMAT),  # 0F1 (and 0F2, with mb 1 still held)
+        (0, 2, 0, 0, 0, 1, *LIVE),  # 0B0
+    )
     assert occ[1] == (
         (1, 0, 0, 0, 1, 0, *FLAGS),  # after 1B0: mb 1 pushed in, mb 0's input gradient
-        (1, 1, 0, 0, 0, 0, *LIVE),  # 1F0 / 1B0 running, mb 1 waiting
+        (1, 1, 0, 0, 0, 0, *REMAT),  # 1F0 running, mb 1 waiting
+        (1, 1, 0, 0, 0, 0, *LIVE),  # 1B0 running, mb 1 waiting
         (2, 0, 0, 0, 0, 0, *FLAGS),  # two inputs pushed before 1F0 runs
     )
 
@@ -149,3 +160,72 @@ def test_every_acknowledged_send_was_taken_before_the_acknowledging_message_was_
                 taken_at = where[peer_action(a)]
                 assert taken_at[0] == ack_sent_at[0] and taken_at[1] < ack_sent_at[1]
                 assert where[a][1] < k  # let go after it was sent
+
+
+def _walked_occupancy(sched, mode):
+    """The occupancy as first written: walk the issue order's steps one by one in Python (the
+    production code reads the same transitions as arrays)."""
+    S = sched.num_stages
+    modes = [mode] * S if isinstance(mode, str) else list(mode)
+    counts = [[0] * 6 for _ in range(S)]
+    seen: list[set] = [set() for _ in range(S)]
+    for step in memory._steps(sched, modes):
+        s = step.action.stage
+        for changes, running in step.phases:
+            for stage, state, d in changes:
+                counts[stage][state] += d
+            flags = tuple(int(running == k) for k in range(memory.LIVE, memory.LIVE + 5))
+            seen[s].add((*counts[s], *flags))
+            for stage in {stage for stage, _, d in changes if d > 0 and stage != s}:
+                seen[stage].add((*counts[stage], *FLAGS))
+        for stage, state, d in step.end:
+            counts[stage][state] += d
+        for stage in {stage for stage, _, _ in step.end}:
+            seen[stage].add((*counts[stage], *FLAGS))
+    keep = []
+    for tuples in seen:
+        kept: list[tuple] = []
+        for t in sorted(tuples, reverse=True):
+            if not any(all(x >= y for x, y in zip(q, t)) for q in kept):
+                kept.append(t)
+        keep.append(tuple(sorted(kept)))
+    return keep
+
+
+MODES = ("never", "except_last", "always")
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    name=st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]),
+    K=st.integers(1, 5),
+    M=st.integers(1, 12),
+    modes=st.lists(st.sampled_from(MODES), min_size=10, max_size=10),
+    data=st.data(),
+)
+def test_array_occupancy_and_peaks_equal_the_step_by_step_walk(name, K, M, modes, data):
+    """The arrays the planner uses against the walk: the same Pareto tuples per stage, the same
+    peaks as `replay` for random bytes, and the sorted issue order the same as issue_order's
+    choice among ready actions (per-stage recomputation modes mixed)."""
+    v = 2 if name == "interleaved-1f1b" else 1
+    if v > 1 and M > K and M % K:
+        return
+    sched = build_schedule(name, K * v, M, stages_per_rank=v)
+    S = K * v
+    mode = modes[:S] if data.draw(st.booleans()) else modes[0]
+    per = [mode] * S if isinstance(mode, str) else mode
+    unit = Costs([1.0] * S, [2.0] * S, input_grad=[1.0] * S, weight_grad=[1.0] * S, recompute=per)
+    start = {sp.action: sp.start for sp in simulate(sched, unit, memory=False).spans}
+    assert canonical_order(sched, mode) == issue_order(sched.compute_only(), start)
+    assert occupancy(sched, mode) == _walked_occupancy(sched, mode)
+    n = st.integers(0, 1000)
+    sizes = [
+        StageBytes(
+            *(data.draw(n) for _ in range(11)),
+            optimizer_step=data.draw(n),
+            foreach=data.draw(st.booleans()),
+            static=data.draw(n),
+        )  # fmt: skip
+        for _ in range(S)
+    ]
+    assert peaks(sched, mode, sizes) == replay(sched, mode, sizes).peaks

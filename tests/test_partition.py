@@ -374,3 +374,19 @@ def test_cpsat_matches_brute_force(problem):
     if part is not None:
         assert part.extra["optimal"] == 1.0 and part.extra["gap"] == 0.0
         assert part.extra["lower_bound_ms"] == expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems())
+def test_max_end_is_the_last_end_that_fits(problem):
+    """Against a scan of every end, for every start and each stage's shape and budget."""
+    chain, specs, _ = problem
+    memory = MemoryModel(chain)
+    L = chain.num_layers
+    for spec in specs:
+        got = memory.max_end(spec.shape, spec.budget)
+        for i in range(L):
+            fits = [
+                j for j in range(i + 1, L + 1) if memory.total(i, j, spec.shape)[0] <= spec.budget
+            ]
+            assert got[i] == (max(fits) if fits else i)

@@ -12,8 +12,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import planner.search as search
-from planner import Cluster, plan_pipeline
-from planner.bounds import prior_bound
+from planner import Cluster, format_size, plan_pipeline
+from planner.bounds import least_bottleneck, prior_bound
+from planner.cluster import Device, Link
+from planner.partition import Partition
 from schedules import Costs, build_schedule, simulate
 from tests.conftest import synthetic_profile
 
@@ -53,6 +55,65 @@ def test_prior_bound_is_below_every_split_of_every_schedule(work, ratio, schedul
         assert bound <= tl.makespan * (1 + 1e-9) + 1e-12, (bounds, bound, tl.makespan)
 
 
+@settings(max_examples=25, deadline=None)
+@given(
+    forward=st.lists(st.floats(0.05, 5.0), min_size=3, max_size=6),
+    backward_ratio=st.floats(0.3, 6.0),
+    speeds=st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0]), min_size=2, max_size=3),
+    latency=st.sampled_from([0.0, 0.3, 4.0]),
+    N=st.sampled_from([1, 2, 3, 4, 6]),
+)
+def test_both_search_bounds_are_below_every_split(forward, backward_ratio, speeds, latency, N):
+    """Brute force over every split of every candidate, heterogeneous speeds and transfers: the
+    prior bound (spread, granularity, each layer's framed load) and the bound after the split
+    never exceed the simulated time the plan would predict."""
+    fwd = [round(x, 3) for x in forward]
+    profile = synthetic_profile(fwd, [round(x * backward_ratio, 3) for x in fwd], sizes=(1, 2, 4))
+    K = len(speeds)
+    cluster = Cluster(
+        devices=[Device(name=f"d{k}", memory_bytes=10**9, speed=sp) for k, sp in enumerate(speeds)],
+        links=[Link(bandwidth_bytes_per_s=1e5, latency_ms=latency) for _ in range(K - 1)],
+    )
+    problem = search._Problem(profile, cluster, N, "adam")
+    L = problem.costs(search.Candidate(1, "gpipe", "never")).num_layers
+    for M in range(1, N + 1):
+        for sched in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b"):
+            for mode in ("never", "except_last", "always"):
+                cand = search.Candidate(M, sched, mode)
+                if not search._possible(cand, K, len(fwd)):
+                    continue
+                prior = search._prior_bound(problem, cand, speeds)
+                specs = search._stage_specs(problem, cand)
+                for bounds in _splits(L, len(specs)):
+                    if bounds[-2] > len(fwd):  # the loss stays with the last layer
+                        continue
+                    part = Partition(bounds, 0.0)
+                    after = search._lower_bound(problem, cand, specs, part)
+                    t = search._build_plan(problem, cand, specs, part, "test")
+                    ms = t.predicted.iteration_ms
+                    assert prior <= ms * (1 + 1e-9), (cand, bounds, prior, ms)
+                    assert after <= ms * (1 + 1e-9), (cand, bounds, after, ms)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    work=st.lists(st.floats(0.0, 5.0), min_size=1, max_size=7),
+    speeds=st.lists(st.sampled_from([0.5, 1.0, 1.5, 4.0]), min_size=1, max_size=4),
+)
+def test_least_bottleneck_brackets_the_exact_split_from_below(work, speeds):
+    """Against every split into len(speeds) stages in order (empty stages allowed)."""
+    w = np.array(work)
+    L, S = len(w), len(speeds)
+    exact = min(
+        max(float(w[a:b].sum()) / sp for (a, b), sp in zip(itertools.pairwise(cuts), speeds))
+        for inner in itertools.combinations_with_replacement(range(L + 1), S - 1)
+        for cuts in [[0, *inner, L]]
+    )
+    got = least_bottleneck(w, speeds)
+    assert got <= exact * (1 + 1e-12) + 1e-15
+    assert got >= exact * (1 - 1e-3) - 1e-12
+
+
 def test_prior_bound_reaches_the_full_trip_for_one_microbatch():
     # M = 1 on S stages: nothing overlaps, the makespan is every layer's work in turn
     work = np.array([1.0, 2.0, 3.0])
@@ -84,7 +145,7 @@ def test_pruned_search_returns_the_exhaustive_plan(forward, backward_ratio, memo
     except search.InfeasibleError:
         pruned = None
     with pytest.MonkeyPatch.context() as mp:  # no bound prunes anything: every candidate solved
-        mp.setattr(search, "prior_bound", lambda *a: 0.0)
+        mp.setattr(search, "_prior_bound", lambda *a: 0.0)
         mp.setattr(search, "_lower_bound", lambda *a: 0.0)
         try:
             full = plan_pipeline(profile, cluster, N)
@@ -95,9 +156,19 @@ def test_pruned_search_returns_the_exhaustive_plan(forward, backward_ratio, memo
         return
     assert full.solver.solved == full.solver.candidates and full.solver.pruned == 0
     a, b = json.loads(pruned.canonical_json()), json.loads(full.canonical_json())
-    for plan in (a, b):
-        plan["solver"].pop("solved"), plan["solver"].pop("pruned")
+    for plan in (a, b):  # what the search did, and what it learnt of the losers, differ
+        plan["solver"].pop("solved"), plan["solver"].pop("pruned"), plan.pop("alternatives")
     assert a == b
+    # every runner-up the exhaustive search simulated is slower than the plan, by its reason
+    for alt in full.alternatives:
+        if alt.iteration_ms is not None and "over its budget" not in alt.reason:
+            assert alt.iteration_ms >= full.predicted.iteration_ms * (1 - 1e-12)
+    # and a bound the pruned search reports for a runner-up is below that candidate's time
+    exact = {(x.microbatches, x.schedule, x.recompute): x.iteration_ms for x in full.alternatives}
+    for alt in pruned.alternatives:
+        t = exact.get((alt.microbatches, alt.schedule, alt.recompute))
+        if alt.at_least_ms is not None and t is not None:
+            assert alt.at_least_ms <= t * (1 + 1e-9)
 
 
 def test_zero_bubble_trip_does_not_count_w_on_the_critical_path():
@@ -115,3 +186,78 @@ def test_time_limit_returns_a_plan_marked_not_proven():
     plan = plan_pipeline(profile, Cluster.uniform(2, "1MiB"), 8, time_limit_s=0.0)
     assert plan.solver.solved == 1 and not plan.solver.optimal
     assert "time limit" in plan.solver.unproven
+
+
+def test_runners_up_say_why_each_lost():
+    """One runner-up per (schedule, recompute) but the chosen one, best first; each reason is
+    what the search established: a simulated time, a bound, or that no split fits."""
+    profile = synthetic_profile(
+        [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], sizes=(1, 2, 4, 8),
+        saved=[400] * 8, loss={"forward": 0.2, "saved": 16},
+    )  # fmt: skip
+    cluster = Cluster.uniform(2, 9_000)
+    plan = plan_pipeline(profile, cluster, 8)
+    alts = plan.alternatives
+    pairs = [(a.schedule, a.recompute) for a in alts]
+    assert len(set(pairs)) == len(pairs)
+    assert (plan.microbatches, plan.schedule, plan.recompute) not in [
+        (a.microbatches, a.schedule, a.recompute) for a in alts
+    ]
+    known = [a.iteration_ms if a.iteration_ms is not None else a.at_least_ms for a in alts]
+    finite = [k for k in known if k is not None]
+    assert finite == sorted(finite)
+    for a in alts:
+        forced = None
+        try:
+            forced = plan_pipeline(
+                profile, cluster, 8, microbatches=a.microbatches, schedule=a.schedule,
+                recompute=a.recompute,
+            )  # fmt: skip
+        except search.InfeasibleError:
+            pass
+        if a.reason.startswith("no split fits"):
+            assert forced is None
+            continue
+        if forced is None:  # a bound alone said it lost: it may not have fitted either
+            assert a.reason.startswith("at least")
+            continue
+        if a.iteration_ms is not None:
+            assert a.iteration_ms == forced.predicted.iteration_ms
+            assert a.peak_bytes == max(forced.predicted.peak_memory)
+            assert a.reason.endswith("% slower")
+        else:
+            assert a.at_least_ms is not None and a.at_least_ms <= forced.predicted.iteration_ms
+            assert a.reason.startswith("at least")
+    # the plan file keeps them
+    again = type(plan).model_validate_json(plan.canonical_json())
+    assert again.alternatives == alts
+
+
+def test_a_runner_up_that_fits_nowhere_says_how_far_its_fastest_split_is_over(run_cli, tmp_path):
+    profile = synthetic_profile(
+        [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0], sizes=(1, 2, 4, 8),
+        saved=[400] * 8, loss={"forward": 0.2, "saved": 16},
+    )  # fmt: skip
+    plan = plan_pipeline(profile, Cluster.uniform(2, 4000), 8, microbatches=8, schedule="gpipe")
+    assert plan.recompute == "except_last"
+    never = next(a for a in plan.alternatives if a.recompute == "never")
+    # the split that is fastest with memory aside, and what its busiest device would hold
+    problem = search._Problem(profile, plan.cluster, 8, "adam")
+    cand = search.Candidate(8, "gpipe", "never")
+    chain, memory = problem.chain(cand)
+    specs = search._stage_specs(problem, cand)
+    fastest = search.solve_partition(
+        search._balance_times(chain, cand), memory,
+        search._stage_specs(problem, cand, budget=search.INT64_SAFE),
+    )  # fmt: skip
+    need = max(int(memory.total(i, j, sp.shape)[0]) for (i, j), sp in zip(fastest.stages, specs))
+    assert need > 4000
+    assert never.iteration_ms is None and never.at_least_ms is None
+    assert never.reason == (
+        f"no split fits the memory budgets (its fastest split would need "
+        f"{format_size(need, up=True)} on dev0, {format_size(need - 4000, up=True)} over)"
+    )
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    out = run_cli("show", str(path)).out
+    assert "runner-up" in out and never.reason in out
