@@ -502,7 +502,8 @@ def _stage_table(plan: Any) -> str:
                 _types(st.layer_types),
                 f"{st.forward_ms:.2f}",
                 f"{back:.2f}",
-                f"{st.recompute_ms:.2f}",
+                f"{st.recompute_ms:.2f}"
+                + (f" {st.recompute}" if plan.recompute == "per_stage" else ""),
                 f"{st.send_ms:.2f}",
                 format_size(m.params + m.grads + m.optimizer),
                 format_size(m.stashed_activations + m.loss),
@@ -660,7 +661,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--schedule", default="auto", help="auto, gpipe, 1f1b, interleaved-1f1b or zb-h1"
     )
     s.add_argument("--recompute", "--checkpoint", dest="recompute", default="auto",
-                   help="auto, never, except_last or always (--checkpoint is an alias)")  # fmt: skip
+                   help="auto, never, except_last, always, or per_stage: each stage its "
+                        "own (--checkpoint is an alias)")  # fmt: skip
     s.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam")
     s.add_argument(
         "--solver",

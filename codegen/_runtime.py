@@ -76,7 +76,7 @@ class PipelineRuntime:
     MICROBATCHES = 1
     STAGES: list[tuple[int, int]] = []  # [start, end) layer range of each stage
     RANKS: list[int] = []  # device position of each stage
-    RECOMPUTE = "never"
+    RECOMPUTE: list[str] = []  # each stage's recomputation: never, except_last or always
 
     def __init__(
         self,
@@ -190,7 +190,7 @@ class PipelineRuntime:
 
     def backward_input(self, s: int, m: int) -> None:
         with self._action("backward_input", s, m):
-            if self._recomputes(m):  # re-materialise now: W needs the graph as much as I does
+            if self._recomputes(s, m):  # re-materialise now: W needs the graph as much as I does
                 replay = replaying(self.stages[s], replay=True, checkpointed=False)
                 with self.stage_context(s), replay:
                     out = self._forward(s, m, self.inputs[(s, m)], keep=True)
@@ -303,16 +303,15 @@ class PipelineRuntime:
         first = log[0][3]
         return [(w, s, m, first.elapsed_time(a), first.elapsed_time(b)) for w, s, m, a, b in log]
 
-    def _recomputes(self, m: int) -> bool:
-        return self.RECOMPUTE == "always" or (
-            self.RECOMPUTE == "except_last" and m < self.MICROBATCHES - 1
-        )
+    def _recomputes(self, s: int, m: int) -> bool:
+        mode = self.RECOMPUTE[s] if self.RECOMPUTE else "never"
+        return mode == "always" or (mode == "except_last" and m < self.MICROBATCHES - 1)
 
     def _run(self, s: int, m: int, inp: Value) -> Value:
         """Stage s's forward on micro-batch m, keeping for backward what the plan says: all it
         saves, or (recomputing) only its input. Zero bubble re-materialises at I by hand, since
         W needs the graph too; the other schedules use a checkpoint, re-run inside B."""
-        if not self._recomputes(m):
+        if not self._recomputes(s, m):
             return self._forward(s, m, inp, keep=self.SCHEDULE == "zb-h1")
         if self.SCHEDULE == "zb-h1":
             with torch.no_grad():

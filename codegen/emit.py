@@ -105,11 +105,12 @@ def _header(plan: Plan, target: str) -> str:
 def _constants(plan: Plan) -> str:
     stages = _py_list("STAGES", [f"({a}, {b})" for a, b in (st.layers for st in plan.stages)])
     ranks = _py_list("RANKS", [str(st.rank) for st in plan.stages])
+    recompute = _py_list("RECOMPUTE", [json.dumps(st.recompute) for st in plan.stages])
     return f"""    SCHEDULE = "{plan.schedule}"
     MICROBATCHES = {plan.microbatches}
     {stages}
     {ranks}
-    RECOMPUTE = "{plan.recompute}"
+    {recompute}
 """
 
 

@@ -6,6 +6,8 @@ stage s at boundary i):
 
     best[s][j] = min over i of max(best[s - 1][i], cuts[s - 1][i], (T[j] - T[i]) / speed[s])
 
+(with options, per-stage recomputation: the stage's cost is its cheapest option that fits)
+
 O(K * L^2) stage evaluations; exact, simple, and independent of the probe's bookkeeping, which
 is what makes it worth keeping next to the fast solver.
 """
@@ -18,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from .memory import MemoryModel
-from .partition import Partition, StageSpec, cut_table
+from .partition import Partition, StageSpec, cut_table, option_times
 
 
 def solve_partition_dp(
@@ -27,27 +29,38 @@ def solve_partition_dp(
     stages: list[StageSpec],
     cuts: Sequence[np.ndarray] | None = None,
 ) -> Partition | None:
-    L, K = len(times), len(stages)
+    table = option_times(times, stages)
+    L, K = table.shape[1], len(stages)
     if not 1 <= K <= L:
         raise ValueError(f"cannot split {L} layers into {K} non-empty stages")
     links = cut_table(cuts, L, K)
-    prefix = np.concatenate([[0.0], np.cumsum(np.asarray(times, dtype=np.float64))])
+    prefixes = np.concatenate([np.zeros((len(table), 1)), np.cumsum(table, axis=1)], axis=1)
     best = np.full((K, L + 1), math.inf)
     arg = np.zeros((K, L + 1), dtype=np.int64)
+    pick = np.zeros((K, L + 1), dtype=np.int64)
     for s, spec in enumerate(stages):
         for j in range(s + 1, L - (K - s - 1) + 1):
             i = np.arange(s, j)  # stage s covers [i, j); stages before it cover [0, i)
-            cost = (prefix[j] - prefix[i]) / spec.speed
-            fits = memory.total(i, np.full(i.shape, j), spec.shape) <= spec.budget
+            cost = np.full(i.shape, math.inf)
+            option = np.zeros(i.shape, dtype=np.int64)
+            for x, (prefix, shape) in enumerate(zip(prefixes, spec.shapes)):
+                fits = memory.total(i, np.full(i.shape, j), shape) <= spec.budget
+                c = np.where(fits, (prefix[j] - prefix[i]) / spec.speed, math.inf)
+                option = np.where(c < cost, x, option)
+                cost = np.minimum(cost, c)
             before = best[s - 1][i] if s else np.where(i == 0, 0.0, math.inf)
             if s and links is not None:
                 before = np.maximum(before, links[s - 1][i])  # inf: no cut allowed at i
-            value = np.where(fits, np.maximum(before, cost), math.inf)
+            value = np.maximum(before, cost)
             k = int(np.argmin(value))
-            best[s][j], arg[s][j] = value[k], i[k]
+            best[s][j], arg[s][j], pick[s][j] = value[k], i[k], option[k]
     if math.isinf(best[K - 1][L]):
         return None
     bounds = [L]
+    choices = []
     for s in range(K - 1, -1, -1):
+        choices.append(int(pick[s][bounds[-1]]))
         bounds.append(int(arg[s][bounds[-1]]))
-    return Partition(bounds=bounds[::-1], bottleneck=float(best[K - 1][L]))
+    return Partition(
+        bounds=bounds[::-1], bottleneck=float(best[K - 1][L]), choices=choices[::-1]
+    )

@@ -36,11 +36,18 @@ from .memory import MemoryModel, StageShape
 
 @dataclass(frozen=True)
 class StageSpec:
-    """Device position s of the pipeline: its speed, its memory budget, and its memory shape."""
+    """Device position s of the pipeline: its speed, its memory budget, and its memory shape.
+    `more`: further shapes the stage may choose instead (per-stage recomputation), option x
+    costing times[x] per layer; option 0 is `shape`."""
 
     speed: float
     budget: int
     shape: StageShape
+    more: tuple[StageShape, ...] = ()
+
+    @property
+    def shapes(self) -> tuple[StageShape, ...]:
+        return (self.shape, *self.more)
 
 
 @dataclass
@@ -49,6 +56,7 @@ class Partition:
     bottleneck: float  # the slowest stage, or the slowest transfer at a cut when cuts were given
     probes: int = 0
     extra: dict[str, float] = field(default_factory=dict)
+    choices: list[int] = field(default_factory=list)  # per stage: the option it runs (or [])
 
     @property
     def stages(self) -> list[tuple[int, int]]:
@@ -93,6 +101,17 @@ def split_cuts(table: np.ndarray | None, bounds: list[int]) -> list[float]:
     return [float(table[s][j]) for s, j in enumerate(bounds[1:-1])]
 
 
+def option_times(times: np.ndarray, stages: Sequence[StageSpec]) -> np.ndarray:
+    """times as an (options, layers) array, one row per option every stage has."""
+    table = np.atleast_2d(np.asarray(times, dtype=np.float64))
+    for s, spec in enumerate(stages):
+        if len(spec.shapes) != len(table):
+            raise ValueError(
+                f"stage {s} has {len(spec.shapes)} memory shapes for {len(table)} rows of times"
+            )
+    return table
+
+
 class _Prober:
     def __init__(
         self,
@@ -101,42 +120,55 @@ class _Prober:
         stages: list[StageSpec],
         cuts: Sequence[np.ndarray] | None = None,
     ) -> None:
-        self.L, self.K = len(times), len(stages)
+        table = option_times(times, stages)
+        self.L, self.K = table.shape[1], len(stages)
         self.cuts = cut_table(cuts, self.L, self.K)
         # Under an infinite bound a cut is allowed iff finite: compare against the largest one.
         finite = self.cuts[np.isfinite(self.cuts)] if self.cuts is not None else np.zeros(0)
         self.max_cut = float(finite.max()) if finite.size else 0.0
-        self.prefix = np.concatenate([[0.0], np.cumsum(times, dtype=np.float64)])
+        zero = np.zeros((len(table), 1))
+        self.prefixes = np.concatenate([zero, np.cumsum(table, axis=1)], axis=1)
+        self.least = table.min(axis=0)  # per layer, its cheapest option (for lower bounds)
         self.speeds = [s.speed for s in stages]
         cache: dict[tuple[StageShape, int], np.ndarray] = {}
-        self.mem_end = []
+        self.mem_end: list[list[np.ndarray]] = []
         for s in stages:
-            key = (s.shape, s.budget)
-            if key not in cache:
-                cache[key] = memory.max_end(s.shape, s.budget)
-            self.mem_end.append(cache[key])
+            ends = []
+            for shape in s.shapes:
+                key = (shape, s.budget)
+                if key not in cache:
+                    cache[key] = memory.max_end(shape, s.budget)
+                ends.append(cache[key])
+            self.mem_end.append(ends)
         self.probes = 0
 
     def ends(self, s: int, starts: np.ndarray, bound: float) -> np.ndarray:
-        """Largest j per start with cost(s, i, j) <= bound and stage s's memory fitting."""
-        P, sp = self.prefix, self.speeds[s]
+        """Largest j per start with cost(s, i, j) <= bound and stage s's memory fitting, under
+        the best of its options (each option's feasible ends are an interval from the start)."""
+        best = starts.copy()
+        for P, mem_end in zip(self.prefixes, self.mem_end[s]):
+            j = self._time_end(P, self.speeds[s], starts, bound)
+            best = np.maximum(best, np.minimum(j, mem_end[starts]))
+        return best
+
+    def _time_end(self, P: np.ndarray, sp: float, starts: np.ndarray, bound: float) -> np.ndarray:
+        """Largest j per start with (P[j] - P[start]) / sp <= bound."""
         base = P[starts]
         if math.isinf(bound):
-            j = np.full(starts.shape, self.L, dtype=np.int64)
-        elif bound < 0:  # times are >= 0: not even one layer fits
-            j = starts.copy()
-        else:
-            j = np.searchsorted(P, base + bound * sp, side="right") - 1
-            # searchsorted compares base + bound*sp; the cost is (P[j] - base) / sp. Agree exactly,
-            # moving a whole run of equal prefix sums (zero-time layers) at a time: they cost the
-            # same. Each pass moves j one way only, so both loops end (mostly after one pass).
-            while (over := (P[j] - base) / sp > bound).any():
-                j = np.where(over, np.searchsorted(P, P[j], side="left") - 1, j)
+            return np.full(starts.shape, self.L, dtype=np.int64)
+        if bound < 0:  # times are >= 0: not even one layer fits
+            return starts.copy()
+        j = np.searchsorted(P, base + bound * sp, side="right") - 1
+        # searchsorted compares base + bound*sp; the cost is (P[j] - base) / sp. Agree exactly,
+        # moving a whole run of equal prefix sums (zero-time layers) at a time: they cost the
+        # same. Each pass moves j one way only, so both loops end (mostly after one pass).
+        while (over := (P[j] - base) / sp > bound).any():
+            j = np.where(over, np.searchsorted(P, P[j], side="left") - 1, j)
+        nxt = np.minimum(j + 1, self.L)
+        while (under := (nxt > j) & ((P[nxt] - base) / sp <= bound)).any():
+            j = np.where(under, np.searchsorted(P, P[nxt], side="right") - 1, j)
             nxt = np.minimum(j + 1, self.L)
-            while (under := (nxt > j) & ((P[nxt] - base) / sp <= bound)).any():
-                j = np.where(under, np.searchsorted(P, P[nxt], side="right") - 1, j)
-                nxt = np.minimum(j + 1, self.L)
-        return np.minimum(j, self.mem_end[s][starts])
+        return j
 
     def probe(self, bound: float) -> list[int] | None:
         """A split with every stage cost <= bound and every stage fitting, or None."""
@@ -170,14 +202,24 @@ class _Prober:
             bounds.append(int(starts[ok][0]))  # the earliest start: later stages as long as allowed
         return bounds[::-1]
 
+    def costs(self, bounds: list[int]) -> tuple[list[float], list[int]]:
+        """Per stage of a split: its cost under its fastest option that fits, and that option
+        (the first on a tie). The same float expressions the probe compares against its bound."""
+        costs, choices = [], []
+        for s, (i, j) in enumerate(zip(bounds[:-1], bounds[1:])):
+            sp = self.speeds[s]
+            best, pick = math.inf, 0
+            for x, (P, mem_end) in enumerate(zip(self.prefixes, self.mem_end[s])):
+                if mem_end[i] >= j and float(P[j] - P[i]) / sp < best:
+                    best, pick = float(P[j] - P[i]) / sp, x
+            costs.append(best)
+            choices.append(pick)
+        return costs, choices
+
     def bottleneck(self, bounds: list[int], probed: float = math.inf) -> float:
-        """The same float expressions the probe compares against its bound, so a split that
-        probe(probed) returned costs at most `probed` (the bisection relies on it to progress)."""
-        P = self.prefix
-        value = max(
-            [float(P[j] - P[i]) / sp for i, j, sp in zip(bounds[:-1], bounds[1:], self.speeds)]
-            + split_cuts(self.cuts, bounds)
-        )
+        """The slowest stage or link of a split; a split that probe(probed) returned costs at
+        most `probed` (the bisection relies on it to progress)."""
+        value = max(self.costs(bounds)[0] + split_cuts(self.cuts, bounds))
         assert value <= probed, f"the probe returned {bounds} under {probed}, but it costs {value}"
         return value
 
@@ -189,8 +231,7 @@ def feasible_split(
     cuts: Sequence[np.ndarray] | None = None,
 ) -> bool:
     """Whether any split fits every stage's budget and cuts only where allowed (time unbounded)."""
-    prober = _Prober(np.asarray(times, dtype=np.float64), memory, stages, cuts)
-    return prober.probe(math.inf) is not None
+    return _Prober(times, memory, stages, cuts).probe(math.inf) is not None
 
 
 def solve_partition(
@@ -202,17 +243,17 @@ def solve_partition(
     """The split of len(times) layers into len(stages) non-empty contiguous stages that minimises
     the slowest stage (or link, with cuts: see the module docstring), with every stage within its
     budget; None when no split fits in memory at allowed cuts."""
-    L, K = len(times), len(stages)
+    L, K = np.atleast_2d(times).shape[1], len(stages)
     if not 1 <= K <= L:
         raise ValueError(f"cannot split {L} layers into {K} non-empty stages")
-    prober = _Prober(np.asarray(times, dtype=np.float64), memory, stages, cuts)
+    prober = _Prober(times, memory, stages, cuts)
     bounds = prober.probe(math.inf)
     if bounds is None:
         return None
     hi = prober.bottleneck(bounds)
-    total = float(prober.prefix[-1])
-    # A bound on compute alone, hence at most the optimum with links too.
-    lo = max(float(np.max(times)) / max(prober.speeds), total / sum(prober.speeds))
+    total = float(prober.least.sum())
+    # A bound on compute alone (each layer at its cheapest option), at most the optimum.
+    lo = max(float(np.max(prober.least)) / max(prober.speeds), total / sum(prober.speeds))
     lo = min(lo, hi) * (1 - 1e-12)
     while hi - lo > 1e-9 * hi:
         mid = (lo + hi) / 2
@@ -224,4 +265,6 @@ def solve_partition(
     # Prove it: no split is feasible strictly below the best bottleneck found.
     while (found := prober.probe(below := float(np.nextafter(hi, -math.inf)))) is not None:
         bounds, hi = found, prober.bottleneck(found, below)
-    return Partition(bounds=bounds, bottleneck=hi, probes=prober.probes)
+    return Partition(
+        bounds=bounds, bottleneck=hi, probes=prober.probes, choices=prober.costs(bounds)[1]
+    )

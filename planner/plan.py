@@ -14,6 +14,8 @@ from .cluster import Cluster
 
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 Recompute = Literal["never", "except_last", "always"]
+# a plan's: one mode for every stage, or per_stage (each stage says its own)
+PlanRecompute = Literal["never", "except_last", "always", "per_stage"]
 Optimizer = Literal["sgd", "momentum", "adam"]
 
 
@@ -144,7 +146,7 @@ class Alternative(_Strict):
 
     microbatches: int = Field(gt=0, le=MAX_MICROBATCHES)
     schedule: Schedule
-    recompute: Recompute
+    recompute: PlanRecompute
     iteration_ms: float | None = Field(
         default=None, ge=0, le=1e26, description="predicted, when its plan was simulated"
     )
@@ -191,7 +193,7 @@ class Plan(Artifact):
     stages_per_device: int = Field(
         default=1, ge=1, le=2, description="v: chunks per device (interleaved)"
     )
-    recompute: Recompute
+    recompute: PlanRecompute
     optimizer: Optimizer
     loss: Text = Field(default="", description="the profiled loss the last stage includes, if any")
     stages: list[StagePlan] = Field(min_length=1)
@@ -238,7 +240,7 @@ class Plan(Artifact):
                     f"stage {s} is on {st.device} (rank {st.rank}); the cluster puts it on "
                     f"{self.cluster.devices[s % K].name} (rank {s % K})"
                 )
-            if st.recompute != self.recompute:
+            if st.recompute != self.recompute and self.recompute != "per_stage":
                 raise ValueError(
                     f"stage {s}: recompute {st.recompute}, the plan's is {self.recompute}"
                 )

@@ -84,10 +84,19 @@ class Candidate:
         return INTERLEAVE if self.schedule == "interleaved-1f1b" else 1
 
     @property
-    def recomputed_share(self) -> float:
-        """The share of micro-batches whose backward re-runs the forward."""
-        M = self.microbatches
-        return {"never": 0.0, "always": 1.0, "except_last": (M - 1) / M}[self.recompute]
+    def modes(self) -> tuple[str, ...]:
+        """The recomputation each stage may choose: every mode per stage, or the one mode."""
+        return RECOMPUTE_MODES if self.recompute == PER_STAGE else (self.recompute,)
+
+
+PER_STAGE = "per_stage"  # each stage its own recomputation
+SEARCH_MODES = (*RECOMPUTE_MODES, PER_STAGE)
+
+
+def recomputed_share(mode: str, microbatches: int) -> float:
+    """The share of micro-batches whose backward re-runs the forward under `mode`."""
+    M = microbatches
+    return {"never": 0.0, "always": 1.0, "except_last": (M - 1) / M}[mode]
 
 
 @dataclass
@@ -171,7 +180,7 @@ def plan_pipeline(
     else:
         ms = [whole(microbatches, "microbatches", 1, min(batch_size, MAX_MICROBATCHES))]
     schedules = _choices(schedule, SCHEDULE_NAMES, "schedule")
-    modes = _choices(recompute, RECOMPUTE_MODES, "recompute")
+    modes = _choices(recompute, SEARCH_MODES, "recompute")
     candidates = [
         c
         for c in (Candidate(m, s, r) for m in ms for s in schedules for r in modes)
@@ -195,7 +204,11 @@ def plan_pipeline(
     best, best_cand, visited = _search(problem, candidates, solve, method, time_limit_s, progress)
     if best is None or best_cand is None:
         raise _infeasible(problem, candidates)
-    if solver == "cp-sat":
+    if solver == "cp-sat" and best_cand.recompute == PER_STAGE:
+        best.solver = best.solver.model_copy(
+            update={"method": "probe-bisection (CP-SAT re-solves one recomputation mode only)"}
+        )
+    elif solver == "cp-sat":
         # The search ran on the probe; CP-SAT re-solves the chosen candidate on its own and
         # reports its own bound, an independent check of the split.
         from .cpsat import solve_partition_cpsat
@@ -204,7 +217,7 @@ def plan_pipeline(
         specs = _stage_specs(problem, best_cand)
         try:
             part = solve_partition_cpsat(
-                _balance_times(chain, best_cand),
+                _balance_times(chain, best_cand)[0],
                 memory,
                 specs,
                 cuts=_cut_costs(cluster, best_cand, chain),
@@ -233,7 +246,7 @@ def plan_pipeline(
             "unproven": unproven,
         }
     )
-    best.alternatives = _alternatives(problem, candidates, visited, best)
+    best.alternatives = _alternatives(problem, candidates, visited, best, best_cand)
     best._solve_ms = (time.perf_counter() - started) * 1e3
     return best
 
@@ -327,15 +340,18 @@ def _over_budget(plan: Plan) -> str:
 
 
 def _alternatives(
-    problem: _Problem, candidates: list[Candidate], visited: _Visited, chosen: Plan
+    problem: _Problem,
+    candidates: list[Candidate],
+    visited: _Visited,
+    chosen: Plan,
+    won: Candidate,
 ) -> list[Alternative]:
     """The best candidate of every (schedule, recompute) but the chosen one's, and the chosen
     pair's best other micro-batch count, best first, each with the reason it lost."""
-    won = (chosen.microbatches, chosen.schedule, chosen.recompute)
     best_ms = chosen.predicted.iteration_ms
     groups: dict[tuple[str, str], list[int]] = {}
     for k, c in enumerate(candidates):
-        if (c.microbatches, c.schedule, c.recompute) != won and k in visited.outcomes:
+        if c != won and k in visited.outcomes:
             groups.setdefault((c.schedule, c.recompute), []).append(k)
     # within a group, what is known to be faster first: a predicted time beats a bound
     rank = {"plan": 0, "over": 3, "bound": 1, "pruned": 1, "unsearched": 1, "nofit": 2}
@@ -387,8 +403,8 @@ def _fastest_need(problem: _Problem, cand: Candidate) -> str:
     K = problem.cluster.size
     need = [0] * K
     actual = _stage_specs(problem, cand)
-    for s, (i, j) in enumerate(part.stages):
-        need[s % K] += int(memory.total(i, j, actual[s].shape)[0])
+    for s, ((i, j), x) in enumerate(zip(part.stages, part.choices or [0] * len(actual))):
+        need[s % K] += int(memory.total(i, j, actual[s].shapes[x])[0])
     devices = problem.cluster.devices
     k = max(range(K), key=lambda k: need[k] - devices[k].memory_bytes)
     return (
@@ -407,7 +423,8 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     zb = cand.schedule == "zb-h1"
     counted = chain.forward if zb else chain.forward + chain.backward
     S = problem.cluster.size * cand.per_device
-    spread = prior_bound(_balance_times(chain, cand), counted, cand.microbatches, S, speeds)
+    least = _balance_times(chain, cand)[0]  # per-stage: every stage's cheapest, never
+    spread = prior_bound(least, counted, cand.microbatches, S, speeds)
     # The split's granularity, without recomputation (which only adds work): once per size.
     # And each layer l: the stage holding it runs l M times, after micro-batch 0's forward (and
     # backward, after its last) through every layer before the stage, so at least before l.
@@ -418,10 +435,10 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
         per_stage = [speeds[s % len(speeds)] for s in range(S)]
         before = np.concatenate([[0.0], np.cumsum(counted)[:-1]])
         problem.granular[key] = (least_bottleneck(work, per_stage), work, before)
-    least, work, before = problem.granular[key]
+    granular, work, before = problem.granular[key]
     M = cand.microbatches
     layer = float((M * work + before).max()) / max(speeds) if cand.per_device == 1 else 0.0
-    return max(spread, M * least, layer)
+    return max(spread, M * granular, layer)
 
 
 @contextmanager
@@ -476,9 +493,11 @@ def _occupancy(name: str, num_devices: int, microbatches: int, recompute: str) -
 
 
 def _balance_times(chain: Chain, cand: Candidate) -> np.ndarray:
-    """What the partition balances, per layer: the work one micro-batch costs (see module doc)."""
+    """What the partition balances, per layer: the work one micro-batch costs (see module doc),
+    one row per recomputation a stage may choose (cheapest first)."""
     back = chain.input_grad + chain.weight_grad if cand.schedule == "zb-h1" else chain.backward
-    return chain.forward * (1 + cand.recomputed_share) + back
+    M = cand.microbatches
+    return np.stack([chain.forward * (1 + recomputed_share(m, M)) + back for m in cand.modes])
 
 
 def _link_ms(cluster: Cluster, rank: int, nxt: int, nbytes: float) -> float:
@@ -515,42 +534,55 @@ def _stage_specs(problem: _Problem, cand: Candidate, budget: int | None = None) 
     """One spec per stage; `budget` replaces every device's memory (the infeasibility search)."""
     cluster, optimizer = problem.cluster, problem.optimizer
     K, v = cluster.size, cand.per_device
-    occ = _occupancy(cand.schedule, K, cand.microbatches, cand.recompute)
+    occ = [_occupancy(cand.schedule, K, cand.microbatches, mode) for mode in cand.modes]
     step = problem.profile.optimizer_step.get(optimizer)
     specs = []
     for s in range(K * v):
         d = cluster.devices[s % K]
+        shapes = [
+            StageShape(
+                occupancy=o[s],
+                optimizer_slots=OPTIMIZER_SLOTS[optimizer],
+                reserved=d.reserved_bytes // v,
+                optimizer_step=step.per_byte if step else 0.0,
+                foreach=step.foreach if step else False,
+            )
+            for o in occ
+        ]
         specs.append(
             StageSpec(
                 speed=d.speed,
                 budget=(d.memory_bytes if budget is None else budget) // v,
-                shape=StageShape(
-                    occupancy=occ[s],
-                    optimizer_slots=OPTIMIZER_SLOTS[optimizer],
-                    reserved=d.reserved_bytes // v,
-                    optimizer_step=step.per_byte if step else 0.0,
-                    foreach=step.foreach if step else False,
-                ),
+                shape=shapes[0],
+                more=tuple(shapes[1:]),
             )
         )
     return specs
 
 
-def _stage_times(chain: Chain, cand: Candidate, i: int, j: int, speed: float) -> dict[str, float]:
+def _stage_modes(cand: Candidate, part: Partition) -> list[str]:
+    """Each stage's recomputation in a solved split."""
+    choices = part.choices or [0] * (len(part.bounds) - 1)
+    return [cand.modes[x] for x in choices]
+
+
+def _stage_times(
+    chain: Chain, cand: Candidate, mode: str, i: int, j: int, speed: float
+) -> dict[str, float]:
     f = float(chain.forward[i:j].sum()) / speed
     times = {
         "forward_ms": f,
         "backward_ms": float(chain.backward[i:j].sum()) / speed,
         "input_grad_ms": float(chain.input_grad[i:j].sum()) / speed,
         "weight_grad_ms": float(chain.weight_grad[i:j].sum()) / speed,
-        "recompute_ms": f if cand.recompute != "never" else 0.0,
+        "recompute_ms": f if mode != "never" else 0.0,
     }
     back = (
         times["input_grad_ms"] + times["weight_grad_ms"]
         if cand.schedule == "zb-h1"
         else times["backward_ms"]
     )
-    times["work_ms"] = f * (1 + cand.recomputed_share) + back
+    times["work_ms"] = f * (1 + recomputed_share(mode, cand.microbatches)) + back
     # One micro-batch through the stage and back, without recomputation: forward, then B (or
     # zero bubble's I: its W is off the critical path, nothing waits for it)
     times["trip_ms"] = f + (times["input_grad_ms"] if cand.schedule == "zb-h1" else back)
@@ -574,8 +606,9 @@ def _lower_bound(
     tail = 0.0  # its backward from stage s back to the first
     framed = 0.0
     S = len(specs)
+    modes = _stage_modes(cand, part)
     for s, (i, j) in enumerate(part.stages):
-        t = _stage_times(chain, cand, i, j, specs[s].speed)
+        t = _stage_times(chain, cand, modes[s], i, j, specs[s].speed)
         busy[s % K] += M * t["work_ms"]
         trip += t["trip_ms"]
         if cand.per_device == 1:
@@ -597,14 +630,16 @@ def _build_plan(
     chain, memory = problem.chain(cand)
     K, v, L = cluster.size, cand.per_device, chain.num_model_layers
     S = K * v
+    modes = _stage_modes(cand, part)
     stages = []
     for s, ((i, j), spec) in enumerate(zip(part.stages, specs)):
         rank = s % K
+        shape = spec.shapes[cand.modes.index(modes[s])]
         send_bytes = int(chain.boundary[j]) if s < S - 1 else 0
         send = _link_ms(cluster, rank, (s + 1) % K, send_bytes) if s < S - 1 else 0.0
-        terms = {k: int(x[0]) for k, x in memory.terms(i, j, spec.shape).items()}
+        terms = {k: int(x[0]) for k, x in memory.terms(i, j, shape).items()}
         terms.pop("optimizer_step_size")
-        sizes = memory.stage_bytes(i, j, spec.shape)
+        sizes = memory.stage_bytes(i, j, shape)
         stages.append(
             StagePlan(
                 index=s,
@@ -612,12 +647,12 @@ def _build_plan(
                 device=cluster.devices[rank].name,
                 layers=(i, min(j, L)),
                 layer_types=[profile.layers[k].type for k in range(i, min(j, L))],
-                recompute=cand.recompute,  # type: ignore[arg-type]
-                inflight=spec.shape.inflight,
-                occupancy=list(spec.shape.occupancy),
+                recompute=modes[s],  # type: ignore[arg-type]
+                inflight=shape.inflight,
+                occupancy=list(shape.occupancy),
                 **{
                     k: x
-                    for k, x in _stage_times(chain, cand, i, j, spec.speed).items()
+                    for k, x in _stage_times(chain, cand, modes[s], i, j, spec.speed).items()
                     if k != "trip_ms"
                 },
                 send_bytes=send_bytes,
@@ -661,7 +696,8 @@ def _build_plan(
         microbatch_size=chain.mb,
         schedule=cand.schedule,  # type: ignore[arg-type]
         stages_per_device=v,
-        recompute=cand.recompute,  # type: ignore[arg-type]
+        # one mode when every stage chose it
+        recompute=modes[0] if len(set(modes)) == 1 else PER_STAGE,  # type: ignore[arg-type]
         optimizer=problem.optimizer,  # type: ignore[arg-type]
         loss=profile.loss.type if profile.loss is not None else "",
         stages=stages,

@@ -7,9 +7,11 @@ from the schedule alone, never from measured costs: then the planner can know ea
 memory before it knows the split, and the simulator, the planner and the compiled program all
 replay the same order.
 
-The order: run the schedule through the simulator with unit costs (F = 1, B = 2, I = W = 1, one
-more for a recomputed backward), then issue actions by their start there, each after everything
-it depends on (ties: lower rank first, then program order).
+The order: run the schedule through the simulator with unit costs (F = 1, B = 2, I = W = 1),
+then issue actions by their start there, each after everything it depends on (ties: lower rank
+first, then program order). Recomputation does not enter: a stage's states then move with its
+own recomputation alone, so each stage may choose its own and its memory stays a function of
+its layers and that choice (what keeps the per-stage search exact).
 
     1f1b, K = 2, M = 3:  0F0 0F1 1F0 1B0 0B0 1F1 1B1 0F2 0B1 1F2 1B2 0B2
 """
@@ -64,9 +66,9 @@ def issue_order(schedule: Schedule, start: dict[Action, float]) -> list[Action]:
 
 
 def canonical_order(schedule: Schedule, recompute: str | Sequence[str] = "never") -> list[Action]:
-    """The issue order of `schedule` under recomputation `recompute` (one mode, or one per stage)."""
-    modes = (recompute,) * schedule.num_stages if isinstance(recompute, str) else tuple(recompute)
-    return list(_canonical(schedule, modes))
+    """The issue order of `schedule`; the same under every recomputation `recompute` (one mode,
+    or one per stage: accepted so that callers need not know that)."""
+    return list(_canonical(schedule, ()))
 
 
 def schedule_key(schedule: Schedule, modes: tuple[str, ...]) -> tuple:
@@ -93,20 +95,20 @@ def _cached(key: tuple, schedule: Schedule) -> tuple[Action, ...]:
     if hit is None:
         if len(_CACHE) > 256:
             _CACHE.clear()
-        hit = _CACHE[key] = tuple(_unit_cost_order(schedule, key[-1]))
+        hit = _CACHE[key] = tuple(_unit_cost_order(schedule))
     return hit
 
 
 UNIT = (1.0, 2.0, 1.0, 1.0)  # F, B, I, W: the costs the order is simulated with
 
 
-def _unit_cost_order(schedule: Schedule, modes: tuple[str, ...]) -> list[Action]:
+def _unit_cost_order(schedule: Schedule) -> list[Action]:
     from .simulate import Costs, simulate
 
     f, b, i, w = UNIT
     S = schedule.num_stages
     sched = schedule.compute_only()
-    costs = Costs([f] * S, [b] * S, input_grad=[i] * S, weight_grad=[w] * S, recompute=modes)
+    costs = Costs([f] * S, [b] * S, input_grad=[i] * S, weight_grad=[w] * S)
     timeline = simulate(sched, costs, memory=False)
     # Every action here takes time, so each one starts after all it depends on has started:
     # issue_order's choice among the ready actions is then simply the order of (start, rank,

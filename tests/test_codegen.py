@@ -21,6 +21,7 @@ from codegen._runtime import StageError
 from planner import Cluster, plan_pipeline
 from profiler import InputError, model_digest, profile_model
 from profiler.examples import EXAMPLES, mlp, transformer
+from tests.conftest import mixed_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
@@ -94,6 +95,32 @@ def test_gradient_parity(profiles, kind, schedule, mode, M):
     assert rel_err(loss, expected.detach()) <= 1e-5
     for (name, p), q in zip(piped.named_parameters(), reference.parameters()):
         assert p.grad is not None, name
+        assert rel_err(p.grad, q.grad) <= 1e-5, name
+
+
+@pytest.mark.parametrize("kind", ["mlp", "transformer"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gradient_parity_with_each_stage_recomputing_its_own_way(profiles, kind, schedule):
+    build = small_mlp if kind == "mlp" else small_transformer
+    reference, piped = build(), build()
+    piped.load_state_dict(reference.state_dict())
+    x, y, loss_fn = data(kind)
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    plan = mixed_plan(profiles[kind], Cluster.uniform(K, "1GiB"), N, 4, schedule)
+    assert plan.recompute == "per_stage"
+    assert {st.recompute for st in plan.stages} == set(MODES)
+    written = [
+        ast.literal_eval(node.value)
+        for node in ast.walk(ast.parse(emit_program(plan)))
+        if isinstance(node, ast.Assign)
+        and any(getattr(t, "id", "") == "RECOMPUTE" for t in node.targets)
+    ]
+    assert written == [[st.recompute for st in plan.stages]]
+    pipe = compile_quiet(piped, plan)
+    loss = pipe.train_step(x, y, loss_fn)
+    assert rel_err(loss, expected.detach()) <= 1e-5
+    for (name, p), q in zip(piped.named_parameters(), reference.parameters()):
         assert rel_err(p.grad, q.grad) <= 1e-5, name
 
 

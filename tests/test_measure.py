@@ -17,6 +17,7 @@ from planner import Cluster, Plan, plan_pipeline
 from profiler import profile_model
 from profiler.examples import mlp, transformer
 from profiler.memtrack import UNOWNED, owned_by, trace_allocations
+from tests.conftest import mixed_plan
 
 F32 = 4
 RNG_STATE = torch.get_rng_state().numel()
@@ -117,6 +118,26 @@ def test_predicted_peak_memory_is_what_the_run_allocates(profiles, name, schedul
         assert abs(added - predicted) <= 0.05 * predicted, d
     # outside the stages: only the caller's RNG state, kept for the step, and the scalar loss
     assert report.unattributed_bytes <= RNG_STATE + 64
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_each_stage_recomputing_its_own_way_allocates_what_the_plan_says(profiles, name, schedule):
+    """Per-stage recomputation: stages recompute never, except_last and always side by side, and
+    each device's peak is still what the plan predicts."""
+    plan = mixed_plan(profiles[name], Cluster.uniform(3, "1GiB"), 12, 3, schedule)
+    assert len({st.recompute for st in plan.stages}) > 1
+    model = MODELS[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(model, plan)
+    x, y, loss_fn = make_data(model, plan)
+    report = pipe.measure(x, y, loss_fn, steps=1)
+    assert report.ok
+    for d in report.devices:
+        assert abs(d.memory_error) <= 0.05, d
+        predicted = d.predicted_peak_bytes - d.static_bytes
+        assert abs(d.measured_peak_bytes - d.static_bytes - predicted) <= 0.05 * predicted, d
 
 
 def test_a_step_leaves_nothing_behind(profiles):

@@ -390,3 +390,60 @@ def test_max_end_is_the_last_end_that_fits(problem):
                 j for j in range(i + 1, L + 1) if memory.total(i, j, spec.shape)[0] <= spec.budget
             ]
             assert got[i] == (max(fits) if fits else i)
+
+
+def brute_force_options(table, chain, specs, cuts=None) -> float:
+    """As brute_force, each stage taking its fastest option that fits (per-stage choice)."""
+    L, K = table.shape[1], len(specs)
+    best = math.inf
+    for inner in itertools.combinations(range(1, L), K - 1):
+        bounds = [0, *inner, L]
+        cost = 0.0
+        for s, (i, j) in enumerate(zip(bounds[:-1], bounds[1:])):
+            stage = min(
+                (
+                    float(sum(row[i:j])) / specs[s].speed
+                    for row, shape in zip(table, specs[s].shapes)
+                    if reference_memory(chain, i, j, shape) <= specs[s].budget
+                ),
+                default=math.inf,
+            )
+            cost = max(cost, stage)
+            if cuts is not None and s < K - 1:
+                cost = max(cost, float(cuts[s][j]))
+        best = min(best, cost)
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems(), st.data())
+def test_per_stage_choice_matches_brute_force_over_every_choice(problem, data):
+    """Each stage picks among three memory shapes, the heavier in memory the lighter in time
+    (as recomputation trades them): the probe and the DP find the brute-force optimum over all
+    splits and all per-stage choices, and each stage's reported choice fits and costs that."""
+    chain, specs, cuts = problem
+    ratios = (1.0, data.draw(st.sampled_from([1.25, 1.5])), 2.0)
+    table = np.stack([(chain.forward + chain.backward) * r for r in ratios])
+    options = []
+    for spec in specs:
+        lighter = [
+            StageShape(
+                occupancy=tuple(tuple(max(0, c - k) for c in t[:6]) + t[6:]
+                                for t in spec.shape.occupancy),
+                optimizer_slots=spec.shape.optimizer_slots, reserved=spec.shape.reserved,
+                optimizer_step=spec.shape.optimizer_step, foreach=spec.shape.foreach,
+            )
+            for k in (1, 2)
+        ]  # fmt: skip
+        options.append(StageSpec(spec.speed, spec.budget, spec.shape, tuple(lighter)))
+    memory = MemoryModel(chain)
+    expected = brute_force_options(table, chain, options, cuts)
+    for solve in (solve_partition, solve_partition_dp):
+        part = solve(table, memory, options, cuts)
+        if math.isinf(expected):
+            assert part is None
+            continue
+        assert part is not None and part.bottleneck == expected
+        for s, ((i, j), x) in enumerate(zip(part.stages, part.choices)):
+            assert reference_memory(chain, i, j, options[s].shapes[x]) <= options[s].budget
+            assert float(sum(table[x][i:j])) / options[s].speed <= expected

@@ -15,6 +15,7 @@ import planner.search as search
 from planner import Cluster, format_size, plan_pipeline
 from planner.bounds import least_bottleneck, prior_bound
 from planner.cluster import Device, Link
+from planner.memory import RECOMPUTE_MODES
 from planner.partition import Partition
 from schedules import Costs, build_schedule, simulate
 from tests.conftest import synthetic_profile
@@ -261,3 +262,23 @@ def test_a_runner_up_that_fits_nowhere_says_how_far_its_fastest_split_is_over(ru
     plan.save(path)
     out = run_cli("show", str(path)).out
     assert "runner-up" in out and never.reason in out
+
+
+def test_per_stage_recomputes_only_the_memory_bound_first_stages():
+    """1F1B's first stage holds the most micro-batches in flight: with equal layers and a budget
+    only it overruns, only it recomputes, and the plan beats every single-mode plan (74 ms
+    against 84 for except_last everywhere, 87 for never on an uneven split)."""
+    profile = synthetic_profile([1.0] * 8, sizes=(1, 2, 4, 8), saved=[400] * 8)
+    cluster = Cluster.uniform(4, 3500)
+    kw = {"microbatches": 8, "schedule": "1f1b"}
+    plan = plan_pipeline(profile, cluster, 8, recompute="per_stage", **kw)
+    assert plan.recompute == "per_stage"
+    assert [st.recompute for st in plan.stages] == ["except_last", "never", "never", "never"]
+    # never fits only by giving the first stage one layer; every single mode is slower
+    uniform = [plan_pipeline(profile, cluster, 8, recompute=m, **kw) for m in RECOMPUTE_MODES]
+    assert uniform[0].stages[0].layers == (0, 1)
+    assert plan.predicted.iteration_ms < min(p.predicted.iteration_ms for p in uniform)
+    assert plan.fits
+    # `auto` weighs per-stage plans too, and finds one at least as fast
+    auto = plan_pipeline(profile, cluster, 8, **kw)
+    assert auto.predicted.iteration_ms <= plan.predicted.iteration_ms
