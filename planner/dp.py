@@ -61,6 +61,4 @@ def solve_partition_dp(
     for s in range(K - 1, -1, -1):
         choices.append(int(pick[s][bounds[-1]]))
         bounds.append(int(arg[s][bounds[-1]]))
-    return Partition(
-        bounds=bounds[::-1], bottleneck=float(best[K - 1][L]), choices=choices[::-1]
-    )
+    return Partition(bounds=bounds[::-1], bottleneck=float(best[K - 1][L]), choices=choices[::-1])
