@@ -61,9 +61,9 @@ def prior_bound(
 
 
 def least_bottleneck(work: np.ndarray, speeds: list[float] | np.ndarray, rounds: int = 2) -> float:
-    """A lower bound, within a factor of about 1 + 64^-rounds of the exact value, on
-    min over contiguous splits of `work` into len(speeds) stages (in that order, empty stages
-    allowed: a relaxation) of max_s work_s / speeds[s]. Each round probes 64 bottlenecks in
+    """A lower bound on min over contiguous splits of `work` into len(speeds) stages (in that
+    order, empty stages allowed: a relaxation) of max_s work_s / speeds[s]; each round shrinks
+    the bracket [lo, hi] 65-fold, and hi / lo starts below the number of stages. Each round probes 64 bottlenecks in
     one pass: from each, fill every stage as far as it goes (greedy reach is exact for a fixed
     order of stages); the bracket keeps the largest that fails."""
     speeds = np.asarray(speeds, dtype=np.float64)

@@ -13,9 +13,9 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
     P   = max zgrad[i:j]               the output gradient B pulls and holds while it runs (the
                                        largest boundary inside: the total must grow with j)
     live = max(remat_live, the backward transients, the last layer's without its output
-           gradient, which B holds as `pulled`): the most one layer adds while F or B runs
-    remat_live                         ... the forward alone: a re-materialising forward (zero
-                                       bubble's recomputation, at I)
+           gradient, which B holds as `pulled`): the most one layer adds while B runs
+    remat_live                         ... while a forward that keeps what it saves runs: F,
+                                       and zero bubble's re-materialising forward at I
     input_live, weight_live            ... while I runs, while W runs (zero bubble)
     forward_live = max(forward_peak[i], max over i < l < j of forward_peak[l] + boundary[l])
                                        what a forward that keeps nothing (recomputation) needs:
@@ -97,6 +97,7 @@ class MemoryModel:
 
     def __init__(self, chain: Chain) -> None:
         self.chain = chain
+        self._ends: dict[tuple[StageShape, int], np.ndarray] = {}
         self._params = _prefix(chain.params)
         self._largest = _RangeMax(chain.largest_param)
         self._buffers = _prefix(chain.buffers)
@@ -235,7 +236,19 @@ class MemoryModel:
 
     def max_end(self, shape: StageShape, budget: int) -> np.ndarray:
         """For every start i: the largest end j with total(i, j) <= budget, or i if even [i, i+1)
-        does not fit. Binary search on all starts at once (total grows with j)."""
+        does not fit. Binary search on all starts at once (total grows with j); kept per shape
+        and budget, since the search's candidates share them (per-stage recomputation reuses
+        every single mode's)."""
+        key = (shape, budget)
+        hit = self._ends.get(key)
+        if hit is None:
+            if len(self._ends) > 4096:
+                self._ends.clear()
+            hit = self._ends[key] = self._max_end(shape, budget)
+            hit.setflags(write=False)
+        return hit
+
+    def _max_end(self, shape: StageShape, budget: int) -> np.ndarray:
         n = self.chain.num_layers
         i = np.arange(n, dtype=np.int64)
         # total(i, lo) fits (or lo = i); hi does not. The weights, gradients and optimizer slots

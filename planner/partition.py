@@ -141,13 +141,24 @@ class _Prober:
                 ends.append(cache[key])
             self.mem_end.append(ends)
         self.probes = 0
+        self._every = np.arange(self.L + 1, dtype=np.int64)
+        self._bound = math.nan  # the bound _time_ends holds ends for (nan: none yet)
+        self._time_ends: dict[tuple[int, float], np.ndarray] = {}
 
     def ends(self, s: int, starts: np.ndarray, bound: float) -> np.ndarray:
         """Largest j per start with cost(s, i, j) <= bound and stage s's memory fitting, under
-        the best of its options (each option's feasible ends are an interval from the start)."""
+        the best of its options (each option's feasible ends are an interval from the start).
+        The time limit from every start is computed once per probe, option and speed: stages
+        of equal speed share it."""
+        if self._bound != bound:
+            self._bound, self._time_ends = bound, {}
         best = starts.copy()
-        for P, mem_end in zip(self.prefixes, self.mem_end[s]):
-            j = self._time_end(P, self.speeds[s], starts, bound)
+        every = self._every
+        for x, (P, mem_end) in enumerate(zip(self.prefixes, self.mem_end[s])):
+            key = (x, self.speeds[s])
+            if key not in self._time_ends:
+                self._time_ends[key] = self._time_end(P, self.speeds[s], every, bound)
+            j = self._time_ends[key][starts]
             best = np.maximum(best, np.minimum(j, mem_end[starts]))
         return best
 

@@ -60,8 +60,10 @@ class StateBytes(_Strict):
     between_iw: Bytes
     grad: Bytes
     pulled: Bytes
-    live: Bytes = Field(description="the stage's largest transient while one of its actions runs")
-    remat_live: Bytes = Field(description="... while zero bubble re-materialises at I")
+    live: Bytes = Field(description="the stage's largest transient while its backward runs")
+    remat_live: Bytes = Field(
+        description="... while a forward that keeps its saves runs (F, zero bubble's at I)"
+    )
     forward_live: Bytes = Field(description="... while a forward that keeps nothing runs")
     input_live: Bytes = Field(description="... while zero-bubble I runs")
     weight_live: Bytes = Field(description="... while zero-bubble W runs")

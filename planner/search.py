@@ -8,9 +8,12 @@ each link carries one transfer per micro-batch and direction. The partition mini
 busiest of those resources exactly, and the simulator runs the same numbers.
 
 For interleaved-1f1b each device holds v = 2 stages (looped: stage s on device s mod K). The
-partition then gives each stage half its device's memory, which is sufficient but not necessary:
-such plans are marked not proven optimal. The link from the last device back to the first,
-which looping needs, is taken to be as slow as the slowest link.
+partition first lets each stage use its whole device (necessary, since a device holds at least
+either stage), and the plan then counts each device's two stages together along the issue
+order. When that split fits, it is the optimum; when it overruns a device, the partition is
+solved again with each stage given half its device (sufficient): that plan is marked not
+proven, with the first split's bottleneck as its lower bound. The link from the last device
+back to the first, which looping needs, is taken to be as slow as the slowest link.
 """
 
 from __future__ import annotations
@@ -204,9 +207,11 @@ def plan_pipeline(
     best, best_cand, visited = _search(problem, candidates, solve, method, time_limit_s, progress)
     if best is None or best_cand is None:
         raise _infeasible(problem, candidates)
-    if solver == "cp-sat" and best_cand.recompute == PER_STAGE:
+    halved = "half its device" in best.solver.unproven
+    if solver == "cp-sat" and (best_cand.recompute == PER_STAGE or halved):
+        what = "one recomputation mode" if not halved else "splits checked stage by stage"
         best.solver = best.solver.model_copy(
-            update={"method": "probe-bisection (CP-SAT re-solves one recomputation mode only)"}
+            update={"method": f"probe-bisection (CP-SAT re-solves {what} only)"}
         )
     elif solver == "cp-sat":
         # The search ran on the probe; CP-SAT re-solves the chosen candidate on its own and
@@ -214,7 +219,7 @@ def plan_pipeline(
         from .cpsat import solve_partition_cpsat
 
         chain, memory = problem.chain(best_cand)
-        specs = _stage_specs(problem, best_cand)
+        specs = _stage_specs(problem, best_cand, halve=False)
         try:
             part = solve_partition_cpsat(
                 _balance_times(chain, best_cand)[0],
@@ -225,9 +230,20 @@ def plan_pipeline(
             failed = "" if part is not None else "it found infeasible what the probe solved"
         except RuntimeError as e:
             part, failed = None, str(e)
-        if part is not None:
-            best = _build_plan(problem, best_cand, specs, part, "cp-sat")
+        rebuilt = _build_plan(problem, best_cand, specs, part, "cp-sat") if part else None
+        faster = rebuilt is not None and (
+            rebuilt.predicted.iteration_ms <= best.predicted.iteration_ms * (1 + 1e-12)
+        )
+        if rebuilt is not None and rebuilt.fits and faster:
+            best = rebuilt
+        elif rebuilt is not None and rebuilt.fits:  # the same bottleneck, a slower schedule
+            best.solver = best.solver.model_copy(
+                update={"method": "probe-bisection (CP-SAT's split of the same bottleneck "
+                        "simulated slower)"}
+            )  # fmt: skip
         else:  # keep the probe's exact split, and say that CP-SAT did not confirm it
+            if rebuilt is not None:
+                failed = "its split overran a device's memory once both stages were counted"
             best.solver = best.solver.model_copy(
                 update={"unproven": f"CP-SAT could not re-solve the split: {failed}"}
             )
@@ -308,9 +324,13 @@ def _search(
                     break
             tick()
             chain, memory = problem.chain(cand)
-            specs = _stage_specs(problem, cand)
+            # Interleaved: each stage may first use its whole device (a relaxation: a device
+            # holds at least either of its stages); the plan then checks each device's stages
+            # together, along the issue order.
+            specs = _stage_specs(problem, cand, halve=False)
             cuts = _cut_costs(problem.cluster, cand, chain)
-            part = solve(_balance_times(chain, cand), memory, specs, cuts=cuts)
+            times = _balance_times(chain, cand)
+            part = solve(times, memory, specs, cuts=cuts)
             visited.solved += 1
             if part is None:
                 outcomes[k] = _Outcome("nofit", math.inf)
@@ -320,6 +340,12 @@ def _search(
                 outcomes[k] = _Outcome("bound", bound)
                 continue
             plan = _build_plan(problem, cand, specs, part, method)
+            if not plan.fits and cand.per_device > 1:
+                # the relaxed optimum overran a device: give each stage half of it (sufficient)
+                halved = _stage_specs(problem, cand)
+                fallback = solve(times, memory, halved, cuts=cuts)
+                if fallback is not None:
+                    plan = _build_plan(problem, cand, halved, fallback, method, relaxed=part)
             t = plan.predicted.iteration_ms
             peak = max(plan.predicted.peak_memory)
             if not plan.fits:
@@ -346,12 +372,16 @@ def _alternatives(
     chosen: Plan,
     won: Candidate,
 ) -> list[Alternative]:
-    """The best candidate of every (schedule, recompute) but the chosen one's, and the chosen
-    pair's best other micro-batch count, best first, each with the reason it lost."""
+    """The best known candidate of every (schedule, recompute) but the chosen one, best first,
+    each with the reason it lost: a simulated time when there is one, else the bound that
+    ruled it out (so a pair's pick is its fastest simulated candidate, or failing that its
+    lowest bound)."""
     best_ms = chosen.predicted.iteration_ms
+    label = (chosen.microbatches, chosen.schedule, chosen.recompute)  # per-stage may read never
     groups: dict[tuple[str, str], list[int]] = {}
     for k, c in enumerate(candidates):
-        if c != won and k in visited.outcomes:
+        same = c == won or (c.microbatches, c.schedule, c.recompute) == label
+        if not same and k in visited.outcomes:
             groups.setdefault((c.schedule, c.recompute), []).append(k)
     # within a group, what is known to be faster first: a predicted time beats a bound
     rank = {"plan": 0, "over": 3, "bound": 1, "pruned": 1, "unsearched": 1, "nofit": 2}
@@ -365,9 +395,16 @@ def _alternatives(
         c, o = candidates[k], visited.outcomes[k]
         slower = (o.ms / best_ms - 1) * 100 if best_ms > 0 else 0.0
         if o.kind == "plan":
-            reason = f"{slower:.1f}% slower" if slower >= 0.05 else "as fast, found later"
-        elif o.kind == "over":
-            reason = f"its simulated schedule puts {o.detail}"
+            reason = (
+                f"{slower:.2g}% slower"
+                if o.ms > best_ms * (1 + 1e-12)
+                else "as fast; a tie goes to the candidate listed first"
+            )
+        elif o.kind == "over":  # interleaved: its devices counted with both stages
+            reason = (
+                f"its best split puts {o.detail} once both stages of a device are counted, and "
+                "no split fits with each stage in half its device"
+            )
         elif o.kind == "nofit":
             reason = "no split fits the memory budgets" + _fastest_need(problem, c)
         elif o.kind == "bound":
@@ -392,24 +429,22 @@ def _alternatives(
 
 
 def _fastest_need(problem: _Problem, cand: Candidate) -> str:
-    """What the fastest split (memory aside) would need where it is tightest, as a clause."""
+    """What the fastest split (memory aside) would need where it is tightest, as a clause: its
+    simulated device peaks, both stages of an interleaved device together."""
     chain, memory = problem.chain(cand)
-    specs = _stage_specs(problem, cand, budget=INT64_SAFE)
+    specs = _stage_specs(problem, cand, budget=INT64_SAFE, halve=False)
     part = solve_partition(
         _balance_times(chain, cand), memory, specs, cuts=_cut_costs(problem.cluster, cand, chain)
     )
     if part is None:
         return ""
-    K = problem.cluster.size
-    need = [0] * K
-    actual = _stage_specs(problem, cand)
-    for s, ((i, j), x) in enumerate(zip(part.stages, part.choices or [0] * len(actual))):
-        need[s % K] += int(memory.total(i, j, actual[s].shapes[x])[0])
-    devices = problem.cluster.devices
-    k = max(range(K), key=lambda k: need[k] - devices[k].memory_bytes)
+    plan = _build_plan(problem, cand, _stage_specs(problem, cand, halve=False), part, "probe")
+    worst = max(plan.devices, key=lambda d: d.total - d.budget)
+    if worst.total <= worst.budget:
+        return ""
     return (
-        f" (its fastest split would need {format_size(need[k], up=True)} on {devices[k].name}, "
-        f"{format_size(need[k] - devices[k].memory_bytes, up=True)} over)"
+        f" (its fastest split would need {format_size(worst.total, up=True)} on {worst.name}, "
+        f"{format_size(worst.total - worst.budget, up=True)} over)"
     )
 
 
@@ -530,8 +565,13 @@ def _cut_costs(cluster: Cluster, cand: Candidate, chain: Chain) -> list[np.ndarr
     return cuts
 
 
-def _stage_specs(problem: _Problem, cand: Candidate, budget: int | None = None) -> list[StageSpec]:
-    """One spec per stage; `budget` replaces every device's memory (the infeasibility search)."""
+def _stage_specs(
+    problem: _Problem, cand: Candidate, budget: int | None = None, *, halve: bool = True
+) -> list[StageSpec]:
+    """One spec per stage; `budget` replaces every device's memory (the infeasibility search).
+    With v stages per device each gets 1/v of its device's memory (`halve`), or all of it (a
+    relaxation, for plans whose devices are then checked with both stages together); its
+    share of the reserved memory is 1/v either way."""
     cluster, optimizer = problem.cluster, problem.optimizer
     K, v = cluster.size, cand.per_device
     occ = [_occupancy(cand.schedule, K, cand.microbatches, mode) for mode in cand.modes]
@@ -552,7 +592,7 @@ def _stage_specs(problem: _Problem, cand: Candidate, budget: int | None = None) 
         specs.append(
             StageSpec(
                 speed=d.speed,
-                budget=(d.memory_bytes if budget is None else budget) // v,
+                budget=(d.memory_bytes if budget is None else budget) // (v if halve else 1),
                 shape=shapes[0],
                 more=tuple(shapes[1:]),
             )
@@ -624,8 +664,15 @@ def _lower_bound(
 
 
 def _build_plan(
-    problem: _Problem, cand: Candidate, specs: list[StageSpec], part: Partition, method: str
+    problem: _Problem,
+    cand: Candidate,
+    specs: list[StageSpec],
+    part: Partition,
+    method: str,
+    relaxed: Partition | None = None,
 ) -> Plan:
+    """The plan of a solved split. `relaxed`: the split found when each interleaved stage could
+    use its whole device, whose bottleneck bounds this one from below (it overran a device)."""
     profile, cluster = problem.profile, problem.cluster
     chain, memory = problem.chain(cand)
     K, v, L = cluster.size, cand.per_device, chain.num_model_layers
@@ -674,10 +721,18 @@ def _build_plan(
         for k, d in enumerate(cluster.devices)
     ]
     total_ms = timeline.makespan
-    proven = v == 1 and part.extra.get("optimal", 1.0) == 1.0
+    proven = relaxed is None and part.extra.get("optimal", 1.0) == 1.0
     unproven = ""
-    if v > 1:
-        unproven = "interleaved: each stage was given half its device's memory"
+    lower = part.extra.get("lower_bound_ms", part.bottleneck)
+    gap = part.extra.get("gap", 0.0)
+    if relaxed is not None:
+        unproven = (
+            "interleaved: the best split with each stage free to use its whole device overran "
+            "a device once both stages were counted; each stage was then given half its "
+            "device's memory"
+        )
+        lower = relaxed.bottleneck
+        gap = (part.bottleneck - lower) / part.bottleneck if part.bottleneck > 0 else 0.0
     elif not proven:
         unproven = f"{method} stopped before proving its split optimal"
     return Plan(
@@ -713,8 +768,8 @@ def _build_plan(
             method=method,
             optimal=proven,
             unproven=unproven,
-            lower_bound_ms=part.extra.get("lower_bound_ms", part.bottleneck) if v == 1 else 0.0,
-            gap=part.extra.get("gap", 0.0) if v == 1 else 1.0,
+            lower_bound_ms=lower,
+            gap=gap,
             candidates=1,
         ),
         meta=PlanMeta(tool_version=_version()),
@@ -765,9 +820,23 @@ def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleErr
             times: np.ndarray = times,
             memory: MemoryModel = memory,
             cuts: list[np.ndarray] | None = cuts,
-        ) -> bool:
+        ) -> tuple[list[StageSpec], Partition] | None:
+            """A split that fits devices of `budget` bytes each, and the specs it was solved
+            with: interleaved stages first each on half a device (sufficient), then each free
+            to use it all and the device checked with both (what the search also tries)."""
             specs = _stage_specs(problem, cand, budget)
-            return feasible_split(times, memory, specs, cuts=cuts)
+            if feasible_split(times, memory, specs, cuts=cuts):
+                part = solve_partition(times, memory, specs, cuts=cuts)
+                assert part is not None
+                return specs, part
+            if cand.per_device == 1:
+                return None
+            whole = _stage_specs(problem, cand, budget, halve=False)
+            part = solve_partition(times, memory, whole, cuts=cuts)
+            if part is None:
+                return None
+            built = _build_plan(problem, cand, whole, part, "probe-bisection")
+            return (whole, part) if max(d.total for d in built.devices) <= budget else None
 
         hi = need if need is not None else 1
         if need is None:
@@ -783,12 +852,15 @@ def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleErr
             lo, hi = (lo, mid) if fits(mid) else (mid, hi)
         if need is None or hi < need:
             need = hi
-            specs = _stage_specs(problem, cand, hi)
-            part = solve_partition(times, memory, specs, cuts=cuts)
-            assert part is not None
-            closest = _build_plan(
-                problem, cand, _stage_specs(problem, cand), part, "probe-bisection"
-            )
+            found = fits(hi)
+            assert found is not None
+            specs, part = found
+            # the split that fits `hi`, shown against the cluster's own budgets
+            real = [
+                StageSpec(sp.speed, spec.budget, sp.shape, sp.more)
+                for sp, spec in zip(specs, _stage_specs(problem, cand, halve=specs[0].budget < hi))
+            ]
+            closest = _build_plan(problem, cand, real, part, "probe-bisection")
     if need is None or closest is None:
         return InfeasibleError("no split fits at any memory size", INT64_SAFE, None)
     worst = max(closest.devices, key=lambda d: d.total - d.budget)

@@ -113,8 +113,9 @@ _STEPS: dict[tuple, list[_Step]] = {}
 
 
 def _steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
-    """The issue order's state changes, computed once per schedule and recomputation (the
-    planner's occupancy, the simulator's replay and its timed levels all walk them)."""
+    """The issue order's state changes, action by action, once per schedule and recomputation:
+    `replay` and `timed_levels` walk them; `occupancy` and `peaks` read the same transitions
+    as arrays (`_build_events`), and a test holds the two to each other."""
     key = schedule_key(schedule.compute_only(), tuple(modes))
     hit = _STEPS.get(key)
     if hit is None:
@@ -437,8 +438,8 @@ def timed_levels(
     when: dict[Action, tuple[float, float]],
 ) -> list[list[tuple[float, int]]]:
     """Each device's level over simulated time, for drawing: the same changes as `replay`, each
-    at its action's start or end in `when` (frees first at a tie). Peaks come from `replay`: on
-    one host the issue order, not the clock, decides what coexists."""
+    at its action's start or end in `when` (frees first at a tie). Peaks come from the issue
+    order (`peaks`, `replay`): on one host the order, not the clock, decides what coexists."""
     S, R = schedule.num_stages, schedule.num_ranks
     modes = [recompute] * S if isinstance(recompute, str) else list(recompute)
     place = schedule.placement

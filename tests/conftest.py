@@ -146,9 +146,9 @@ def transformer_profile_path(tmp_path_factory: pytest.TempPathFactory):
 
 
 def mixed_plan(profile: Profile, cluster, batch: int, microbatches: int, schedule: str):
-    """A plan whose stages recompute differently (never, except_last, always in turn from stage
-    1 on; stage 0 except_last), on the split that balances the forward and backward: a mix the
-    search might not choose, to hold the runtime to any per-stage plan."""
+    """A plan whose stages recompute differently (except_last, always, never, in turn from stage
+    0), on the split that balances the forward and backward: a mix the search might not
+    choose, to hold the runtime to any per-stage plan."""
     from planner import search
     from planner.partition import StageSpec, solve_partition
 
@@ -160,5 +160,5 @@ def mixed_plan(profile: Profile, cluster, batch: int, microbatches: int, schedul
     cuts = search._cut_costs(cluster, cand, chain)  # the loss stays with the last layer
     part = solve_partition(search._balance_times(chain, cand)[0], memory, plain, cuts=cuts)
     assert part is not None
-    part.choices = [1] + [s % 3 for s in range(1, len(specs))]
+    part.choices = [(s + 1) % 3 for s in range(len(specs))]
     return search._build_plan(problem, cand, specs, part, "test")
