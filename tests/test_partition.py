@@ -376,7 +376,7 @@ def test_cpsat_matches_brute_force(problem):
         assert part.extra["lower_bound_ms"] == expected
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(problems())
 def test_max_end_is_the_last_end_that_fits(problem):
     """Against a scan of every end, for every start and each stage's shape and budget."""
@@ -415,7 +415,7 @@ def brute_force_options(table, chain, specs, cuts=None) -> float:
     return best
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(problems(), st.data())
 def test_per_stage_choice_matches_brute_force_over_every_choice(problem, data):
     """Each stage picks among three memory shapes, the heavier in memory the lighter in time

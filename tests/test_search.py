@@ -56,7 +56,7 @@ def test_prior_bound_is_below_every_split_of_every_schedule(work, ratio, schedul
         assert bound <= tl.makespan * (1 + 1e-9) + 1e-12, (bounds, bound, tl.makespan)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=12, deadline=None)
 @given(
     forward=st.lists(st.floats(0.05, 5.0), min_size=3, max_size=6),
     backward_ratio=st.floats(0.3, 6.0),
@@ -77,7 +77,7 @@ def test_both_search_bounds_are_below_every_split(forward, backward_ratio, speed
     )
     problem = search._Problem(profile, cluster, N, "adam")
     L = problem.costs(search.Candidate(1, "gpipe", "never")).num_layers
-    for M in range(1, N + 1):
+    for M in sorted({1, min(2, N), N}):
         for sched in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b"):
             for mode in ("never", "except_last", "always", "per_stage"):
                 cand = search.Candidate(M, sched, mode)
