@@ -206,7 +206,19 @@ def plan_pipeline(
 
     best, best_cand, visited = _search(problem, candidates, solve, method, time_limit_s, progress)
     if best is None or best_cand is None:
-        raise _infeasible(problem, candidates)
+        err = _infeasible(problem, candidates)
+        if err.closest is None or not err.closest.fits:
+            raise err
+        # The memory search found an interleaved split that fits, which the split search
+        # (exact per stage, not per device) missed: keep it, and say so.
+        best = err.closest
+        best_cand = Candidate(best.microbatches, best.schedule, best.recompute)
+        best.solver = best.solver.model_copy(
+            update={
+                "optimal": False,
+                "unproven": "interleaved: found by the search for the least memory per device",
+            }
+        )
     halved = "half its device" in best.solver.unproven
     if solver == "cp-sat" and (best_cand.recompute == PER_STAGE or halved):
         what = "one recomputation mode" if not halved else "splits checked stage by stage"
@@ -341,11 +353,7 @@ def _search(
                 continue
             plan = _build_plan(problem, cand, specs, part, method)
             if not plan.fits and cand.per_device > 1:
-                # the relaxed optimum overran a device: give each stage half of it (sufficient)
-                halved = _stage_specs(problem, cand)
-                fallback = solve(times, memory, halved, cuts=cuts)
-                if fallback is not None:
-                    plan = _build_plan(problem, cand, halved, fallback, method, relaxed=part)
+                plan = _interleaved_fallback(problem, cand, times, specs, part, solve, method)
             t = plan.predicted.iteration_ms
             peak = max(plan.predicted.peak_memory)
             if not plan.fits:
@@ -357,6 +365,47 @@ def _search(
     if best is None:
         return None, None, visited
     return best[2], best[3], visited
+
+
+def _interleaved_fallback(
+    problem: _Problem,
+    cand: Candidate,
+    times: np.ndarray,
+    specs: list[StageSpec],
+    relaxed: Partition,
+    solve: Callable[..., Partition | None],
+    method: str,
+) -> Plan:
+    """The relaxed split overran a device once both its stages were counted. Try what is
+    sufficient instead: each stage on half its device, and (per-stage candidates) every stage
+    recomputing alike, each free to use its whole device and checked jointly. The fastest
+    that fits, marked not proven (the relaxed bottleneck bounds it from below); else the
+    relaxed plan, which does not fit."""
+    chain, memory = problem.chain(cand)
+    cuts = _cut_costs(problem.cluster, cand, chain)
+    tries: list[tuple[list[StageSpec], np.ndarray, list[int] | None]] = [
+        (_stage_specs(problem, cand), times, None)
+    ]
+    if len(cand.modes) > 1:  # one mode for all, as a uniform candidate would run
+        for x in range(len(cand.modes)):
+            alike = [StageSpec(sp.speed, sp.budget, sp.shapes[x]) for sp in specs]
+            tries.append((alike, times[x : x + 1], [x] * len(specs)))
+    best = _build_plan(problem, cand, specs, relaxed, method)
+    for try_specs, try_times, choices in tries:
+        part = solve(try_times, memory, try_specs, cuts=cuts)
+        if part is None:
+            continue
+        if choices is not None:  # solved as one option: say which, on the full specs
+            part.choices = choices
+            try_specs = specs
+        plan = _build_plan(problem, cand, try_specs, part, method, relaxed=relaxed)
+        if plan.fits and (not best.fits or _faster(plan, best)):
+            best = plan
+    return best
+
+
+def _faster(a: Plan, b: Plan) -> bool:
+    return a.predicted.iteration_ms < b.predicted.iteration_ms * (1 - 1e-12)
 
 
 def _over_budget(plan: Plan) -> str:
@@ -728,8 +777,8 @@ def _build_plan(
     if relaxed is not None:
         unproven = (
             "interleaved: the best split with each stage free to use its whole device overran "
-            "a device once both stages were counted; each stage was then given half its "
-            "device's memory"
+            "a device once both stages were counted; this one was found with each stage in "
+            "half its device's memory, or with every stage recomputing alike"
         )
         lower = relaxed.bottleneck
         gap = (part.bottleneck - lower) / part.bottleneck if part.bottleneck > 0 else 0.0

@@ -36,8 +36,9 @@ the optimizer step runs on every device: its temporaries come on top of the weig
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -112,17 +113,22 @@ class _Step:
 _STEPS: dict[tuple, list[_Step]] = {}
 
 
+def _once(cache: dict, build: Callable, schedule: Schedule, modes: Sequence[str]) -> Any:
+    """build(schedule, modes), kept per schedule and recomputation (at most 256 kept)."""
+    key = schedule_key(schedule.compute_only(), tuple(modes))
+    hit = cache.get(key)
+    if hit is None:
+        if len(cache) > 256:
+            cache.clear()
+        hit = cache[key] = build(schedule, modes)
+    return hit
+
+
 def _steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
     """The issue order's state changes, action by action, once per schedule and recomputation:
     `replay` and `timed_levels` walk them; `occupancy` and `peaks` read the same transitions
     as arrays (`_build_events`), and a test holds the two to each other."""
-    key = schedule_key(schedule.compute_only(), tuple(modes))
-    hit = _STEPS.get(key)
-    if hit is None:
-        if len(_STEPS) > 256:
-            _STEPS.clear()
-        hit = _STEPS[key] = _build_steps(schedule, modes)
-    return hit
+    return _once(_STEPS, _build_steps, schedule, modes)
 
 
 def _build_steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
@@ -288,13 +294,7 @@ _EVENTS: dict[tuple, _Events] = {}
 
 
 def _events(schedule: Schedule, modes: Sequence[str]) -> _Events:
-    key = schedule_key(schedule.compute_only(), tuple(modes))
-    hit = _EVENTS.get(key)
-    if hit is None:
-        if len(_EVENTS) > 256:
-            _EVENTS.clear()
-        hit = _EVENTS[key] = _build_events(schedule, modes)
-    return hit
+    return _once(_EVENTS, _build_events, schedule, modes)
 
 
 def _build_events(schedule: Schedule, modes: Sequence[str]) -> _Events:
