@@ -167,6 +167,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             optimizer=args.optimizer,
             solver=args.solver,
             time_limit_s=args.time_limit,
+            allow_reorder=args.allow_reorder,
         )
     except InfeasibleError as e:
         print(f"gpipe-plan: {e}", file=sys.stderr)
@@ -673,6 +674,9 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--time-limit", type=_number("--time-limit", 0, 86400),
                    help="seconds: then return the best plan found so far, marked not proven")  # fmt: skip
+    s.add_argument("--allow-reorder", action="store_true",
+                   help="let the planner choose which device runs which stage (hosts kept "
+                        "together when the cluster gives links by host)")  # fmt: skip
     s.add_argument("-o", "--output", default="plan.json")
     s.set_defaults(run=cmd_plan)
 

@@ -45,6 +45,9 @@ class Device(BaseModel):
     torch_device: Text | None = Field(
         default=None, description="where a compiled pipe puts this stage, e.g. cuda:3"
     )
+    host: Text | None = Field(
+        default=None, description="the machine it is in, for links given by host"
+    )
 
     @field_validator("memory_bytes", "reserved_bytes", mode="before")
     @classmethod
@@ -82,15 +85,43 @@ class Link(BaseModel):
         return nbytes / self.bandwidth_bytes_per_s * 1e3 + self.latency_ms
 
 
+class HostLinks(BaseModel):
+    """Links described by host: one between devices of the same host, one across hosts."""
+
+    model_config = ConfigDict(extra="forbid")
+    intra_host: Link
+    inter_host: Link
+
+
 class Cluster(Artifact):
-    """Devices in pipeline order: stage k runs on devices[k]."""
+    """Devices in pipeline order: stage k runs on devices[k]. Links are given between
+    neighbours in that order, or by host (`links: {"intra_host": ..., "inter_host": ...}`,
+    each device naming its `host`), which lets the planner reorder the devices."""
 
     kind: Literal["cluster"] = "cluster"
     devices: list[Device] = Field(min_length=1, max_length=MAX_DEVICES)
-    links: list[Link] = Field(default_factory=list, description="len(devices) - 1, or empty")
+    links: list[Link] = Field(
+        default_factory=list, description="len(devices) - 1 (derived when given by host), or empty"
+    )
+    host_links: HostLinks | None = Field(default=None, description="links given by host")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _by_host(cls, data: object) -> object:
+        """`links` written as {"intra_host": ..., "inter_host": ...} means links by host."""
+        if isinstance(data, dict) and isinstance(data.get("links"), dict):
+            data = {**data, "host_links": data["links"], "links": []}
+        return data
 
     @model_validator(mode="after")
     def _links_fit(self) -> Cluster:
+        if self.host_links is not None:
+            if any(d.host is None for d in self.devices):
+                raise ValueError("links are given by host: every device needs its `host`")
+            self.links = [
+                self.host_links.intra_host if a.host == b.host else self.host_links.inter_host
+                for a, b in zip(self.devices[:-1], self.devices[1:])
+            ]
         if not self.links:
             self.links = [Link() for _ in range(len(self.devices) - 1)]
         if len(self.links) != len(self.devices) - 1:
@@ -136,3 +167,104 @@ class Cluster(Artifact):
     @property
     def size(self) -> int:
         return len(self.devices)
+
+    def reordered(self, order: list[int]) -> Cluster:
+        """The same devices in pipeline order `order` (indices into devices). Links follow the
+        hosts when given by host; links between listed neighbours must all be alike."""
+        if sorted(order) != list(range(self.size)):
+            raise ValueError(f"{order} is not an order of {self.size} devices")
+        devices = [self.devices[k] for k in order]
+        if self.host_links is not None:
+            return Cluster(devices=devices, links=[], host_links=self.host_links)
+        if any(link != self.links[0] for link in self.links):
+            raise ArgumentError(
+                "cluster",
+                "links between neighbours",
+                "its links are given between the listed devices, so another order has no "
+                'known links; describe them by host ({"intra_host": ..., "inter_host": ...}) '
+                "to let the planner reorder devices",
+            )
+        return Cluster(devices=devices, links=list(self.links))
+
+    def placements(self, limit: int = 120) -> tuple[list[list[int]], bool]:
+        """The device orders worth planning for: every distinct order (devices alike in memory,
+        speed, reserve and host are interchangeable), each host's devices kept together when
+        links are given by host (the pipeline crosses hosts no more than it must). At most
+        `limit`, the given order first; the flag says whether that is all of them."""
+        sig = [(d.memory_bytes, d.speed, d.reserved_bytes) for d in self.devices]
+        if self.host_links is not None:
+            hosts: dict[str, list[int]] = {}
+            for k, d in enumerate(self.devices):
+                hosts.setdefault(str(d.host), []).append(k)
+            groups = list(hosts.values())
+            # hosts alike (the same device kinds) are interchangeable as whole groups
+            kind = [tuple(sorted(sig[k] for k in g)) for g in groups]
+            outer = _distinct_orders(kind, limit)
+            orders: list[list[int]] = []
+            complete = len(outer) <= limit
+            for seq in outer[:limit]:
+                pools = {
+                    i: [g for g, kd in zip(groups, kind) if kd == kind[i]]
+                    for i in range(len(groups))
+                }
+                picked: list[list[int]] = []
+                used: dict[tuple, int] = {}
+                for kd in seq:
+                    i = kind.index(kd)
+                    picked.append(pools[i][used.get(kd, 0)])
+                    used[kd] = used.get(kd, 0) + 1
+                inner = [_distinct_orders([sig[k] for k in g], limit) for g in picked]
+                combos = [[]]
+                for g, seqs in zip(picked, inner):
+                    combos = [c + _assign(g, q, sig) for c in combos for q in seqs][: limit + 1]
+                    complete = complete and len(seqs) <= limit
+                orders += combos
+                if len(orders) > limit:
+                    return orders[:limit], False
+            return orders, complete and len(orders) <= limit
+        seqs = _distinct_orders(sig, limit)
+        return [_assign(list(range(self.size)), q, sig) for q in seqs[:limit]], len(seqs) <= limit
+
+
+def _distinct_orders(items: list, limit: int) -> list[tuple]:
+    """Distinct orderings of a multiset, the given order first; at most limit + 1."""
+    first = tuple(items)
+    out = [first]
+    counts: dict = {}
+    for x in items:
+        counts[x] = counts.get(x, 0) + 1
+    keys = list(dict.fromkeys(items))
+    seq: list = []
+
+    def walk() -> bool:
+        if len(seq) == len(items):
+            if tuple(seq) != first:
+                out.append(tuple(seq))
+            return len(out) > limit
+        for x in keys:
+            if counts[x]:
+                counts[x] -= 1
+                seq.append(x)
+                stop = walk()
+                seq.pop()
+                counts[x] += 1
+                if stop:
+                    return True
+        return False
+
+    walk()
+    return out
+
+
+def _assign(devices: list[int], seq: tuple, sig: list) -> list[int]:
+    """The devices of `devices` in the order of signatures `seq` (alike ones as listed)."""
+    pool: dict = {}
+    for k in devices:
+        pool.setdefault(sig[k], []).append(k)
+    taken: dict = {}
+    out = []
+    for x in seq:
+        i = taken.get(x, 0)
+        out.append(pool[x][i])
+        taken[x] = i + 1
+    return out

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 
@@ -154,13 +155,23 @@ def plan_pipeline(
     solver: str = "auto",
     time_limit_s: float | None = None,
     progress: bool | None = None,
+    allow_reorder: bool = False,
 ) -> Plan:
     """The fastest predicted plan for `profile` on `cluster` that fits every device's memory.
     `time_limit_s`: return the best plan found by then, marked not proven (the search goes on
     until one plan fits). `progress`: a bar on stderr (default: when it is a terminal).
+    `allow_reorder`: the devices may run the stages in another order (Cluster.placements:
+    every distinct order, hosts kept together when links are given by host); the plan's
+    cluster lists them in the order chosen.
 
     Raises ArgumentError (an InputError) for bad arguments and InfeasibleError when no split fits."""
     started = time.perf_counter()
+    if allow_reorder and isinstance(cluster, Cluster) and cluster.size > 1:
+        return _reordered(
+            profile, cluster, batch_size, started,
+            microbatches=microbatches, schedule=schedule, recompute=recompute,
+            optimizer=optimizer, solver=solver, time_limit_s=time_limit_s, progress=progress,
+        )  # fmt: skip
     if not isinstance(profile, Profile):
         raise ArgumentError("profile", type(profile).__name__, "expected a Profile")
     if not isinstance(cluster, Cluster):
@@ -275,6 +286,47 @@ def plan_pipeline(
         }
     )
     best.alternatives = _alternatives(problem, candidates, visited, best, best_cand)
+    best._solve_ms = (time.perf_counter() - started) * 1e3
+    return best
+
+
+def _reordered(
+    profile: Profile, cluster: Cluster, batch_size: int, started: float, **kw: Any
+) -> Plan:
+    """plan_pipeline once per device order; the fastest (ties: the earlier order) wins."""
+    orders, complete = cluster.placements()
+    best: Plan | None = None
+    error: InfeasibleError | None = None
+    candidates = solved = pruned = 0
+    for order in orders:
+        try:
+            plan = plan_pipeline(profile, cluster.reordered(order), batch_size, **kw)
+        except InfeasibleError as e:
+            if error is None or e.needed_bytes < error.needed_bytes:
+                error = e
+            continue
+        candidates += plan.solver.candidates
+        solved += plan.solver.solved
+        pruned += plan.solver.pruned
+        if best is None or _faster(plan, best):
+            best = plan
+    if best is None:
+        assert error is not None
+        raise error
+    unproven = best.solver.unproven
+    if not complete:
+        unproven = (f"{len(orders)} device orders tried, not all of them"
+                    + (f"; {unproven}" if unproven else ""))  # fmt: skip
+    best.solver = best.solver.model_copy(
+        update={
+            "method": f"{best.solver.method}, {len(orders)} device orders",
+            "candidates": candidates,
+            "solved": solved,
+            "pruned": pruned,
+            "optimal": best.solver.optimal and complete,
+            "unproven": unproven,
+        }
+    )
     best._solve_ms = (time.perf_counter() - started) * 1e3
     return best
 

@@ -1,0 +1,102 @@
+"""--allow-reorder: which device runs which stage, against brute force over every order; links
+given by host, and a pipeline that crosses hosts no more than it must."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from planner import Cluster, plan_pipeline
+from planner.cluster import Device, Link
+from profiler.limits import ArgumentError
+from tests.conftest import synthetic_profile
+
+
+def test_reordering_puts_the_slow_device_on_the_short_stage():
+    profile = synthetic_profile([4.0, 4.0, 1.0], sizes=(1, 2, 4))
+    cluster = Cluster(
+        devices=[
+            Device(name="slow", memory_bytes=10**9, speed=0.25),
+            Device(name="fast0", memory_bytes=10**9),
+            Device(name="fast1", memory_bytes=10**9),
+        ]
+    )
+    kw = {"microbatches": 4, "schedule": "1f1b", "recompute": "never"}
+    plan = plan_pipeline(profile, cluster, 4, allow_reorder=True, **kw)
+    assert [d.name for d in plan.cluster.devices][2] == "slow"
+    as_listed = plan_pipeline(profile, cluster, 4, **kw)
+    assert plan.predicted.iteration_ms < as_listed.predicted.iteration_ms
+    # brute force: every order of the three devices, planned as given
+    every = [
+        plan_pipeline(profile, cluster.reordered(list(p)), 4, **kw).predicted.iteration_ms
+        for p in itertools.permutations(range(3))
+    ]
+    assert plan.predicted.iteration_ms == min(every)
+    assert plan.solver.optimal and "3 device orders" in plan.solver.method  # fast0 ~ fast1
+    # CP-SAT, re-solving the chosen order's split, agrees
+    cpsat = plan_pipeline(profile, cluster, 4, allow_reorder=True, solver="cp-sat", **kw)
+    assert cpsat.predicted.iteration_ms == plan.predicted.iteration_ms
+
+
+def host_cluster(hosts: list[str]) -> Cluster:
+    return Cluster.model_validate(
+        {
+            "kind": "cluster",
+            "devices": [
+                {"name": f"{h}{k}", "memory_bytes": "1GiB", "host": h} for k, h in enumerate(hosts)
+            ],
+            "links": {
+                "intra_host": {"bandwidth_bytes_per_s": 1e12},
+                "inter_host": {"bandwidth_bytes_per_s": 1e5, "latency_ms": 1.0},
+            },
+        }
+    )
+
+
+def test_an_unlucky_device_list_does_not_make_the_pipeline_cross_hosts_more_than_it_must():
+    cluster = host_cluster(["a", "b", "a", "b"])
+    inter = Link(bandwidth_bytes_per_s=1e5, latency_ms=1.0)
+    assert cluster.links == [inter] * 3  # as listed: every neighbour on another host
+    profile = synthetic_profile([1.0] * 8, sizes=(1, 2, 4), output_bytes=[2000] * 8)
+    listed = plan_pipeline(profile, cluster, 4)
+    plan = plan_pipeline(profile, cluster, 4, allow_reorder=True)
+    hosts = [d.host for d in plan.cluster.devices]
+    assert sum(a != b for a, b in itertools.pairwise(hosts)) == 1
+    assert plan.cluster.links.count(inter) == 1
+    assert plan.predicted.iteration_ms < listed.predicted.iteration_ms
+    again = Cluster.model_validate_json(plan.cluster.canonical_json())
+    assert again.links == plan.cluster.links  # links by host survive the plan file
+
+
+def test_reordering_needs_links_that_do_not_depend_on_the_order():
+    profile = synthetic_profile([1.0] * 4, sizes=(1, 2, 4))
+    cluster = Cluster(
+        devices=[Device(name=f"d{k}", memory_bytes=10**9) for k in range(3)],
+        links=[Link(bandwidth_bytes_per_s=1e9), Link(bandwidth_bytes_per_s=1e6)],
+    )
+    with pytest.raises(ArgumentError, match="by host"):
+        plan_pipeline(profile, cluster, 4, allow_reorder=True)
+    with pytest.raises(ValueError, match="needs its `host`"):
+        Cluster.model_validate(
+            {"kind": "cluster", "devices": [{"name": "x", "memory_bytes": 1}],
+             "links": {"intra_host": {}, "inter_host": {}}}
+        )  # fmt: skip
+
+
+def test_allow_reorder_on_the_command_line(tmp_path, run_cli):
+    profile = synthetic_profile([4.0, 4.0, 1.0], sizes=(1, 2, 4))
+    prof, clus, out = tmp_path / "p.json", tmp_path / "c.json", tmp_path / "plan.json"
+    profile.save(prof)
+    Cluster(
+        devices=[
+            Device(name="slow", memory_bytes=10**9, speed=0.25),
+            Device(name="fast0", memory_bytes=10**9),
+            Device(name="fast1", memory_bytes=10**9),
+        ]
+    ).save(clus)
+    r = run_cli("plan", prof, "--cluster", clus, "--batch-size", 4, "--allow-reorder", "-o", out)
+    assert r.code == 0, r.err
+    from planner import Plan
+
+    assert [d.name for d in Plan.load(out).cluster.devices][2] == "slow"
