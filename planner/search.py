@@ -319,7 +319,8 @@ def _reordered(
                     + (f"; {unproven}" if unproven else ""))  # fmt: skip
     best.solver = best.solver.model_copy(
         update={
-            "method": f"{best.solver.method}, {len(orders)} device orders",
+            "method": f"{best.solver.method}, {len(orders)} device order"
+            + ("s" if len(orders) != 1 else ""),
             "candidates": candidates,
             "solved": solved,
             "pruned": pruned,
