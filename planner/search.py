@@ -11,8 +11,9 @@ For interleaved-1f1b each device holds v = 2 stages (looped: stage s on device s
 partition first lets each stage use its whole device (necessary, since a device holds at least
 either stage), and the plan then counts each device's two stages together along the issue
 order. When that split fits, it is the optimum; when it overruns a device, the partition is
-solved again with each stage given half its device (sufficient): that plan is marked not
-proven, with the first split's bottleneck as its lower bound. The link from the last device
+solved again with each stage given half its device (sufficient), and with every stage
+recomputing alike (checked the same way): the fastest that fits is marked not proven, with the
+first split's bottleneck as its lower bound. The link from the last device
 back to the first, which looping needs, is taken to be as slow as the slowest link.
 """
 
