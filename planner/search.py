@@ -343,6 +343,7 @@ class _Outcome:
     ms: float
     peak: int | None = None
     detail: str = ""
+    recompute: str = ""  # its plan's (a per-stage candidate's may read never)
 
 
 @dataclass
@@ -413,7 +414,7 @@ def _search(
             if not plan.fits:
                 outcomes[k] = _Outcome("over", t, peak, _over_budget(plan))
                 continue
-            outcomes[k] = _Outcome("plan", t, peak)
+            outcomes[k] = _Outcome("plan", t, peak, recompute=plan.recompute)
             if best is None or _better(t, k, best[0], best[1]):
                 best = (t, k, plan, cand)
     if best is None:
@@ -483,8 +484,10 @@ def _alternatives(
     label = (chosen.microbatches, chosen.schedule, chosen.recompute)  # per-stage may read never
     groups: dict[tuple[str, str], list[int]] = {}
     for k, c in enumerate(candidates):
-        same = c == won or (c.microbatches, c.schedule, c.recompute) == label
-        if not same and k in visited.outcomes:
+        o = visited.outcomes.get(k)
+        read = (c.microbatches, c.schedule, o.recompute if o and o.recompute else c.recompute)
+        same = c == won or (c.microbatches, c.schedule, c.recompute) == label or read == label
+        if not same and o is not None:
             groups.setdefault((c.schedule, c.recompute), []).append(k)
     # within a group, what is known to be faster first: a predicted time beats a bound
     rank = {"plan": 0, "over": 3, "bound": 1, "pruned": 1, "unsearched": 1, "nofit": 2}
