@@ -149,6 +149,11 @@ def main() -> None:
     head = ["example", "schedule", "device", "predicted peak MiB", "measured peak MiB",
             "memory error", "memory error (torchrun)", "predicted step ms",
             "measured step ms (torchrun, median)", "step error"]  # fmt: skip
+    print_table(head, rows)
+
+
+def print_table(head: list[str], rows: list[list[str]]) -> None:
+    """A Markdown table, as BENCHMARKS.md holds them."""
     print("\n| " + " | ".join(head) + " |")
     print("|" + "---|" * len(head))
     for row in rows:

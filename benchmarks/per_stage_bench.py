@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from measure_bench import cli, link  # noqa: E402
+from measure_bench import cli, link, print_table  # noqa: E402
 
 
 def main() -> None:
@@ -92,10 +92,7 @@ def main() -> None:
     head = ["budget", "best single mode", "predicted ms", "measured ms", "per-stage plan",
             "predicted ms", "measured ms", "gain predicted", "gain measured",
             "per-stage peak MiB predicted / measured"]  # fmt: skip
-    print("\n| " + " | ".join(head) + " |")
-    print("|" + "---|" * len(head))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    print_table(head, rows)
 
 
 if __name__ == "__main__":

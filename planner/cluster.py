@@ -227,32 +227,28 @@ class Cluster(Artifact):
 
 
 def _distinct_orders(items: list, limit: int) -> list[tuple]:
-    """Distinct orderings of a multiset, the given order first; at most limit + 1."""
+    """Distinct orderings of a multiset, the given order first; at most limit + 1. Iterative
+    (next permutation in the order of first appearance), so any number of devices is fine."""
+    rank = {x: i for i, x in enumerate(dict.fromkeys(items))}
+    keys = list(rank)
     first = tuple(items)
     out = [first]
-    counts: dict = {}
-    for x in items:
-        counts[x] = counts.get(x, 0) + 1
-    keys = list(dict.fromkeys(items))
-    seq: list = []
-
-    def walk() -> bool:
-        if len(seq) == len(items):
-            if tuple(seq) != first:
-                out.append(tuple(seq))
-            return len(out) > limit
-        for x in keys:
-            if counts[x]:
-                counts[x] -= 1
-                seq.append(x)
-                stop = walk()
-                seq.pop()
-                counts[x] += 1
-                if stop:
-                    return True
-        return False
-
-    walk()
+    seq = sorted(rank[x] for x in items)
+    while len(out) <= limit:
+        word = tuple(keys[i] for i in seq)
+        if word != first:
+            out.append(word)
+        # the next permutation of seq, or stop after the last
+        i = len(seq) - 2
+        while i >= 0 and seq[i] >= seq[i + 1]:
+            i -= 1
+        if i < 0:
+            break
+        j = len(seq) - 1
+        while seq[j] <= seq[i]:
+            j -= 1
+        seq[i], seq[j] = seq[j], seq[i]
+        seq[i + 1 :] = reversed(seq[i + 1 :])
     return out
 
 

@@ -299,9 +299,22 @@ def _reordered(
     best: Plan | None = None
     error: InfeasibleError | None = None
     candidates = solved = pruned = 0
+    limit = kw.pop("time_limit_s", None)  # for all the orders together
+    tried = 0
     for order in orders:
+        left = None if limit is None else limit - (time.perf_counter() - started)
+        if left is not None and left <= 0 and best is not None:
+            complete = False
+            break
+        tried += 1
         try:
-            plan = plan_pipeline(profile, cluster.reordered(order), batch_size, **kw)
+            plan = plan_pipeline(
+                profile,
+                cluster.reordered(order),
+                batch_size,
+                time_limit_s=None if left is None else max(left, 0.0),
+                **kw,
+            )
         except InfeasibleError as e:
             if error is None or e.needed_bytes < error.needed_bytes:
                 error = e
@@ -316,12 +329,11 @@ def _reordered(
         raise error
     unproven = best.solver.unproven
     if not complete:
-        unproven = (f"{len(orders)} device orders tried, not all of them"
+        unproven = (f"{tried} device orders tried, not all of them"
                     + (f"; {unproven}" if unproven else ""))  # fmt: skip
     best.solver = best.solver.model_copy(
         update={
-            "method": f"{best.solver.method}, {len(orders)} device order"
-            + ("s" if len(orders) != 1 else ""),
+            "method": f"{best.solver.method}, {tried} device order" + ("s" if tried != 1 else ""),
             "candidates": candidates,
             "solved": solved,
             "pruned": pruned,

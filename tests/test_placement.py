@@ -100,3 +100,26 @@ def test_allow_reorder_on_the_command_line(tmp_path, run_cli):
     from planner import Plan
 
     assert [d.name for d in Plan.load(out).cluster.devices][2] == "slow"
+
+
+def test_device_orders_are_every_distinct_one_and_any_count_of_devices_is_fine():
+    from planner.cluster import _distinct_orders
+
+    for items in (["a", "b", "a"], [1, 2, 3, 1], ["x"] * 4, [2, 1, 2, 1, 3]):
+        got = _distinct_orders(items, 10_000)
+        assert got[0] == tuple(items)
+        assert sorted(got) == sorted(set(itertools.permutations(items)))
+        assert len(got) == len(set(got))
+    many = Cluster(devices=[Device(name=f"d{k}", memory_bytes=10**9, speed=1 + k / 1e3)
+                            for k in range(1024)])  # fmt: skip
+    orders, complete = many.placements(limit=50)
+    assert len(orders) == 50 and not complete and orders[0] == list(range(1024))
+
+
+def test_a_time_limit_covers_all_the_orders_together():
+    profile = synthetic_profile([4.0, 4.0, 1.0], sizes=(1, 2, 4))
+    cluster = Cluster(devices=[Device(name=f"d{k}", memory_bytes=10**9, speed=1 + k)
+                               for k in range(3)])  # fmt: skip
+    plan = plan_pipeline(profile, cluster, 4, allow_reorder=True, time_limit_s=0.0)
+    assert not plan.solver.optimal and "1 device order" in plan.solver.method
+    assert "not all of them" in plan.solver.unproven
