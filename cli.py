@@ -266,14 +266,22 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _planned_model(spec: str, plan: Any) -> Any:
+    """MODEL as the plan's layers: an nn.Sequential, or its graph captured as the profile did."""
+    from profiler.models import as_layers, capture_sample, load_model
+
+    model = load_model(spec)
+    return as_layers(model, capture_sample(model, plan.input_shape, plan.input_dtype))
+
+
 def cmd_codegen(args: argparse.Namespace) -> int:
     out = check_output(args.output, inputs=[args.plan, *_sources(args.model)])
     from codegen.emit import emit_program
     from planner import Plan
-    from profiler.models import load_model, model_digest
+    from profiler.models import model_digest
 
     plan = Plan.load(args.plan)
-    model = load_model(args.model)
+    model = _planned_model(args.model, plan)
     if model_digest(model) != plan.model_digest:
         raise InputError(
             f"{args.plan} was made for a different model ({plan.model}); profile and plan "
@@ -302,11 +310,11 @@ def cmd_measure(args: argparse.Namespace) -> int:
     from codegen.measure import make_data, measure_torchrun
     from codegen.pipe import StageError, compile_pipe
     from planner import Plan
-    from profiler.models import load_model, model_digest
+    from profiler.models import model_digest
 
     plan = Plan.load(args.plan)
     tolerance = _fraction(args.tolerance, "--tolerance")
-    model = load_model(args.model)
+    model = _planned_model(args.model, plan)
     if args.output:
         check_output(args.output, inputs=[args.plan, *_sources(args.model)])
     if model_digest(model) != plan.model_digest:

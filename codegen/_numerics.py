@@ -111,6 +111,10 @@ def replaying(stage: nn.Module, replay: bool, checkpointed: bool = True) -> Iter
     deferred = [mod for mod in stage.modules() if isinstance(mod, DeferredBatchNorm)]
     plain = [mod for mod in stage.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
     saved = [[b.detach().clone() for b in mod.buffers()] for mod in plain] if checkpointed else []
+    # A captured graph's layers run batch norm as operations on their buffers: put them back.
+    graph = [b for mod in stage.modules() if getattr(mod, "captured_layer", False)
+             for b in mod.buffers()]  # fmt: skip
+    graph_saved = [b.detach().clone() for b in graph]
     tracked = [mod.track_running_stats for mod in plain]
     for mod in deferred:
         mod.tracking = False
@@ -128,3 +132,5 @@ def replaying(stage: nn.Module, replay: bool, checkpointed: bool = True) -> Iter
             for mod, bufs in zip(plain, saved):
                 for b, old in zip(mod.buffers(), bufs):
                     b.copy_(old)
+            for b, old in zip(graph, graph_saved):  # .data: a graph kept for I/W saved them
+                b.data.copy_(old)

@@ -20,6 +20,7 @@ from schedules.comm import send_acks
 
 RUNTIME = [Path(__file__).with_name(n) for n in ("_runtime.py", "_numerics.py")]
 DIST_RUNTIME = Path(__file__).with_name("_dist_runtime.py")
+GRAPH = Path(__file__).parents[1] / "profiler" / "graph.py"
 _CALL = {
     Kind.F: "forward",
     Kind.B: "backward",
@@ -75,6 +76,9 @@ INPUT_SHAPE = {list(plan.input_shape)}
 INPUT_DTYPE = {json.dumps(plan.input_dtype)}
 """
     loader = _model_loader(model if model is not None else plan.model)
+    if plan.captured:
+        runtime += "\n\n" + _without_dropped_lines(GRAPH.read_text())
+        loader += _CAPTURED_LOADER
     return _header(plan, target) + runtime + body + constants + loader + _COMMON_MAIN + main
 
 
@@ -332,6 +336,25 @@ def load_model() -> nn.Module:
             "importable, e.g. with the directory that holds it on PYTHONPATH"
         ) from None
     return module.{name}()
+'''
+
+
+_CAPTURED_LOADER = '''
+
+_load_module = load_model
+
+
+def load_model() -> nn.Module:
+    """The planned model's graph, captured (torch.export) and cut into layers as the profile was."""
+    model = _load_module()
+    example = getattr(model, "example_input", None)
+    if isinstance(example, torch.Tensor) and list(example.shape[1:]) == INPUT_SHAPE:
+        sample = torch.cat([example, example])[:2]
+    elif INPUT_DTYPE.startswith(("float", "bfloat")):
+        sample = torch.randn(2, *INPUT_SHAPE, dtype=getattr(torch, INPUT_DTYPE))
+    else:
+        sample = torch.zeros(2, *INPUT_SHAPE, dtype=getattr(torch, INPUT_DTYPE))
+    return capture(model, sample)
 '''
 
 

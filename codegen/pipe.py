@@ -13,7 +13,7 @@ from planner import Cluster, Plan, parse_size, plan_pipeline
 from profiler.artifact import InputError
 from profiler.limits import MAX_BATCH, ArgumentError, real, whole
 from profiler.measure import profile_model
-from profiler.models import model_digest
+from profiler.models import as_layers, capture_sample, model_digest
 from schedules import Schedule
 
 from ._runtime import StageError
@@ -116,12 +116,17 @@ def compile_pipe(
 ) -> Pipe:
     """Compile `plan` for `model`. `devices` (one per plan device) defaults to cuda:0..K-1 when
     the machine has them, else every stage runs on the CPU (and the Pipe says so once)."""
-    if not isinstance(model, nn.Sequential):
-        raise InputError(
-            f"{type(model).__name__} is not an nn.Sequential; plans split sequential models"
-        )
+    if not isinstance(model, nn.Module):
+        raise ArgumentError("model", type(model).__name__, "expected a torch nn.Module")
     if not isinstance(plan, Plan):
         raise ArgumentError("plan", type(plan).__name__, "expected a Plan (Plan.load(path))")
+    model = as_layers(model, capture_sample(model, plan.input_shape, plan.input_dtype))
+    if deferred_batch_norm and getattr(model, "captured", False):
+        raise ArgumentError(
+            "deferred_batch_norm",
+            True,
+            "is for nn.Sequential models; a captured graph runs batch norm as operations",
+        )
     if check_model and model_digest(model) != plan.model_digest:
         raise InputError(
             f"the plan was made for a different model ({plan.model}, digest "

@@ -198,6 +198,9 @@ class Plan(Artifact):
     recompute: PlanRecompute
     optimizer: Optimizer
     loss: Text = Field(default="", description="the profiled loss the last stage includes, if any")
+    captured: bool = Field(
+        default=False, description="the model's graph was captured: layers are runs of its graph"
+    )
     stages: list[StagePlan] = Field(min_length=1)
     devices: list[DeviceUse] = Field(min_length=1)
     predicted: Prediction

@@ -862,6 +862,7 @@ def _build_plan(
         dtype=profile.dtype,
         input_shape=profile.input_shape,
         input_dtype=profile.input_dtype,
+        captured=profile.captured,
         num_layers=L,
         cluster=cluster,
         batch_size=problem.batch_size,

@@ -1,6 +1,7 @@
 """Built-in example models, named `example:NAME` on the command line.
 
-Each is an `nn.Sequential` of coarse layers and carries its own sample input as
+`mlp` and `transformer` are `nn.Sequential`s of coarse layers; `resnet` and `unet` are plain
+modules with skip connections, whose graphs gpipe-plan captures. Each carries its sample input as
 `model.example_input` and its loss as `model.example_loss`, so `gpipe-plan profile
 example:transformer` needs neither `--input-shape` nor `--loss`.
 """
@@ -85,4 +86,122 @@ def transformer(
     return model
 
 
-EXAMPLES: dict[str, Callable[[], nn.Module]] = {"mlp": mlp, "transformer": transformer}
+class BasicBlock(nn.Module):
+    """Two 3x3 convolutions with batch norm and a residual; a strided 1x1 projection where the
+    shape changes."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.project = (
+            nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+            if stride != 1 or c_in != c_out
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.bn1(self.conv1(x)))
+        h = self.bn2(self.conv2(h))
+        return torch.relu(h + (x if self.project is None else self.project(x)))
+
+
+class ResNet(nn.Module):
+    """A small residual net: a stem, stages of BasicBlocks (doubling width, halving size), a
+    pooled linear head. Not an nn.Sequential: gpipe-plan captures its graph."""
+
+    def __init__(self, widths: tuple[int, ...], blocks: int, classes: int) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU()
+        )
+        layers: list[nn.Module] = []
+        c = widths[0]
+        for k, w in enumerate(widths):
+            for j in range(blocks):
+                layers.append(BasicBlock(c, w, 2 if j == 0 and k > 0 else 1))
+                c = w
+        self.blocks = nn.ModuleList(layers)
+        self.head = nn.Linear(c, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(dim=(2, 3)))
+
+
+def resnet(
+    widths: tuple[int, ...] = (16, 32, 64),
+    blocks: int = 2,
+    size: int = 32,
+    classes: int = 10,
+    batch: int = 8,
+    seed: int = 0,
+) -> nn.Module:
+    """A residual conv net with batch norm, for 3 x `size` x `size` images and `classes` classes."""
+    torch.manual_seed(seed)
+    model = ResNet(widths, blocks, classes)
+    model.example_input = torch.randn(batch, 3, size, size)  # type: ignore[assignment]
+    model.example_loss = "cross_entropy"  # type: ignore[assignment]
+    return model
+
+
+def _double_conv(c_in: int, c_out: int) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(c_in, c_out, 3, padding=1), nn.ReLU(), nn.Conv2d(c_out, c_out, 3, padding=1),
+        nn.ReLU(),
+    )  # fmt: skip
+
+
+class UNet(nn.Module):
+    """Encoder, bottleneck, decoder; each decoder level concatenates the encoder's features of
+    its size (the long skips that cross every cut between them)."""
+
+    def __init__(self, channels: int, width: int, depth: int) -> None:
+        super().__init__()
+        widths = [width * 2**k for k in range(depth + 1)]
+        self.down = nn.ModuleList()
+        c = channels
+        for w in widths[:-1]:
+            self.down.append(_double_conv(c, w))
+            c = w
+        self.bottom = _double_conv(widths[-2], widths[-1])
+        self.up = nn.ModuleList()
+        self.merge = nn.ModuleList()
+        for w in reversed(widths[:-1]):
+            self.up.append(nn.ConvTranspose2d(2 * w, w, 2, stride=2))
+            self.merge.append(_double_conv(2 * w, w))
+        self.out = nn.Conv2d(widths[0], channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        skips = []
+        for down in self.down:
+            x = down(x)
+            skips.append(x)
+            x = nn.functional.max_pool2d(x, 2)
+        x = self.bottom(x)
+        for up, merge in zip(self.up, self.merge):
+            x = merge(torch.cat([up(x), skips.pop()], dim=1))
+        return self.out(x)
+
+
+def unet(
+    channels: int = 3, width: int = 8, depth: int = 3, size: int = 32, batch: int = 8, seed: int = 0
+) -> nn.Module:
+    """A U-Net that maps 3 x `size` x `size` images to the same shape (an mse loss)."""
+    torch.manual_seed(seed)
+    model = UNet(channels, width, depth)
+    model.example_input = torch.randn(batch, channels, size, size)  # type: ignore[assignment]
+    model.example_loss = "mse"  # type: ignore[assignment]
+    return model
+
+
+EXAMPLES: dict[str, Callable[[], nn.Module]] = {
+    "mlp": mlp,
+    "transformer": transformer,
+    "resnet": resnet,
+    "unet": unet,
+}

@@ -25,7 +25,7 @@ from .artifact import InputError
 from .limits import MAX_BATCH, MAX_LAYERS, ArgumentError, real, whole
 from .losses import LossFn, LossLayer, resolve_loss
 from .memtrack import owned_by, trace_allocations
-from .models import check_allocation, model_digest
+from .models import as_layers, check_allocation, model_digest
 from .timing import time_layers
 from .types import PER_SIZE, LayerProfile, OptimizerStep, Profile, ProfileMeta
 
@@ -53,11 +53,11 @@ def profile_model(
     "cross_entropy", "pkg.mod:fn" or a callable(output, target); None takes the model's own
     `example_loss` if it has one. `threads`: intra-op threads while measuring (as the pipeline
     will run: one per rank under torchrun on CPU)."""
-    if not isinstance(model, nn.Sequential):
-        raise InputError(
-            f"{type(model).__name__} is not an nn.Sequential: gpipe-plan partitions a sequence of "
-            "layers; wrap yours in nn.Sequential (graph models are not supported yet)"
-        )
+    if not isinstance(sample, torch.Tensor) or sample.dim() < 1 or sample.shape[0] < 1:
+        raise ArgumentError("sample", type(sample).__name__, "expected a tensor, batch first")
+    if not isinstance(model, nn.Module):
+        raise ArgumentError("model", type(model).__name__, "expected a torch nn.Module")
+    model = as_layers(model, sample)
     if len(model) == 0:
         raise InputError("the model has no layers")
     if len(model) > MAX_LAYERS:
@@ -69,8 +69,6 @@ def profile_model(
     if threads is not None:
         whole(threads, "threads", 1, 1024)
     dev = _device(device)
-    if not isinstance(sample, torch.Tensor) or sample.dim() < 1 or sample.shape[0] < 1:
-        raise ArgumentError("sample", type(sample).__name__, "expected a tensor, batch first")
     if batch_sizes is not None:
         if not isinstance(batch_sizes, list | tuple) or not 1 <= len(batch_sizes) <= 64:
             raise ArgumentError("batch_sizes", batch_sizes, "expected a list of 1 to 64 sizes")
@@ -116,10 +114,19 @@ def profile_model(
             buffer_bytes=sum(t.numel() * t.element_size() for t in layer.buffers()),
             output_shape=first[i]["output_shape"],
             output_bytes=first[i]["output_bytes"] // sizes[0],
+            crossing=list(getattr(layer, "crossing", [])),
             **{f: {b: r[f] for b, r in rows.items()} for f in PER_SIZE},
         )
 
-    out = [entry(i, layer, str(i), type(layer).__name__) for i, layer in enumerate(layers)]
+    out = [
+        entry(
+            i,
+            layer,
+            getattr(layer, "unit", str(i)),
+            getattr(layer, "unit_type", type(layer).__name__),
+        )
+        for i, layer in enumerate(layers)
+    ]
     loss_entry = None
     if loss is not None:
         loss_entry = entry(len(layers), nn.Module(), "loss", loss.name)
@@ -136,6 +143,7 @@ def profile_model(
         layers=out,
         loss=loss_entry,
         optimizer_step=_optimizer_steps(model, dev),
+        captured=bool(getattr(model, "captured", False)),
         meta=ProfileMeta(
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             torch_version=torch.__version__,

@@ -111,6 +111,30 @@ def sample_input(
     return torch.randn(*input_shape, dtype=dtype)
 
 
+def as_layers(model: nn.Module, sample: torch.Tensor) -> nn.Sequential:
+    """The model as a sequence of layers: an nn.Sequential as it is, any other module with its
+    graph captured on `sample` (profiler/graph.py)."""
+    if isinstance(model, nn.Sequential):
+        return model
+    from .graph import CaptureError, capture
+
+    try:
+        return capture(model, sample)
+    except CaptureError as e:
+        raise InputError(str(e)) from None
+
+
+def capture_sample(model: nn.Module, input_shape: list[int], dtype: str) -> torch.Tensor:
+    """Two samples of the planned input, to capture the graph with as the profile did."""
+    example = getattr(model, "example_input", None)
+    if isinstance(example, torch.Tensor) and list(example.shape[1:]) == list(input_shape):
+        return example[:2] if example.shape[0] >= 2 else torch.cat([example, example])
+    kind = DTYPES.get(dtype) or getattr(torch, dtype)
+    if kind.is_floating_point:
+        return torch.randn(2, *input_shape, dtype=kind)
+    return torch.zeros(2, *input_shape, dtype=kind)
+
+
 def check_allocation(nbytes: int, device: torch.device, what: str) -> None:
     """Refuse at once a tensor larger than the device's whole memory (a typo in a shape or a
     batch size), instead of waiting for the allocator, or the kernel's OOM killer, to say so."""

@@ -59,6 +59,11 @@ class LayerProfile(BaseModel):
         description="per sample, one shape per output tensor"
     )
     output_bytes: Bytes = Field(description="per sample: what crosses a cut after this layer")
+    crossing: list[Text] = Field(
+        default_factory=list,
+        description="a captured graph's layer: the values that cross the cut after it (the "
+        "graph's node names: its output, and every skip that spans the cut)",
+    )
     forward_ms: dict[int, Timing]
     backward_ms: dict[int, Timing]
     backward_input_ms: dict[int, Timing] = Field(
@@ -127,6 +132,11 @@ class Profile(Artifact):
     )
     optimizer_step: dict[str, OptimizerStep] = Field(
         default_factory=dict, description="per optimizer (sgd, momentum, adam)"
+    )
+    captured: bool = Field(
+        default=False,
+        description="the model is not an nn.Sequential: its graph was captured (torch.export) "
+        "and its layers are runs of the graph's operations (profiler/graph.py)",
     )
     meta: ProfileMeta = ProfileMeta()
 

@@ -226,7 +226,7 @@ def test_factory_that_raises_and_one_that_returns_junk(run_cli, tmp_path):
     r = run_cli("profile", f"{src}:junk", "--input-shape", "2,4", "-o", out)
     assert_bad_input(r, mentions="returned int, not a torch nn.Module", no_file=out)
     r = run_cli("profile", f"{src}:graph", "--input-shape", "2,4", "-o", out)
-    assert_bad_input(r, mentions="not an nn.Sequential", no_file=out)
+    assert_bad_input(r, mentions="calls Transformer(x) with one input tensor", no_file=out)
 
 
 def test_importing_a_model_file_that_raises(run_cli, tmp_path):

@@ -123,9 +123,15 @@ def test_transformer_profile_has_every_layer_and_size():
     assert prof.layers[-1].output_bytes == 16 * 512 * F32
 
 
-def test_non_sequential_model_is_refused_with_a_hint():
-    with pytest.raises(InputError, match="not an nn.Sequential.*graph models"):
-        quick(TinyAttention(4), torch.randn(1, 2, 4), [1])
+def test_a_module_that_is_not_sequential_is_captured_as_a_graph():
+    prof = quick(TinyAttention(4), torch.randn(1, 2, 4), [1])
+    assert prof.captured
+    assert [x.name for x in prof.layers] == ["q", "k", "v"]
+    # after q: the input (k and v still need it) and q; after k: the input, q and k; after v:
+    # the output (the attention itself runs in the model's own forward, joined to v)
+    assert [len(x.crossing) for x in prof.layers] == [2, 3, 1]
+    assert prof.layers[0].crossing[0] == prof.layers[1].crossing[0] == "x"
+    assert [x.output_bytes for x in prof.layers] == [2 * 8 * F32, 3 * 8 * F32, 8 * F32]
 
 
 def test_rejected_input_names_the_layer():

@@ -1,0 +1,393 @@
+"""Any model as a sequence of layers: capture its graph with torch.export, group the graph's
+nodes into layers (one per call of a module that is not a mere container, with the loose
+operations between calls joining the call before them), and make each layer a module that takes
+every value live across the cut before it and returns every value live across the cut after it.
+
+    model (any nn.Module, one tensor input)  ->  CapturedModel (an nn.Sequential of GraphLayer)
+
+The rest of gpipe-plan then sees an nn.Sequential whose layers pass tuples: a skip connection
+is one more tensor crossing each cut it spans, so profiling, planning, schedules and both
+compiled targets work unchanged. What crosses a cut: tensors (integer ones without gradients)
+and sizes (a symbolic batch size travels as a 0-dim int64 tensor). A cut where anything else
+would cross (a tuple, a list) is not offered: its two layers become one.
+
+Self-contained on purpose (torch only): emitted pipeline programs inline this file, so that they
+capture the model exactly as the profile did.
+"""
+
+from __future__ import annotations  # emit: drop
+
+import contextlib
+import copy
+import io
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+
+
+class CaptureError(ValueError):
+    """The model's graph cannot be captured or cut; the message says where and what to do."""
+
+
+class GraphLayer(nn.Module):
+    """A run of the captured graph: the values live before it in, the values live after it out
+    (one tensor as itself, several as a tuple). `unit` and `unit_type` name the module it runs."""
+
+    captured_layer = True  # codegen/_numerics.py `replaying` restores its buffers after a replay
+
+    def __init__(
+        self, gm: fx.GraphModule, unit: str, unit_type: str, crossing: list[str], out_spec: Any
+    ) -> None:
+        super().__init__()
+        self.gm = gm
+        self.unit = unit
+        self.unit_type = unit_type
+        self.crossing = crossing  # names of the values it returns
+        self.out_spec = out_spec  # the last layer: how the model's own output is shaped
+
+    def forward(self, x: Any) -> Any:
+        gm = self.gm
+        if not self.training:
+            if "gm_eval" not in self.__dict__:
+                self.__dict__["gm_eval"] = _for_eval(self.gm)  # not a submodule: same weights
+            gm = self.__dict__["gm_eval"]
+        out = gm(*(x if isinstance(x, tuple) else (x,)))
+        if self.out_spec is not None:
+            return torch.utils._pytree.tree_unflatten(list(out), self.out_spec)
+        return out[0] if len(out) == 1 else tuple(out)
+
+
+# The graph is captured in training mode; in eval mode these run as they would in the module.
+_TRAINING_ARG = {
+    torch.ops.aten.batch_norm.default: 5,
+    torch.ops.aten.dropout.default: 2,
+    torch.ops.aten.feature_dropout.default: 2,
+    torch.ops.aten.alpha_dropout.default: 2,
+}
+
+
+def _for_eval(gm: fx.GraphModule) -> fx.GraphModule:
+    """The same layer as evaluation runs it: batch norm on its running statistics (which it
+    leaves alone), no dropout."""
+    g = copy.deepcopy(gm.graph)
+    for n in list(g.nodes):
+        k = _TRAINING_ARG.get(n.target)  # type: ignore[arg-type]
+        if k is not None and len(n.args) > k:
+            n.args = (*n.args[:k], False, *n.args[k + 1 :])
+        elif n.target is torch.ops.aten.add_.Tensor and not n.users:
+            first = n.args[0]
+            if isinstance(first, fx.Node) and str(first.target).endswith("num_batches_tracked"):
+                g.erase_node(n)
+    return fx.GraphModule(gm, g)
+
+
+class CapturedModel(nn.Sequential):
+    """The model's graph as layers. Its parameters and buffers are the model's own objects."""
+
+    captured = True
+
+
+def capture(model: nn.Module, sample: torch.Tensor) -> CapturedModel:
+    """`model`'s graph (exported on `sample`, batch dimension left free) as a CapturedModel whose
+    output equals model(x) for any batch size."""
+    gm, out_spec = _export(model, sample)
+    runs = _runs(gm, model)
+    while True:
+        layers, bad = _layers(gm, runs, model, out_spec)
+        if bad is None:
+            break
+        runs[bad - 1] = (runs[bad - 1][0], runs[bad - 1][1] + runs[bad][1])
+        del runs[bad]
+    captured = CapturedModel(*layers)
+    for attr in ("example_input", "example_loss"):
+        if hasattr(model, attr):
+            setattr(captured, attr, getattr(model, attr))
+    return captured
+
+
+def _export(model: nn.Module, sample: torch.Tensor) -> tuple[fx.GraphModule, Any]:
+    if not isinstance(sample, torch.Tensor) or sample.dim() < 1:
+        raise CaptureError("capturing a graph needs a sample input tensor, batch first")
+    if sample.shape[0] < 2:  # a batch of one would fix the batch size into the graph
+        sample = torch.cat([sample, sample])
+    was = model.training
+    model.train()
+    try:
+        with _quiet():
+            ep = torch.export.export(
+                model, (sample,), dynamic_shapes=({0: torch.export.Dim.AUTO},), strict=False
+            )
+    except Exception as e:  # whatever export raises: one line, with where it stopped
+        raise CaptureError(_why(model, e)) from None
+    finally:
+        model.train(was)
+    gm = ep.module()
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(inputs) != 1:
+        raise CaptureError(
+            f"{type(model).__name__}.forward takes {len(inputs)} tensors; gpipe-plan pipelines "
+            "models with one tensor input (wrap the others into the model, or pass them as one)"
+        )
+    spec = ep.call_spec.out_spec
+    return gm, (None if spec is not None and spec.is_leaf() else spec)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """torch.export logs warnings and graph listings while it works: keep them off the user's
+    terminal (a failure is reported in one line instead)."""
+    logger = logging.getLogger("torch")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    sink = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(sink), contextlib.redirect_stderr(sink):
+            yield
+    finally:
+        logger.setLevel(level)
+
+
+def _why(model: nn.Module, e: Exception) -> str:
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    where = next((ln for ln in lines if ln.startswith("File ") and "torch/" not in ln), "")
+    head = lines[0] if lines else type(e).__name__
+    if len(head) > 200:
+        head = head[:200] + "..."
+    name = type(model).__name__
+    if "data-dependent" in str(e) or "DataDependent" in type(e).__name__:
+        hint = (
+            "make forward free of control flow that depends on tensor values (torch.cond), or "
+            "pass an nn.Sequential"
+        )
+    elif isinstance(e, TypeError) and "argument" in head:
+        hint = f"gpipe-plan calls {name}(x) with one input tensor; give the others defaults"
+    else:
+        hint = "capture needs a forward that torch.export can trace, or pass an nn.Sequential"
+    at = f"; at {where}" if where else ""
+    return f"cannot capture the graph of {name} with torch.export ({type(e).__name__}: {head}{at}); {hint}"
+
+
+def _unit(node: fx.Node, model: nn.Module) -> tuple[str, str] | None:
+    """The module call a node belongs to: the outermost module on its stack that is neither
+    the model itself nor a container (Sequential, ModuleList, ModuleDict)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    for path, _type in stack.values():
+        if not path:
+            continue
+        try:
+            mod = model.get_submodule(path)
+        except AttributeError:
+            return None
+        if not isinstance(mod, _CONTAINERS):
+            return path, type(mod).__name__
+    return None
+
+
+Run = tuple[tuple[str, str] | None, list[fx.Node]]
+
+
+def _runs(gm: fx.GraphModule, model: nn.Module) -> list[Run]:
+    """The graph's operations in order, cut into runs of one module call each; operations of no
+    module (the model's own forward) join the run before them (the first run, at the start)."""
+    runs: list[Run] = []
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output", "get_attr"):
+            continue
+        if n.op == "call_module":  # export's input guard: nothing the pipeline needs
+            continue
+        u = _unit(n, model)
+        if not runs:
+            runs.append((u, [n]))
+        elif u is None or u == runs[-1][0]:
+            runs[-1][1].append(n)
+        elif runs[-1][0] is None:
+            runs[-1] = (u, runs[-1][1] + [n])
+        else:
+            runs.append((u, [n]))
+    if not runs:
+        raise CaptureError(f"{type(model).__name__}'s graph has no operations")
+    return runs
+
+
+def _kind(node: fx.Node) -> str:
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return "tensor"
+    if isinstance(val, torch.SymInt | int):
+        return "size"
+    return "other"
+
+
+def _constant(node: fx.Node, memo: dict[fx.Node, bool]) -> bool:
+    """A value computed from parameters and literals alone, by pure operations: each layer that
+    needs it computes it again rather than receive it."""
+    if node not in memo:
+        if node.op == "get_attr":
+            memo[node] = True
+        elif node.op != "call_function" or node.is_impure():
+            memo[node] = False
+        else:
+            memo[node] = all(_constant(a, memo) for a in node.all_input_nodes)
+    return memo[node]
+
+
+def _layers(
+    gm: fx.GraphModule, runs: list[Run], model: nn.Module, out_spec: Any
+) -> tuple[list[GraphLayer], int | None]:
+    """One GraphLayer per run; or the index of the first cut where a value that is neither a
+    tensor nor a size would cross (the caller merges its two runs and tries again)."""
+    where: dict[fx.Node, int] = {}
+    for k, (_, nodes) in enumerate(runs):
+        for n in nodes:
+            where[n] = k
+    memo: dict[fx.Node, bool] = {}
+    L = len(runs)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(output.args[0]) if isinstance(output.args[0], list | tuple) else [output.args[0]]
+    outs = [n for n in outs if isinstance(n, fx.Node)]
+    values = [
+        n
+        for n in gm.graph.nodes
+        if (n.op == "placeholder" or n in where) and not _constant(n, memo)
+    ]
+    born = {n: where.get(n, -1) for n in values}
+    uses = {n: sorted({where[u] for u in n.users if u in where} | ({L} if n in outs else set()))
+            for n in values}  # fmt: skip
+    # Tensors (and anything else) cross every cut from where they are made to their last use.
+    live: list[list[fx.Node]] = [[] for _ in range(L + 1)]
+    for n in values:
+        if _kind(n) != "size":
+            for c in range(born[n] + 1, max(uses[n], default=-1) + 1):
+                live[c].append(n)
+    # Sizes cross only up to the last layer that cannot compute them from its own inputs.
+    dims = [_dims(live[c]) for c in range(L + 1)]
+    size_memo: dict[tuple[fx.Node, int], bool] = {}
+    for n in values:
+        if _kind(n) == "size":
+            need = [k for k in uses[n] if k > born[n] and not _derivable(n, dims[k], size_memo, k)]
+            for c in range(born[n] + 1, max(need, default=-1) + 1):
+                live[c].append(n)
+    live[L] = outs
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for c in range(1, L):
+        if any(_kind(n) == "other" for n in live[c]):
+            return [], c
+        live[c].sort(key=order.__getitem__)
+    attrs = _attributes(gm, model)
+    layers = []
+    for k, (unit, nodes) in enumerate(runs):
+        name, kind = unit if unit is not None else ("ops", "ops")
+        spec = out_spec if k == L - 1 else None
+        g = _subgraph(live[k], nodes, live[k + 1], memo, dims[k], size_memo, k)
+        crossing = [n.name for n in live[k + 1]]
+        layers.append(GraphLayer(fx.GraphModule(attrs, g), name, kind, crossing, spec))
+    return layers, None
+
+
+def _dims(inputs: list[fx.Node]) -> dict[str, tuple[fx.Node, int]]:
+    """Each symbolic size among these tensors' dimensions -> (a tensor, its dimension)."""
+    out: dict[str, tuple[fx.Node, int]] = {}
+    for n in inputs:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for d, size in enumerate(val.shape):
+                if isinstance(size, torch.SymInt):
+                    out.setdefault(str(size), (n, d))
+    return out
+
+
+def _derivable(
+    n: fx.Node, dims: dict[str, tuple[fx.Node, int]], memo: dict[tuple[fx.Node, int], bool], k: int
+) -> bool:
+    """Whether a layer with tensors of these sizes can compute size `n` itself: it is one of
+    their dimensions, or pure arithmetic on such sizes and literals."""
+    key = (n, k)
+    if key not in memo:
+        if str(n.meta.get("val")) in dims:
+            memo[key] = True
+        elif n.op == "call_function" and not n.is_impure() and n.all_input_nodes:
+            memo[key] = all(
+                _kind(a) == "size" and _derivable(a, dims, memo, k) for a in n.all_input_nodes
+            )
+        else:
+            memo[key] = False
+    return memo[key]
+
+
+def _attributes(gm: fx.GraphModule, model: nn.Module) -> dict[str, Any]:
+    """What the graph's get_attr nodes name: the model's own parameters and buffers (so the
+    layers train the model itself), and export's constants where the model has none."""
+    attrs: dict[str, Any] = {}
+    for n in gm.graph.nodes:
+        if n.op != "get_attr":
+            continue
+        target = str(n.target)
+        mod_path, _, leaf = target.rpartition(".")
+        try:
+            owner = model.get_submodule(mod_path) if mod_path else model
+            attrs[target] = getattr(owner, leaf)
+        except AttributeError:
+            obj: Any = gm
+            for part in target.split("."):
+                obj = getattr(obj, part)
+            attrs[target] = obj
+    return attrs
+
+
+def _as_size(t: torch.Tensor) -> int:
+    return int(t.item())
+
+
+def _as_tensor(n: int) -> torch.Tensor:
+    return torch.tensor(int(n), dtype=torch.int64)
+
+
+def _subgraph(
+    inputs: list[fx.Node],
+    nodes: list[fx.Node],
+    outputs: list[fx.Node],
+    memo: dict[fx.Node, bool],
+    dims: dict[str, tuple[fx.Node, int]],
+    size_memo: dict[tuple[fx.Node, int], bool],
+    k: int,
+) -> fx.Graph:
+    g = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in inputs:
+        p = g.placeholder(n.name)
+        p.meta = dict(n.meta)
+        env[n] = g.call_function(_as_size, (p,)) if _kind(n) == "size" else p
+
+    def need(a: fx.Node) -> fx.Node:
+        if a not in env:
+            if a.op == "get_attr":
+                env[a] = g.get_attr(str(a.target))
+            elif _kind(a) == "size" and str(a.meta.get("val")) in dims:
+                t, d = dims[str(a.meta.get("val"))]
+                env[a] = g.call_function(torch.ops.aten.sym_size.int, (env[t], d))
+            elif _constant(a, memo) or (_kind(a) == "size" and _derivable(a, dims, size_memo, k)):
+                for b in a.all_input_nodes:
+                    need(b)
+                env[a] = g.node_copy(a, lambda b: env[b])
+            else:
+                raise CaptureError(f"value {a.name} is used before the layer that needs it")
+        return env[a]
+
+    for n in nodes:
+        for a in n.all_input_nodes:
+            need(a)
+        env[n] = g.node_copy(n, lambda b: env[b])
+    result = []
+    for n in outputs:
+        v = need(n)
+        result.append(g.call_function(_as_tensor, (v,)) if _kind(n) == "size" else v)
+    g.output(tuple(result))
+    return g
+
+
+__all__ = ["CaptureError", "CapturedModel", "GraphLayer", "capture"]

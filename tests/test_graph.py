@@ -1,0 +1,179 @@
+"""Models that are not nn.Sequential: graph capture, layers, crossing tensors, and pipelines
+whose gradients equal the un-pipelined model's."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from codegen.emit import emit_program
+from codegen.pipe import compile_pipe
+from planner import Cluster, plan_pipeline
+from profiler.artifact import InputError
+from profiler.examples import resnet, unet
+from profiler.graph import CapturedModel, capture
+from profiler.measure import profile_model
+from profiler.models import as_layers
+
+F32 = 4
+
+
+class SizeUser(nn.Module):
+    """Reads the batch size in the last layer: a size that must reach it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        h = self.b(torch.relu(self.a(x)))
+        return h.view(n, 2, 3).sum(-1)
+
+
+class Branchy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return h * 2 if h.sum() > 0 else h
+
+
+@pytest.fixture(scope="module")
+def captured_unet() -> tuple[nn.Module, CapturedModel]:
+    model = unet(width=4, depth=2, size=8)
+    return model, capture(model, model.example_input)
+
+
+@pytest.mark.parametrize("make", [resnet, unet, SizeUser])
+def test_captured_model_computes_the_model_at_every_batch_size(make):
+    model = make()
+    x = getattr(model, "example_input", torch.randn(4, 6))
+    layers = capture(model, x)
+    assert isinstance(layers, nn.Sequential) and len(layers) >= 2
+    # the model's own parameters, each once
+    assert {id(p) for p in layers.parameters()} == {id(p) for p in model.parameters()}
+    model.eval(), layers.eval()
+    for n in (1, 3, 5):
+        xs = torch.cat([x] * 3)[:n]
+        torch.testing.assert_close(layers(xs), model(xs), rtol=0, atol=0)
+
+
+def test_unet_crossing_bytes_equal_a_hand_count(captured_unet):
+    """width 4, depth 2, 3 x 8 x 8 input. Encoder level k: double conv at width 4 * 2^k on a
+    (8 / 2^k)^2 map, its output kept as the skip, then max-pooled."""
+    model, layers = captured_unet
+    names = [layer.unit for layer in layers]
+    assert names[:8] == [f"down.{k}.{j}" for k in range(2) for j in range(4)]
+    skip0 = 4 * 8 * 8 * F32  # down.0's output: 4 channels on 8 x 8
+    skip1 = 8 * 4 * 4 * F32  # down.1's output: 8 channels on 4 x 4
+
+    prof = profile_model(model, model.example_input, batch_sizes=[1], repeats=1, warmup=0,
+                         progress=False)  # fmt: skip
+    per = {x.name: x.output_bytes for x in prof.layers}
+    assert per["down.0.0"] == 4 * 8 * 8 * F32  # the conv's output only: nothing else is live
+    assert per["down.0.3"] == skip0 + 4 * 4 * 4 * F32  # the skip and its pooled copy
+    assert per["down.1.0"] == skip0 + 8 * 4 * 4 * F32
+    assert per["down.1.3"] == skip0 + skip1 + 8 * 2 * 2 * F32
+    assert per["bottom.3"] == skip0 + skip1 + 16 * 2 * 2 * F32
+    assert per["up.0"] == skip0 + 16 * 4 * 4 * F32  # skip1 is inside the concatenation now
+    assert per["merge.0.3"] == skip0 + 8 * 4 * 4 * F32
+    assert per["up.1"] == 8 * 8 * 8 * F32  # the last concatenation: every skip used
+    assert per["out"] == 3 * 8 * 8 * F32
+    assert prof.captured and len(prof.layers[names.index("down.1.0")].crossing) == 2
+
+
+def test_a_size_crosses_as_a_tensor_only_where_no_input_carries_it():
+    layers = capture(SizeUser(), torch.randn(4, 6))
+    # the batch size is a dimension of every tensor that crosses: it never needs to travel
+    assert all(len(layer.crossing) == 1 for layer in layers)
+
+
+def test_data_dependent_control_flow_is_refused_with_the_line():
+    with pytest.raises(InputError) as e:
+        as_layers(Branchy(), torch.randn(4, 4))
+    msg = str(e.value)
+    assert "cannot capture the graph of Branchy" in msg and "test_graph.py" in msg
+    assert "torch.cond" in msg and "\n" not in msg
+
+
+def _plan(prof, schedule, recompute, K=2, M=4):
+    return plan_pipeline(
+        prof, Cluster.uniform(K, "1GiB"), 8, microbatches=M, schedule=schedule, recompute=recompute
+    )
+
+
+def _reference_step(model, x, y, loss_fn, M):
+    """The un-pipelined model over the same micro-batches (batch norm sees each micro-batch)."""
+    total = sum(
+        loss_fn(model(a), b) * len(a) / len(x) for a, b in zip(x.tensor_split(M), y.tensor_split(M))
+    )
+    total.backward()
+    return total
+
+
+@pytest.mark.parametrize("make", [resnet, unet])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_graph_pipeline_gradients_equal_the_model(make, schedule, recompute):
+    model = make(size=8) if make is unet else make(widths=(4, 8), blocks=1, size=8)
+    x = model.example_input
+    layers = capture(model, x)
+    prof = profile_model(layers, x, batch_sizes=[2], repeats=1, warmup=0, progress=False)
+    K = 3 if schedule == "gpipe" else 2
+    plan = _plan(prof, schedule, recompute, K=K)
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(layers, plan)
+    if make is resnet:
+        y, loss_fn = torch.randint(0, 10, (8,)), nn.functional.cross_entropy
+    else:
+        y, loss_fn = torch.randn_like(x), nn.functional.mse_loss
+    loss = pipe.train_step(x, y, loss_fn)
+    want = _reference_step(ref, x, y, loss_fn, plan.microbatches)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    # batch norm's running statistics moved once per micro-batch, recomputation or not
+    for b, c in zip(model.buffers(), ref.buffers()):
+        torch.testing.assert_close(b, c)
+
+
+def test_compile_pipe_captures_the_users_own_model(captured_unet):
+    model, layers = captured_unet
+    prof = profile_model(layers, model.example_input, batch_sizes=[2], repeats=1, warmup=0,
+                         progress=False)  # fmt: skip
+    plan = _plan(prof, "1f1b", "never")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(model, plan)  # the plain module: captured again, same layers
+    owned = {id(p) for st in pipe.stages for p in st.parameters()}
+    assert owned == {id(p) for p in model.parameters()}
+    with pytest.raises(Exception, match="deferred_batch_norm"):
+        compile_pipe(model, plan, ["cpu", "cpu"], deferred_batch_norm=True)
+
+
+def test_emitted_program_captures_and_runs(tmp_path):
+    model = unet()  # as the program builds it: example:unet
+    prof = profile_model(model, model.example_input, batch_sizes=[2], repeats=1, warmup=0,
+                         progress=False, model_spec="example:unet")  # fmt: skip
+    plan = _plan(prof, "1f1b", "always")
+    assert plan.captured
+    src = emit_program(plan, model="example:unet")
+    assert "def capture(" in src and "class GraphLayer" in src
+    path = tmp_path / "prog.py"
+    path.write_text(src)
+    run = subprocess.run([sys.executable, str(path), "--device", "cpu"], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "one 1f1b step" in run.stdout
