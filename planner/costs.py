@@ -134,7 +134,9 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
     # Zero bubble keeps, from I to W, the gradient of every layer output inside a stage and of
     # the stage's own output; the last model layer's output gradient comes from the loss, which
     # W runs again, so it is not kept (nor is the loss's).
-    zgrad = boundary[1 : n + 1].copy()
+    # A skip handed on unchanged is one tensor, and so is its gradient: kept where it is made.
+    passed = table.fixed("passed_bytes") * mb
+    zgrad = np.maximum(boundary[1 : n + 1] - (-(-passed // unit) * unit), 0)
     zgrad[L - 1 :] = 0
     grad_in = boundary[:n].copy()
     grad_in[0] = 0  # the model's input needs no gradient

@@ -115,6 +115,7 @@ def profile_model(
             output_shape=first[i]["output_shape"],
             output_bytes=first[i]["output_bytes"] // sizes[0],
             crossing=list(getattr(layer, "crossing", [])),
+            passed_bytes=first[i]["passed_bytes"] // sizes[0],
             **{f: {b: r[f] for b, r in rows.items()} for f in PER_SIZE},
         )
 
@@ -170,12 +171,19 @@ def _measure_size(
     then all the timings together."""
     rows, inputs, measured = [], [], list(layers)
     prev_saved: dict[int, torch.Tensor] = {}
+    # Storages that some earlier layer saves and that still cross the cut: a captured graph's
+    # skip, passed from layer to layer, is already counted where it was saved.
+    saved_before: set[int] = set()
     for i, layer in enumerate(layers):
         inp = _detach(x, requires_grad=i > 0)  # the model's own input needs no gradient
         # zero bubble keeps each layer's output gradient from I to W, but not the last one's:
         # that comes from the loss, which W runs again
         kept = "both" if i < len(layers) - 1 else "input"
-        row, x, prev_saved = _memory(i, layer, inp, dev, model_storages, prev_saved, kept)
+        row, x, saved = _memory(i, layer, inp, dev, model_storages, prev_saved, kept, saved_before)
+        saved_before = {
+            ptr for ptr in map(_storage, _tensors(x)) if ptr in saved_before or ptr in saved
+        }
+        prev_saved = saved
         rows.append(row)
         inputs.append(inp)
         tick()
@@ -189,7 +197,9 @@ def _measure_size(
             ) from None
         loss_layer = LossLayer(loss, target)
         inp = _detach(x, requires_grad=True)
-        row, _, _ = _memory(len(layers), loss_layer, inp, dev, model_storages, prev_saved, "loss")
+        row, _, _ = _memory(
+            len(layers), loss_layer, inp, dev, model_storages, prev_saved, "loss", saved_before
+        )
         rows.append(row)
         inputs.append(inp)
         measured.append(loss_layer)
@@ -223,6 +233,7 @@ def _memory(
     model_storages: set[int],
     prev_saved: dict[int, torch.Tensor],
     kept: str,
+    saved_before: set[int] = frozenset(),  # type: ignore[assignment]
 ) -> tuple[dict[str, Any], Value, dict[int, torch.Tensor]]:
     """What layer i saves, shares with layer i - 1, saves of its own input, and allocates
     beyond that while it runs; and its output (the next layer's input)."""
@@ -262,10 +273,11 @@ def _memory(
     in_bytes = {ptr: _alloc(t.untyped_storage().nbytes(), dev) for ptr, t in in_ptrs.items()}
     # Inside a stage, the layer's input stays alive while its forward runs; where neither this
     # layer nor the previous one saves it, the stage does not count it among its saved tensors.
-    unsaved_in = sum(n for ptr, n in in_bytes.items() if ptr not in saved and ptr not in prev_saved)
+    earlier = prev_saved.keys() | saved_before
+    unsaved_in = sum(n for ptr, n in in_bytes.items() if ptr not in saved and ptr not in earlier)
     row = {
         "saved_bytes": sum(nbytes.values()),
-        "shared_bytes": sum(n for ptr, n in nbytes.items() if ptr in prev_saved),
+        "shared_bytes": sum(n for ptr, n in nbytes.items() if ptr in earlier),
         "input_saved_bytes": sum(n for ptr, n in nbytes.items() if ptr in in_ptrs),
         "forward_transient_bytes": extra["forward"],
         "backward_transient_bytes": extra["backward"],
@@ -276,8 +288,17 @@ def _memory(
         "output_shape": [list(t.shape[1:]) for t in _tensors(out)],
         # per micro-batch as computed; the planner rounds what crosses a cut at its own size
         "output_bytes": sum(t.numel() * t.element_size() for t in _tensors(out)),
+        "passed_bytes": sum(
+            t.numel() * t.element_size()
+            for t in _tensors(out)
+            if any(t is u for u in _tensors(inp))
+        ),
     }
     return row, _detach(out, requires_grad=False), saved
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 def _transient(layer: nn.Module, inp: Value, dev: torch.device, kept: str) -> dict[str, int]:
@@ -294,10 +315,16 @@ def _transient(layer: nn.Module, inp: Value, dev: torch.device, kept: str) -> di
     for p in params:
         p.grad = torch.zeros_like(p)
     wrt = [t for t in _tensors(inp) if t.requires_grad]
+    ins = {id(t) for t in _tensors(inp)}
+    # A captured graph's layer hands a skip on unchanged: its gradient passes through as well,
+    # one tensor alive while this layer's backward runs, not one made here and one taken in.
+    passed = [t for t in _tensors(layer(inp)) if id(t) in ins and t.requires_grad]
+    passed_grad = sum(_alloc(t.numel() * t.element_size(), dev) for t in passed)
+    used = [t for t in wrt if not any(t is u for u in passed)]
 
     def forward() -> tuple[list[Any], list[tuple[torch.Size, torch.dtype]]]:
         out = layer(inp)
-        roots = [t for t in _tensors(out) if t.requires_grad]
+        roots = [t for t in _tensors(out) if t.requires_grad and id(t) not in ins]
         return [get_gradient_edge(t) for t in roots], [(t.shape, t.dtype) for t in roots]
 
     def ones(like: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
@@ -314,8 +341,10 @@ def _transient(layer: nn.Module, inp: Value, dev: torch.device, kept: str) -> di
         with owned_by("forward2"):
             edges, like = forward()
         with owned_by("input"):
-            if edges and wrt:
-                got = torch.autograd.grad(edges, wrt, ones(like), retain_graph=True)
+            if edges and used:
+                got = torch.autograd.grad(
+                    edges, used, ones(like), retain_graph=True, allow_unused=True
+                )
                 del got
         with owned_by("weight"):
             if edges and params:
@@ -323,7 +352,7 @@ def _transient(layer: nn.Module, inp: Value, dev: torch.device, kept: str) -> di
         del edges
     out_kept = sum(_alloc(shape.numel() * dtype.itemsize, dev) for shape, dtype in like)
     out_kept *= kept == "both"
-    in_kept = sum(_alloc(t.numel() * t.element_size(), dev) for t in wrt) * (kept != "loss")
+    in_kept = sum(_alloc(t.numel() * t.element_size(), dev) for t in used) * (kept != "loss")
     where = _device_key(dev)
     steps = trace.levels(lambda owner, device: "all" if device == where else None).get("all", [])
     span = {name: (start, end) for start, end, name in trace.ranges}
@@ -338,9 +367,9 @@ def _transient(layer: nn.Module, inp: Value, dev: torch.device, kept: str) -> di
     kept_bytes = before("backward")  # what the forward left: its saved tensors
     return {
         "forward": max(peak("forward") - kept_bytes, 0),
-        "backward": max(peak("backward") - kept_bytes, 0),
+        "backward": max(peak("backward") - kept_bytes, 0) + passed_grad,
         "no_grad": max(peak("no_grad") - before("no_grad"), 0),
-        "input": max(peak("input") - before("input") - out_kept - in_kept, 0) if wrt else 0,
+        "input": max(peak("input") - before("input") - out_kept - in_kept, 0) if used else 0,
         "weight": (
             max(peak("weight") - before("weight") - out_kept, 0)
             if params

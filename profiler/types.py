@@ -59,6 +59,11 @@ class LayerProfile(BaseModel):
         description="per sample, one shape per output tensor"
     )
     output_bytes: Bytes = Field(description="per sample: what crosses a cut after this layer")
+    passed_bytes: Bytes = Field(
+        default=0,
+        description="per sample: the part of output_bytes that is its own input handed on "
+        "unchanged (a captured graph's skip that spans the layer)",
+    )
     crossing: list[Text] = Field(
         default_factory=list,
         description="a captured graph's layer: the values that cross the cut after it (the "
