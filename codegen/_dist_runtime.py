@@ -63,6 +63,7 @@ class DistPipelineRuntime(PipelineRuntime):
             torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         )
         self.local = {s for s, r in enumerate(self.RANKS) if r == self.rank}
+        self.ties = self._tie_groups(layers)
         self.devices = [self.device] * len(self.STAGES)
         self.stages = [
             nn.Sequential(*layers[a:b]).to(self.device) if s in self.local else nn.Sequential()
@@ -77,6 +78,27 @@ class DistPipelineRuntime(PipelineRuntime):
         self.action_log = None
         self.rng = None
         self._reset()
+
+    def _tie_groups(self, layers: list[nn.Module]) -> list[tuple[nn.Parameter, Any]]:
+        """A parameter that stages on several ranks use (tied weights): every rank holding it
+        sums its gradient with the others' at the end of the step, so all of them take the same
+        optimizer step. Each rank sees the whole model, so all agree on the groups (and create
+        them in the same order, as torch.distributed requires)."""
+        users: dict[int, tuple[nn.Parameter, set[int]]] = {}
+        for s, (a, b) in enumerate(self.STAGES):
+            for layer in layers[a:b]:
+                for p in layer.parameters():
+                    users.setdefault(id(p), (p, set()))[1].add(self.RANKS[s])
+        groups: dict[tuple[int, ...], Any] = {}
+        ties = []
+        for p, ranks in users.values():
+            if len(ranks) > 1:
+                key = tuple(sorted(ranks))
+                if key not in groups:
+                    groups[key] = dist.new_group(list(key))
+                if self.rank in ranks:
+                    ties.append((p, groups[key]))
+        return ties
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters: give them to this rank's optimizer."""
@@ -116,6 +138,10 @@ class DistPipelineRuntime(PipelineRuntime):
     def finish(self) -> torch.Tensor:
         for key in list(self.sent):
             self.release(*key)
+        for p, group in self.ties:  # tied weights: the gradient of every use, on every holder
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)
         last = len(self.STAGES) - 1
         total = torch.zeros((), device=self.device)
         if last in self.local:

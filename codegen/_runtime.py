@@ -26,6 +26,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -63,6 +64,60 @@ def _edges(v: Value) -> list[tuple[int, GradientEdge]]:
     return [(k, get_gradient_edge(t)) for k, t in enumerate(_tensors(v)) if t.requires_grad]
 
 
+Tied = list[tuple[nn.Parameter, list[nn.Parameter]]]
+
+
+def untie(stages: list[nn.Sequential], ranks: list[int]) -> Tied:
+    """Give each device but the first its own copy of a parameter that stages on several
+    devices use (tied weights, e.g. an embedding and the output head): (the model's own
+    parameter, its copies). A device's stages share one copy. The layers that use a copy are
+    themselves copies (sharing every other parameter and buffer): the model stays as it was."""
+    first: dict[int, int] = {}
+    copies: dict[tuple[int, int], nn.Parameter] = {}
+    tied: dict[int, tuple[nn.Parameter, list[nn.Parameter]]] = {}
+    for s, st in enumerate(stages):
+        for k, layer in enumerate(st):
+            memo: dict[int, Any] = {id(t): t for t in (*layer.parameters(), *layer.buffers())}
+            foreign = False
+            for p in layer.parameters():
+                if first.setdefault(id(p), ranks[s]) == ranks[s]:
+                    continue
+                c = copies.get((id(p), ranks[s]))
+                if c is None:
+                    c = copies[(id(p), ranks[s])] = nn.Parameter(
+                        p.detach().clone(), p.requires_grad
+                    )
+                    tied.setdefault(id(p), (p, []))[1].append(c)
+                memo[id(p)] = c
+                foreign = True
+            if foreign:
+                st[k] = copy.deepcopy(layer, memo)
+    return list(tied.values())
+
+
+def sync_tied(tied: Tied) -> None:
+    """Each copy takes the model's parameter as the optimizer left it."""
+    with torch.no_grad():
+        for p, copies in tied:
+            for c in copies:
+                c.copy_(p)
+
+
+def gather_tied(tied: Tied) -> None:
+    """The copies' gradients, summed into the model's parameter: as if it had been used there."""
+    with torch.no_grad():
+        for p, copies in tied:
+            for c in copies:
+                if c.grad is None:
+                    continue
+                g = c.grad.to(p.device)
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
+                c.grad = None
+
+
 def owner(s: int) -> contextlib.AbstractContextManager[Any]:
     """Allocations inside belong to stage s (see profiler/memtrack.py)."""
     return torch.profiler.record_function(f"gpipe.mem:{s}")
@@ -92,10 +147,11 @@ class PipelineRuntime:
                 f"the model has {len(layers)}"
             )
         self.devices = [torch.device(devices[r]) for r in self.RANKS]
-        # The stages hold the model's own layers (and so its own parameters), moved in place.
-        self.stages = [
-            nn.Sequential(*layers[a:b]).to(d) for (a, b), d in zip(self.STAGES, self.devices)
-        ]
+        # The stages hold the model's own layers (and so its own parameters), moved in place;
+        # a parameter that stages on several devices use (tied weights) is copied to the others.
+        stages = [nn.Sequential(*layers[a:b]) for a, b in self.STAGES]
+        self.tied = untie(stages, self.RANKS)
+        self.stages = [st.to(d) for st, d in zip(stages, self.devices)]
         self.deferred_batch_norm = deferred_batch_norm
         if deferred_batch_norm:
             for st in self.stages:
@@ -132,11 +188,13 @@ class PipelineRuntime:
         self.batch = list(torch.tensor_split(x, M))  # views: each stage copies what it uses
         self.targets = _split_target(y, M)
         self.weights = [c.shape[0] / n for c in self.batch]
+        sync_tied(self.tied)
         self._enter_streams()
 
     def finish(self) -> torch.Tensor:
         """Make the default streams wait for the pipeline, and return the mini-batch loss."""
         self._leave_streams()
+        gather_tied(self.tied)
         total = sum(self.losses[m] for m in range(self.MICROBATCHES))
         self._reset()
         return total  # type: ignore[return-value]
@@ -244,6 +302,7 @@ class PipelineRuntime:
         self.infer_microbatches = M
         self.batch = list(torch.tensor_split(x, M))
         self.inputs, self.outputs = {}, {}
+        sync_tied(self.tied)
         self._enter_streams()
 
     def infer_forward(self, s: int, m: int) -> None:

@@ -86,6 +86,45 @@ def transformer(
     return model
 
 
+class GPT(nn.Module):
+    """A GPT-2-style language model as library models write it: token and position embeddings,
+    a ModuleList of blocks, a final norm and an output head whose weight is the token
+    embedding's (tied). Not an nn.Sequential: gpipe-plan captures its graph."""
+
+    def __init__(self, vocab: int, d_model: int, heads: int, depth: int, seq_len: int) -> None:
+        super().__init__()
+        self.tokens = nn.Embedding(vocab, d_model)
+        self.positions = nn.Embedding(seq_len, d_model)
+        self.blocks = nn.ModuleList(Block(d_model, heads) for _ in range(depth))
+        self.norm = nn.LayerNorm(d_model)
+        self.head = nn.Linear(d_model, vocab, bias=False)
+        self.head.weight = self.tokens.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1], device=ids.device)
+        x = self.tokens(ids) + self.positions(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def gpt(
+    vocab: int = 512,
+    d_model: int = 128,
+    heads: int = 4,
+    depth: int = 4,
+    seq_len: int = 64,
+    batch: int = 8,
+    seed: int = 0,
+) -> nn.Module:
+    """A GPT with tied input and output embeddings: `depth` blocks, cross-entropy loss."""
+    torch.manual_seed(seed)
+    model = GPT(vocab, d_model, heads, depth, seq_len)
+    model.example_input = torch.randint(0, vocab, (batch, seq_len))  # type: ignore[assignment]
+    model.example_loss = "cross_entropy"  # type: ignore[assignment]
+    return model
+
+
 class BasicBlock(nn.Module):
     """Two 3x3 convolutions with batch norm and a residual; a strided 1x1 projection where the
     shape changes."""
@@ -202,6 +241,7 @@ def unet(
 EXAMPLES: dict[str, Callable[[], nn.Module]] = {
     "mlp": mlp,
     "transformer": transformer,
+    "gpt": gpt,
     "resnet": resnet,
     "unet": unet,
 }

@@ -172,12 +172,12 @@ def _why(model: nn.Module, e: Exception) -> str:
     return f"cannot capture the graph of {name} with torch.export ({type(e).__name__}: {head}{at}); {hint}"
 
 
-def _unit(node: fx.Node, model: nn.Module) -> tuple[str, str] | None:
-    """The module call a node belongs to: the outermost module on its stack that is neither
-    the model itself nor a container (Sequential, ModuleList, ModuleDict)."""
+def _unit(node: fx.Node, model: nn.Module, opened: set[str]) -> tuple[str, str] | None:
+    """The module call a node belongs to: the outermost module on its stack that is not the
+    model itself, not a container (Sequential, ModuleList, ModuleDict) and not `opened`."""
     stack = node.meta.get("nn_module_stack") or {}
     for path, _type in stack.values():
-        if not path:
+        if not path or path in opened:
             continue
         try:
             mod = model.get_submodule(path)
@@ -190,17 +190,34 @@ def _unit(node: fx.Node, model: nn.Module) -> tuple[str, str] | None:
 
 Run = tuple[tuple[str, str] | None, list[fx.Node]]
 
+OPEN_ABOVE = 0.5  # a module call with more than this share of the graph is opened up
+
 
 def _runs(gm: fx.GraphModule, model: nn.Module) -> list[Run]:
     """The graph's operations in order, cut into runs of one module call each; operations of no
-    module (the model's own forward) join the run before them (the first run, at the start)."""
+    module (the model's own forward) join the run before them (the first run, at the start).
+    A module that holds most of the graph (a library model's body inside its head, such as
+    GPT2Model inside GPT2LMHeadModel) is opened: its own calls become the layers."""
+    ops = [n for n in gm.graph.nodes if n.op == "call_function"]  # (call_module: the guard)
+    opened: set[str] = set()
+    while True:
+        units = [_unit(n, model, opened) for n in ops]
+        counts: dict[tuple[str, str], int] = {}
+        for u in units:
+            if u is not None:
+                counts[u] = counts.get(u, 0) + 1
+        big = max(counts, key=counts.__getitem__, default=None)
+        if big is None or counts[big] <= OPEN_ABOVE * len(ops):
+            break
+        deeper = any(
+            u == big and _unit(n, model, opened | {big[0]}) not in (None, big)
+            for n, u in zip(ops, units)
+        )
+        if not deeper:
+            break
+        opened.add(big[0])
     runs: list[Run] = []
-    for n in gm.graph.nodes:
-        if n.op in ("placeholder", "output", "get_attr"):
-            continue
-        if n.op == "call_module":  # export's input guard: nothing the pipeline needs
-            continue
-        u = _unit(n, model)
+    for n, u in zip(ops, units):
         if not runs:
             runs.append((u, [n]))
         elif u is None or u == runs[-1][0]:

@@ -16,7 +16,7 @@ from codegen.emit import emit_program
 from codegen.pipe import compile_pipe
 from planner import Cluster, plan_pipeline
 from profiler.artifact import InputError
-from profiler.examples import resnet, unet
+from profiler.examples import gpt, resnet, unet
 from profiler.graph import CapturedModel, capture
 from profiler.measure import profile_model
 from profiler.models import as_layers
@@ -177,3 +177,83 @@ def test_emitted_program_captures_and_runs(tmp_path):
                          text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert "one 1f1b step" in run.stdout
+
+
+GPT_SMALL = {"depth": 2, "d_model": 32, "vocab": 64, "seq_len": 16}
+
+
+def _lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+@pytest.fixture(scope="module")
+def gpt_profile():
+    model = gpt(**GPT_SMALL)
+    layers = capture(model, model.example_input)
+    prof = profile_model(layers, model.example_input, batch_sizes=[2], repeats=1, warmup=0,
+                         progress=False)  # fmt: skip
+    return model, layers, prof
+
+
+def test_tied_weights_are_counted_on_both_stages(gpt_profile):
+    model, layers, prof = gpt_profile
+    tied = model.tokens.weight.numel() * F32
+    per = {x.name: x.param_bytes for x in prof.layers}
+    assert per["tokens"] == per["head"] == tied  # the head's weight is the embedding's
+    plan = _plan(prof, "1f1b", "never")
+    first, last = plan.stages[0], plan.stages[-1]
+    assert first.layers[0] == 0 and last.layers[1] == len(prof.layers)
+    assert first.memory.params >= tied and last.memory.params >= tied
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
+def test_tied_weights_gradients_are_summed_into_the_models_parameter(gpt_profile, schedule):
+    model, layers, prof = gpt_profile
+    plan = _plan(prof, schedule, "except_last")
+    for _ in range(2):  # compiling twice leaves the model's layers as they were
+        ref = copy.deepcopy(model)
+        model.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pipe = compile_pipe(layers, plan)
+        (own, copies), *rest = pipe.program.tied
+        assert own is model.tokens.weight and len(copies) == 1 and not rest
+        x = model.example_input
+        y = torch.randint(0, GPT_SMALL["vocab"], x.shape)
+        loss = pipe.train_step(x, y, _lm_loss)
+        want = _lm_loss(ref(x), y)
+        want.backward()
+        torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+        assert copies[0].grad is None  # handed to the model's parameter
+    # an optimizer step on the model's parameter reaches the copy at the next step
+    with torch.no_grad():
+        model.tokens.weight.add_(1.0)
+    pipe.train_step(x, y, _lm_loss)
+    torch.testing.assert_close(copies[0].detach(), model.tokens.weight.detach())
+
+
+def test_tied_weights_under_torchrun(gpt_profile, tmp_path):
+    pytest.importorskip("torch.distributed.run")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    from tests.test_codegen import ROOT, torchrun
+
+    _, _, prof = gpt_profile
+    paths = []
+    for schedule in ("1f1b", "interleaved-1f1b"):
+        path = tmp_path / f"{schedule}.py"
+        path.write_text(emit_program(_plan(prof, schedule, "never"), target="torchrun"))
+        paths.append(str(path))
+    r = torchrun(2, str(ROOT / "tests" / "dist_graph_driver.py"), str(tmp_path), *paths)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    held = set()
+    for rank in (0, 1):
+        for name, res in json.loads((tmp_path / f"rank{rank}.json").read_text()).items():
+            assert res["loss_err"] <= 1e-5, (rank, name)
+            assert max(res["grad_err"].values()) <= 1e-5, (rank, name, res)
+            held |= {(rank, p) for p in res["grad_err"]}
+    assert (0, "tokens.weight") in held and (1, "tokens.weight") in held  # on both ranks

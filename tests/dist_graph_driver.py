@@ -1,0 +1,60 @@
+"""Run under torchrun by test_graph: for each emitted program given, one step of a small GPT with
+tied embeddings (a captured graph) on every rank against the un-pipelined model; each rank
+writes the errors of the gradients it holds as JSON."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.environ["GPIPE_ROOT"])
+from profiler.examples import gpt  # noqa: E402
+
+SMALL = {"depth": 2, "d_model": 32, "vocab": 64, "seq_len": 16}
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(out.flatten(0, 1), y.flatten())
+
+
+def main() -> None:
+    out_dir, programs = sys.argv[1], sys.argv[2:]
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    results = {}
+    for path in programs:
+        ns: dict = {}
+        exec(compile(open(path).read(), path, "exec"), ns)
+        torch.manual_seed(0)
+        model = gpt(**SMALL)
+        reference = copy.deepcopy(model)
+        x = model.example_input
+        y = torch.randint(0, SMALL["vocab"], x.shape)
+        expected = loss_fn(reference(x), y)
+        expected.backward()
+        pipe = ns["Pipeline"](ns["capture"](model, x[:2]))
+        loss = pipe.train_step(x if rank == 0 else None, y, loss_fn)
+        names = {id(p): n for n, p in model.named_parameters()}
+        want = dict(reference.named_parameters())
+        errs = {}
+        for s in sorted(pipe.local):
+            for p in pipe.stages[s].parameters():
+                q = want[names[id(p)]]
+                errs[names[id(p)]] = float((p.grad - q.grad).abs().max() / q.grad.abs().max())
+        results[os.path.basename(path)] = {
+            "loss_err": abs(float(loss) - float(expected.detach())),
+            "grad_err": errs,
+        }
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.barrier()  # NOTE: tearing gloo down while a peer is still mid-exit can abort the process
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
