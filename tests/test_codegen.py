@@ -287,6 +287,7 @@ def test_emitted_source_is_deterministic_and_compiles(profiles):
     assert imports <= {
         "__future__",
         "contextlib",
+        "copy",
         "time",
         "collections.abc",
         "typing",
@@ -345,7 +346,7 @@ def test_emitted_program_imports_only_torch_and_the_standard_library(profiles):
         modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert {m.partition(".")[0] for m in modules} <= {
-            "__future__", "argparse", "collections", "contextlib", "importlib", "os", "sys",
+            "__future__", "argparse", "collections", "contextlib", "copy", "importlib", "os", "sys",
             "time", "torch", "typing",
         }, name  # fmt: skip
 

@@ -1,0 +1,96 @@
+"""Real models from a model library (Hugging Face transformers, a test-only dependency), built
+from small random configurations: captured, profiled, planned and pipelined with gradients
+equal to the un-pipelined model's."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from codegen.pipe import compile_pipe
+from planner import Cluster, plan_pipeline
+from profiler.graph import capture
+from profiler.measure import profile_model
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+VOCAB, SEQ = 64, 16
+
+
+def gpt2() -> tuple[nn.Module, torch.Tensor]:
+    cfg = transformers.GPT2Config(
+        n_layer=3, n_embd=32, n_head=2, vocab_size=VOCAB, n_positions=SEQ, use_cache=False,
+        attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(cfg), torch.randint(0, VOCAB, (8, SEQ))
+
+
+def bert() -> tuple[nn.Module, torch.Tensor]:
+    cfg = transformers.BertConfig(
+        num_hidden_layers=3, hidden_size=32, num_attention_heads=2, intermediate_size=64,
+        vocab_size=VOCAB, max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.BertForMaskedLM(cfg), torch.randint(0, VOCAB, (8, SEQ))
+
+
+def resnet() -> tuple[nn.Module, torch.Tensor]:
+    cfg = transformers.ResNetConfig(
+        embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], layer_type="basic", num_labels=5
+    )
+    return transformers.ResNetForImageClassification(cfg), torch.randn(8, 3, 32, 32)
+
+
+def vit() -> tuple[nn.Module, torch.Tensor]:
+    cfg = transformers.ViTConfig(
+        hidden_size=32, num_hidden_layers=3, num_attention_heads=2, intermediate_size=64,
+        image_size=16, patch_size=4, num_labels=5, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.ViTForImageClassification(cfg), torch.randn(8, 3, 16, 16)
+
+
+def _loss(out, y):
+    logits = out.logits
+    if logits.dim() == 3:  # language models: one label per token
+        return nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+    return nn.functional.cross_entropy(logits, y)
+
+
+@pytest.mark.parametrize(
+    "build, schedule",
+    [(gpt2, "1f1b"), (gpt2, "zb-h1"), (bert, "interleaved-1f1b"), (resnet, "gpipe"), (vit, "1f1b")],
+)
+def test_library_model_pipeline_gradients_equal_the_model(build, schedule):
+    torch.manual_seed(0)
+    model, x = build()
+    model.train()
+    layers = capture(model, x)
+    assert len(layers) >= 4  # the library's body is opened into its blocks
+    prof = profile_model(layers, x, batch_sizes=[2], repeats=1, warmup=0, progress=False)
+    plan = plan_pipeline(
+        prof, Cluster.uniform(2, "1GiB"), 8, microbatches=4, schedule=schedule, recompute="never"
+    )
+    M = plan.microbatches
+    y = torch.randint(0, VOCAB if x.dim() == 2 else 5, x.shape if x.dim() == 2 else (8,))
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(layers, plan)
+    loss = pipe.train_step(x, y, _loss)
+    # the reference over the same micro-batches (batch norm sees each one, as in the pipeline)
+    want = sum(
+        _loss(ref(a), b) * len(a) / len(x) for a, b in zip(x.tensor_split(M), y.tensor_split(M))
+    )
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        if q.grad is None:
+            assert p.grad is None or not p.grad.any(), name
+            continue
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
