@@ -151,15 +151,18 @@ class ResNet(nn.Module):
     """A small residual net: a stem, stages of BasicBlocks (doubling width, halving size), a
     pooled linear head. Not an nn.Sequential: gpipe-plan captures its graph."""
 
-    def __init__(self, widths: tuple[int, ...], blocks: int, classes: int) -> None:
+    def __init__(
+        self, widths: tuple[int, ...], blocks: int | tuple[int, ...], classes: int
+    ) -> None:
         super().__init__()
         self.stem = nn.Sequential(
             nn.Conv2d(3, widths[0], 3, 1, 1, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU()
         )
         layers: list[nn.Module] = []
         c = widths[0]
+        per = blocks if isinstance(blocks, tuple) else (blocks,) * len(widths)
         for k, w in enumerate(widths):
-            for j in range(blocks):
+            for j in range(per[k]):
                 layers.append(BasicBlock(c, w, 2 if j == 0 and k > 0 else 1))
                 c = w
         self.blocks = nn.ModuleList(layers)
@@ -174,7 +177,7 @@ class ResNet(nn.Module):
 
 def resnet(
     widths: tuple[int, ...] = (16, 32, 64),
-    blocks: int = 2,
+    blocks: int | tuple[int, ...] = 2,
     size: int = 32,
     classes: int = 10,
     batch: int = 8,

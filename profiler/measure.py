@@ -26,7 +26,7 @@ from .limits import MAX_BATCH, MAX_LAYERS, ArgumentError, real, whole
 from .losses import LossFn, LossLayer, resolve_loss
 from .memtrack import owned_by, trace_allocations
 from .models import as_layers, check_allocation, model_digest
-from .timing import time_layers
+from .timing import _tensors, time_layers
 from .types import PER_SIZE, LayerProfile, OptimizerStep, Profile, ProfileMeta
 
 Value = Any  # a tensor or a tuple of tensors: what flows between layers of an nn.Sequential
@@ -432,15 +432,15 @@ def _first_line(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-def _tensors(v: Value) -> list[torch.Tensor]:
-    return list(v) if isinstance(v, tuple) else [v]
-
-
 def _check_output(out: Value) -> None:
     if isinstance(out, torch.Tensor):
         return
     if isinstance(out, tuple) and out and all(isinstance(t, torch.Tensor) for t in out):
         return
+    leaves = torch.utils._pytree.tree_leaves(out)
+    if not isinstance(out, tuple | list) and leaves and leaves != [out]:
+        if all(isinstance(t, torch.Tensor) for t in leaves):
+            return  # a structure of tensors (a library's output class): the model's output
     raise InputError(
         f"a layer returned {type(out).__name__}; layers must return a tensor or a tuple of tensors"
     )
@@ -451,7 +451,11 @@ def _detach(v: Value, requires_grad: bool) -> Value:
         d = t.detach()
         return d.requires_grad_(requires_grad and d.is_floating_point())
 
-    return tuple(one(t) for t in v) if isinstance(v, tuple) else one(v)
+    if isinstance(v, torch.Tensor):
+        return one(v)
+    if isinstance(v, tuple):
+        return tuple(one(t) for t in v)
+    return torch.utils._pytree.tree_map_only(torch.Tensor, one, v)
 
 
 def _shape_text(v: Value) -> str:

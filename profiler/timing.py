@@ -304,7 +304,13 @@ def _backward_args(out: Value) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 def _tensors(v: Value) -> list[torch.Tensor]:
-    return list(v) if isinstance(v, tuple) else [v]
+    """The tensors of a layer's input or output: itself, a tuple's, or (a captured model's
+    last layer, returning what the model returns, e.g. a library's output class) its leaves'."""
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, tuple):
+        return list(v)
+    return [t for t in torch.utils._pytree.tree_leaves(v) if isinstance(t, torch.Tensor)]
 
 
 def _mad(samples: Sequence[float], median: float) -> float:
