@@ -36,7 +36,7 @@ from ._runtime import (  # emit: drop
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool]  # fmt: skip
-_HEADER = 64  # int64 slots: [count, is_tuple, then per tensor: dtype, ndim, dims...]
+_HEADER = 256  # int64 slots: [count, is_tuple, then per tensor: dtype, ndim, dims...]
 
 
 class DistPipelineRuntime(PipelineRuntime):
@@ -92,7 +92,7 @@ class DistPipelineRuntime(PipelineRuntime):
         groups: dict[tuple[int, ...], Any] = {}
         ties = []
         for p, ranks in users.values():
-            if len(ranks) > 1:
+            if len(ranks) > 1 and p.requires_grad:
                 key = tuple(sorted(ranks))
                 if key not in groups:
                     groups[key] = dist.new_group(list(key))
@@ -117,6 +117,10 @@ class DistPipelineRuntime(PipelineRuntime):
         M, last = self.MICROBATCHES, len(self.STAGES) - 1
         self.loss_fn = loss_fn
         self._reset()
+        # gradients accumulated over earlier steps are not summed across ranks again
+        self.tied_grads = {id(p): p.grad for p, _ in self.ties if p.grad is not None}
+        for p, _ in self.ties:
+            p.grad = None
         seed = torch.randint(0, 2**62, (1,)).to(self.device)
         dist.broadcast(seed, src=0)  # the same dropout seeds on every rank
         self.seed = int(seed.item())
@@ -138,10 +142,13 @@ class DistPipelineRuntime(PipelineRuntime):
     def finish(self) -> torch.Tensor:
         for key in list(self.sent):
             self.release(*key)
-        for p, group in self.ties:  # tied weights: the gradient of every use, on every holder
+        for p, group in self.ties:  # tied weights: this step's gradient of every use, on each
+            before = self.tied_grads.get(id(p))  # what p.grad held before the step, set aside
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)
+            if before is not None:
+                p.grad.add_(before)
         last = len(self.STAGES) - 1
         total = torch.zeros((), device=self.device)
         if last in self.local:

@@ -323,6 +323,8 @@ class PipelineRuntime:
         self.inputs, self.outputs, self.batch = {}, {}, []
         if isinstance(outs[0], tuple):
             return tuple(torch.cat(parts) for parts in zip(*outs))
+        if not isinstance(outs[0], torch.Tensor):  # a library's output class: per field
+            return torch.utils._pytree.tree_map(lambda *parts: torch.cat(parts), *outs)
         return torch.cat(outs)
 
     # -- machinery ------------------------------------------------------------------------

@@ -49,6 +49,16 @@ class GraphLayer(nn.Module):
         self.unit_type = unit_type
         self.crossing = crossing  # names of the values it returns
         self.out_spec = out_spec  # the last layer: how the model's own output is shaped
+        # (path in gm, the model's module that owns it, its name there) for each buffer: moving
+        # the layer to a device gives it new buffer tensors, which the model must hold too
+        self.__dict__["owners"] = []
+
+    def _apply(self, fn: Any, recurse: bool = True) -> GraphLayer:
+        super()._apply(fn, recurse)
+        self.__dict__.pop("gm_eval", None)  # built on the old tensors
+        for path, owner, name in self.__dict__["owners"]:
+            owner._buffers[name] = self.gm.get_buffer(path)
+        return self
 
     def forward(self, x: Any) -> Any:
         gm = self.gm
@@ -96,13 +106,21 @@ def capture(model: nn.Module, sample: torch.Tensor) -> CapturedModel:
     """`model`'s graph (exported on `sample`, batch dimension left free) as a CapturedModel whose
     output equals model(x) for any batch size."""
     gm, out_spec = _export(model, sample)
-    runs = _runs(gm, model)
-    while True:
-        layers, bad = _layers(gm, runs, model, out_spec)
-        if bad is None:
-            break
-        runs[bad - 1] = (runs[bad - 1][0], runs[bad - 1][1] + runs[bad][1])
-        del runs[bad]
+    try:
+        runs = _runs(gm, model)
+        while True:
+            layers, bad = _layers(gm, runs, model, out_spec)
+            if bad is None:
+                break
+            runs[bad - 1] = (runs[bad - 1][0], runs[bad - 1][1] + runs[bad][1])
+            del runs[bad]
+    except CaptureError:
+        raise
+    except Exception as e:  # a graph this code does not know how to cut: one line
+        raise CaptureError(
+            f"cannot cut the graph of {type(model).__name__} into layers "
+            f"({type(e).__name__}: {e}); pass an nn.Sequential"
+        ) from None
     captured = CapturedModel(*layers)
     for attr in ("example_input", "example_loss"):
         if hasattr(model, attr):
@@ -113,6 +131,11 @@ def capture(model: nn.Module, sample: torch.Tensor) -> CapturedModel:
 def _export(model: nn.Module, sample: torch.Tensor) -> tuple[fx.GraphModule, Any]:
     if not isinstance(sample, torch.Tensor) or sample.dim() < 1:
         raise CaptureError("capturing a graph needs a sample input tensor, batch first")
+    if not hasattr(torch.export, "Dim") or not hasattr(torch.export.Dim, "AUTO"):
+        raise CaptureError(
+            f"capturing {type(model).__name__}'s graph needs torch 2.6 or later (this is "
+            f"{torch.__version__}); upgrade torch, or pass an nn.Sequential"
+        )
     if sample.shape[0] < 2:  # a batch of one would fix the batch size into the graph
         sample = torch.cat([sample, sample])
     was = model.training
@@ -132,6 +155,12 @@ def _export(model: nn.Module, sample: torch.Tensor) -> tuple[fx.GraphModule, Any
         raise CaptureError(
             f"{type(model).__name__}.forward takes {len(inputs)} tensors; gpipe-plan pipelines "
             "models with one tensor input (wrap the others into the model, or pass them as one)"
+        )
+    val = inputs[0].meta.get("val")
+    if isinstance(val, torch.Tensor) and not isinstance(val.shape[0], torch.SymInt):
+        raise CaptureError(
+            f"{type(model).__name__}'s graph fixes the batch size at {val.shape[0]} (forward "
+            "depends on it, e.g. a view with a literal batch size); write x.shape[0] or -1 instead"
         )
     spec = ep.call_spec.out_spec
     return gm, (None if spec is not None and spec.is_leaf() else spec)
@@ -182,7 +211,7 @@ def _unit(node: fx.Node, model: nn.Module, opened: set[str]) -> tuple[str, str] 
         try:
             mod = model.get_submodule(path)
         except AttributeError:
-            return None
+            continue
         if not isinstance(mod, _CONTAINERS):
             return path, type(mod).__name__
     return None
@@ -302,7 +331,16 @@ def _layers(
         spec = out_spec if k == L - 1 else None
         g = _subgraph(live[k], nodes, live[k + 1], memo, dims[k], size_memo, k)
         crossing = [n.name for n in live[k + 1]]
-        layers.append(GraphLayer(fx.GraphModule(attrs, g), name, kind, crossing, spec))
+        layer = GraphLayer(fx.GraphModule(attrs, g), name, kind, crossing, spec)
+        for path, buf in layer.gm.named_buffers():
+            mod_path, _, leaf = path.rpartition(".")
+            try:
+                owner = model.get_submodule(mod_path) if mod_path else model
+            except AttributeError:
+                continue
+            if owner._buffers.get(leaf) is buf:
+                layer.__dict__["owners"].append((path, owner, leaf))
+        layers.append(layer)
     return layers, None
 
 
@@ -407,4 +445,4 @@ def _subgraph(
     return g
 
 
-__all__ = ["CaptureError", "CapturedModel", "GraphLayer", "capture"]
+__all__ = ["CaptureError", "CapturedModel", "GraphLayer", "capture"]  # emit: drop

@@ -157,6 +157,8 @@ def model_digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, layer in model.named_children():
         h.update(f"{name}:{type(layer).__qualname__};".encode())
+        if getattr(layer, "captured_layer", False):  # a captured graph: how it was cut, too
+            h.update(f"{layer.unit}:{','.join(layer.crossing)};".encode())
         for pname, p in layer.named_parameters():
             h.update(f"{pname}{tuple(p.shape)}{p.dtype};".encode())
         for bname, b in layer.named_buffers():

@@ -18,6 +18,7 @@ from planner import Cluster, plan_pipeline
 from profiler.artifact import InputError
 from profiler.examples import gpt, resnet, unet
 from profiler.graph import CapturedModel, capture
+from profiler.limits import ArgumentError
 from profiler.measure import profile_model
 from profiler.models import as_layers
 
@@ -36,6 +37,20 @@ class SizeUser(nn.Module):
         n = x.shape[0]
         h = self.b(torch.relu(self.a(x)))
         return h.view(n, 2, 3).sum(-1)
+
+
+class SizeCrosser(nn.Module):
+    """After `a`, nothing that crosses has the batch dimension: the size itself must cross."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[0]
+        m = self.a(x).mean(0)
+        return self.b(m).expand(n, 6)
 
 
 class Branchy(nn.Module):
@@ -96,6 +111,42 @@ def test_a_size_crosses_as_a_tensor_only_where_no_input_carries_it():
     layers = capture(SizeUser(), torch.randn(4, 6))
     # the batch size is a dimension of every tensor that crosses: it never needs to travel
     assert all(len(layer.crossing) == 1 for layer in layers)
+
+
+def test_a_size_no_tensor_carries_crosses_as_a_tensor_and_the_pipeline_runs():
+    model = SizeCrosser()
+    x = torch.randn(8, 6)
+    layers = capture(model, x)
+    assert len(layers) == 2 and len(layers[0].crossing) == 2  # the mean and the batch size
+    for n in (2, 5):
+        torch.testing.assert_close(layers(x[:n]), model(x[:n]), rtol=0, atol=0)
+    prof = profile_model(layers, x, batch_sizes=[2], repeats=1, warmup=0, progress=False)
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(layers, _plan(prof, "1f1b", "never"))
+    y = torch.randn(8, 6)
+    loss = pipe.train_step(x, y, nn.functional.mse_loss)
+    want = _reference_step(ref, x, y, nn.functional.mse_loss, 4)
+    torch.testing.assert_close(loss, want.detach())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_pipelined_inference_of_a_captured_model_in_eval_mode():
+    model = resnet(widths=(4, 8), blocks=1, size=8)
+    x = model.example_input
+    layers = capture(model, x)
+    prof = profile_model(layers, x, batch_sizes=[2], repeats=1, warmup=0, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(layers, _plan(prof, "gpipe", "never"))
+    pipe.train_step(x, torch.zeros(8, dtype=torch.long), nn.functional.cross_entropy)
+    model.eval()
+    with torch.no_grad():
+        want = model(x)  # batch norm on the running statistics the pipeline left
+    layers.eval()
+    torch.testing.assert_close(pipe(x), want, rtol=1e-5, atol=1e-6)
 
 
 def test_data_dependent_control_flow_is_refused_with_the_line():
@@ -159,7 +210,7 @@ def test_compile_pipe_captures_the_users_own_model(captured_unet):
         pipe = compile_pipe(model, plan)  # the plain module: captured again, same layers
     owned = {id(p) for st in pipe.stages for p in st.parameters()}
     assert owned == {id(p) for p in model.parameters()}
-    with pytest.raises(Exception, match="deferred_batch_norm"):
+    with pytest.raises(ArgumentError, match="deferred_batch_norm"):
         compile_pipe(model, plan, ["cpu", "cpu"], deferred_batch_norm=True)
 
 
@@ -202,8 +253,10 @@ def test_tied_weights_are_counted_on_both_stages(gpt_profile):
     assert per["tokens"] == per["head"] == tied  # the head's weight is the embedding's
     plan = _plan(prof, "1f1b", "never")
     first, last = plan.stages[0], plan.stages[-1]
-    assert first.layers[0] == 0 and last.layers[1] == len(prof.layers)
-    assert first.memory.params >= tied and last.memory.params >= tied
+    assert first.rank != last.rank  # the embedding and the head on different devices
+    for st in (first, last):  # each holds its own copy of the tied weight
+        a, b = st.layers
+        assert st.memory.params == sum(x.param_bytes for x in prof.layers[a:b]) >= tied
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
@@ -257,3 +310,20 @@ def test_tied_weights_under_torchrun(gpt_profile, tmp_path):
             assert max(res["grad_err"].values()) <= 1e-5, (rank, name, res)
             held |= {(rank, p) for p in res["grad_err"]}
     assert (0, "tokens.weight") in held and (1, "tokens.weight") in held  # on both ranks
+
+
+def test_cli_profiles_plans_and_compiles_a_graph_example(run_cli, tmp_path):
+    prof, plan, prog = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "prog.py"
+    r = run_cli("profile", "example:resnet", "--batch-sizes", "2", "--repeats", "1",
+                "--warmup", "0", "-o", prof)  # fmt: skip
+    assert r.code == 0, r.err
+    r = run_cli("plan", prof, "--devices", "2", "--memory", "256MiB", "--batch-size", "8",
+                "-o", plan)  # fmt: skip
+    assert r.code == 0, r.err
+    assert "BasicBlock" in r.out  # the layers are named after the modules they run
+    r = run_cli("codegen", plan, "--model", "example:resnet", "-o", prog)
+    assert r.code == 0, r.err
+    assert "def capture(" in prog.read_text()
+    # a plan of one model is refused for another graph model
+    r = run_cli("codegen", plan, "--model", "example:unet", "-o", tmp_path / "other.py")
+    assert r.code == 2 and "different model" in r.err

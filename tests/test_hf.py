@@ -94,3 +94,9 @@ def test_library_model_pipeline_gradients_equal_the_model(build, schedule):
             assert p.grad is None or not p.grad.any(), name
             continue
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    # pipelined inference returns the library's own output class, micro-batches joined
+    model.eval(), layers.eval()
+    with torch.no_grad():
+        got, expected = pipe(x), model(x)
+    assert type(got) is type(expected)
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-4, atol=1e-5)
