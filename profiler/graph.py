@@ -108,6 +108,7 @@ def capture(model: nn.Module, sample: torch.Tensor) -> CapturedModel:
     gm, out_spec = _export(model, sample)
     try:
         runs = _runs(gm, model)
+        _out_of_place(gm, runs)
         while True:
             layers, bad = _layers(gm, runs, model, out_spec)
             if bad is None:
@@ -258,6 +259,35 @@ def _runs(gm: fx.GraphModule, model: nn.Module) -> list[Run]:
     if not runs:
         raise CaptureError(f"{type(model).__name__}'s graph has no operations")
     return runs
+
+
+def _out_of_place(gm: fx.GraphModule, runs: list[Run]) -> None:
+    """An in-place operation on a value made by an earlier layer (`nn.ReLU(inplace=True)` as
+    a module call of its own) would write into what the pipeline hands over as a leaf: it runs
+    out of place instead, and every later use of the value takes its result."""
+    where = {n: k for k, (_, nodes) in enumerate(runs) for n in nodes}
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for k, (_, nodes) in enumerate(runs):
+        for n in nodes:
+            schema = getattr(n.target, "_schema", None)
+            if schema is None or not n.args or not isinstance(n.args[0], fx.Node):
+                continue
+            first = schema.arguments[0].alias_info if schema.arguments else None
+            a = n.args[0]
+            if first is None or not first.is_write or a.op == "get_attr" or where.get(a, -1) == k:
+                continue
+            name = schema.name.split("::")[-1]
+            packet = getattr(torch.ops.aten, name.rstrip("_"), None) if name.endswith("_") else None
+            functional = getattr(packet, n.target._overloadname, None) if packet else None
+            if functional is None:
+                raise CaptureError(
+                    f"{n.name} ({name}) writes in place into a value an earlier layer made, and "
+                    "has no out-of-place form; avoid it at a module boundary"
+                )
+            n.target = functional
+            for u in list(a.users):
+                if u is not n and order[u] > order[n]:
+                    u.replace_input_with(a, n)
 
 
 def _kind(node: fx.Node) -> str:

@@ -48,6 +48,24 @@ class SizeCrosser(SizeUser):
         return self.b(m).expand(n, 6)
 
 
+class InPlace(nn.Module):
+    """torchvision's habit: nn.ReLU(inplace=True) as a module call of its own, writing into
+    what the layer before made (a pipeline stage's leaf input, were it run in place)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(4, 4, 3, padding=1)
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.conv(x))
+        y = self.conv2(x)
+        y += x
+        return self.fc(self.relu(y).mean((2, 3)))
+
+
 class Branchy(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -123,6 +141,26 @@ def test_a_size_no_tensor_carries_crosses_as_a_tensor_and_the_pipeline_runs():
     y = torch.randn(8, 6)
     loss = pipe.train_step(x, y, nn.functional.mse_loss)
     want = _reference_step(ref, x, y, nn.functional.mse_loss, 4)
+    torch.testing.assert_close(loss, want.detach())
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad)
+
+
+def test_in_place_at_a_layer_boundary_runs_out_of_place_with_parity():
+    model = InPlace()
+    x = torch.randn(8, 3, 8, 8)
+    layers = capture(model, x)
+    assert [layer.unit for layer in layers] == ["conv", "relu", "conv2", "relu", "fc"]
+    prof = profile_model(layers, x, batch_sizes=[2], repeats=1, warmup=0, progress=False)
+    plan = _plan(prof, "1f1b", "never", K=4)  # 5 layers on 4 stages: a ReLU starts one
+    assert any(layers[st.layers[0]].unit == "relu" for st in plan.stages)
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(layers, plan)
+    y = torch.randint(0, 3, (8,))
+    loss = pipe.train_step(x, y, nn.functional.cross_entropy)
+    want = _reference_step(ref, x, y, nn.functional.cross_entropy, 4)
     torch.testing.assert_close(loss, want.detach())
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad, q.grad)
