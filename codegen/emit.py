@@ -210,8 +210,11 @@ def random_batch(model: nn.Module) -> torch.Tensor:
 
 
 def stand_in_loss(out: Any, y: Any) -> torch.Tensor:
-    """A loss that needs no targets, for timing."""
-    return out.float().square().mean()
+    """A loss that needs no targets, for timing (over every float tensor the model returns)."""
+    if isinstance(out, torch.Tensor):
+        return out.float().square().mean()
+    leaves = torch.utils._pytree.tree_leaves(out)
+    return sum(t.float().square().mean() for t in leaves if torch.is_tensor(t) and t.is_floating_point())
 '''
 
 
@@ -347,6 +350,8 @@ _load_module = load_model
 def load_model() -> nn.Module:
     """The planned model's graph, captured (torch.export) and cut into layers as the profile was."""
     model = _load_module()
+    if isinstance(model, tuple):  # (module, keyword inputs), as the factory may return
+        model = with_inputs(*model)
     example = getattr(model, "example_input", None)
     if isinstance(example, torch.Tensor) and list(example.shape[1:]) == INPUT_SHAPE:
         sample = torch.cat([example, example])[:2]

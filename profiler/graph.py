@@ -102,6 +102,36 @@ class CapturedModel(nn.Sequential):
     captured = True
 
 
+class WithInputs(nn.Module):
+    """A model called with fixed keyword inputs besides its one tensor: model(x, **inputs)."""
+
+    def __init__(self, model: nn.Module, inputs: dict[str, Any]) -> None:
+        super().__init__()
+        self.model = model
+        self.inputs = inputs
+        for attr in ("example_input", "example_loss"):
+            if hasattr(model, attr):
+                setattr(self, attr, getattr(model, attr))
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.model(x, **self.inputs)
+
+
+def with_inputs(model: Any, inputs: dict[str, Any]) -> nn.Module:
+    """What a MODEL factory may return besides a module: (module, keyword inputs), e.g.
+    (GPT2LMHeadModel(cfg), {"use_cache": False}). Keyword inputs are settings, the same for
+    every sample: tensors (per-sample inputs) are refused."""
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"the factory returned ({type(model).__name__}, ...), not a module")
+    bad = [k for k, v in inputs.items() if not isinstance(k, str) or isinstance(v, torch.Tensor)]
+    if bad:
+        raise CaptureError(
+            f"keyword inputs {bad} are tensors (or not names): only settings can be fixed; "
+            "gpipe-plan pipelines models with one tensor input"
+        )
+    return WithInputs(model, dict(inputs))
+
+
 def capture(model: nn.Module, sample: torch.Tensor) -> CapturedModel:
     """`model`'s graph (exported on `sample`, batch dimension left free) as a CapturedModel whose
     output equals model(x) for any batch size."""
@@ -475,4 +505,4 @@ def _subgraph(
     return g
 
 
-__all__ = ["CaptureError", "CapturedModel", "GraphLayer", "capture"]  # emit: drop
+__all__ = ["CaptureError", "CapturedModel", "GraphLayer", "capture", "with_inputs"]  # emit: drop

@@ -48,6 +48,13 @@ def load_model(spec: str) -> nn.Module:
         model = factory()
     except Exception as e:  # the user's code: report it in one line, whatever it raised
         raise InputError(f"MODEL {spec!r}: the factory raised {type(e).__name__}: {e}") from None
+    if isinstance(model, tuple) and len(model) == 2 and isinstance(model[1], dict):
+        from .graph import CaptureError, with_inputs
+
+        try:
+            model = with_inputs(*model)
+        except CaptureError as e:
+            raise InputError(f"MODEL {spec!r}: {e}") from None
     if not isinstance(model, nn.Module):
         raise InputError(
             f"MODEL {spec!r}: the factory returned {type(model).__name__}, not a torch nn.Module"

@@ -100,3 +100,43 @@ def test_library_model_pipeline_gradients_equal_the_model(build, schedule):
         got, expected = pipe(x), model(x)
     assert type(got) is type(expected)
     torch.testing.assert_close(got.logits, expected.logits, rtol=1e-4, atol=1e-5)
+
+
+FACTORY = """
+import torch
+import transformers
+
+
+def gpt2():
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16,
+                                  bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    model.example_input = torch.randint(0, 64, (2, 16))  # token ids: what to profile with
+    # a factory may return the module and the keyword settings to call it with
+    return model, {"use_cache": False}
+
+
+def with_a_tensor():
+    return gpt2()[0], {"attention_mask": torch.ones(2, 16)}
+"""
+
+
+def test_cli_takes_a_factory_returning_a_library_model_and_its_settings(run_cli, tmp_path):
+    import subprocess
+    import sys
+
+    src = tmp_path / "hf_models.py"
+    src.write_text(FACTORY)
+    prof, plan, prog = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "prog.py"
+    r = run_cli("profile", f"{src}:gpt2", "--batch-sizes", "2", "--repeats", "1", "--warmup", "0",
+                "-o", prof)  # fmt: skip
+    assert r.code == 0, r.err
+    r = run_cli("plan", prof, "--devices", "2", "--memory", "1GiB", "--batch-size", "8", "-o", plan)
+    assert r.code == 0, r.err
+    r = run_cli("codegen", plan, "--model", f"{src}:gpt2", "-o", prog)
+    assert r.code == 0, r.err
+    run = subprocess.run([sys.executable, str(prog), "--device", "cpu"], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    r = run_cli("profile", f"{src}:with_a_tensor", "-o", tmp_path / "q")
+    assert r.code == 2 and "only settings can be fixed" in r.err
