@@ -7,6 +7,7 @@ import copy
 import subprocess
 import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,6 +261,20 @@ def test_emitted_program_captures_and_runs(tmp_path):
     assert "def capture(" in src and "class GraphLayer" in src
     path = tmp_path / "prog.py"
     path.write_text(src)
+    import ast
+    import shutil
+
+    tree = ast.parse(src)
+    modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert {m.partition(".")[0] for m in modules} <= {
+        "__future__", "argparse", "collections", "contextlib", "copy", "io", "logging", "time",
+        "torch", "typing",
+    }  # fmt: skip
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    fmt = subprocess.run([ruff, "format", "--check", "--line-length", "100", str(path)],
+                         capture_output=True, text=True)  # fmt: skip
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
     run = subprocess.run([sys.executable, str(path), "--device", "cpu"], capture_output=True,
                          text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
