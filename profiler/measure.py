@@ -233,7 +233,7 @@ def _memory(
     model_storages: set[int],
     prev_saved: dict[int, torch.Tensor],
     kept: str,
-    saved_before: set[int] = frozenset(),  # type: ignore[assignment]
+    saved_before: set[int],
 ) -> tuple[dict[str, Any], Value, dict[int, torch.Tensor]]:
     """What layer i saves, shares with layer i - 1, saves of its own input, and allocates
     beyond that while it runs; and its output (the next layer's input)."""
@@ -318,13 +318,12 @@ def _transient(layer: nn.Module, inp: Value, dev: torch.device, kept: str) -> di
     ins = {id(t) for t in _tensors(inp)}
     # A captured graph's layer hands a skip on unchanged: its gradient passes through as well,
     # one tensor alive while this layer's backward runs, not one made here and one taken in.
-    passed = [t for t in _tensors(layer(inp)) if id(t) in ins and t.requires_grad]
-    passed_grad = sum(_alloc(t.numel() * t.element_size(), dev) for t in passed)
-    used = [t for t in wrt if not any(t is u for u in passed)]
+    passed: list[torch.Tensor] = []
 
     def forward() -> tuple[list[Any], list[tuple[torch.Size, torch.dtype]]]:
-        out = layer(inp)
-        roots = [t for t in _tensors(out) if t.requires_grad and id(t) not in ins]
+        outs = _tensors(layer(inp))
+        passed[:] = [t for t in outs if id(t) in ins and t.requires_grad]
+        roots = [t for t in outs if t.requires_grad and id(t) not in ins]
         return [get_gradient_edge(t) for t in roots], [(t.shape, t.dtype) for t in roots]
 
     def ones(like: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
@@ -340,6 +339,7 @@ def _transient(layer: nn.Module, inp: Value, dev: torch.device, kept: str) -> di
                 torch.autograd.backward(edges, ones(like))
         with owned_by("forward2"):
             edges, like = forward()
+        used = [t for t in wrt if all(t is not u for u in passed)]  # the inputs it works on
         with owned_by("input"):
             if edges and used:
                 got = torch.autograd.grad(
@@ -352,6 +352,7 @@ def _transient(layer: nn.Module, inp: Value, dev: torch.device, kept: str) -> di
         del edges
     out_kept = sum(_alloc(shape.numel() * dtype.itemsize, dev) for shape, dtype in like)
     out_kept *= kept == "both"
+    passed_grad = sum(_alloc(t.numel() * t.element_size(), dev) for t in passed)
     in_kept = sum(_alloc(t.numel() * t.element_size(), dev) for t in used) * (kept != "loss")
     where = _device_key(dev)
     steps = trace.levels(lambda owner, device: "all" if device == where else None).get("all", [])

@@ -135,16 +135,8 @@ def test_a_size_no_tensor_carries_crosses_as_a_tensor_and_the_pipeline_runs():
     for n in (2, 5):
         torch.testing.assert_close(layers(x[:n]), model(x[:n]), rtol=0, atol=0)
     prof = profile_model(layers, x, batch_sizes=[2], repeats=1, warmup=0, progress=False)
-    ref = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pipe = compile_pipe(layers, _plan(prof, "1f1b", "never"))
-    y = torch.randn(8, 6)
-    loss = pipe.train_step(x, y, nn.functional.mse_loss)
-    want = _reference_step(ref, x, y, nn.functional.mse_loss, 4)
-    torch.testing.assert_close(loss, want.detach())
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
+    plan = _plan(prof, "1f1b", "never")
+    _assert_step_parity(model, layers, plan, x, torch.randn(8, 6), nn.functional.mse_loss)
 
 
 def test_in_place_at_a_layer_boundary_runs_out_of_place_with_parity():
@@ -155,16 +147,8 @@ def test_in_place_at_a_layer_boundary_runs_out_of_place_with_parity():
     prof = profile_model(layers, x, batch_sizes=[2], repeats=1, warmup=0, progress=False)
     plan = _plan(prof, "1f1b", "never", K=4)  # 5 layers on 4 stages: a ReLU starts one
     assert any(layers[st.layers[0]].unit == "relu" for st in plan.stages)
-    ref = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pipe = compile_pipe(layers, plan)
     y = torch.randint(0, 3, (8,))
-    loss = pipe.train_step(x, y, nn.functional.cross_entropy)
-    want = _reference_step(ref, x, y, nn.functional.cross_entropy, 4)
-    torch.testing.assert_close(loss, want.detach())
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad)
+    _assert_step_parity(model, layers, plan, x, y, nn.functional.cross_entropy)
 
 
 def test_pipelined_inference_of_a_captured_model_in_eval_mode():
@@ -206,6 +190,23 @@ def _reference_step(model, x, y, loss_fn, M):
     return total
 
 
+def _assert_step_parity(model, layers, plan, x, y, loss_fn):
+    """One pipelined step of `plan` on `layers` (the model's own, captured) gives the
+    un-pipelined model's loss, gradients and batch-norm statistics."""
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(layers, plan)
+    loss = pipe.train_step(x, y, loss_fn)
+    want = _reference_step(ref, x, y, loss_fn, plan.microbatches)
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    # batch norm's running statistics moved once per micro-batch, recomputation or not
+    for b, c in zip(model.buffers(), ref.buffers()):
+        torch.testing.assert_close(b, c)
+
+
 @pytest.mark.parametrize(
     "make, schedule",
     [(unet, s) for s in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")]
@@ -219,22 +220,11 @@ def test_graph_pipeline_gradients_equal_the_model(make, schedule, recompute):
     prof = profile_model(layers, x, batch_sizes=[2], repeats=1, warmup=0, progress=False)
     K = 3 if schedule == "gpipe" else 2
     plan = _plan(prof, schedule, recompute, K=K)
-    ref = copy.deepcopy(model)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pipe = compile_pipe(layers, plan)
     if make is resnet:
         y, loss_fn = torch.randint(0, 10, (8,)), nn.functional.cross_entropy
     else:
         y, loss_fn = torch.randn_like(x), nn.functional.mse_loss
-    loss = pipe.train_step(x, y, loss_fn)
-    want = _reference_step(ref, x, y, loss_fn, plan.microbatches)
-    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
-    # batch norm's running statistics moved once per micro-batch, recomputation or not
-    for b, c in zip(model.buffers(), ref.buffers()):
-        torch.testing.assert_close(b, c)
+    _assert_step_parity(model, layers, plan, x, y, loss_fn)
 
 
 def test_compile_pipe_captures_the_users_own_model(captured_unet):
