@@ -226,7 +226,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 def cmd_simulate(args: argparse.Namespace) -> int:
     from planner import Plan, format_size
-    from planner.search import simulate_stages
+    from planner.search import simulate_plan
     from schedules import ascii_timeline, gantt_png, write_chrome_trace
 
     outputs = {"--chrome-trace": args.chrome_trace, "--png": args.png}
@@ -237,7 +237,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.png:
         _needs_matplotlib()  # before anything is written
     plan = Plan.load(args.plan)
-    tl = simulate_stages(plan.schedule, len(plan.devices), plan.microbatches, plan.stages)
+    tl = simulate_plan(plan)
     print(
         f"{plan.schedule}, {len(plan.devices)} devices x {plan.stages_per_device} stage(s), "
         f"M={plan.microbatches}: makespan {tl.makespan:.3f} ms, bubble {tl.bubble_fraction:.3f}"
@@ -403,7 +403,7 @@ def _fraction(text: str, flag: str) -> float:
 
 def cmd_show(args: argparse.Namespace) -> int:
     from planner import Plan
-    from planner.search import plan_schedule
+    from planner.search import schedule_of
     from schedules import grid
 
     plan = Plan.load(args.plan)
@@ -412,7 +412,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     if plan.alternatives:
         print("\n" + _runners_up(plan))
     print(f"\nschedule (rank x step; {plan.schedule}):")
-    print(grid(plan_schedule(plan.schedule, len(plan.devices), plan.microbatches)))
+    print(grid(schedule_of(plan)))
     return EXIT_OK
 
 

@@ -63,6 +63,7 @@ class DistPipelineRuntime(PipelineRuntime):
             torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
         )
         self.local = {s for s, r in enumerate(self.RANKS) if r == self.rank}
+        self._route(layers)
         self.ties = self._tie_groups(layers)
         self.devices = [self.device] * len(self.STAGES)
         self.stages = [
@@ -165,7 +166,29 @@ class DistPipelineRuntime(PipelineRuntime):
 
     # Hand-offs: within the rank as before; to another rank through the outbox and SEND actions.
 
+    def _tag(self, kind: str, src: int, dst: int, m: int) -> int:
+        """A captured graph's messages carry a tag each: a rank may send one rank several."""
+        S = len(self.STAGES)
+        return (("FB".index(kind) * S + src) * S + dst) * self.MICROBATCHES + m + 1
+
     def push(self, value: Value, s: int, m: int) -> None:
+        if self.routed:
+            far = []
+            for (a, t), names in sorted(self.routes.items()):
+                if a != s:
+                    continue
+                if t in self.local:
+                    moved = self._move([value[n].detach() for n in names], s, t, None)
+                    self.inputs.setdefault((t, m), {}).update(zip(names, moved))
+                else:
+                    far.append((t, [value[n].detach() for n in names]))
+            self.out_meta[(s, m)] = {  # type: ignore[assignment]
+                n: (list(t.shape), t.dtype) if t.is_floating_point() else None
+                for n, t in value.items()
+            }
+            if far:
+                self.outbox[("F", s, m)] = far
+            return
         if s + 1 in self.local:
             return super().push(value, s, m)
         ts = [t.detach() for t in _tensors(value)]
@@ -175,6 +198,26 @@ class DistPipelineRuntime(PipelineRuntime):
         self.outbox[("F", s, m)] = (isinstance(value, tuple), ts)
 
     def leave_grad(self, grads: Grads, s: int, m: int, like: list[torch.Tensor]) -> None:
+        if self.routed:
+            mine = dict(zip(self.receives[s], zip(grads, like)))
+            near: dict[str, Any] = {}
+            far = []
+            for (a, t), names in sorted(self.routes.items()):
+                if t != s:
+                    continue
+                if a in self.local:
+                    near.update({n: mine[n][0] for n in names})
+                else:  # floating-point values only, zeros where no gradient came
+                    far.append((a, [
+                        g if g is not None else torch.zeros_like(x)
+                        for g, x in (mine[n] for n in names)
+                        if x.is_floating_point()
+                    ]))  # fmt: skip
+            if near:
+                self.outgrads[(s, m)] = (near, None)  # type: ignore[assignment]
+            if far:
+                self.outbox[("B", s, m)] = far
+            return
         if s - 1 in self.local:
             return super().leave_grad(grads, s, m, like)
         # One tensor per floating-point input, zeros where it got no gradient: the receiver
@@ -186,49 +229,106 @@ class DistPipelineRuntime(PipelineRuntime):
         ]
 
     def pull(self, s: int, m: int) -> Grads:
-        if s + 1 in self.local:
+        if self.routed or s + 1 in self.local:
             return super().pull(s, m)
         return self.outgrads.pop((s + 1, m))[0]  # received by RECV_B, already ours
 
+    def _send_tensors(
+        self, ts: list[torch.Tensor], is_tuple: bool, dst: int, tag: int
+    ) -> tuple[list[Any], list[torch.Tensor]]:
+        """A header (how many tensors, their dtypes and shapes), then the tensors; not waited
+        for: (the sends, the tensors they hold)."""
+        header = [len(ts), int(is_tuple)]
+        for t in ts:
+            header += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+        if len(header) > _HEADER:
+            raise ValueError("too many or too high-dimensional tensors cross this cut")
+        head = torch.tensor(
+            header + [0] * (_HEADER - len(header)), dtype=torch.int64, device=self.device
+        )
+        ts = [t.contiguous() for t in ts]
+        return [dist.isend(head, dst, tag=tag)] + [dist.isend(t, dst, tag=tag) for t in ts], [
+            head,
+            *ts,
+        ]
+
+    def _recv_tensors(self, src: int, tag: int) -> tuple[list[torch.Tensor], bool]:
+        head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
+        dist.recv(head, src, tag=tag)
+        h = head.tolist()
+        count, is_tuple, k, ts = h[0], bool(h[1]), 2, []
+        for _ in range(count):
+            dtype, ndim = _DTYPES[h[k]], h[k + 1]
+            shape = h[k + 2 : k + 2 + ndim]
+            k += 2 + ndim
+            t = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.recv(t, src, tag=tag)
+            ts.append(t)
+        return ts, is_tuple
+
     def send_forward(self, s: int, m: int) -> None:
+        if self.routed:
+            with self._action("send_forward", s, m):
+                works: list[Any] = []
+                held: list[torch.Tensor] = []
+                for t, ts in self.outbox.pop(("F", s, m)):
+                    w, h = self._send_tensors(ts, True, self.RANKS[t], self._tag("F", s, t, m))
+                    works += w
+                    held += h
+                self.sent[("F", s, m)] = (works, held)
+            return
         with self._action("send_forward", s, m):
             is_tuple, ts = self.outbox.pop(("F", s, m))
-            header = [len(ts), int(is_tuple)]
-            for t in ts:
-                header += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-            if len(header) > _HEADER:
-                raise ValueError("too many or too high-dimensional tensors cross this cut")
-            head = torch.tensor(
-                header + [0] * (_HEADER - len(header)), dtype=torch.int64, device=self.device
-            )
-            dst = self.RANKS[s + 1]
-            ts = [t.contiguous() for t in ts]
-            works = [dist.isend(head, dst)] + [dist.isend(t, dst) for t in ts]
-            self.sent[("F", s, m)] = (works, [head, *ts])
+            self.sent[("F", s, m)] = self._send_tensors(ts, is_tuple, self.RANKS[s + 1], 0)
 
     def recv_forward(self, s: int, m: int) -> None:
+        if self.routed:
+            with self._action("recv_forward", s, m):
+                for (a, t), names in sorted(self.routes.items()):
+                    if t == s and a not in self.local:
+                        ts, _ = self._recv_tensors(self.RANKS[a], self._tag("F", a, s, m))
+                        self.inputs.setdefault((s, m), {}).update(zip(names, ts))
+            return
         with self._action("recv_forward", s, m):
-            src = self.RANKS[s - 1]
-            head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-            dist.recv(head, src)
-            h = head.tolist()
-            count, is_tuple, k, ts = h[0], bool(h[1]), 2, []
-            for _ in range(count):
-                dtype, ndim = _DTYPES[h[k]], h[k + 1]
-                shape = h[k + 2 : k + 2 + ndim]
-                k += 2 + ndim
-                t = torch.empty(shape, dtype=dtype, device=self.device)
-                dist.recv(t, src)
-                ts.append(t)
+            ts, is_tuple = self._recv_tensors(self.RANKS[s - 1], 0)
             self.inputs[(s, m)] = tuple(ts) if is_tuple else ts[0]
 
     def send_backward(self, s: int, m: int) -> None:
+        if self.routed:
+            with self._action("send_backward", s, m):
+                works: list[Any] = []
+                held: list[torch.Tensor] = []
+                for a, gs in self.outbox.pop(("B", s, m)):
+                    tag = self._tag("B", a, s, m)
+                    for g in gs:
+                        g = g.contiguous()
+                        works.append(dist.isend(g, self.RANKS[a], tag=tag))
+                        held.append(g)
+                self.sent[("B", s, m)] = (works, held)
+            return
         with self._action("send_backward", s, m):
             ts = [g.contiguous() for g in self.outbox.pop(("B", s, m))]
             works = [dist.isend(t, self.RANKS[s - 1]) for t in ts]
             self.sent[("B", s, m)] = (works, ts)
 
     def recv_backward(self, s: int, m: int) -> None:
+        if self.routed:
+            with self._action("recv_backward", s, m):
+                meta = self.out_meta.pop((s, m))
+                for (a, t), names in sorted(self.routes.items()):
+                    if a != s or t in self.local:
+                        continue
+                    got: dict[str, Any] = {}
+                    for n in names:
+                        if meta[n] is None:  # type: ignore[call-overload]
+                            got[n] = None
+                            continue
+                        shape, dtype = meta[n]  # type: ignore[call-overload]
+                        g = torch.empty(shape, dtype=dtype, device=self.device)
+                        dist.recv(g, self.RANKS[t], tag=self._tag("B", s, t, m))
+                        got[n] = g
+                    self.outgrads.setdefault((t, m), ({}, None))[0].update(got)  # type: ignore[union-attr]
+            return
         with self._action("recv_backward", s, m):
             src = self.RANKS[s + 1]
             got: list[torch.Tensor | None] = []

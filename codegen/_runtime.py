@@ -47,11 +47,40 @@ class StageError(RuntimeError):
 
 
 def _tensors(v: Value) -> list[torch.Tensor]:
+    if isinstance(v, dict):  # a captured graph's stage boundary: value name -> tensor
+        return list(v.values())
     return list(v) if isinstance(v, tuple) else [v]
 
 
 def _like(v: Value, ts: list[torch.Tensor]) -> Value:
+    if isinstance(v, dict):
+        return dict(zip(v, ts))
     return tuple(ts) if isinstance(v, tuple) else ts[0]
+
+
+Routes = dict[tuple[int, int], list[str]]
+
+
+def routes_of(layers: list[nn.Module], stages: list[tuple[int, int]]) -> Routes:
+    """A captured graph's (sender, receiver) stage -> the names of the values that go straight
+    from the stage that makes them to each later stage that reads them (planner/routing.py
+    says the same from the profile). Stage 0 holds the model's input."""
+    stage_of = [s for s, (a, b) in enumerate(stages) for _ in range(a, b)]
+    born: dict[str, int] = {}
+    readers: dict[str, set[int]] = {}
+    for k, layer in enumerate(layers):
+        for name in layer.reads:
+            if name in born:
+                readers[name].add(stage_of[k])
+        for name in layer.crossing:
+            if name not in born:
+                born[name] = stage_of[k]
+                readers[name] = set()
+    out: Routes = {}
+    for name, src in born.items():
+        for dst in sorted(readers[name] - {src}):
+            out.setdefault((src, dst), []).append(name)
+    return out
 
 
 def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
@@ -61,7 +90,11 @@ def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
 
 def _edges(v: Value) -> list[tuple[int, GradientEdge]]:
     """(position, gradient edge) of each tensor of `v` that autograd reaches."""
-    return [(k, get_gradient_edge(t)) for k, t in enumerate(_tensors(v)) if t.requires_grad]
+    return [
+        (k, get_gradient_edge(t))
+        for k, t in enumerate(_tensors(v))
+        if t is not None and t.requires_grad
+    ]
 
 
 Tied = list[tuple[nn.Parameter, list[nn.Parameter]]]
@@ -132,6 +165,7 @@ class PipelineRuntime:
     STAGES: list[tuple[int, int]] = []  # [start, end) layer range of each stage
     RANKS: list[int] = []  # device position of each stage
     RECOMPUTE: list[str] = []  # each stage's recomputation: never, except_last or always
+    ROUTES: list[tuple[int, int]] = []  # a captured graph's (sender, receiver) stages, planned
 
     def __init__(
         self,
@@ -150,6 +184,7 @@ class PipelineRuntime:
         # The stages hold the model's own layers (and so its own parameters), moved in place;
         # a parameter that stages on several devices use (tied weights) is copied to the others.
         stages = [nn.Sequential(*layers[a:b]) for a, b in self.STAGES]
+        self._route(layers)
         self.tied = untie(stages, self.RANKS)
         self.stages = [st.to(d) for st, d in zip(stages, self.devices)]
         self.deferred_batch_norm = deferred_batch_norm
@@ -170,6 +205,31 @@ class PipelineRuntime:
         self.action_log: list[tuple[str, int, int, Any, Any]] | None = None
         self.rng: Any = None
         self._reset()
+
+    def _route(self, layers: list[nn.Module]) -> None:
+        """A captured graph's stages take and give named values, along its routes; an
+        nn.Sequential's stages hand one value (a tensor or a tuple) each to the next."""
+        S = len(self.STAGES)
+        self.routed = bool(layers) and getattr(layers[0], "captured_layer", False)
+        self.routes: Routes = routes_of(layers, self.STAGES) if self.routed else {}
+        self.receives = [
+            [n for (a, b), names in sorted(self.routes.items()) if b == t for n in names]
+            for t in range(S)
+        ]
+        self.gives: list[list[str]] = []
+        for s in range(S):
+            names: list[str] = []
+            for (a, _), carried in sorted(self.routes.items()):
+                names += [n for n in carried if a == s and n not in names]
+            self.gives.append(names)
+        self.input_name = layers[0].inputs[0] if self.routed else ""
+        if self.routed and self.ROUTES and sorted(self.routes) != sorted(self.ROUTES):
+            raise ValueError(
+                f"this program was planned to send along stages {sorted(self.ROUTES)}, but "
+                f"the model's graph sends along {sorted(self.routes)}: plan it again"
+            )
+        if self.routed and S > 1 and not all(self.receives[t] for t in range(1, S)):
+            raise ValueError("a stage of this split receives nothing from the stages before it")
 
     # -- a step ---------------------------------------------------------------------------
 
@@ -223,7 +283,7 @@ class PipelineRuntime:
 
     def forward(self, s: int, m: int) -> None:
         with self._action("forward", s, m):
-            x = self.batch[m].to(self.devices[s], copy=True) if s == 0 else self.inputs.pop((s, m))
+            x = self.batch[m].to(self.devices[s], copy=True) if s == 0 else self._take(s, m)
             inp = _like_leaf(x, grad=s > 0)
             del x
             self.inputs[(s, m)] = inp
@@ -309,8 +369,8 @@ class PipelineRuntime:
         if m >= self.infer_microbatches:
             return
         with self._action("forward", s, m), torch.no_grad():
-            x = self.batch[m].to(self.devices[0]) if s == 0 else self.inputs.pop((s, m))
-            out = self.stages[s](x)
+            x = self.batch[m].to(self.devices[0]) if s == 0 else self._take(s, m)
+            out = self._apply(s, x) if self.routed else self.stages[s](x)
             if s == len(self.stages) - 1:
                 self.outputs[(s, m)] = out
             else:
@@ -412,14 +472,43 @@ class PipelineRuntime:
         first = self.STAGES[s][0]
         layers = list(self.stages[s])
         inner = []
-        for k, layer in enumerate(layers):
+
+        def seeded(k: int, layer: nn.Module, x: Value) -> Value:
             seed_layer(self.devices[s], self.seed, first + k, m)
-            h = layer(h)
+            out = layer(x)
             if keep and k < len(layers) - 1:
-                inner.append([e for _, e in _edges(h)])
+                inner.append([e for _, e in _edges(out)])
+            return out
+
+        if self.routed:
+            h = self._apply(s, h, seeded)
+        else:
+            for k, layer in enumerate(layers):
+                h = seeded(k, layer, h)
         if keep:
             self.inner[(s, m)] = inner
         return h
+
+    def _apply(
+        self, s: int, given: Value, call: Callable[[int, nn.Module, Value], Value] | None = None
+    ) -> Value:
+        """A captured graph's stage: its layers on the named values it was given (the model's
+        input on stage 0); a value it was not sent only passes through a layer, as None. The
+        last stage returns the model's output; the others what they send, by name."""
+        env: dict[str, Any] = given if isinstance(given, dict) else {self.input_name: given}
+        env = dict(env)
+        layers = list(self.stages[s])
+        out: Value = None
+        for k, layer in enumerate(layers):
+            args = tuple(env.get(n) for n in layer.inputs)
+            x = args if len(args) > 1 else args[0]
+            out = call(k, layer, x) if call is not None else layer(x)
+            if s < len(self.stages) - 1 or k < len(layers) - 1:
+                outs = out if len(layer.crossing) > 1 else (out,)
+                env.update(zip(layer.crossing, outs))
+        if s == len(self.stages) - 1:
+            return out
+        return {n: env[n] for n in self.gives[s]}
 
     def _backward_roots(self, s: int, m: int) -> tuple[list[Any], list[torch.Tensor] | None]:
         """What backward starts from: the loss on the last stage; elsewhere the output's edges,
@@ -436,25 +525,56 @@ class PipelineRuntime:
     # stream (destination device) wait for it and copy; the consumer's stream waits for the copy.
 
     def push(self, value: Value, s: int, m: int) -> None:
-        """Stage s's output for micro-batch m becomes stage s + 1's input."""
-        with owner(s + 1):
-            moved = self._move([t.detach() for t in _tensors(value)], s, s + 1, None)
-        self.inputs[(s + 1, m)] = _like(value, moved)
+        """Stage s's output for micro-batch m becomes stage s + 1's input; a captured graph's
+        values go to each stage that reads them, straight away."""
+        if not self.routed:
+            with owner(s + 1):
+                moved = self._move([t.detach() for t in _tensors(value)], s, s + 1, None)
+            self.inputs[(s + 1, m)] = _like(value, moved)
+            return
+        for (a, t), names in sorted(self.routes.items()):
+            if a == s:
+                with owner(t):
+                    moved = self._move([value[n].detach() for n in names], s, t, None)
+                self.inputs.setdefault((t, m), {}).update(zip(names, moved))
+
+    def _take(self, t: int, m: int) -> Value:
+        """Stage t's input for micro-batch m, all of it arrived (by name, in a fixed order)."""
+        got = self.inputs.pop((t, m))
+        return {n: got[n] for n in self.receives[t]} if self.routed else got
 
     def leave_grad(self, grads: Grads, s: int, m: int, like: list[torch.Tensor]) -> None:
         """The gradient of stage s's input tensors `like` (None where there is none), for
-        stage s - 1 to pull."""
+        the stages that sent them to pull."""
         made = None
         if self.cuda:
             made = torch.cuda.Event()
             made.record(self.compute[s])
+        if self.routed:  # by name: each sender pulls its own
+            self.outgrads[(s, m)] = (dict(zip(self.receives[s], grads)), made)
+            return
         self.outgrads[(s, m)] = (grads, made)
 
     def pull(self, s: int, m: int) -> Grads:
-        """The gradient of stage s's output for micro-batch m, copied from stage s + 1."""
-        grads, made = self.outgrads.pop((s + 1, m))
-        moved = iter(self._move([g for g in grads if g is not None], s + 1, s, made))
-        return [next(moved) if g is not None else None for g in grads]
+        """The gradient of stage s's output for micro-batch m, copied from stage s + 1 (a
+        captured graph: from every stage it sent to, summed per value)."""
+        if not self.routed:
+            grads, made = self.outgrads.pop((s + 1, m))
+            moved = iter(self._move([g for g in grads if g is not None], s + 1, s, made))
+            return [next(moved) if g is not None else None for g in grads]
+        total: dict[str, torch.Tensor] = {}
+        for (a, t), names in sorted(self.routes.items()):
+            if a != s:
+                continue
+            left, made = self.outgrads[(t, m)]
+            mine = [(n, left.pop(n)) for n in names]
+            present = [(n, g) for n, g in mine if g is not None]
+            moved = self._move([g for _, g in present], t, s, made)
+            for (n, _), g in zip(present, moved):
+                _merge(total, n, g)
+            if not left:
+                del self.outgrads[(t, m)]
+        return [total.get(n) for n in self.gives[s]]
 
     def _move(
         self, ts: list[torch.Tensor], src: int, dst: int, produced: Any
@@ -499,6 +619,13 @@ class PipelineRuntime:
 
 def _like_leaf(v: Value, grad: bool) -> Value:
     return _like(v, [_leaf(t, grad) for t in _tensors(v)])
+
+
+def _merge(grads: dict[str, torch.Tensor], name: str, g: torch.Tensor | None) -> None:
+    """Add a gradient of value `name` to those already there (sent to several stages)."""
+    if g is None:
+        return
+    grads[name] = g if grads.get(name) is None else grads[name] + g
 
 
 def _split_target(y: Any, M: int) -> list[Any]:

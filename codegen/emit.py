@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from planner.plan import Plan
-from planner.search import plan_schedule
+from planner.search import schedule_of
 from schedules import Action, Kind, Schedule, canonical_order, insert_comms, validate
 from schedules.comm import send_acks
 
@@ -36,9 +36,7 @@ _CALL = {
 def issue_order(plan: Plan, schedule: Schedule | None = None) -> list[Action]:
     """Every compute action once, in the order the host issues them: the schedule's issue order
     (schedules/order.py), which is also the order the planner counted memory in."""
-    sched = (
-        schedule or plan_schedule(plan.schedule, len(plan.devices), plan.microbatches)
-    ).compute_only()
+    sched = (schedule or schedule_of(plan)).compute_only()
     validate(sched)
     return canonical_order(sched, [st.recompute for st in plan.stages])
 
@@ -57,7 +55,7 @@ def emit_program(
     torchrun: one process per device, point-to-point sends between them (gloo or NCCL)."""
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
-    sched = schedule or plan_schedule(plan.schedule, len(plan.devices), plan.microbatches)
+    sched = schedule or schedule_of(plan)
     runtime = "\n\n".join(_without_dropped_lines(p.read_text()) for p in RUNTIME)
     if target == "streams":
         body = _streams_class(plan, issue_order(plan, sched))
@@ -110,11 +108,14 @@ def _constants(plan: Plan) -> str:
     stages = _py_list("STAGES", [f"({a}, {b})" for a, b in (st.layers for st in plan.stages)])
     ranks = _py_list("RANKS", [str(st.rank) for st in plan.stages])
     recompute = _py_list("RECOMPUTE", [json.dumps(st.recompute) for st in plan.stages])
+    routes = ""
+    if plan.routes:  # a captured graph: each value straight to the stages that read it
+        routes = "\n    " + _py_list("ROUTES", [f"({a}, {b})" for a, b in plan.routes])
     return f"""    SCHEDULE = "{plan.schedule}"
     MICROBATCHES = {plan.microbatches}
     {stages}
     {ranks}
-    {recompute}
+    {recompute}{routes}
 """
 
 

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from planner.plan import Plan
-from planner.search import simulate_stages
+from planner.search import simulate_plan
 from profiler.artifact import InputError
 from profiler.memtrack import AllocationTrace, owned_by, trace_allocations
 from schedules import Timeline
@@ -231,7 +231,7 @@ def build_report(
     """Put measured peaks and the action log (what, stage, micro-batch, start, end in ms, over
     `steps` steps) next to the plan's predictions."""
     ranks = [st.rank for st in plan.stages]
-    tl = simulate_stages(plan.schedule, len(plan.devices), plan.microbatches, plan.stages)
+    tl = simulate_plan(plan)
     predicted = predicted_actions(tl)
     durations: dict[tuple[int, str], list[float]] = {}
     busy = [0.0] * len(plan.devices)

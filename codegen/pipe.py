@@ -139,11 +139,9 @@ def compile_pipe(
     namespace = types.ModuleType("gpipe_plan_program")
     exec(compile(source, f"<gpipe-plan program {plan.digest()[:12]}>", "exec"), namespace.__dict__)
     program = namespace.Pipeline(model, devs, deferred_batch_norm=deferred_batch_norm)
-    from planner.search import plan_schedule
+    from planner.search import schedule_of
 
-    return Pipe(
-        plan, plan_schedule(plan.schedule, K, plan.microbatches), source, program, namespace
-    )
+    return Pipe(plan, schedule_of(plan), source, program, namespace)
 
 
 def auto_pipe(

@@ -14,6 +14,8 @@ import numpy as np
 
 from profiler.types import Profile
 
+from .routing import Flow
+
 OPTIMIZER_SLOTS = {"sgd": 0, "momentum": 1, "adam": 2}
 
 
@@ -63,6 +65,7 @@ class Chain:
     grad_in: np.ndarray  # the gradient of layer l's input (0 where it needs none)
     boundary: np.ndarray
     num_model_layers: int = -1
+    flow: Flow | None = None  # a captured graph: which stage receives which value (routing.py)
 
     @property
     def num_layers(self) -> int:
@@ -166,4 +169,5 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         grad_in=grad_in,
         boundary=boundary,
         num_model_layers=L,
+        flow=Flow.of(profile.layers, n > L, mb, unit) if profile.captured else None,
     )

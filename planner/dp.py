@@ -49,8 +49,9 @@ def solve_partition_dp(
                 option = np.where(c < cost, x, option)
                 cost = np.minimum(cost, c)
             before = best[s - 1][i] if s else np.where(i == 0, 0.0, math.inf)
-            if s and links is not None:
-                before = np.maximum(before, links[s - 1][i])  # inf: no cut allowed at i
+            if s and links is not None:  # inf: no cut allowed at i
+                link = links[s - 1][i, j] if links.ndim == 3 else links[s - 1][i]
+                before = np.maximum(before, link)
             value = np.maximum(before, cost)
             k = int(np.argmin(value))
             best[s][j], arg[s][j], pick[s][j] = value[k], i[k], option[k]

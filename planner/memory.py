@@ -4,12 +4,16 @@ A device holds its stage's weights all the time, and its micro-batches' tensors 
 as the schedule's issue order moves them (schedules/memory.py). Per micro-batch, for the stage
 [i, j) (the loss, when profiled, is the last stage's final layer):
 
-    X   = boundary[i]                  its input (pushed by the previous stage, or our own copy)
+    X   = boundary[i]                  its input (pushed by the previous stage, or our own copy);
+                                       a captured graph's stage receives only the values its
+                                       layers read, each from the stage that made it (routing.py)
+    E   = the part of X sent by a stage before the previous one: it arrives earlier (`early`)
     Xs  = input_saved[i]               the part of X that layer i saves itself
     S   = sum saved[i:j] - sum shared[i+1:j]    what its layers save, each tensor once
     Z   = sum zgrad[i:j]               zero bubble: the gradients kept from I to W (every inner
                                        layer output's, and the stage output's)
-    G   = grad_in[i]                   its input gradient, until the previous stage pulls it
+    G   = grad_in[i]                   its input gradient, until the stages that sent the
+                                       input pull it (a captured graph: X's floating part)
     P   = max zgrad[i:j]               the output gradient B pulls and holds while it runs (the
                                        largest boundary inside: the total must grow with j)
     live = max(remat_live, the backward transients, the last layer's without its output
@@ -21,7 +25,7 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
                                        what a forward that keeps nothing (recomputation) needs:
                                        one layer's working memory and, inside the stage, its input
 
-    state bytes  input X, activations X + S - Xs, during_i X + S - Xs + Z + G,
+    state bytes  input X, early E, activations X + S - Xs, during_i X + S - Xs + Z + G,
                  between_iw S + Z (+ X - Xs where G > 0: W's graph holds the input), grad G,
                  pulled P
 
@@ -127,13 +131,34 @@ class MemoryModel:
         """Range maxima over the layers after a stage's first: (i, j); 0 where there are none."""
         return np.where(j - i > 1, table(np.minimum(i + 1, j - 1), j), 0)
 
-    def state_bytes(self, i: np.ndarray | int, j: np.ndarray | int) -> dict[str, np.ndarray]:
+    def inputs(
+        self, i: np.ndarray, j: np.ndarray, start: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per micro-batch, for stages [i, j): what it receives (X), the part with a gradient
+        (G), and the part sent from before `start`, the previous stage's first layer (early;
+        unknown start: i - 1, which counts at least as much). A chain receives boundary[i]; a
+        captured graph only the values its layers read (routing.py); stage 0 copies the input."""
+        c = self.chain
+        if c.flow is None:
+            x = c.boundary[i].astype(np.int64)
+            return x, c.grad_in[i].astype(np.int64), np.zeros_like(x)
+        first = i == 0
+        x = np.where(first, c.boundary[0], c.flow.recv(i, j)).astype(np.int64)
+        g = np.where(first, 0, c.flow.recv_grad(i, j)).astype(np.int64)
+        before = i - 1 if start is None else np.asarray(start, dtype=np.int64)
+        early = np.where(first, 0, c.flow.far(before, i, j)).astype(np.int64)
+        return x, g, early
+
+    def state_bytes(
+        self, i: np.ndarray | int, j: np.ndarray | int, start: np.ndarray | int | None = None
+    ) -> dict[str, np.ndarray]:
         """Per micro-batch, for stages [i, j): the bytes of each state, `live`, and the parts
-        (`saved` S, `loss` its share from the loss function, `z` Z) the breakdown reports."""
+        (`saved` S, `loss` its share from the loss function, `z` Z) the breakdown reports.
+        `start`: the previous stage's first layer, where known (what arrives early)."""
         i = np.atleast_1d(np.asarray(i, dtype=np.int64))
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
         c = self.chain
-        x = c.boundary[i].astype(np.int64)
+        x, g, early = self.inputs(i, j, None if start is None else np.atleast_1d(start))
         xs = np.minimum(c.input_saved[i].astype(np.int64), x)
         saved = self._saved[j] - self._saved[i] - (self._shared[j] - self._shared[i + 1])
         z = self._zgrad[j] - self._zgrad[i]
@@ -142,11 +167,12 @@ class MemoryModel:
         return {
             "input": x,
             "activations": x + saved - xs,
-            "during_i": x + saved - xs + z + c.grad_in[i].astype(np.int64),
+            "during_i": x + saved - xs + z + g,
             # the graph kept for W holds the input too, when it needs a gradient
-            "between_iw": saved + z + np.where(c.grad_in[i] > 0, x - xs, 0),
-            "grad": c.grad_in[i].astype(np.int64),
+            "between_iw": saved + z + np.where(g > 0, x - xs, 0),
+            "grad": g,
             "pulled": self._pulled(i, j),
+            "early": early,
             "live": np.maximum(remat, self._backward_live(i, j)),
             "remat_live": remat,
             "input_live": self._input_live(i, j),
@@ -157,10 +183,12 @@ class MemoryModel:
             "input_saved": xs,
         }
 
-    def stage_bytes(self, i: int, j: int, shape: StageShape) -> StageBytes:
+    def stage_bytes(
+        self, i: int, j: int, shape: StageShape, start: int | None = None
+    ) -> StageBytes:
         """The stage [i, j) as the simulator's StageBytes."""
-        b = {k: int(v[0]) for k, v in self.state_bytes(i, j).items()}
-        terms = self.terms(i, j, shape)
+        b = {k: int(v[0]) for k, v in self.state_bytes(i, j, start).items()}
+        terms = self.terms(i, j, shape, start)
         static = sum(int(terms[k][0]) for k in ("params", "grads", "optimizer", "workspace"))
         step = int(terms["optimizer_step_size"][0])
         return StageBytes(
@@ -171,20 +199,24 @@ class MemoryModel:
         )
 
     def terms(
-        self, i: np.ndarray | int, j: np.ndarray | int, shape: StageShape
+        self,
+        i: np.ndarray | int,
+        j: np.ndarray | int,
+        shape: StageShape,
+        start: np.ndarray | int | None = None,
     ) -> dict[str, np.ndarray]:
         """The breakdown for stages [i, j) (j > i) at the stage's worst moment, in bytes."""
         i = np.atleast_1d(np.asarray(i, dtype=np.int64))
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
         p = self._params[j] - self._params[i]
-        b = self.state_bytes(i, j)
+        b = self.state_bytes(i, j, start)
         best = np.full(i.shape, -1, dtype=np.int64)
         parts = {k: np.zeros(i.shape, dtype=np.int64) for k in ("stash", "grad", "live", "loss")}
         z = b["during_i"] - b["activations"] - b["grad"]
         kept_in = b["between_iw"] - b["saved"] - z
         for t in shape.occupancy:
-            n_in, n_act, n_di, n_iw, n_grad, n_pulled = t[: len(STATES)]
-            stash = n_in * b["input"] + (n_act + n_di) * b["activations"]
+            n_in, n_act, n_di, n_iw, n_grad, n_pulled, n_early = t[: len(STATES)]
+            stash = n_in * b["input"] + (n_act + n_di) * b["activations"] + n_early * b["early"]
             stash = stash + n_iw * (b["saved"] + kept_in)
             grads = (n_di + n_iw) * z + n_di * b["grad"] + n_grad * b["grad"]
             grads = grads + n_pulled * b["pulled"]

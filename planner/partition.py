@@ -2,7 +2,9 @@
 
 Stage s runs layers [i, j) on device s, costs (T[j] - T[i]) / speed[s] per micro-batch and must
 fit budget[s]. Optionally the link between stages s and s + 1 costs cuts[s][j] per micro-batch
-when that cut sits at layer boundary j (math.inf: not allowed there). Links are resources of
+when that cut sits at layer boundary j (math.inf: not allowed there), or cuts[s][j, k] when it
+also depends on where stage s + 1 ends (a captured graph's stage receives what its layers read;
+non-decreasing in k, so it limits how far stage s + 1 may reach from j, as memory does). Links are resources of
 their own (transfers overlap compute), so we minimise the slowest stage or link:
 
     bottleneck = max( max_s (T[b_{s+1}] - T[b_s]) / speed[s],  max_{s < K-1} cuts[s][b_{s+1}] )
@@ -72,7 +74,12 @@ def stage_costs(times: np.ndarray, bounds: list[int], speeds: list[float]) -> li
 
 
 def cut_table(cuts: Sequence[np.ndarray] | None, layers: int, stages: int) -> np.ndarray | None:
-    """cuts as a (stages - 1, layers + 1) float array, checked; None stays None."""
+    """cuts as a (stages - 1, layers + 1) float array, checked; None stays None.
+
+    A link's cost may also depend on where the stage after it ends (a captured graph's stage
+    receives only what its layers read): cuts[s][j, k] for the stage [j, k), non-decreasing in
+    k. With any such entry the table is (stages - 1, layers + 1, layers + 1), the others
+    broadcast along k."""
     if cuts is None:
         return None
     if len(cuts) != stages - 1:
@@ -80,17 +87,25 @@ def cut_table(cuts: Sequence[np.ndarray] | None, layers: int, stages: int) -> np
             f"cuts has {len(cuts)} arrays but {stages} stages have {stages - 1} links; "
             "pass one array per link"
         )
-    table = np.empty((stages - 1, layers + 1), dtype=np.float64)
-    for s, row in enumerate(cuts):
-        row = np.asarray(row, dtype=np.float64)
-        if row.shape != (layers + 1,):
+    rows = [np.asarray(row, dtype=np.float64) for row in cuts]
+    spans = any(row.ndim == 2 for row in rows)
+    n = layers + 1
+    table = np.empty((stages - 1, n, n) if spans else (stages - 1, n), dtype=np.float64)
+    for s, row in enumerate(rows):
+        if row.shape not in ((n,), (n, n)):
             raise ValueError(
                 f"cuts[{s}] has shape {row.shape}; pass one entry per layer boundary, "
-                f"{layers + 1} for {layers} layers"
+                f"{n} for {layers} layers (or {n} x {n}: per start and end of the next stage)"
             )
         if not (row >= 0).all():
             raise ValueError(f"cuts[{s}] has a negative or NaN entry; use math.inf to forbid a cut")
-        table[s] = row
+        if spans and row.ndim == 2:
+            later = np.triu(np.ones((n, n), dtype=bool), 1)
+            with np.errstate(invalid="ignore"):  # inf - inf: a forbidden start, any order
+                grows = np.diff(np.where(later, row, 0.0), axis=1)
+            if (grows < 0).any():
+                raise ValueError(f"cuts[{s}][j, k] must not decrease as k grows")
+        table[s] = row if not spans or row.ndim == 2 else row[:, None]
     return table
 
 
@@ -98,6 +113,8 @@ def split_cuts(table: np.ndarray | None, bounds: list[int]) -> list[float]:
     """The transfer time of each link of a split (empty without cuts)."""
     if table is None:
         return []
+    if table.ndim == 3:
+        return [float(table[s][j, bounds[s + 2]]) for s, j in enumerate(bounds[1:-1])]
     return [float(table[s][j]) for s, j in enumerate(bounds[1:-1])]
 
 
@@ -144,6 +161,12 @@ class _Prober:
         self._every = np.arange(self.L + 1, dtype=np.int64)
         self._bound = math.nan  # the bound _time_ends holds ends for (nan: none yet)
         self._time_ends: dict[tuple[int, float], np.ndarray] = {}
+        self._link_ends: dict[int, np.ndarray] = {}
+        # Links whose cost depends on the next stage's end: the entries before a start do not
+        # count (cleared, so that each row is non-decreasing and a count finds the last end).
+        if self.cuts is not None and self.cuts.ndim == 3:
+            later = np.triu(np.ones((self.L + 1, self.L + 1), dtype=bool), 1)
+            self.cuts = np.where(later, self.cuts, 0.0)
 
     def ends(self, s: int, starts: np.ndarray, bound: float) -> np.ndarray:
         """Largest j per start with cost(s, i, j) <= bound and stage s's memory fitting, under
@@ -151,7 +174,7 @@ class _Prober:
         The time limit from every start is computed once per probe, option and speed: stages
         of equal speed share it."""
         if self._bound != bound:
-            self._bound, self._time_ends = bound, {}
+            self._bound, self._time_ends, self._link_ends = bound, {}, {}
         best = starts.copy()
         every = self._every
         for x, (P, mem_end) in enumerate(zip(self.prefixes, self.mem_end[s])):
@@ -160,6 +183,11 @@ class _Prober:
                 self._time_ends[key] = self._time_end(P, self.speeds[s], every, bound)
             j = self._time_ends[key][starts]
             best = np.maximum(best, np.minimum(j, mem_end[starts]))
+        if s > 0 and self.cuts is not None and self.cuts.ndim == 3:
+            if s not in self._link_ends:  # the last end each start's link allows
+                cap = min(bound, self.max_cut)
+                self._link_ends[s] = (self.cuts[s - 1] <= cap).sum(axis=1) - 1
+            best = np.minimum(best, np.maximum(self._link_ends[s][starts], starts))
         return best
 
     def _time_end(self, P: np.ndarray, sp: float, starts: np.ndarray, bound: float) -> np.ndarray:
@@ -202,7 +230,7 @@ class _Prober:
             steps.append((starts, e))
             cover = np.bincount(starts + 1, minlength=L + 2) - np.bincount(e + 1, minlength=L + 2)
             reach = np.cumsum(cover)[: L + 1] > 0
-            if self.cuts is not None and s < K - 1:
+            if self.cuts is not None and s < K - 1 and self.cuts.ndim == 2:
                 reach &= self.cuts[s] <= cap  # stage s + 1 starts only where its link may cut
         if not reach[L]:
             return None

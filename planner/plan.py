@@ -60,6 +60,9 @@ class StateBytes(_Strict):
     between_iw: Bytes
     grad: Bytes
     pulled: Bytes
+    early: Bytes = Field(
+        default=0, description="sent by a stage before the previous one, arriving earlier"
+    )
     live: Bytes = Field(description="the stage's largest transient while its backward runs")
     remat_live: Bytes = Field(
         description="... while a forward that keeps its saves runs (F, zero bubble's at I)"
@@ -98,7 +101,10 @@ class StagePlan(_Strict):
         "backward_ms: W re-derives each layer's internal gradients"
     )
     recompute_ms: Ms
-    send_bytes: Bytes = Field(description="per micro-batch, to the next stage (0 for the last)")
+    send_bytes: Bytes = Field(
+        description="per micro-batch, what the next stage receives (0 for the last): from this "
+        "stage, and in a captured graph straight from the stages before it"
+    )
     send_ms: Ms
     stash_bytes: Bytes = Field(description="what one micro-batch leaves saved for backward")
     input_bytes: Bytes = Field(description="one micro-batch entering the stage")
@@ -201,6 +207,11 @@ class Plan(Artifact):
     captured: bool = Field(
         default=False, description="the model's graph was captured: layers are runs of its graph"
     )
+    routes: list[tuple[Count, Count]] = Field(
+        default_factory=list,
+        description="(sender, receiver) stage pairs that activations travel along; empty: each "
+        "stage to the next. A captured graph sends each value straight to the stages that read it",
+    )
     stages: list[StagePlan] = Field(min_length=1)
     devices: list[DeviceUse] = Field(min_length=1)
     predicted: Prediction
@@ -229,6 +240,9 @@ class Plan(Artifact):
             raise ValueError(f"stages_per_device {v} does not fit schedule {self.schedule}")
         if S != K * v:
             raise ValueError(f"{S} stages on {K} devices x {v}: expected {K * v} stages")
+        bad = [r for r in self.routes if not r[0] < r[1] < S]
+        if bad:
+            raise ValueError(f"route {list(bad[0])} is not (sender, later receiver) of {S} stages")
         end = 0
         for s, st in enumerate(self.stages):
             i, j = st.layers

@@ -19,6 +19,7 @@ back to the first, which looping needs, is taken to be as slow as the slowest li
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -60,6 +61,7 @@ from .plan import (
     StagePlan,
     StateBytes,
 )
+from .routing import routes as route_pairs
 from .units import format_size
 
 SOLVERS = ("auto", "probe", "dp", "cp-sat")
@@ -232,7 +234,14 @@ def plan_pipeline(
             }
         )
     halved = "half its device" in best.solver.unproven
-    if solver == "cp-sat" and (best_cand.recompute == PER_STAGE or halved):
+    if solver == "cp-sat" and profile.captured:
+        best.solver = best.solver.model_copy(
+            update={
+                "method": "probe-bisection (CP-SAT models a chain; a captured graph's stages "
+                "receive what they read)"
+            }
+        )
+    elif solver == "cp-sat" and (best_cand.recompute == PER_STAGE or halved):
         what = "one recomputation mode" if not halved else "splits checked stage by stage"
         best.solver = best.solver.model_copy(
             update={"method": f"probe-bisection (CP-SAT re-solves {what} only)"}
@@ -634,15 +643,38 @@ def _possible(c: Candidate, K: int, L: int) -> bool:
 
 
 @lru_cache(maxsize=512)
-def plan_schedule(name: str, num_devices: int, microbatches: int) -> Schedule:
-    """The schedule a plan runs: `name` over num_devices x v stages."""
+def plan_schedule(
+    name: str, num_devices: int, microbatches: int, routes: tuple[tuple[int, int], ...] = ()
+) -> Schedule:
+    """The schedule a plan runs: `name` over num_devices x v stages, activations going along
+    `routes` (a chain when empty)."""
     v = INTERLEAVE if name == "interleaved-1f1b" else 1
-    return build_schedule(name, num_devices * v, microbatches, stages_per_rank=v)
+    sched = build_schedule(name, num_devices * v, microbatches, stages_per_rank=v)
+    sched.routes = sorted(set(routes))
+    return sched
+
+
+def schedule_of(plan: Plan) -> Schedule:
+    """The schedule of a plan, with its routes."""
+    routes = tuple((s, t) for s, t in plan.routes)
+    return plan_schedule(plan.schedule, len(plan.devices), plan.microbatches, routes)
 
 
 @lru_cache(maxsize=2048)
-def _occupancy(name: str, num_devices: int, microbatches: int, recompute: str) -> list:
-    return occupancy(plan_schedule(name, num_devices, microbatches), recompute)
+def _occupancy(
+    name: str,
+    num_devices: int,
+    microbatches: int,
+    recompute: str,
+    routes: tuple[tuple[int, int], ...] = (),
+) -> list:
+    return occupancy(plan_schedule(name, num_devices, microbatches, routes), recompute)
+
+
+def _any_routes(stages: int) -> tuple[tuple[int, int], ...]:
+    """Every pair of stages: where a captured graph's split is not known yet, a stage's far
+    inputs are counted as arriving with stage 0's forward (the earliest they could)."""
+    return tuple((s, t) for t in range(stages) for s in range(t))
 
 
 def _balance_times(chain: Chain, cand: Candidate) -> np.ndarray:
@@ -664,11 +696,20 @@ def _link_ms(cluster: Cluster, rank: int, nxt: int, nbytes: float) -> float:
 
 def _cut_costs(cluster: Cluster, cand: Candidate, chain: Chain) -> list[np.ndarray] | None:
     """Per cut between stage s and s + 1: what one micro-batch's transfer costs at each boundary
-    (inf where no cut may go: between the last layer and the loss)."""
+    (inf where no cut may go: between the last layer and the loss). A captured graph's stage
+    receives only what its layers read: there the cost is per start j and end k of stage s + 1
+    (routing.py), up to ROUTED_LINKS entries; past that, every value live at j (no less)."""
     K, S = cluster.size, cluster.size * cand.per_device
     if S == 1:
         return None
-    nbytes = chain.boundary.astype(np.float64)
+    n = chain.num_layers
+    nbytes: np.ndarray = chain.boundary.astype(np.float64)
+    if chain.flow is not None and n <= ROUTED_LINKS:
+        j, k = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
+        later = k > j
+        grid = np.zeros((n + 1, n + 1))
+        grid[later] = chain.flow.recv(j[later], k[later])
+        nbytes = grid
     per_link = [link.transfer_ms(nbytes) for link in cluster.links]
     loop_back = np.maximum.reduce(per_link) if per_link else np.zeros_like(nbytes)
     cuts = []
@@ -683,6 +724,9 @@ def _cut_costs(cluster: Cluster, cand: Candidate, chain: Chain) -> list[np.ndarr
     return cuts
 
 
+ROUTED_LINKS = 1000  # entries past which a captured graph's links are costed per cut only
+
+
 def _stage_specs(
     problem: _Problem, cand: Candidate, budget: int | None = None, *, halve: bool = True
 ) -> list[StageSpec]:
@@ -692,7 +736,8 @@ def _stage_specs(
     share of the reserved memory is 1/v either way."""
     cluster, optimizer = problem.cluster, problem.optimizer
     K, v = cluster.size, cand.per_device
-    occ = [_occupancy(cand.schedule, K, cand.microbatches, mode) for mode in cand.modes]
+    routes = _any_routes(K * v) if problem.profile.captured else ()
+    occ = [_occupancy(cand.schedule, K, cand.microbatches, mode, routes) for mode in cand.modes]
     step = problem.profile.optimizer_step.get(optimizer)
     specs = []
     for s in range(K * v):
@@ -755,8 +800,9 @@ def _lower_bound(
     per device, stage s also waits before its first action for micro-batch 0's forward through
     the stages before it, and after its last backward that micro-batch's backward runs back
     through them (zero bubble: no tail, its last action may be a W that nothing follows)."""
-    chain, _ = problem.chain(cand)
+    chain, memory = problem.chain(cand)
     K, M = problem.cluster.size, cand.microbatches
+    received = [int(memory.inputs(np.array([i]), np.array([j]))[0][0]) for i, j in part.stages]
     busy = [0.0] * K
     trip = 0.0
     link = 0.0
@@ -771,8 +817,8 @@ def _lower_bound(
         trip += t["trip_ms"]
         if cand.per_device == 1:
             framed = max(framed, head + M * t["work_ms"] + tail)
-        if s < S - 1:
-            c = _link_ms(problem.cluster, s % K, (s + 1) % K, float(chain.boundary[j]))
+        if s < S - 1:  # what the next stage receives, as the plan times it
+            c = _link_ms(problem.cluster, s % K, (s + 1) % K, float(received[s + 1]))
             trip += 2 * c
             link = max(link, M * c)
             head += t["forward_ms"] + c
@@ -796,15 +842,24 @@ def _build_plan(
     K, v, L = cluster.size, cand.per_device, chain.num_model_layers
     S = K * v
     modes = _stage_modes(cand, part)
+    # The split is known now: the stages' real routes, and where each stage's inputs come from.
+    routes = tuple(route_pairs(chain.flow, part.bounds)) if chain.flow is not None else ()
+    starts = [None] + [i for i, _ in part.stages[:-1]]
+    received = [int(memory.inputs(np.array([i]), np.array([j]))[0][0]) for i, j in part.stages]
     stages = []
     for s, ((i, j), spec) in enumerate(zip(part.stages, specs)):
         rank = s % K
         shape = spec.shapes[cand.modes.index(modes[s])]
-        send_bytes = int(chain.boundary[j]) if s < S - 1 else 0
+        if chain.flow is not None:
+            occ = _occupancy(cand.schedule, K, cand.microbatches, modes[s], routes)
+            shape = dataclasses.replace(shape, occupancy=occ[s])
+        # what the next stage receives: from this stage, and on a captured graph straight
+        # from the stages before (the simulator times it as one transfer after this forward)
+        send_bytes = received[s + 1] if s < S - 1 else 0
         send = _link_ms(cluster, rank, (s + 1) % K, send_bytes) if s < S - 1 else 0.0
-        terms = {k: int(x[0]) for k, x in memory.terms(i, j, shape).items()}
+        terms = {k: int(x[0]) for k, x in memory.terms(i, j, shape, starts[s]).items()}
         terms.pop("optimizer_step_size")
-        sizes = memory.stage_bytes(i, j, shape)
+        sizes = memory.stage_bytes(i, j, shape, starts[s])
         stages.append(
             StagePlan(
                 index=s,
@@ -823,12 +878,14 @@ def _build_plan(
                 send_bytes=send_bytes,
                 send_ms=send,
                 stash_bytes=int(memory.state_bytes(i, j)["saved"][0]),
-                input_bytes=int(chain.boundary[i]),
+                input_bytes=received[s],
                 state_bytes=StateBytes(**vars(sizes)),
                 memory=MemoryBreakdown(**terms, total=sum(terms.values()), budget=spec.budget),
             )
         )
-    timeline = simulate_stages(cand.schedule, K, cand.microbatches, stages, levels=False)
+    timeline = simulate_stages(
+        cand.schedule, K, cand.microbatches, stages, levels=False, routes=routes
+    )
     devices = [
         DeviceUse(
             name=d.name,
@@ -863,6 +920,7 @@ def _build_plan(
         input_shape=profile.input_shape,
         input_dtype=profile.input_dtype,
         captured=profile.captured,
+        routes=[list(r) for r in routes],
         num_layers=L,
         cluster=cluster,
         batch_size=problem.batch_size,
@@ -906,10 +964,11 @@ def simulate_stages(
     stages: list[StagePlan],
     *,
     levels: bool = True,
+    routes: tuple[tuple[int, int], ...] = (),
 ) -> Timeline:
     """Run the plan's schedule through the simulator with the plan's own stage costs
     (`levels=False`: peaks only, not each device's memory over time)."""
-    sched = plan_schedule(schedule, num_devices, microbatches)
+    sched = plan_schedule(schedule, num_devices, microbatches, routes)
     costs = Costs(
         forward=[st.forward_ms for st in stages],
         backward=[st.backward_ms for st in stages],
@@ -920,6 +979,15 @@ def simulate_stages(
         memory=[stage_bytes(st) for st in stages],
     )
     return simulate(sched, costs, levels=levels)
+
+
+def simulate_plan(plan: Plan, *, levels: bool = True) -> Timeline:
+    """The plan's own schedule, routes and stage costs through the simulator."""
+    routes = tuple((a, b) for a, b in plan.routes)
+    return simulate_stages(
+        plan.schedule, len(plan.devices), plan.microbatches, plan.stages, levels=levels,
+        routes=routes,
+    )  # fmt: skip
 
 
 def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleError:

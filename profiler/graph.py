@@ -41,13 +41,24 @@ class GraphLayer(nn.Module):
     captured_layer = True  # codegen/_numerics.py `replaying` restores its buffers after a replay
 
     def __init__(
-        self, gm: fx.GraphModule, unit: str, unit_type: str, crossing: list[str], out_spec: Any
+        self,
+        gm: fx.GraphModule,
+        unit: str,
+        unit_type: str,
+        crossing: list[str],
+        out_spec: Any,
+        inputs: list[str] | None = None,
+        reads: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.gm = gm
         self.unit = unit
         self.unit_type = unit_type
         self.crossing = crossing  # names of the values it returns
+        self.inputs = inputs if inputs is not None else []  # names of the values it takes
+        # the inputs it uses; the others it only hands on (None in, None out: a pipeline sends
+        # a value straight to the stage that reads it, not through the stages between)
+        self.reads = reads if reads is not None else list(self.inputs)
         self.out_spec = out_spec  # the last layer: how the model's own output is shaped
         # (path in gm, the model's module that owns it, its name there) for each buffer: moving
         # the layer to a device gives it new buffer tensors, which the model must hold too
@@ -391,7 +402,15 @@ def _layers(
         spec = out_spec if k == L - 1 else None
         g = _subgraph(live[k], nodes, live[k + 1], memo, dims[k], size_memo, k)
         crossing = [n.name for n in live[k + 1]]
-        layer = GraphLayer(fx.GraphModule(attrs, g), name, kind, crossing, spec)
+        placeholders = [p for p in g.nodes if p.op == "placeholder"]
+        returned = {n.name for n in live[k + 1]} if k == L - 1 else set()
+        reads = [
+            p.name
+            for p in placeholders
+            if p.name in returned or any(u.op != "output" for u in p.users)
+        ]
+        inputs = [p.name for p in placeholders]
+        layer = GraphLayer(fx.GraphModule(attrs, g), name, kind, crossing, spec, inputs, reads)
         for path, buf in layer.gm.named_buffers():
             mod_path, _, leaf = path.rpartition(".")
             try:
@@ -473,14 +492,18 @@ def _subgraph(
 ) -> fx.Graph:
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
+    placeholders: dict[fx.Node, fx.Node] = {}
     for n in inputs:
-        p = g.placeholder(n.name)
+        p = placeholders[n] = g.placeholder(n.name)
         p.meta = dict(n.meta)
-        env[n] = g.call_function(_as_size, (p,)) if _kind(n) == "size" else p
+        if _kind(n) != "size":
+            env[n] = p
 
     def need(a: fx.Node) -> fx.Node:
         if a not in env:
-            if a.op == "get_attr":
+            if a in placeholders:  # a size that came in: read where it is used
+                env[a] = g.call_function(_as_size, (placeholders[a],))
+            elif a.op == "get_attr":
                 env[a] = g.get_attr(str(a.target))
             elif _kind(a) == "size" and str(a.meta.get("val")) in dims:
                 t, d = dims[str(a.meta.get("val"))]
@@ -499,6 +522,9 @@ def _subgraph(
         env[n] = g.node_copy(n, lambda b: env[b])
     result = []
     for n in outputs:
+        if n in placeholders:  # handed on as it came
+            result.append(placeholders[n])
+            continue
         v = need(n)
         result.append(g.call_function(_as_tensor, (v,)) if _kind(n) == "size" else v)
     g.output(tuple(result))

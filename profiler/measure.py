@@ -115,6 +115,11 @@ def profile_model(
             output_shape=first[i]["output_shape"],
             output_bytes=first[i]["output_bytes"] // sizes[0],
             crossing=list(getattr(layer, "crossing", [])),
+            crossing_bytes=[n // sizes[0] for n in first[i]["crossing_bytes"]]
+            if hasattr(layer, "crossing")
+            else [],
+            crossing_grad=first[i]["crossing_grad"] if hasattr(layer, "crossing") else [],
+            reads=list(getattr(layer, "reads", [])),
             passed_bytes=first[i]["passed_bytes"] // sizes[0],
             **{f: {b: r[f] for b, r in rows.items()} for f in PER_SIZE},
         )
@@ -288,6 +293,8 @@ def _memory(
         "output_shape": [list(t.shape[1:]) for t in _tensors(out)],
         # per micro-batch as computed; the planner rounds what crosses a cut at its own size
         "output_bytes": sum(t.numel() * t.element_size() for t in _tensors(out)),
+        "crossing_bytes": [t.numel() * t.element_size() for t in _tensors(out)],
+        "crossing_grad": [t.is_floating_point() for t in _tensors(out)],
         "passed_bytes": sum(
             t.numel() * t.element_size()
             for t in _tensors(out)

@@ -69,6 +69,18 @@ class LayerProfile(BaseModel):
         description="a captured graph's layer: the values that cross the cut after it (the "
         "graph's node names: its output, and every skip that spans the cut)",
     )
+    crossing_bytes: list[Bytes] = Field(
+        default_factory=list, description="per sample: each crossing value's bytes, in order"
+    )
+    crossing_grad: list[bool] = Field(
+        default_factory=list, description="each crossing value is floating point (has a gradient)"
+    )
+    reads: list[Text] = Field(
+        default_factory=list,
+        description="a captured graph's layer: the values crossing the cut before it that it "
+        "uses (the others it only hands on; a pipeline sends each value straight to the "
+        "stages that use it)",
+    )
     forward_ms: dict[int, Timing]
     backward_ms: dict[int, Timing]
     backward_input_ms: dict[int, Timing] = Field(

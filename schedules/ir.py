@@ -65,17 +65,47 @@ def W(stage: int, mb: int) -> Action:
 
 @dataclass
 class Schedule:
-    """`ranks[r]` is what rank r does, in order; `placement[s]` is the rank that runs stage s."""
+    """`ranks[r]` is what rank r does, in order; `placement[s]` is the rank that runs stage s.
+
+    `routes`: the pairs (s, t), s < t, where stage s hands stage t activations (and t hands s
+    their gradients). Empty means a chain, each stage to the next; a captured graph's skip
+    goes straight from the stage that makes it to each stage that uses it (s, t > s + 1)."""
 
     name: str
     num_stages: int
     num_microbatches: int
     ranks: dict[int, list[Action]]
     placement: list[int] = field(default_factory=list)
+    routes: list[tuple[int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.placement:
             self.placement = infer_placement(self.ranks, self.num_stages)
+        self.routes = sorted({(int(s), int(t)) for s, t in self.routes})
+        bad = [(s, t) for s, t in self.routes if not 0 <= s < t < self.num_stages]
+        if bad:
+            raise ValueError(f"route {bad[0]} is not (s, t) with 0 <= s < t < {self.num_stages}")
+
+    def edges(self) -> list[tuple[int, int]]:
+        """The routes; a chain when none are given."""
+        return self.routes or [(s, s + 1) for s in range(self.num_stages - 1)]
+
+    def senders(self, t: int) -> list[int]:
+        """The stages stage t takes activations from."""
+        return [a for a, b in self.edges() if b == t]
+
+    def receivers(self, s: int) -> list[int]:
+        """The stages stage s hands activations to."""
+        return [b for a, b in self.edges() if a == s]
+
+    def early_from(self) -> list[int]:
+        """Per stage t: the first stage that sends to it from further back than t - 1 (its
+        activations arrive before the previous stage's do), or -1."""
+        first = [-1] * self.num_stages
+        for s, t in self.edges():
+            if s < t - 1 and (first[t] < 0 or s < first[t]):
+                first[t] = s
+        return first
 
     @property
     def num_ranks(self) -> int:
@@ -87,7 +117,12 @@ class Schedule:
     def compute_only(self) -> Schedule:
         ranks = {r: [a for a in acts if a.kind.is_compute] for r, acts in self.ranks.items()}
         return Schedule(
-            self.name, self.num_stages, self.num_microbatches, ranks, list(self.placement)
+            self.name,
+            self.num_stages,
+            self.num_microbatches,
+            ranks,
+            list(self.placement),
+            list(self.routes),
         )
 
     def __str__(self) -> str:

@@ -13,11 +13,15 @@ many is the planner's business, given here per stage as StageBytes):
                   gradients (a recomputed micro-batch is re-materialised at I and kept to W)
     grad          the input gradient made by B or I, until the previous stage pulls it
     pulled        the output gradient B pulled from the next stage, held while B runs
+    early         with routes that skip stages (schedule.routes): what stage t was sent by a
+                  stage before t - 1, from the first such sender's F until the previous
+                  stage's F ends (from then on it is part of `input`)
 
 Transitions, at an action's start (allocations) or its end (frees and hand-offs):
 
     F(s,m)  start  s = 0: input +1 (its own copy); not recomputed: input -> activations
-            end    output pushed to stage s+1: input +1 there
+            end    output pushed to stage s+1: input +1 there (early -1 there, if it had any);
+                   early +1 on each stage whose first far sender is s
     B(s,m)  start  pulls its output gradient: grad -1 on stage s+1, pulled +1 (s < S-1);
                    recomputed: input -> activations
             end    activations -1; pulled -1; grad +1 (s > 0)
@@ -45,8 +49,8 @@ import numpy as np
 from .ir import Action, Kind, Schedule
 from .order import canonical_order, schedule_key
 
-STATES = ("input", "activations", "during_i", "between_iw", "grad", "pulled")
-IN, ACT, DURING_I, IW, GRAD, PULLED = range(len(STATES))
+STATES = ("input", "activations", "during_i", "between_iw", "grad", "pulled", "early")
+IN, ACT, DURING_I, IW, GRAD, PULLED, EARLY = range(len(STATES))
 TRANSIENTS = ("live", "remat_live", "forward_live", "input_live", "weight_live")
 LIVE, REMAT_LIVE, FORWARD_LIVE, INPUT_LIVE, WEIGHT_LIVE = range(
     len(STATES), len(STATES) + len(TRANSIENTS)
@@ -78,6 +82,7 @@ class StageBytes:
     between_iw: int = 1
     grad: int = 0
     pulled: int = 0
+    early: int = 0
     live: int = 0
     remat_live: int = 0
     forward_live: int = 0
@@ -133,6 +138,7 @@ def _steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
 
 def _build_steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
     S, M, place = schedule.num_stages, schedule.num_microbatches, schedule.placement
+    early = schedule.early_from()
     steps = []
     for a in canonical_order(schedule, modes):
         s, m = a.stage, a.microbatch
@@ -151,6 +157,9 @@ def _build_steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
                 start += [(s, IN, -1), (s, ACT, 1)]
             if s < S - 1:
                 end.append((s + 1, IN, 1))
+                if early[s + 1] >= 0:
+                    end.append((s + 1, EARLY, -1))
+            end += [(t, EARLY, 1) for t in range(S) if early[t] == s]
         elif a.kind in (Kind.B, Kind.I):
             if s < S - 1:
                 start.append((s + 1, GRAD, -1))
@@ -314,16 +323,23 @@ def _build_events(schedule: Schedule, modes: Sequence[str]) -> _Events:
     i_phase = np.where(rec, 1, 0)
     change_parts: list[tuple[np.ndarray, np.ndarray, int, int, np.ndarray]] = []
 
-    def change(mask: np.ndarray, pos: np.ndarray | int, stage_off: int, state: int, d: int) -> None:
+    def change(
+        mask: np.ndarray, pos: np.ndarray | int, stage_off: np.ndarray | int, state: int, d: int
+    ) -> None:
         idx = np.nonzero(mask)[0]
         p = pos[idx] if isinstance(pos, np.ndarray) else pos
-        change_parts.append((4 * k[idx] + p, s[idx] + stage_off, state, d, idx))
+        off = stage_off[idx] if isinstance(stage_off, np.ndarray) else stage_off
+        change_parts.append((4 * k[idx] + p, s[idx] + off, state, d, idx))
 
     END = 3
     change(F & (s == 0), 0, 0, IN, 1)
     change(F & ~rec, 0, 0, IN, -1)
     change(F & ~rec, 0, 0, ACT, 1)
     change(F & ~last, END, 1, IN, 1)
+    early = np.asarray(schedule.early_from() + [-1], dtype=np.int64)
+    change(F & ~last & (early[np.minimum(s + 1, S)] >= 0), END, 1, EARLY, -1)
+    for t in np.nonzero(early >= 0)[0]:
+        change(F & (s == early[t]), END, int(t) - s, EARLY, 1)
     BI = B | I
     change(BI & ~last, 0, 1, GRAD, -1)
     change(BI & rec, 0, 0, IN, -1)

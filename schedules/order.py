@@ -80,6 +80,7 @@ def schedule_key(schedule: Schedule, modes: tuple[str, ...]) -> tuple:
         tuple(schedule.placement),
         tuple((r, tuple(acts)) for r, acts in sorted(schedule.ranks.items())),
         modes,
+        tuple(schedule.routes),
     )
 
 

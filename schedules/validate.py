@@ -68,26 +68,30 @@ def dependencies(a: Action, schedule: Schedule, has_comms: bool, split: set[int]
         return Action(stage, Kind.I if stage in split else Kind.B, m)
 
     if k == Kind.F:
-        if s == 0:
-            return []
-        if has_comms and place[s - 1] != place[s]:
-            return [Action(s, Kind.RECV_F, m)]
-        return [Action(s - 1, Kind.F, m)]
+        senders = schedule.senders(s)
+        if has_comms and any(place[a] != place[s] for a in senders):
+            return [Action(s, Kind.RECV_F, m)] + [
+                Action(a, Kind.F, m) for a in senders if place[a] == place[s]
+            ]
+        return [Action(a, Kind.F, m) for a in senders]
     if k in (Kind.B, Kind.I):
         if s == S - 1:
             return [Action(s, Kind.F, m)]
-        if has_comms and place[s + 1] != place[s]:
-            return [Action(s, Kind.F, m), Action(s, Kind.RECV_B, m)]
-        return [Action(s, Kind.F, m), backward(s + 1)]
+        receivers = schedule.receivers(s)
+        if has_comms and any(place[b] != place[s] for b in receivers):
+            return [Action(s, Kind.F, m), Action(s, Kind.RECV_B, m)] + [
+                backward(b) for b in receivers if place[b] == place[s]
+            ]
+        return [Action(s, Kind.F, m)] + [backward(b) for b in receivers]
     if k == Kind.W:
         return [Action(s, Kind.I, m)]
     if k == Kind.SEND_F:
         return [Action(s, Kind.F, m)]
     if k == Kind.RECV_F:
-        return [Action(s - 1, Kind.SEND_F, m)]
+        return [Action(a, Kind.SEND_F, m) for a in schedule.senders(s) if place[a] != place[s]]
     if k == Kind.SEND_B:
         return [backward(s)]
-    return [Action(s + 1, Kind.SEND_B, m)]  # RECV_B
+    return [Action(b, Kind.SEND_B, m) for b in schedule.receivers(s) if place[b] != place[s]]
 
 
 def _check_runs(schedule: Schedule) -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.environ["GPIPE_ROOT"])
-from profiler.examples import gpt  # noqa: E402
+from profiler.examples import gpt, unet  # noqa: E402
 
 SMALL = {"depth": 2, "d_model": 32, "vocab": 64, "seq_len": 16}
 
@@ -29,16 +29,20 @@ def main() -> None:
     results = {}
     for path in programs:
         ns: dict = {}
+        kind, _, path = path.rpartition("=")  # unet=PATH: the U-Net (skips across stages)
         exec(compile(open(path).read(), path, "exec"), ns)
         torch.manual_seed(0)
-        model = gpt(**SMALL)
+        model = unet(size=8) if kind == "unet" else gpt(**SMALL)
         reference = copy.deepcopy(model)
         x = model.example_input
-        y = torch.randint(0, SMALL["vocab"], x.shape)
-        expected = loss_fn(reference(x), y)
+        if kind == "unet":
+            y, lf = torch.randn_like(x), torch.nn.functional.mse_loss
+        else:
+            y, lf = torch.randint(0, SMALL["vocab"], x.shape), loss_fn
+        expected = lf(reference(x), y)
         expected.backward()
         pipe = ns["Pipeline"](ns["capture"](model, x[:2]))
-        loss = pipe.train_step(x if rank == 0 else None, y, loss_fn)
+        loss = pipe.train_step(x if rank == 0 else None, y, lf)
         names = {id(p): n for n, p in model.named_parameters()}
         want = dict(reference.named_parameters())
         errs = {}

@@ -368,3 +368,118 @@ def test_cli_profiles_plans_and_compiles_a_graph_example(run_cli, tmp_path):
     # a plan of one model is refused for another graph model
     r = run_cli("codegen", plan, "--model", "example:unet", "-o", tmp_path / "other.py")
     assert r.code == 2 and "different model" in r.err
+
+
+@pytest.fixture(scope="module")
+def unet_routes():
+    """A U-Net (width 8, depth 3, 8 x 8) over 4 stages: its first skip spans all of them."""
+    model = unet(size=8)
+    layers = capture(model, model.example_input)
+    prof = profile_model(layers, model.example_input, batch_sizes=[2], repeats=1, warmup=0,
+                         progress=False)  # fmt: skip
+    return model, layers, prof
+
+
+def _bounds(plan, prof):
+    return [st.layers[0] for st in plan.stages] + [len(prof.layers) + (prof.loss is not None)]
+
+
+def test_a_skip_is_sent_once_straight_to_the_stage_that_reads_it(unet_routes):
+    from codegen._runtime import routes_of
+    from planner.costs import chain_at
+    from planner.routing import carried
+    from planner.search import schedule_of
+    from schedules.comm import insert_comms, messages
+
+    model, layers, prof = unet_routes
+    plan = _plan(prof, "1f1b", "never", K=4, M=4)
+    by_name = {x.name: x for x in prof.layers}
+    first_skip = by_name["down.0.3"].crossing[0]  # down.0's output, read by the last merge
+    wanted = carried(chain_at(prof, 2).flow, _bounds(plan, prof))
+    skip_stage = next(t for (s, t), names in wanted.items() if first_skip in names)
+    assert skip_stage == 3 and (0, 3) in [tuple(r) for r in plan.routes]
+    # sent once: only the route 0 -> 3 carries it; the stages between neither take nor give it
+    assert [r for r, names in wanted.items() if first_skip in names] == [(0, 3)]
+    # the runtime routes exactly what the plan counted
+    stages = [st.layers for st in plan.stages]
+    assert routes_of(list(layers), stages) == wanted
+    # counted in the schedule's sends: one message per micro-batch and direction on 0 -> 3
+    lowered = insert_comms(schedule_of(plan))
+    msgs = [(str(a), str(b)) for a, b in messages(lowered)]
+    M = plan.microbatches
+    assert [p for p in msgs if p[0].startswith("0SEND_F") and p[1].startswith("3")] == [
+        (f"0SEND_F{m}", f"3RECV_F{m}") for m in range(M)
+    ]
+    assert len(msgs) == 2 * M * len(plan.routes)
+    # what a stage receives: the values its layers read, by hand from the U-Net's shapes
+    # (8 channels at 8 x 8 for down.0, 16 at 4 x 4 for down.1, 32 at 2 x 2 for down.2)
+    mb = plan.microbatch_size
+    skip0, skip1, skip2 = 8 * 8 * 8 * F32, 16 * 4 * 4 * F32, 32 * 2 * 2 * F32
+    received = [st.input_bytes for st in plan.stages]
+    relayed = [prof.input_bytes * mb] + [
+        prof.layers[i - 1].output_bytes * mb for i, _ in stages[1:]
+    ]
+    assert received[0] == relayed[0]
+    assert all(r <= w for r, w in zip(received, relayed)) and received[1:] != relayed[1:]
+    last = wanted[(0, 3)] + [n for (s, t), ns in wanted.items() if t == 3 and s != 0 for n in ns]
+    sizes = {n: b * mb for x in prof.layers for n, b in zip(x.crossing, x.crossing_bytes)}
+    assert received[3] == sum(sizes[n] for n in last)
+    assert sizes[first_skip] == skip0 * mb and {skip1 * mb, skip2 * mb} <= set(sizes.values())
+
+
+@pytest.mark.parametrize(
+    "schedule, recompute",
+    [("1f1b", "never"), ("zb-h1", "never"), ("gpipe", "always"), ("interleaved-1f1b", "never")],
+)
+def test_skips_straight_to_far_stages_keep_gradient_parity(unet_routes, schedule, recompute):
+    model, layers, prof = unet_routes
+    K = 2 if schedule == "interleaved-1f1b" else 4
+    plan = _plan(prof, schedule, recompute, K=K, M=4)
+    assert any(t > s + 1 for s, t in plan.routes)  # a skip past a stage
+    for p in model.parameters():
+        p.grad = None
+    x = model.example_input
+    _assert_step_parity(model, layers, plan, x, torch.randn_like(x), nn.functional.mse_loss)
+
+
+def test_early_arrivals_are_counted_where_they_wait(unet_routes):
+    """A skip from stage 0 reaches stage 3 after 0F(m), before 2F(m): the plan holds it there
+    as `early` from then on (what the planner counts while the split is unknown is no less)."""
+    from planner.search import schedule_of
+    from schedules.memory import EARLY, replay
+
+    _, _, prof = unet_routes
+    plan = _plan(prof, "1f1b", "never", K=4, M=4)
+    sched = schedule_of(plan)
+    routes = [tuple(r) for r in plan.routes]
+    far = {u: min(s for s, v in routes if v == u and s < u - 1) for s, u in routes if s < u - 1}
+    assert far  # the U-Net's first skip passes a stage
+    assert sched.early_from() == [far.get(t, -1) for t in range(4)]
+    assert [st.state_bytes.early > 0 for st in plan.stages] == [t in far for t in range(4)]
+    # the occupancy says the last such stage holds several micro-batches' early arrivals at once
+    assert max(t[EARLY] for t in plan.stages[max(far)].occupancy) >= 2
+    from planner.search import stage_bytes
+
+    played = replay(sched, [st.recompute for st in plan.stages],
+                    [stage_bytes(st) for st in plan.stages])  # fmt: skip
+    assert played.peaks == plan.predicted.peak_memory
+
+
+def test_skips_across_ranks_under_torchrun(unet_routes, tmp_path):
+    pytest.importorskip("torch.distributed.run")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    import json
+
+    from tests.test_codegen import ROOT, torchrun
+
+    _, _, prof = unet_routes
+    plan = _plan(prof, "interleaved-1f1b", "never", K=2, M=4)
+    assert any(t > s + 1 and s % 2 != t % 2 for s, t in plan.routes)  # past a stage, across ranks
+    path = tmp_path / "unet.py"
+    path.write_text(emit_program(plan, target="torchrun"))
+    r = torchrun(2, str(ROOT / "tests" / "dist_graph_driver.py"), str(tmp_path), f"unet={path}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in (0, 1):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())["unet.py"]
+        assert res["loss_err"] <= 1e-5 and max(res["grad_err"].values()) <= 1e-4, (rank, res)

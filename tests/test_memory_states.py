@@ -37,21 +37,22 @@ def test_issue_order_follows_a_unit_cost_run():
 
 
 def test_occupancy_of_1f1b_by_hand():
-    # per state: input, activations, during_i, between_iw, grad, pulled; then the transients.
+    # per state: input, activations, during_i, between_iw, grad, pulled, early; then the
+    # transients.
     # Stage 0 holds two micro-batches' activations while its first backward runs, and pulls the
     # gradient it consumes; stage 1 holds the next micro-batch's input (pushed at 0F1) and its
     # own gradient for stage 0 to pull.
     # A forward runs with remat_live (what a forward that keeps its saves adds), B with live.
     occ = occupancy(build_schedule("1f1b", 2, 3), "never")
     assert occ[0] == (
-        (0, 2, 0, 0, 0, 0, *REMAT),  # 0F1 (and 0F2, with mb 1 still held)
-        (0, 2, 0, 0, 0, 1, *LIVE),  # 0B0
+        (0, 2, 0, 0, 0, 0, 0, *REMAT),  # 0F1 (and 0F2, with mb 1 still held)
+        (0, 2, 0, 0, 0, 1, 0, *LIVE),  # 0B0
     )
     assert occ[1] == (
-        (1, 0, 0, 0, 1, 0, *FLAGS),  # after 1B0: mb 1 pushed in, mb 0's input gradient
-        (1, 1, 0, 0, 0, 0, *REMAT),  # 1F0 running, mb 1 waiting
-        (1, 1, 0, 0, 0, 0, *LIVE),  # 1B0 running, mb 1 waiting
-        (2, 0, 0, 0, 0, 0, *FLAGS),  # two inputs pushed before 1F0 runs
+        (1, 0, 0, 0, 1, 0, 0, *FLAGS),  # after 1B0: mb 1 pushed in, mb 0's input gradient
+        (1, 1, 0, 0, 0, 0, 0, *REMAT),  # 1F0 running, mb 1 waiting
+        (1, 1, 0, 0, 0, 0, 0, *LIVE),  # 1B0 running, mb 1 waiting
+        (2, 0, 0, 0, 0, 0, 0, *FLAGS),  # two inputs pushed before 1F0 runs
     )
 
 
@@ -59,9 +60,9 @@ def test_recomputed_gpipe_keeps_inputs_and_rematerialises_one():
     M = 4
     occ = occupancy(build_schedule("gpipe", 2, M), "always")
     # the first backward: every other micro-batch kept as its input, one re-materialised
-    assert (M - 1, 1, 0, 0, 0, 1, *LIVE) in occ[0]
+    assert (M - 1, 1, 0, 0, 0, 1, 0, *LIVE) in occ[0]
     # a recomputed forward keeps nothing: it runs with the forward_live transient
-    assert any(t[6:] == (0, 0, 1, 0, 0) for t in occ[0])
+    assert any(t[7:] == (0, 0, 1, 0, 0) for t in occ[0])
 
 
 @st.composite
@@ -78,6 +79,7 @@ def sized(draw):
             between_iw=draw(b),
             grad=draw(b),
             pulled=draw(b),
+            early=draw(b),
             live=draw(b),
             remat_live=draw(b),
             forward_live=draw(b),
@@ -88,7 +90,20 @@ def sized(draw):
         )  # fmt: skip
         for _ in range(K)
     ]
-    return build_schedule(name, K, M), mode, sizes
+    sched = build_schedule(name, K, M)
+    sched.routes = draw(_routes(K))
+    return sched, mode, sizes
+
+
+def _routes(S):
+    """Some chain of S stages plus skips: every stage sends to the next, some further on."""
+    skips = [(s, t) for t in range(S) for s in range(t - 1)]
+    chain = [(s, s + 1) for s in range(S - 1)]
+    return (
+        st.lists(st.sampled_from(skips), unique=True).map(lambda x: chain + x)
+        if skips
+        else (st.just(chain))
+    )
 
 
 @settings(max_examples=150, deadline=None)
@@ -161,7 +176,7 @@ def _walked_occupancy(sched, mode):
     production code reads the same transitions as arrays)."""
     S = sched.num_stages
     modes = [mode] * S if isinstance(mode, str) else list(mode)
-    counts = [[0] * 6 for _ in range(S)]
+    counts = [[0] * len(memory.STATES) for _ in range(S)]
     seen: list[set] = [set() for _ in range(S)]
     for step in memory._steps(sched, modes):
         s = step.action.stage
@@ -206,6 +221,7 @@ def test_array_occupancy_and_peaks_equal_the_step_by_step_walk(name, K, M, modes
         return
     sched = build_schedule(name, K * v, M, stages_per_rank=v)
     S = K * v
+    sched.routes = data.draw(_routes(S))
     mode = modes[:S] if data.draw(st.booleans()) else modes[0]
     unit = Costs([1.0] * S, [2.0] * S, input_grad=[1.0] * S, weight_grad=[1.0] * S)
     start = {sp.action: sp.start for sp in simulate(sched, unit, memory=False).spans}
@@ -217,7 +233,7 @@ def test_array_occupancy_and_peaks_equal_the_step_by_step_walk(name, K, M, modes
     n = st.integers(0, 1000)
     sizes = [
         StageBytes(
-            *(data.draw(n) for _ in range(11)),
+            *(data.draw(n) for _ in range(12)),
             optimizer_step=data.draw(n),
             foreach=data.draw(st.booleans()),
             static=data.draw(n),

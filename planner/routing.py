@@ -1,0 +1,123 @@
+"""Which values of a captured graph each stage receives, and from which stage.
+
+A captured model's layer hands on every value live across the cut after it, but a pipeline does
+not relay them stage by stage: each value goes once from the stage that makes it straight to
+each later stage that reads it (codegen/_runtime.py). So what a stage [i, j) receives depends on
+its end too: the values crossing cut i that some layer in [i, j) reads.
+
+Entries are the chain's (layers, then the loss when profiled); value v is made by entry born[v]
+(0 for the model's input: stage 0 holds the whole micro-batch anyway), read by the entries in
+reads[v], and crosses every cut c with born[v] < c <= last[v].
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from profiler.types import LayerProfile
+
+
+@dataclass(frozen=True)
+class Flow:
+    """Per value of a captured graph (arrays over values; `nxt` over values x cuts 0..n)."""
+
+    names: list[str]
+    born: np.ndarray
+    last: np.ndarray
+    nxt: np.ndarray  # nxt[v, i]: the first entry >= i that reads v (n where none does)
+    nbytes: np.ndarray  # one micro-batch's, rounded to the allocator's blocks
+    grad: np.ndarray  # floating point: its gradient goes back the same way
+    readers: list[list[int]]
+
+    @classmethod
+    def of(cls, layers: Sequence[LayerProfile], has_loss: bool, mb: int, unit: int) -> Flow:
+        born: dict[str, int] = {}
+        per_sample: dict[str, int] = {}
+        floating: dict[str, bool] = {}
+        readers: dict[str, list[int]] = {}
+        before: list[str] = []
+        for k, layer in enumerate(layers):
+            reads = layer.reads if layer.reads else before  # older profiles: every input
+            for name in reads:
+                if name in born:
+                    readers[name].append(k)
+            sizes = layer.crossing_bytes or [0] * len(layer.crossing)
+            grads = layer.crossing_grad or [True] * len(layer.crossing)
+            for name, nb, g in zip(layer.crossing, sizes, grads):
+                if name not in born:
+                    born[name], per_sample[name], floating[name] = k, nb, g
+                    readers[name] = []
+            before = list(layer.crossing)
+        n = len(layers) + (1 if has_loss else 0)
+        if has_loss:  # the loss reads what the last layer returns
+            for name in before:
+                readers[name].append(len(layers))
+        names = list(born)
+        V = len(names)
+        nxt = np.full((V, n + 1), n, dtype=np.int64)
+        for v, name in enumerate(names):
+            rs = np.asarray(sorted(readers[name]), dtype=np.int64)
+            if len(rs):
+                k = np.searchsorted(rs, np.arange(n + 1))
+                nxt[v] = np.where(k < len(rs), rs[np.minimum(k, len(rs) - 1)], n)
+        raw = np.array([per_sample[x] for x in names], dtype=np.int64) * mb
+        return cls(
+            names=names,
+            born=np.array([born[x] for x in names], dtype=np.int64),
+            last=np.array([max(readers[x], default=-1) for x in names], dtype=np.int64),
+            nxt=nxt,
+            nbytes=-(-raw // unit) * unit,
+            grad=np.array([floating[x] for x in names], dtype=bool),
+            readers=[sorted(readers[x]) for x in names],
+        )
+
+    def received(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """(values, len(i)): whether stage [i, j) receives the value (it crosses cut i and a
+        layer of the stage reads it)."""
+        i, j = np.asarray(i, dtype=np.int64), np.asarray(j, dtype=np.int64)
+        born, last = self.born[:, None], self.last[:, None]
+        return (born < i) & (i <= last) & (self.nxt[:, i] < j)
+
+    def recv(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """Bytes stage [i, j) receives per micro-batch."""
+        return self.nbytes @ self.received(i, j)
+
+    def recv_grad(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """... of which floating point: the input gradients it sends back."""
+        return (self.nbytes * self.grad) @ self.received(i, j)
+
+    def far(self, start: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """... of which made before entry `start` (the previous stage's first): sent by a
+        stage further back, so it arrives before the previous stage's forward ends."""
+        made_before = self.born[:, None] < np.asarray(start, dtype=np.int64)
+        return self.nbytes @ (self.received(i, j) & made_before)
+
+
+def routes(flow: Flow | None, bounds: Sequence[int]) -> list[tuple[int, int]]:
+    """The (sender, receiver) stage pairs of a split at `bounds` (a chain without a flow)."""
+    S = len(bounds) - 1
+    if flow is None:
+        return [(s, s + 1) for s in range(S - 1)]
+    stage_of = np.searchsorted(np.asarray(bounds[1:]), np.arange(bounds[-1]), side="right")
+    pairs: set[tuple[int, int]] = set()
+    for v in range(len(flow.names)):
+        src = int(stage_of[flow.born[v]])
+        for r in flow.readers[v]:
+            dst = int(stage_of[r])
+            if dst != src:
+                pairs.add((src, dst))
+    return sorted(pairs)
+
+
+def carried(flow: Flow, bounds: Sequence[int]) -> dict[tuple[int, int], list[str]]:
+    """What each route carries: (sender, receiver) -> the names of the values, in graph order."""
+    stage_of = np.searchsorted(np.asarray(bounds[1:]), np.arange(bounds[-1]), side="right")
+    out: dict[tuple[int, int], list[str]] = {}
+    for v, name in enumerate(flow.names):
+        src = int(stage_of[flow.born[v]])
+        for dst in sorted({int(stage_of[r]) for r in flow.readers[v]} - {src}):
+            out.setdefault((src, dst), []).append(name)
+    return out
