@@ -86,8 +86,8 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
         return var
 
     pulled = largest(c.zgrad, c.zgrad, "pulled")
-    # (early: 0, a chain has no routes past the next stage)
-    states = [X, X + S - Xs, X + S - Xs + Z + G, S + Z + over(unsaved, first), G, pulled, 0]
+    # (early and late: 0, a chain has no routes past the next stage)
+    states = [X, X + S - Xs, X + S - Xs + Z + G, S + Z + over(unsaved, first), G, pulled, 0, 0]
 
     transients = [
         _live(m, c, x, first, s, L),

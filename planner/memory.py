@@ -7,7 +7,8 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
     X   = boundary[i]                  its input (pushed by the previous stage, or our own copy);
                                        a captured graph's stage receives only the values its
                                        layers read, each from the stage that made it (routing.py)
-    E   = the part of X sent by a stage before the previous one: it arrives earlier (`early`)
+    E   = the part of X sent by a stage before the previous one: it arrives earlier (`early`),
+          and its gradient (the floating part) leaves later (`late`), at that stage's backward
     Xs  = input_saved[i]               the part of X that layer i saves itself
     S   = sum saved[i:j] - sum shared[i+1:j]    what its layers save, each tensor once
     Z   = sum zgrad[i:j]               zero bubble: the gradients kept from I to W (every inner
@@ -25,7 +26,7 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
                                        what a forward that keeps nothing (recomputation) needs:
                                        one layer's working memory and, inside the stage, its input
 
-    state bytes  input X, early E, activations X + S - Xs, during_i X + S - Xs + Z + G,
+    state bytes  input X, early E, late E's gradient, activations X + S - Xs, during_i X + S - Xs + Z + G,
                  between_iw S + Z (+ X - Xs where G > 0: W's graph holds the input), grad G,
                  pulled P
 
@@ -133,21 +134,23 @@ class MemoryModel:
 
     def inputs(
         self, i: np.ndarray, j: np.ndarray, start: np.ndarray | None = None
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """Per micro-batch, for stages [i, j): what it receives (X), the part with a gradient
-        (G), and the part sent from before `start`, the previous stage's first layer (early;
-        unknown start: i - 1, which counts at least as much). A chain receives boundary[i]; a
-        captured graph only the values its layers read (routing.py); stage 0 copies the input."""
+        (G), and of each the part sent from before `start`, the previous stage's first layer
+        (early E, late: unknown start: i - 1, which counts at least as much). A chain receives
+        boundary[i]; a captured graph only the values its layers read (routing.py); stage 0
+        copies the input."""
         c = self.chain
         if c.flow is None:
             x = c.boundary[i].astype(np.int64)
-            return x, c.grad_in[i].astype(np.int64), np.zeros_like(x)
+            return x, c.grad_in[i].astype(np.int64), np.zeros_like(x), np.zeros_like(x)
         first = i == 0
         x = np.where(first, c.boundary[0], c.flow.recv(i, j)).astype(np.int64)
         g = np.where(first, 0, c.flow.recv_grad(i, j)).astype(np.int64)
         before = i - 1 if start is None else np.asarray(start, dtype=np.int64)
         early = np.where(first, 0, c.flow.far(before, i, j)).astype(np.int64)
-        return x, g, early
+        late = np.where(first, 0, c.flow.far(before, i, j, grad=True)).astype(np.int64)
+        return x, g, early, late
 
     def state_bytes(
         self, i: np.ndarray | int, j: np.ndarray | int, start: np.ndarray | int | None = None
@@ -158,7 +161,7 @@ class MemoryModel:
         i = np.atleast_1d(np.asarray(i, dtype=np.int64))
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
         c = self.chain
-        x, g, early = self.inputs(i, j, None if start is None else np.atleast_1d(start))
+        x, g, early, late = self.inputs(i, j, None if start is None else np.atleast_1d(start))
         xs = np.minimum(c.input_saved[i].astype(np.int64), x)
         saved = self._saved[j] - self._saved[i] - (self._shared[j] - self._shared[i + 1])
         z = self._zgrad[j] - self._zgrad[i]
@@ -173,6 +176,7 @@ class MemoryModel:
             "grad": g,
             "pulled": self._pulled(i, j),
             "early": early,
+            "late": late,
             "live": np.maximum(remat, self._backward_live(i, j)),
             "remat_live": remat,
             "input_live": self._input_live(i, j),
@@ -215,11 +219,11 @@ class MemoryModel:
         z = b["during_i"] - b["activations"] - b["grad"]
         kept_in = b["between_iw"] - b["saved"] - z
         for t in shape.occupancy:
-            n_in, n_act, n_di, n_iw, n_grad, n_pulled, n_early = t[: len(STATES)]
+            n_in, n_act, n_di, n_iw, n_grad, n_pulled, n_early, n_late = t[: len(STATES)]
             stash = n_in * b["input"] + (n_act + n_di) * b["activations"] + n_early * b["early"]
             stash = stash + n_iw * (b["saved"] + kept_in)
             grads = (n_di + n_iw) * z + n_di * b["grad"] + n_grad * b["grad"]
-            grads = grads + n_pulled * b["pulled"]
+            grads = grads + n_pulled * b["pulled"] + n_late * b["late"]
             live = sum(on * b[name] for on, name in zip(t[len(STATES) :], TRANSIENTS))
             total = stash + grads + live
             better = total > best

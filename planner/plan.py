@@ -63,6 +63,9 @@ class StateBytes(_Strict):
     early: Bytes = Field(
         default=0, description="sent by a stage before the previous one, arriving earlier"
     )
+    late: Bytes = Field(
+        default=0, description="... its gradient, held until that stage's backward takes it"
+    )
     live: Bytes = Field(description="the stage's largest transient while its backward runs")
     remat_live: Bytes = Field(
         description="... while a forward that keeps its saves runs (F, zero bubble's at I)"

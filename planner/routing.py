@@ -89,11 +89,15 @@ class Flow:
         """... of which floating point: the input gradients it sends back."""
         return (self.nbytes * self.grad) @ self.received(i, j)
 
-    def far(self, start: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    def far(
+        self, start: np.ndarray, i: np.ndarray, j: np.ndarray, grad: bool = False
+    ) -> np.ndarray:
         """... of which made before entry `start` (the previous stage's first): sent by a
-        stage further back, so it arrives before the previous stage's forward ends."""
+        stage further back, so it arrives before the previous stage's forward ends (and its
+        gradient, `grad`, leaves after the previous stage's backward)."""
         made_before = self.born[:, None] < np.asarray(start, dtype=np.int64)
-        return self.nbytes @ (self.received(i, j) & made_before)
+        weights = self.nbytes * self.grad if grad else self.nbytes
+        return weights @ (self.received(i, j) & made_before)
 
 
 def routes(flow: Flow | None, bounds: Sequence[int]) -> list[tuple[int, int]]:

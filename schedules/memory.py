@@ -16,6 +16,9 @@ many is the planner's business, given here per stage as StageBytes):
     early         with routes that skip stages (schedule.routes): what stage t was sent by a
                   stage before t - 1, from the first such sender's F until the previous
                   stage's F ends (from then on it is part of `input`)
+    late          the mirror of early: the gradient of what those stages sent, from when the
+                  previous stage pulls its own share (at its B or I) until the first far
+                  sender's B or I pulls it
 
 Transitions, at an action's start (allocations) or its end (frees and hand-offs):
 
@@ -49,8 +52,8 @@ import numpy as np
 from .ir import Action, Kind, Schedule
 from .order import canonical_order, schedule_key
 
-STATES = ("input", "activations", "during_i", "between_iw", "grad", "pulled", "early")
-IN, ACT, DURING_I, IW, GRAD, PULLED, EARLY = range(len(STATES))
+STATES = ("input", "activations", "during_i", "between_iw", "grad", "pulled", "early", "late")
+IN, ACT, DURING_I, IW, GRAD, PULLED, EARLY, LATE = range(len(STATES))
 TRANSIENTS = ("live", "remat_live", "forward_live", "input_live", "weight_live")
 LIVE, REMAT_LIVE, FORWARD_LIVE, INPUT_LIVE, WEIGHT_LIVE = range(
     len(STATES), len(STATES) + len(TRANSIENTS)
@@ -83,6 +86,7 @@ class StageBytes:
     grad: int = 0
     pulled: int = 0
     early: int = 0
+    late: int = 0
     live: int = 0
     remat_live: int = 0
     forward_live: int = 0
@@ -163,6 +167,9 @@ def _build_steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
         elif a.kind in (Kind.B, Kind.I):
             if s < S - 1:
                 start.append((s + 1, GRAD, -1))
+                if early[s + 1] >= 0:
+                    start.append((s + 1, LATE, 1))
+            start += [(t, LATE, -1) for t in range(S) if early[t] == s]
             if rec:
                 start += [(s, IN, -1), (s, ACT, 1)]
             if a.kind == Kind.I:
@@ -342,6 +349,9 @@ def _build_events(schedule: Schedule, modes: Sequence[str]) -> _Events:
         change(F & (s == early[t]), END, int(t) - s, EARLY, 1)
     BI = B | I
     change(BI & ~last, 0, 1, GRAD, -1)
+    change(BI & ~last & (early[np.minimum(s + 1, S)] >= 0), 0, 1, LATE, 1)
+    for t in np.nonzero(early >= 0)[0]:
+        change(BI & (s == early[t]), 0, int(t) - s, LATE, -1)
     change(BI & rec, 0, 0, IN, -1)
     change(BI & rec, 0, 0, ACT, 1)
     change(I, i_phase, 0, ACT, -1)
@@ -357,16 +367,19 @@ def _build_events(schedule: Schedule, modes: Sequence[str]) -> _Events:
     c_stage = np.concatenate([p[1] for p in change_parts])
     c_state = np.concatenate([np.full(len(p[4]), p[2], np.int64) for p in change_parts])
     c_delta = np.concatenate([np.full(len(p[4]), p[3], np.int64) for p in change_parts])
-    # Looks: the acting stage after each phase (with its transient), every stage an end touches.
+    c_acting = np.concatenate([s[p[4]] for p in change_parts])
+    # Looks: the acting stage after each phase (with its transient), every stage an end touches,
+    # and every other stage a phase adds to (late: a stage's far gradients wait on).
     running = np.select(
         [F & rec, F, B, I, W], [FORWARD_LIVE, REMAT_LIVE, LIVE, INPUT_LIVE, WEIGHT_LIVE], -1
     ).astype(np.int64)
     remat = I & rec
     is_end = c_seq % 4 == END
-    snap_seq = np.concatenate([4 * k + np.where(I, i_phase, 0), 4 * k[remat], c_seq[is_end]])
-    snap_stage = np.concatenate([s, s[remat], c_stage[is_end]])
+    looked = is_end | ((c_delta > 0) & (c_stage != c_acting))
+    snap_seq = np.concatenate([4 * k + np.where(I, i_phase, 0), 4 * k[remat], c_seq[looked]])
+    snap_stage = np.concatenate([s, s[remat], c_stage[looked]])
     snap_running = np.concatenate(
-        [running, np.full(int(remat.sum()), REMAT_LIVE, np.int64), np.full(int(is_end.sum()), -1)]
+        [running, np.full(int(remat.sum()), REMAT_LIVE, np.int64), np.full(int(looked.sum()), -1)]
     )
     return _Events(c_seq, c_stage, c_state, c_delta, snap_seq, snap_stage, snap_running)
 

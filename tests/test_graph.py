@@ -444,7 +444,8 @@ def test_skips_straight_to_far_stages_keep_gradient_parity(unet_routes, schedule
 
 def test_early_arrivals_are_counted_where_they_wait(unet_routes):
     """A skip from stage 0 reaches stage 3 after 0F(m), before 2F(m): the plan holds it there
-    as `early` from then on (what the planner counts while the split is unknown is no less)."""
+    as `early` from then on; its gradient stays there after 2B(m) pulls its own share, until
+    0B(m) pulls it (`late`). What the planner counts while the split is unknown is no less."""
     from planner.search import schedule_of
     from schedules.memory import EARLY, replay
 
@@ -456,6 +457,10 @@ def test_early_arrivals_are_counted_where_they_wait(unet_routes):
     assert far  # the U-Net's first skip passes a stage
     assert sched.early_from() == [far.get(t, -1) for t in range(4)]
     assert [st.state_bytes.early > 0 for st in plan.stages] == [t in far for t in range(4)]
+    # and their gradients (skips are floating point) wait there for that stage's backward
+    assert [st.state_bytes.late for st in plan.stages] == [
+        st.state_bytes.early for st in plan.stages
+    ]
     # the occupancy says the last such stage holds several micro-batches' early arrivals at once
     assert max(t[EARLY] for t in plan.stages[max(far)].occupancy) >= 2
     from planner.search import stage_bytes

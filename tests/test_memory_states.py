@@ -37,22 +37,22 @@ def test_issue_order_follows_a_unit_cost_run():
 
 
 def test_occupancy_of_1f1b_by_hand():
-    # per state: input, activations, during_i, between_iw, grad, pulled, early; then the
-    # transients.
+    # per state: input, activations, during_i, between_iw, grad, pulled, early, late; then
+    # the transients.
     # Stage 0 holds two micro-batches' activations while its first backward runs, and pulls the
     # gradient it consumes; stage 1 holds the next micro-batch's input (pushed at 0F1) and its
     # own gradient for stage 0 to pull.
     # A forward runs with remat_live (what a forward that keeps its saves adds), B with live.
     occ = occupancy(build_schedule("1f1b", 2, 3), "never")
     assert occ[0] == (
-        (0, 2, 0, 0, 0, 0, 0, *REMAT),  # 0F1 (and 0F2, with mb 1 still held)
-        (0, 2, 0, 0, 0, 1, 0, *LIVE),  # 0B0
+        (0, 2, 0, 0, 0, 0, 0, 0, *REMAT),  # 0F1 (and 0F2, with mb 1 still held)
+        (0, 2, 0, 0, 0, 1, 0, 0, *LIVE),  # 0B0
     )
     assert occ[1] == (
-        (1, 0, 0, 0, 1, 0, 0, *FLAGS),  # after 1B0: mb 1 pushed in, mb 0's input gradient
-        (1, 1, 0, 0, 0, 0, 0, *REMAT),  # 1F0 running, mb 1 waiting
-        (1, 1, 0, 0, 0, 0, 0, *LIVE),  # 1B0 running, mb 1 waiting
-        (2, 0, 0, 0, 0, 0, 0, *FLAGS),  # two inputs pushed before 1F0 runs
+        (1, 0, 0, 0, 1, 0, 0, 0, *FLAGS),  # after 1B0: mb 1 pushed in, mb 0's input gradient
+        (1, 1, 0, 0, 0, 0, 0, 0, *REMAT),  # 1F0 running, mb 1 waiting
+        (1, 1, 0, 0, 0, 0, 0, 0, *LIVE),  # 1B0 running, mb 1 waiting
+        (2, 0, 0, 0, 0, 0, 0, 0, *FLAGS),  # two inputs pushed before 1F0 runs
     )
 
 
@@ -60,9 +60,9 @@ def test_recomputed_gpipe_keeps_inputs_and_rematerialises_one():
     M = 4
     occ = occupancy(build_schedule("gpipe", 2, M), "always")
     # the first backward: every other micro-batch kept as its input, one re-materialised
-    assert (M - 1, 1, 0, 0, 0, 1, 0, *LIVE) in occ[0]
+    assert (M - 1, 1, 0, 0, 0, 1, 0, 0, *LIVE) in occ[0]
     # a recomputed forward keeps nothing: it runs with the forward_live transient
-    assert any(t[7:] == (0, 0, 1, 0, 0) for t in occ[0])
+    assert any(t[8:] == (0, 0, 1, 0, 0) for t in occ[0])
 
 
 @st.composite
@@ -80,6 +80,7 @@ def sized(draw):
             grad=draw(b),
             pulled=draw(b),
             early=draw(b),
+            late=draw(b),
             live=draw(b),
             remat_live=draw(b),
             forward_live=draw(b),
@@ -233,7 +234,7 @@ def test_array_occupancy_and_peaks_equal_the_step_by_step_walk(name, K, M, modes
     n = st.integers(0, 1000)
     sizes = [
         StageBytes(
-            *(data.draw(n) for _ in range(12)),
+            *(data.draw(n) for _ in range(13)),
             optimizer_step=data.draw(n),
             foreach=data.draw(st.booleans()),
             static=data.draw(n),

@@ -33,7 +33,7 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
         [int(c.forward_peak[i])] + [int(c.forward_peak[k] + c.boundary[k]) for k in inner]
     )
     P = int(c.zgrad[i:j].max())
-    states = [X, X + S - Xs, X + S - Xs + Z + G, S + Z + (X - Xs if G else 0), G, P, 0]
+    states = [X, X + S - Xs, X + S - Xs + Z + G, S + Z + (X - Xs if G else 0), G, P, 0, 0]
     transients = [live, remat, forward, int(c.input_grad_transient[i:j].max()),
                   int(c.weight_grad_transient[i:j].max())]  # fmt: skip
     held = max(sum(n * b for n, b in zip(t, states + transients)) for t in shape.occupancy)
@@ -47,7 +47,7 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
 
 def occ(*counts: int, running: int = 0) -> tuple[int, ...]:
     """An occupancy tuple: micro-batches per state, then the transient running (1-5, 0: none)."""
-    counts = counts + (0,) * (7 - len(counts))
+    counts = counts + (0,) * (8 - len(counts))
     return (*counts, *(int(running == k) for k in range(1, 6)))
 
 

@@ -94,8 +94,8 @@ def test_stage_memory_is_the_formula_term_by_term():
                 k: x for k, x in vars(hand).items() if k != "static"
             }
             per = [hand.input, hand.activations, hand.during_i, hand.between_iw, hand.grad,
-                   hand.pulled, hand.early, hand.live, hand.remat_live, hand.forward_live, hand.input_live,
-                   hand.weight_live]  # fmt: skip
+                   hand.pulled, hand.early, hand.late, hand.live, hand.remat_live,
+                   hand.forward_live, hand.input_live, hand.weight_live]  # fmt: skip
             worst = max(sum(n * b for n, b in zip(t, per)) for t in occ[s])
             assert m.total == 3 * p + worst
         for dev in plan.devices:
