@@ -26,6 +26,7 @@ from torch import nn  # emit: drop
 
 from ._numerics import defer_batch_norm, save_rng  # emit: drop
 from ._runtime import (  # emit: drop
+    RECEIVED,  # emit: drop
     Grads,  # emit: drop
     PipelineRuntime,  # emit: drop
     Value,  # emit: drop
@@ -327,7 +328,7 @@ class DistPipelineRuntime(PipelineRuntime):
                         g = torch.empty(shape, dtype=dtype, device=self.device)
                         dist.recv(g, self.RANKS[t], tag=self._tag("B", s, t, m))
                         got[n] = g
-                    self.outgrads.setdefault((t, m), ({}, None))[0].update(got)  # type: ignore[union-attr]
+                    self.outgrads.setdefault((t, m), ({}, RECEIVED))[0].update(got)  # type: ignore[union-attr]
             return
         with self._action("recv_backward", s, m):
             src = self.RANKS[s + 1]

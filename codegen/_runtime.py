@@ -59,6 +59,7 @@ def _like(v: Value, ts: list[torch.Tensor]) -> Value:
 
 
 Routes = dict[tuple[int, int], list[str]]
+RECEIVED = "received"  # in place of a CUDA event: gradients another rank sent, already ours
 
 
 def routes_of(layers: list[nn.Module], stages: list[tuple[int, int]]) -> Routes:
@@ -477,7 +478,10 @@ class PipelineRuntime:
             seed_layer(self.devices[s], self.seed, first + k, m)
             out = layer(x)
             if keep and k < len(layers) - 1:
-                inner.append([e for _, e in _edges(out)])
+                # the layer's own outputs: what it hands on unchanged is not its output, and
+                # its gradient is kept where it was made (or is the stage's input gradient)
+                handed = {id(t) for t in _tensors(x) if t is not None}
+                inner.append([e for k2, e in _edges(out) if id(_tensors(out)[k2]) not in handed])
             return out
 
         if self.routed:
@@ -496,7 +500,6 @@ class PipelineRuntime:
         input on stage 0); a value it was not sent only passes through a layer, as None. The
         last stage returns the model's output; the others what they send, by name."""
         env: dict[str, Any] = given if isinstance(given, dict) else {self.input_name: given}
-        env = dict(env)
         layers = list(self.stages[s])
         out: Value = None
         for k, layer in enumerate(layers):
@@ -504,8 +507,9 @@ class PipelineRuntime:
             x = args if len(args) > 1 else args[0]
             out = call(k, layer, x) if call is not None else layer(x)
             if s < len(self.stages) - 1 or k < len(layers) - 1:
+                # what is live after the layer, and nothing else: as a chain hands on
                 outs = out if len(layer.crossing) > 1 else (out,)
-                env.update(zip(layer.crossing, outs))
+                env = dict(zip(layer.crossing, outs))
         if s == len(self.stages) - 1:
             return out
         return {n: env[n] for n in self.gives[s]}
@@ -540,8 +544,10 @@ class PipelineRuntime:
 
     def _take(self, t: int, m: int) -> Value:
         """Stage t's input for micro-batch m, all of it arrived (by name, in a fixed order)."""
-        got = self.inputs.pop((t, m))
-        return {n: got[n] for n in self.receives[t]} if self.routed else got
+        if not self.routed:
+            return self.inputs.pop((t, m))
+        got = self.inputs.pop((t, m), {})  # (a stage may read nothing of the stages before)
+        return {n: got[n] for n in self.receives[t]}
 
     def leave_grad(self, grads: Grads, s: int, m: int, like: list[torch.Tensor]) -> None:
         """The gradient of stage s's input tensors `like` (None where there is none), for
@@ -562,16 +568,27 @@ class PipelineRuntime:
             grads, made = self.outgrads.pop((s + 1, m))
             moved = iter(self._move([g for g in grads if g is not None], s + 1, s, made))
             return [next(moved) if g is not None else None for g in grads]
+        # A value sent to several stages: the first gradient is copied here, the others are
+        # added into it in place (on CPU straight from where they are, without a copy), so
+        # the stage holds one gradient per value, as the plan's `pulled` counts.
         total: dict[str, torch.Tensor] = {}
         for (a, t), names in sorted(self.routes.items()):
             if a != s:
                 continue
             left, made = self.outgrads[(t, m)]
-            mine = [(n, left.pop(n)) for n in names]
-            present = [(n, g) for n, g in mine if g is not None]
-            moved = self._move([g for _, g in present], t, s, made)
-            for (n, _), g in zip(present, moved):
-                _merge(total, n, g)
+            for n in names:
+                g = left.pop(n)
+                if g is None:
+                    continue
+                if made is RECEIVED and n not in total:
+                    total[n] = g  # received from another rank: already ours
+                elif n not in total:
+                    total[n] = self._move([g], t, s, made)[0]
+                elif not self.cuda:
+                    total[n].add_(g.to(total[n].device))
+                else:
+                    total[n].add_(self._move([g], t, s, made)[0])
+                del g
             if not left:
                 del self.outgrads[(t, m)]
         return [total.get(n) for n in self.gives[s]]
@@ -619,13 +636,6 @@ class PipelineRuntime:
 
 def _like_leaf(v: Value, grad: bool) -> Value:
     return _like(v, [_leaf(t, grad) for t in _tensors(v)])
-
-
-def _merge(grads: dict[str, torch.Tensor], name: str, g: torch.Tensor | None) -> None:
-    """Add a gradient of value `name` to those already there (sent to several stages)."""
-    if g is None:
-        return
-    grads[name] = g if grads.get(name) is None else grads[name] + g
 
 
 def _split_target(y: Any, M: int) -> list[Any]:

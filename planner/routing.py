@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from profiler.artifact import InputError
 from profiler.types import LayerProfile
 
 
@@ -38,22 +39,27 @@ class Flow:
         per_sample: dict[str, int] = {}
         floating: dict[str, bool] = {}
         readers: dict[str, list[int]] = {}
-        before: list[str] = []
+        old = [
+            x.index for x in layers if x.reads is None or len(x.crossing_bytes) != len(x.crossing)
+        ]
+        if old:
+            raise InputError(
+                f"this profile of a captured graph does not say what layer {old[0]} reads or "
+                "what each value it hands on weighs (an older gpipe-plan made it): profile the "
+                "model again"
+            )
         for k, layer in enumerate(layers):
-            reads = layer.reads if layer.reads else before  # older profiles: every input
-            for name in reads:
+            for name in layer.reads or []:
                 if name in born:
                     readers[name].append(k)
-            sizes = layer.crossing_bytes or [0] * len(layer.crossing)
             grads = layer.crossing_grad or [True] * len(layer.crossing)
-            for name, nb, g in zip(layer.crossing, sizes, grads):
+            for name, nb, g in zip(layer.crossing, layer.crossing_bytes, grads):
                 if name not in born:
                     born[name], per_sample[name], floating[name] = k, nb, g
                     readers[name] = []
-            before = list(layer.crossing)
         n = len(layers) + (1 if has_loss else 0)
         if has_loss:  # the loss reads what the last layer returns
-            for name in before:
+            for name in layers[-1].crossing:
                 readers[name].append(len(layers))
         names = list(born)
         V = len(names)
@@ -84,6 +90,22 @@ class Flow:
     def recv(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """Bytes stage [i, j) receives per micro-batch."""
         return self.nbytes @ self.received(i, j)
+
+    def recv_table(self) -> np.ndarray:
+        """recv(i, k) for every start i and end k > i, as an (n + 1) x (n + 1) array (0 where
+        k <= i), in O(n (values + n)); made once per Flow."""
+        if "_table" not in self.__dict__:
+            n = self.nxt.shape[1] - 1
+            out = np.zeros((n + 1, n + 1), dtype=np.int64)
+            for i in range(1, n + 1):
+                live = (self.born < i) & (i <= self.last)
+                counts = np.bincount(
+                    self.nxt[live, i] + 1, weights=self.nbytes[live], minlength=n + 2
+                )
+                out[i] = np.cumsum(counts)[: n + 1].round().astype(np.int64)
+            out[np.tril_indices(n + 1)] = 0
+            object.__setattr__(self, "_table", out)
+        return self.__dict__["_table"]
 
     def recv_grad(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """... of which floating point: the input gradients it sends back."""

@@ -705,11 +705,7 @@ def _cut_costs(cluster: Cluster, cand: Candidate, chain: Chain) -> list[np.ndarr
     n = chain.num_layers
     nbytes: np.ndarray = chain.boundary.astype(np.float64)
     if chain.flow is not None and n <= ROUTED_LINKS:
-        j, k = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
-        later = k > j
-        grid = np.zeros((n + 1, n + 1))
-        grid[later] = chain.flow.recv(j[later], k[later])
-        nbytes = grid
+        nbytes = chain.flow.recv_table().astype(np.float64)
     per_link = [link.transfer_ms(nbytes) for link in cluster.links]
     loop_back = np.maximum.reduce(per_link) if per_link else np.zeros_like(nbytes)
     cuts = []

@@ -45,7 +45,7 @@ class ArgumentError(InputError):
         if missing:  # not wrong but absent: "input_shape is required: ..."
             super().__init__(f"{arg} {problem}")
         else:
-            shown = f"{arg} {value}" if arg.startswith("-") else f"{arg}={value!r}"
+            shown = f"{arg} {_shown(value)}" if arg.startswith("-") else f"{arg}={value!r}"
             super().__init__(f"{shown}: {problem}")
 
     def named(self, flag: str, given: str | None = None) -> str:
@@ -53,7 +53,13 @@ class ArgumentError(InputError):
         not the value itself (how the CLI words it)."""
         if self.missing:
             return f"{flag} {self.problem}"
-        return f"{flag} {self.value if given is None else given}: {self.problem}"
+        return f"{flag} {_shown(self.value if given is None else given)}: {self.problem}"
+
+
+def _shown(value: Any) -> Any:
+    """What was typed, as typed; quoted where it holds a control character (a line break, a
+    record separator), so that the message stays one line."""
+    return repr(value) if isinstance(value, str) and not value.isprintable() else value
 
 
 def whole(value: Any, arg: str, lo: int, hi: int) -> int:

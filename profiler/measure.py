@@ -119,7 +119,7 @@ def profile_model(
             if hasattr(layer, "crossing")
             else [],
             crossing_grad=first[i]["crossing_grad"] if hasattr(layer, "crossing") else [],
-            reads=list(getattr(layer, "reads", [])),
+            reads=list(layer.reads) if hasattr(layer, "reads") else None,
             passed_bytes=first[i]["passed_bytes"] // sizes[0],
             **{f: {b: r[f] for b, r in rows.items()} for f in PER_SIZE},
         )
@@ -275,7 +275,16 @@ def _memory(
 
     nbytes = {ptr: _alloc(t.untyped_storage().nbytes(), dev) for ptr, t in saved.items()}
     in_ptrs = {t.untyped_storage().data_ptr(): t for t in _tensors(inp)}
-    in_bytes = {ptr: _alloc(t.untyped_storage().nbytes(), dev) for ptr, t in in_ptrs.items()}
+    # A captured graph's layer in a pipeline holds only the inputs it reads: the others pass
+    # it by as None (unless its stage received them for a later layer)
+    names = getattr(layer, "inputs", None)
+    reads = set(getattr(layer, "reads", ()))
+    used = in_ptrs
+    if names and len(names) == len(_tensors(inp)):
+        used = {
+            t.untyped_storage().data_ptr(): t for n, t in zip(names, _tensors(inp)) if n in reads
+        }
+    in_bytes = {ptr: _alloc(t.untyped_storage().nbytes(), dev) for ptr, t in used.items()}
     # Inside a stage, the layer's input stays alive while its forward runs; where neither this
     # layer nor the previous one saves it, the stage does not count it among its saved tensors.
     earlier = prev_saved.keys() | saved_before

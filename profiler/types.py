@@ -75,8 +75,8 @@ class LayerProfile(BaseModel):
     crossing_grad: list[bool] = Field(
         default_factory=list, description="each crossing value is floating point (has a gradient)"
     )
-    reads: list[Text] = Field(
-        default_factory=list,
+    reads: list[Text] | None = Field(
+        default=None,
         description="a captured graph's layer: the values crossing the cut before it that it "
         "uses (the others it only hands on; a pipeline sends each value straight to the "
         "stages that use it)",
