@@ -184,7 +184,9 @@ class DistPipelineRuntime(PipelineRuntime):
                 else:
                     far.append((t, [value[n].detach() for n in names]))
             self.out_meta[(s, m)] = {  # type: ignore[assignment]
-                n: (list(t.shape), t.dtype) if t.is_floating_point() else None
+                n: (list(t.shape), t.dtype)
+                if t.is_floating_point() and n != self.input_name
+                else None
                 for n, t in value.items()
             }
             if far:
@@ -211,8 +213,8 @@ class DistPipelineRuntime(PipelineRuntime):
                 else:  # floating-point values only, zeros where no gradient came
                     far.append((a, [
                         g if g is not None else torch.zeros_like(x)
-                        for g, x in (mine[n] for n in names)
-                        if x.is_floating_point()
+                        for n, (g, x) in ((n, mine[n]) for n in names)
+                        if x.is_floating_point() and n != self.input_name
                     ]))  # fmt: skip
             if near:
                 self.outgrads[(s, m)] = (near, None)  # type: ignore[assignment]

@@ -66,6 +66,7 @@ class Chain:
     boundary: np.ndarray
     num_model_layers: int = -1
     flow: Flow | None = None  # a captured graph: which stage receives which value (routing.py)
+    tied: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (bytes, layers using it) per shared
 
     @property
     def num_layers(self) -> int:
@@ -170,4 +171,5 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         boundary=boundary,
         num_model_layers=L,
         flow=Flow.of(profile.layers, n > L, mb, unit) if profile.captured else None,
+        tied=tuple((t.bytes, tuple(t.layers)) for t in profile.tied) if profile.captured else (),
     )

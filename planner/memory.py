@@ -104,6 +104,11 @@ class MemoryModel:
         self.chain = chain
         self._ends: dict[tuple[StageShape, int], np.ndarray] = {}
         self._params = _prefix(chain.params)
+        # a parameter several layers use: how many of them lie before each position
+        self._tied = [
+            (nbytes, _prefix(np.isin(np.arange(chain.num_layers), layers).astype(np.int64)))
+            for nbytes, layers in chain.tied
+        ]
         self._largest = _RangeMax(chain.largest_param)
         self._buffers = _prefix(chain.buffers)
         self._saved = _prefix(chain.saved)
@@ -212,7 +217,7 @@ class MemoryModel:
         """The breakdown for stages [i, j) (j > i) at the stage's worst moment, in bytes."""
         i = np.atleast_1d(np.asarray(i, dtype=np.int64))
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
-        p = self._params[j] - self._params[i]
+        p = self.params(i, j)
         b = self.state_bytes(i, j, start)
         best = np.full(i.shape, -1, dtype=np.int64)
         parts = {k: np.zeros(i.shape, dtype=np.int64) for k in ("stash", "grad", "live", "loss")}
@@ -254,7 +259,7 @@ class MemoryModel:
         i = np.atleast_1d(np.asarray(i, dtype=np.int64))
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
         if shape.foreach:
-            size = self._params[j] - self._params[i]
+            size = self.params(i, j)
         else:
             size = self._largest(i, j)
         return np.ceil(shape.optimizer_step * size).astype(np.int64)
@@ -266,7 +271,7 @@ class MemoryModel:
         b = self.state_bytes(i, j)
         values = np.stack([b[name] for name in STATES + TRANSIENTS])
         held = (np.asarray(shape.occupancy, dtype=np.int64) @ values).max(axis=0)
-        p = self._params[j] - self._params[i]
+        p = self.params(i, j)
         static = (2 + shape.optimizer_slots) * p + self._buffers[j] - self._buffers[i]
         return static + np.maximum(held, self.optimizer_step(i, j, shape)) + shape.reserved
 
@@ -284,13 +289,23 @@ class MemoryModel:
             hit.setflags(write=False)
         return hit
 
+    def params(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """The parameter bytes of stages [i, j): a parameter several of its layers use, once."""
+        p = self._params[j] - self._params[i]
+        for nbytes, before in self._tied:
+            p = p - nbytes * np.maximum(before[j] - before[i] - 1, 0)
+        return p
+
     def _max_end(self, shape: StageShape, budget: int) -> np.ndarray:
         n = self.chain.num_layers
         i = np.arange(n, dtype=np.int64)
         # total(i, lo) fits (or lo = i); hi does not. The weights, gradients and optimizer slots
-        # alone bound the end from above (prefix sums); a start whose whole rest fits is done.
+        # alone bound the end from above (prefix sums; with tied parameters counted once they
+        # do not); a start whose whole rest fits is done.
         weights = (2 + shape.optimizer_slots) * self._params + self._buffers
         cap = np.searchsorted(weights, weights[i] + (budget - shape.reserved), side="right")
+        if self._tied:
+            cap = np.full(n, n + 1)
         hi = np.minimum(np.maximum(cap, i + 1), n + 1)
         lo = i.copy()
         whole = self.total(i, np.full(n, n, dtype=np.int64), shape) <= budget

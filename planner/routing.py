@@ -54,6 +54,7 @@ class Flow:
                     readers[name].append(k)
             grads = layer.crossing_grad or [True] * len(layer.crossing)
             for name, nb, g in zip(layer.crossing, layer.crossing_bytes, grads):
+                g = g and not (k == 0 and name in (layers[0].reads or []))  # the model's input
                 if name not in born:
                     born[name], per_sample[name], floating[name] = k, nb, g
                     readers[name] = []

@@ -27,7 +27,7 @@ from .losses import LossFn, LossLayer, resolve_loss
 from .memtrack import owned_by, trace_allocations
 from .models import as_layers, check_allocation, model_digest
 from .timing import _tensors, time_layers
-from .types import PER_SIZE, LayerProfile, OptimizerStep, Profile, ProfileMeta
+from .types import PER_SIZE, LayerProfile, OptimizerStep, Profile, ProfileMeta, TiedParameter
 
 Value = Any  # a tensor or a tuple of tensors: what flows between layers of an nn.Sequential
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to this
@@ -150,6 +150,7 @@ def profile_model(
         loss=loss_entry,
         optimizer_step=_optimizer_steps(model, dev),
         captured=bool(getattr(model, "captured", False)),
+        tied=_tied(layers) if getattr(model, "captured", False) else [],
         meta=ProfileMeta(
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             torch_version=torch.__version__,
@@ -228,6 +229,19 @@ def _measure_size(
             backward_weight_ms=t.backward_weight,
         )
     return rows
+
+
+def _tied(layers: list[nn.Module]) -> list[TiedParameter]:
+    """Parameters that several layers use, with those layers."""
+    users: dict[int, tuple[nn.Parameter, list[int]]] = {}
+    for k, layer in enumerate(layers):
+        for p in layer.parameters():
+            users.setdefault(id(p), (p, []))[1].append(k)
+    return [
+        TiedParameter(bytes=p.numel() * p.element_size(), layers=ks)
+        for p, ks in users.values()
+        if len(ks) > 1
+    ]
 
 
 def _memory(

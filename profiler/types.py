@@ -116,6 +116,15 @@ class OptimizerStep(BaseModel):
     per_byte: float = Field(ge=0, le=1e3, allow_inf_nan=False)
 
 
+class TiedParameter(BaseModel):
+    """A parameter several layers use (tied input and output embeddings): a stage holding more
+    than one of them holds it once; stages on different devices each hold a copy."""
+
+    model_config = ConfigDict(extra="forbid")
+    bytes: Bytes
+    layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=2)
+
+
 class ProfileMeta(BaseModel):
     model_config = ConfigDict(extra="forbid")
     created: str = ""
@@ -155,6 +164,11 @@ class Profile(Artifact):
         description="the model is not an nn.Sequential: its graph was captured (torch.export) "
         "and its layers are runs of the graph's operations (profiler/graph.py)",
     )
+    tied: list[TiedParameter] = Field(
+        default_factory=list,
+        description="a captured graph's parameters that several layers use (each layer's "
+        "param_bytes counts them)",
+    )
     meta: ProfileMeta = ProfileMeta()
 
     @model_validator(mode="after")
@@ -170,4 +184,7 @@ class Profile(Artifact):
                     )
         if [layer.index for layer in self.layers] != list(range(len(self.layers))):
             raise ValueError("layers must be numbered 0, 1, 2, ... in order")
+        for t in self.tied:
+            if sorted(set(t.layers)) != t.layers or t.layers[-1] >= len(self.layers):
+                raise ValueError("a tied parameter's layers must be distinct layers, in order")
         return self

@@ -299,6 +299,11 @@ def test_tied_weights_are_counted_on_both_stages(gpt_profile):
     for st in (first, last):  # each holds its own copy of the tied weight
         a, b = st.layers
         assert st.memory.params == sum(x.param_bytes for x in prof.layers[a:b]) >= tied
+    assert [(t.bytes, len(t.layers)) for t in prof.tied] == [(tied, 2)]
+    # one device holding both: the weight once, as the model itself holds it
+    one = plan_pipeline(prof, Cluster.uniform(1, "1GiB"), 8, microbatches=2, schedule="gpipe")
+    whole = sum(p.numel() * p.element_size() for p in model.parameters())  # each parameter once
+    assert one.stages[0].memory.params == whole == sum(x.param_bytes for x in prof.layers) - tied
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
@@ -506,13 +511,23 @@ def test_skips_across_ranks_under_torchrun(unet_routes, tmp_path):
     _, _, prof = unet_routes
     plan = _plan(prof, "interleaved-1f1b", "never", K=2, M=4)
     assert any(t > s + 1 and s % 2 != t % 2 for s, t in plan.routes)  # past a stage, across ranks
-    path = tmp_path / "unet.py"
-    path.write_text(emit_program(plan, target="torchrun"))
-    r = torchrun(2, str(ROOT / "tests" / "dist_graph_driver.py"), str(tmp_path), f"unet={path}")
+    (tmp_path / "unet.py").write_text(emit_program(plan, target="torchrun"))
+    far = FarReader()
+    layers = capture(far, far.example_input[:2])
+    fprof = _even(profile_model(layers, far.example_input[:2], batch_sizes=[2], repeats=1,
+                                warmup=0, progress=False))  # fmt: skip
+    fplan = plan_pipeline(fprof, Cluster.uniform(2, "1GiB"), 32, microbatches=4,
+                          schedule="interleaved-1f1b", recompute="never")  # fmt: skip
+    assert any(t > s + 1 for s, t in fplan.routes)
+    (tmp_path / "far.py").write_text(emit_program(fplan, target="torchrun"))
+    r = torchrun(2, str(ROOT / "tests" / "dist_graph_driver.py"), str(tmp_path),
+                 f"unet={tmp_path / 'unet.py'}", f"far={tmp_path / 'far.py'}")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     for rank in (0, 1):
-        res = json.loads((tmp_path / f"rank{rank}.json").read_text())["unet.py"]
-        assert res["loss_err"] <= 1e-5 and max(res["grad_err"].values()) <= 1e-4, (rank, res)
+        for name in ("unet.py", "far.py"):
+            res = json.loads((tmp_path / f"rank{rank}.json").read_text())[name]
+            assert res["loss_err"] <= 1e-5, (rank, name, res)
+            assert max(res["grad_err"].values()) <= 1e-4, (rank, name, res)
 
 
 class FarReader(nn.Module):
@@ -540,7 +555,8 @@ class FarReader(nn.Module):
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "gpipe"])
 def test_routed_memory_is_not_under_predicted(schedule):
     """What the allocator hands each device in a real step stays within the plan's prediction
-    (the `measure` gate, 5%), with a value sent to two stages and gradients summed from both."""
+    (the `measure` gate, 5%), with a value sent to two stages and gradients summed from both;
+    and the step's gradients equal the model's."""
     from planner.costs import chain_at
     from planner.routing import carried
 
@@ -555,6 +571,8 @@ def test_routed_memory_is_not_under_predicted(schedule):
     sent = carried(chain_at(prof, plan.microbatch_size).flow, _bounds(plan, prof))
     names = [n for ns in sent.values() for n in ns]
     assert any(names.count(n) > 1 for n in names)  # one value to two stages
+    assert "x" in names  # the model's input, read again at the end: sent on, no gradient back
+    _assert_step_parity(model, layers, plan, x, torch.randn_like(x), nn.functional.mse_loss)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pipe = compile_pipe(layers, plan)

@@ -3,6 +3,7 @@ without transfer costs at the cuts."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -466,3 +467,26 @@ def test_per_stage_choice_matches_brute_force_over_every_choice(problem, data):
         for s, ((i, j), x) in enumerate(zip(part.stages, part.choices)):
             assert reference_memory(chain, i, j, options[s].shapes[x]) <= options[s].budget
             assert float(sum(table[x][i:j])) / options[s].speed <= expected
+
+
+@pytest.mark.parametrize("L", [4, 7, 12])
+def test_a_parameter_two_layers_share_is_held_once_per_stage_and_solvers_agree(L):
+    """Layers 0 and L - 2 share a 100-byte parameter (tied embeddings); the last layer is slow.
+    The best split gives it a stage of its own, which leaves [0, L - 1) with both users of the
+    shared parameter: it fits only because a stage holds that parameter once (the probe's
+    prefix-sum cap on the ends must not cut it off)."""
+    tied = 100
+    p = np.ones(L, dtype=np.int64)
+    p[0] += tied
+    p[L - 2] += tied
+    chain = dataclasses.replace(
+        unit_chain(list(p)), forward=np.array([1.0] * (L - 1) + [100.0]), tied=((tied, (0, L - 2)),)
+    )
+    memory = MemoryModel(chain)
+    shape = StageShape(occupancy=(occ(),), optimizer_slots=0)
+    first = int(memory.total(0, L - 1, shape)[0])
+    assert first == 2 * (L - 1 + tied)  # weights and gradients, the shared one once
+    specs = [StageSpec(1.0, first, shape)] * 2
+    for solve in (solve_partition, solve_partition_dp):
+        part = solve(chain.forward, memory, specs)
+        assert part is not None and part.bounds == [0, L - 1, L] and part.bottleneck == 100.0
