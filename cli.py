@@ -409,6 +409,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     print(_summary(plan))
     print(_stage_table(plan))
+    far = [(a, b) for a, b in plan.routes if b > a + 1]
+    if far:  # a captured graph: what skips stages goes straight to the stage that reads it
+        print("\nstraight to a later stage: " + ", ".join(f"{a} -> {b}" for a, b in far))
     if plan.alternatives:
         print("\n" + _runners_up(plan))
     print(f"\nschedule (rank x step; {plan.schedule}):")

@@ -581,3 +581,13 @@ def test_routed_memory_is_not_under_predicted(schedule):
     for d in report.devices:
         assert d.measured_peak_bytes <= d.predicted_peak_bytes * 1.05, d
     assert report.ok
+
+
+def test_show_names_the_routes_past_a_stage(unet_routes, run_cli, tmp_path):
+    plan = _plan(unet_routes[2], "1f1b", "never", K=4, M=4)
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    r = run_cli("show", path)
+    assert r.code == 0, r.err
+    far = ", ".join(f"{a} -> {b}" for a, b in plan.routes if b > a + 1)
+    assert f"straight to a later stage: {far}" in r.out and "0 -> 3" in far
