@@ -591,3 +591,34 @@ def test_show_names_the_routes_past_a_stage(unet_routes, run_cli, tmp_path):
     assert r.code == 0, r.err
     far = ", ".join(f"{a} -> {b}" for a, b in plan.routes if b > a + 1)
     assert f"straight to a later stage: {far}" in r.out and "0 -> 3" in far
+
+
+class ReadsNothing(nn.Module):
+    """A layer that computes from its own parameter alone: with one layer per stage, stage 1
+    receives nothing, and what stage 0 makes goes straight to stage 2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.pos = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.example_input = torch.randn(8, 4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        p = self.pos(torch.ones(4, 8))  # parameters and literals only
+        return self.c(self.b(h)) + p
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_stage_that_receives_nothing_runs(schedule):
+    model = ReadsNothing()
+    x = model.example_input
+    layers = capture(model, x)
+    assert [layer.unit for layer in layers] == ["a", "pos", "b", "c"]
+    assert layers[1].reads == []
+    prof = _even(profile_model(layers, x, batch_sizes=[2], repeats=1, warmup=0, progress=False))
+    plan = _plan(prof, schedule, "never", K=4, M=4)
+    assert plan.stages[1].input_bytes == 0 and (0, 2) in [tuple(r) for r in plan.routes]
+    _assert_step_parity(model, layers, plan, x, torch.randn(8, 4, 8), nn.functional.mse_loss)
