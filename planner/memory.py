@@ -26,8 +26,8 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
                                        what a forward that keeps nothing (recomputation) needs:
                                        one layer's working memory and, inside the stage, its input
 
-    state bytes  input X, early E, late E's gradient, activations X + S - Xs, during_i X + S - Xs + Z + G,
-                 between_iw S + Z (+ X - Xs where G > 0: W's graph holds the input), grad G,
+    state bytes  input X, early E, late E's gradient, activations X + S - Xs,
+                 during_i X + S - Xs + Z + G, between_iw S + Z (+ X - Xs where G > 0: W's graph holds the input), grad G,
                  pulled P
 
 and the stage's memory is
@@ -303,9 +303,10 @@ class MemoryModel:
         # alone bound the end from above (prefix sums; with tied parameters counted once they
         # do not); a start whose whole rest fits is done.
         weights = (2 + shape.optimizer_slots) * self._params + self._buffers
-        cap = np.searchsorted(weights, weights[i] + (budget - shape.reserved), side="right")
         if self._tied:
             cap = np.full(n, n + 1)
+        else:
+            cap = np.searchsorted(weights, weights[i] + (budget - shape.reserved), side="right")
         hi = np.minimum(np.maximum(cap, i + 1), n + 1)
         lo = i.copy()
         whole = self.total(i, np.full(n, n, dtype=np.int64), shape) <= budget

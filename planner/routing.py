@@ -49,7 +49,7 @@ class Flow:
                 "model again"
             )
         for k, layer in enumerate(layers):
-            for name in layer.reads or []:
+            for name in layer.reads:  # type: ignore[union-attr]  # None: refused above
                 if name in born:
                     readers[name].append(k)
             grads = layer.crossing_grad or [True] * len(layer.crossing)
@@ -125,18 +125,9 @@ class Flow:
 
 def routes(flow: Flow | None, bounds: Sequence[int]) -> list[tuple[int, int]]:
     """The (sender, receiver) stage pairs of a split at `bounds` (a chain without a flow)."""
-    S = len(bounds) - 1
     if flow is None:
-        return [(s, s + 1) for s in range(S - 1)]
-    stage_of = np.searchsorted(np.asarray(bounds[1:]), np.arange(bounds[-1]), side="right")
-    pairs: set[tuple[int, int]] = set()
-    for v in range(len(flow.names)):
-        src = int(stage_of[flow.born[v]])
-        for r in flow.readers[v]:
-            dst = int(stage_of[r])
-            if dst != src:
-                pairs.add((src, dst))
-    return sorted(pairs)
+        return [(s, s + 1) for s in range(len(bounds) - 2)]
+    return sorted(carried(flow, bounds))
 
 
 def carried(flow: Flow, bounds: Sequence[int]) -> dict[tuple[int, int], list[str]]:

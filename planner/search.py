@@ -650,14 +650,21 @@ def plan_schedule(
     `routes` (a chain when empty)."""
     v = INTERLEAVE if name == "interleaved-1f1b" else 1
     sched = build_schedule(name, num_devices * v, microbatches, stages_per_rank=v)
-    sched.routes = sorted(set(routes))
-    return sched
+    return dataclasses.replace(sched, routes=list(routes))  # (checked as it is made)
+
+
+def _routes(plan: Plan) -> tuple[tuple[int, int], ...]:
+    return tuple((s, t) for s, t in plan.routes)
 
 
 def schedule_of(plan: Plan) -> Schedule:
     """The schedule of a plan, with its routes."""
-    routes = tuple((s, t) for s, t in plan.routes)
-    return plan_schedule(plan.schedule, len(plan.devices), plan.microbatches, routes)
+    return plan_schedule(plan.schedule, len(plan.devices), plan.microbatches, _routes(plan))
+
+
+def _received(memory: MemoryModel, part: Partition) -> list[int]:
+    """What each stage of a split receives per micro-batch (routing.py)."""
+    return [int(memory.inputs(np.array([i]), np.array([j]))[0][0]) for i, j in part.stages]
 
 
 @lru_cache(maxsize=2048)
@@ -798,7 +805,7 @@ def _lower_bound(
     through them (zero bubble: no tail, its last action may be a W that nothing follows)."""
     chain, memory = problem.chain(cand)
     K, M = problem.cluster.size, cand.microbatches
-    received = [int(memory.inputs(np.array([i]), np.array([j]))[0][0]) for i, j in part.stages]
+    received = _received(memory, part)
     busy = [0.0] * K
     trip = 0.0
     link = 0.0
@@ -841,7 +848,7 @@ def _build_plan(
     # The split is known now: the stages' real routes, and where each stage's inputs come from.
     routes = tuple(route_pairs(chain.flow, part.bounds)) if chain.flow is not None else ()
     starts = [None] + [i for i, _ in part.stages[:-1]]
-    received = [int(memory.inputs(np.array([i]), np.array([j]))[0][0]) for i, j in part.stages]
+    received = _received(memory, part)
     stages = []
     for s, ((i, j), spec) in enumerate(zip(part.stages, specs)):
         rank = s % K
@@ -979,10 +986,9 @@ def simulate_stages(
 
 def simulate_plan(plan: Plan, *, levels: bool = True) -> Timeline:
     """The plan's own schedule, routes and stage costs through the simulator."""
-    routes = tuple((a, b) for a, b in plan.routes)
     return simulate_stages(
         plan.schedule, len(plan.devices), plan.microbatches, plan.stages, levels=levels,
-        routes=routes,
+        routes=_routes(plan),
     )  # fmt: skip
 
 
