@@ -1,17 +1,16 @@
 # ---------------------------------------------------------------------------------------------
 # gpipe-plan distributed runtime: one process per pipeline device, launched by torchrun (one host
 # or many); stages on other ranks are reached over torch.distributed point-to-point (gloo on CPU,
-# NCCL on GPU). Each rank's straight-line program receives a tensor right before the action that
-# uses it and sends right after the action that makes it; sends do not block (isend), which is the
-# order the schedule validator proves cannot hang. gloo cannot tell whether a send has completed
-# without waiting for it, so a sent tensor is let go at the first receive from the same peer that
-# proves it taken (the peer sent that message after taking ours), where waiting never blocks;
-# sends nothing acknowledges are let go at the end of the step. What a rank holds that way is
-# bounded by the schedule, not by the micro-batch count, but the plan does not count it (the plan
-# counts the streams target's hand-offs; `measure --target torchrun` shows the difference).
+# NCCL on GPU). Each rank runs a straight-line program in which the communication between two
+# compute actions is one batch: every send and receive in it is posted at once
+# (batch_isend_irecv) and all of them are waited for before the next compute action. The
+# program's batches are placed so that this cannot hang even where a send completes only once
+# its receive is posted, as with NCCL (schedules/comm.py; validate(..., rendezvous=True)
+# proves it for the program), and sent tensors are let go as soon as their batch completes.
 #
-# Activations travel as a header (how many tensors, their dtypes and shapes) and then the tensors;
-# gradients need no header: the receiver knows the shapes of the outputs they belong to.
+# A receive is posted with its buffer, so the receiver must know the shapes before anything
+# arrives: every rank works them out itself, once per input shape, by running the whole model
+# on fake tensors (no memory, no compute, no messages).
 # ---------------------------------------------------------------------------------------------
 from __future__ import annotations  # emit: drop
 
@@ -37,11 +36,16 @@ from ._runtime import (  # emit: drop
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool]  # fmt: skip
-_HEADER = 256  # int64 slots: [count, is_tuple, then per tensor: dtype, ndim, dims...]
+_SIGNATURE = 64  # int64 slots broadcast at each step: [seed, dtype, ndim, shape...]
+Spec = tuple[tuple[int, ...], torch.dtype]
 
 
 class DistPipelineRuntime(PipelineRuntime):
     """PipelineRuntime for one rank: only this rank's stages live here."""
+
+    RENDEZVOUS = True  # the program meets when sends block (validate(..., rendezvous=True))
+    DEVICES: list[str] = []  # per rank: the cluster's torch_device ("": this host's choice)
+    PLAN = "0" * 16  # the plan's digest, the same on every rank
 
     def __init__(self, model: nn.Sequential, *, deferred_batch_norm: bool = False) -> None:
         if not dist.is_initialized():
@@ -59,11 +63,18 @@ class DistPipelineRuntime(PipelineRuntime):
             raise ValueError(
                 f"this program splits {self.STAGES[-1][1]} layers; the model has {len(layers)}"
             )
-        local_rank = int(os.environ.get("LOCAL_RANK", self.rank))
-        self.device = (
-            torch.device(f"cuda:{local_rank}") if torch.cuda.is_available() else torch.device("cpu")
-        )
+        self.device = self._own_device()
+        self._same_plan()
         self.local = {s for s, r in enumerate(self.RANKS) if r == self.rank}
+        self.layers = layers
+        self.spec_cache: dict[Any, dict[Any, list[Spec]]] = {}
+        self.sending: list[tuple[Any, torch.Tensor]] = []  # sends not yet seen complete
+        if not self.RENDEZVOUS and dist.get_backend() == "nccl":
+            raise RuntimeError(
+                "this program's communication is not proven free of deadlock where a send "
+                "completes only once its receive is posted, as with NCCL: run it under gloo"
+            )
+        self.tuple_out = [False] * len(self.STAGES)  # does the stage hand on a tuple
         self._route(layers)
         self.ties = self._tie_groups(layers)
         self.devices = [self.device] * len(self.STAGES)
@@ -80,6 +91,36 @@ class DistPipelineRuntime(PipelineRuntime):
         self.action_log = None
         self.rng = None
         self._reset()
+
+    def _own_device(self) -> torch.device:
+        """The cluster's device for this rank (its torch_device), else the GPU of this host's
+        LOCAL_RANK, else the CPU; on a GPU it becomes the current device, as NCCL needs."""
+        named = self.DEVICES[self.rank] if self.DEVICES else ""
+        if named:
+            try:
+                device = torch.device(named)
+            except RuntimeError as e:
+                raise RuntimeError(f"rank {self.rank}: device {named!r}: {e}") from None
+        elif torch.cuda.is_available():
+            device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', self.rank))}")
+        else:
+            device = torch.device("cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        return device
+
+    def _same_plan(self) -> None:
+        """Every rank must run the same program: their plans are compared before anything
+        else crosses ranks, and every rank refuses alike."""
+        mine = torch.tensor([int(self.PLAN[:15], 16)], dtype=torch.int64, device=self.device)
+        lo, hi = mine.clone(), mine.clone()
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
+        if int(lo) != int(hi):
+            raise RuntimeError(
+                f"rank {self.rank} runs plan {self.PLAN}, and some rank another: give every "
+                "rank the same program"
+            )
 
     def _tie_groups(self, layers: list[nn.Module]) -> list[tuple[nn.Parameter, Any]]:
         """A parameter that stages on several ranks use (tied weights): every rank holding it
@@ -111,7 +152,6 @@ class DistPipelineRuntime(PipelineRuntime):
         super()._reset()
         self.outbox: dict[tuple[str, int, int], Any] = {}
         self.out_meta: dict[tuple[int, int], list[tuple[list[int], torch.dtype] | None]] = {}
-        self.sent: dict[tuple[str, int, int], tuple[list[Any], list[torch.Tensor]]] = {}
 
     def begin(self, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
         """Every rank calls this with the same mini-batch; only the first stage's rank needs x and
@@ -123,16 +163,24 @@ class DistPipelineRuntime(PipelineRuntime):
         self.tied_grads = {id(p): p.grad for p, _ in self.ties if p.grad is not None}
         for p, _ in self.ties:
             p.grad = None
-        seed = torch.randint(0, 2**62, (1,)).to(self.device)
-        dist.broadcast(seed, src=0)  # the same dropout seeds on every rank
-        self.seed = int(seed.item())
-        self.rng = save_rng([self.device])
+        # the same dropout seeds on every rank, and the input's shape, from the first stage's
+        sig = torch.zeros(_SIGNATURE, dtype=torch.int64)
+        sig[0] = int(torch.randint(0, 2**62, (1,)))
         if 0 in self.local:
-            if x is None or x.shape[0] < M:
+            if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] < M:
                 raise ValueError(
                     f"the first stage's rank needs the input batch, with at least {M} samples"
                 )
+            if x.dtype not in _DTYPES or x.dim() > _SIGNATURE - 3:
+                raise ValueError(f"an input of dtype {x.dtype} and {x.dim()} dimensions")
+            sig[1 : 3 + x.dim()] = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape])
             self.batch = list(torch.tensor_split(x, M))
+        sig = sig.to(self.device)
+        dist.broadcast(sig, src=self.RANKS[0])
+        head = sig.tolist()
+        self.seed = head[0]
+        self.specs = self._shapes(tuple(head[3 : 3 + head[2]]), _DTYPES[head[1]])
+        self.rng = save_rng([self.device])
         if last in self.local:
             sized = y if isinstance(y, torch.Tensor) else x
             if sized is None:
@@ -141,9 +189,77 @@ class DistPipelineRuntime(PipelineRuntime):
             self.weights = [p.shape[0] / sized.shape[0] for p in parts]
             self.targets = [_to(t, self.device) for t in _split_target(y, M)]
 
+    def _shapes(self, shape: tuple[int, ...], dtype: torch.dtype) -> dict[Any, list[Spec]]:
+        """What each activation message of this step holds, (shape, dtype) per tensor, keyed
+        (sender stage, receiver stage, micro-batch): worked out on fake tensors through the
+        whole model (every rank holds it), once per input shape and dtype."""
+        key = (shape, dtype)
+        if key in self.spec_cache:
+            return self.spec_cache[key]
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        M = self.MICROBATCHES
+        sizes = [len(part) for part in torch.tensor_split(torch.empty(shape[0], 0), M)]
+        flags = [(mod, mod.training) for layer in self.layers for mod in layer.modules()]
+        by_size: dict[int, dict[tuple[int, int], list[Spec]]] = {}
+        try:
+            for layer in self.layers:  # shapes only: no statistics updated, no dropout drawn
+                layer.eval()
+            with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+                for b in sorted(set(sizes)):
+                    x = torch.empty((b, *shape[1:]), dtype=dtype)
+                    by_size[b] = self._fake_pass(x)
+        except Exception as e:
+            raise RuntimeError(
+                f"cannot work out the shapes the stages send each other from an input of shape "
+                f"{list(shape)}: {type(e).__name__}: {e}"
+            ) from e
+        finally:
+            for mod, was in flags:
+                mod.training = was
+        specs = {
+            (a, t, m): by_size[sizes[m]][(a, t)] for m in range(M) for a, t in by_size[sizes[m]]
+        }
+        self.spec_cache[key] = specs
+        return specs
+
+    def _fake_pass(self, x: torch.Tensor) -> dict[tuple[int, int], list[Spec]]:
+        """The model on a fake input: (sender, receiver) stage -> what the sender sends."""
+
+        def call(layer: nn.Module, v: Any) -> Any:
+            dev = next(iter([*layer.parameters(), *layer.buffers()]), None)
+            if dev is not None:
+                v = torch.utils._pytree.tree_map(
+                    lambda t: t.to(dev.device) if isinstance(t, torch.Tensor) else t, v
+                )
+            return layer(v)
+
+        def spec(t: torch.Tensor) -> Spec:
+            return tuple(t.shape), t.dtype
+
+        out: dict[tuple[int, int], list[Spec]] = {}
+        if not self.routed:
+            h: Any = x
+            for s, (a, b) in enumerate(self.STAGES[:-1]):
+                for layer in self.layers[a:b]:
+                    h = call(layer, h)
+                out[(s, s + 1)] = [spec(t) for t in _tensors(h)]
+                self.tuple_out[s] = isinstance(h, tuple)
+            return out
+        made: dict[str, Spec] = {self.input_name: spec(x)}
+        env: dict[str, Any] = {self.input_name: x}
+        for layer in self.layers[: self.STAGES[-1][0]]:
+            args = tuple(env.get(n) for n in layer.inputs)
+            res = call(layer, args if len(args) > 1 else args[0])
+            outs = res if len(layer.crossing) > 1 else (res,)
+            env = dict(zip(layer.crossing, outs))
+            made.update({n: spec(v) for n, v in env.items() if isinstance(v, torch.Tensor)})
+        return {(a, t): [made[n] for n in names] for (a, t), names in self.routes.items()}
+
     def finish(self) -> torch.Tensor:
-        for key in list(self.sent):
-            self.release(*key)
+        for work, _ in self.sending:
+            work.wait()
+        self.sending = []
         for p, group in self.ties:  # tied weights: this step's gradient of every use, on each
             before = self.tied_grads.get(id(p))  # what p.grad held before the step, set aside
             if p.grad is None:
@@ -158,12 +274,6 @@ class DistPipelineRuntime(PipelineRuntime):
         dist.broadcast(total, src=self.RANKS[last])
         self._reset()
         return total
-
-    def release(self, kind: str, s: int, m: int) -> None:
-        """Let go of what SEND_<kind> of stage s, micro-batch m sent: the send has completed."""
-        works, _ = self.sent.pop((kind, s, m))
-        for w in works:
-            w.wait()
 
     # Hand-offs: within the rank as before; to another rank through the outbox and SEND actions.
 
@@ -236,114 +346,93 @@ class DistPipelineRuntime(PipelineRuntime):
             return super().pull(s, m)
         return self.outgrads.pop((s + 1, m))[0]  # received by RECV_B, already ours
 
-    def _send_tensors(
-        self, ts: list[torch.Tensor], is_tuple: bool, dst: int, tag: int
-    ) -> tuple[list[Any], list[torch.Tensor]]:
-        """A header (how many tensors, their dtypes and shapes), then the tensors; not waited
-        for: (the sends, the tensors they hold)."""
-        header = [len(ts), int(is_tuple)]
-        for t in ts:
-            header += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-        if len(header) > _HEADER:
-            raise ValueError("too many or too high-dimensional tensors cross this cut")
-        head = torch.tensor(
-            header + [0] * (_HEADER - len(header)), dtype=torch.int64, device=self.device
-        )
-        ts = [t.contiguous() for t in ts]
-        return [dist.isend(head, dst, tag=tag)] + [dist.isend(t, dst, tag=tag) for t in ts], [
-            head,
-            *ts,
-        ]
+    def exchange(self, *actions: tuple[str, int, int]) -> None:
+        """One batch of communication: the sends and receives of `actions` (each
+        (what, stage, micro-batch), in program order) posted at once, and the receives waited
+        for. A send is let go once it has completed (looked at here and at the end of the
+        step); where the backend gives one handle for the whole batch (NCCL), that is waited
+        for, which on a GPU holds back only the streams, not this process."""
+        ops: list[Any] = []
+        done: list[Callable[[], None]] = []
+        what, s, m = actions[0]
+        with self._action(what, s, m):
+            self.sending = [(w, t) for w, t in self.sending if not w.is_completed()]
+            for kind, stage, mb in actions:
+                getattr(self, "_" + kind)(stage, mb, ops, done)
+            works = dist.batch_isend_irecv(ops) if ops else []
+            one = len(works) != len(ops)  # one handle for the whole batch
+            for work, op in zip(works, [None] * len(works) if one else ops):
+                if op is not None and op.op is dist.isend:
+                    self.sending.append((work, op.tensor))
+                else:
+                    work.wait()
+            for finish in done:
+                finish()
+        if self.action_log:  # each action of the batch took the batch's time
+            *_, start, end = self.action_log[-1]
+            self.action_log += [(w, s2, m2, start, end) for w, s2, m2 in actions[1:]]
 
-    def _recv_tensors(self, src: int, tag: int) -> tuple[list[torch.Tensor], bool]:
-        head = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        dist.recv(head, src, tag=tag)
-        h = head.tolist()
-        count, is_tuple, k, ts = h[0], bool(h[1]), 2, []
-        for _ in range(count):
-            dtype, ndim = _DTYPES[h[k]], h[k + 1]
-            shape = h[k + 2 : k + 2 + ndim]
-            k += 2 + ndim
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            dist.recv(t, src, tag=tag)
-            ts.append(t)
-        return ts, is_tuple
+    def _send(self, ops: list[Any], ts: list[torch.Tensor], dst: int, tag: int) -> None:
+        ops += [dist.P2POp(dist.isend, t.contiguous(), self.RANKS[dst], tag=tag) for t in ts]
 
-    def send_forward(self, s: int, m: int) -> None:
+    def _recv(self, ops: list[Any], specs: list[Spec], src: int, tag: int) -> list[torch.Tensor]:
+        bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs]
+        ops += [dist.P2POp(dist.irecv, b, self.RANKS[src], tag=tag) for b in bufs]
+        return bufs
+
+    def _send_forward(self, s: int, m: int, ops: list[Any], done: list[Any]) -> None:
         if self.routed:
-            with self._action("send_forward", s, m):
-                works: list[Any] = []
-                held: list[torch.Tensor] = []
-                for t, ts in self.outbox.pop(("F", s, m)):
-                    w, h = self._send_tensors(ts, True, self.RANKS[t], self._tag("F", s, t, m))
-                    works += w
-                    held += h
-                self.sent[("F", s, m)] = (works, held)
+            for t, ts in self.outbox.pop(("F", s, m)):
+                self._send(ops, ts, t, self._tag("F", s, t, m))
             return
-        with self._action("send_forward", s, m):
-            is_tuple, ts = self.outbox.pop(("F", s, m))
-            self.sent[("F", s, m)] = self._send_tensors(ts, is_tuple, self.RANKS[s + 1], 0)
+        _, ts = self.outbox.pop(("F", s, m))
+        self._send(ops, ts, s + 1, self._tag("F", s, s + 1, m))
 
-    def recv_forward(self, s: int, m: int) -> None:
+    def _recv_forward(self, s: int, m: int, ops: list[Any], done: list[Any]) -> None:
         if self.routed:
-            with self._action("recv_forward", s, m):
-                for (a, t), names in sorted(self.routes.items()):
-                    if t == s and a not in self.local:
-                        ts, _ = self._recv_tensors(self.RANKS[a], self._tag("F", a, s, m))
-                        self.inputs.setdefault((s, m), {}).update(zip(names, ts))
+            for (a, t), names in sorted(self.routes.items()):
+                if t == s and a not in self.local:
+                    bufs = self._recv(ops, self.specs[(a, t, m)], a, self._tag("F", a, s, m))
+                    got = self.inputs.setdefault((s, m), {})
+                    done.append(
+                        lambda got=got, names=names, bufs=bufs: got.update(zip(names, bufs))
+                    )
             return
-        with self._action("recv_forward", s, m):
-            ts, is_tuple = self._recv_tensors(self.RANKS[s - 1], 0)
-            self.inputs[(s, m)] = tuple(ts) if is_tuple else ts[0]
+        bufs = self._recv(ops, self.specs[(s - 1, s, m)], s - 1, self._tag("F", s - 1, s, m))
+        tuple_out = self.tuple_out
 
-    def send_backward(self, s: int, m: int) -> None:
-        if self.routed:
-            with self._action("send_backward", s, m):
-                works: list[Any] = []
-                held: list[torch.Tensor] = []
-                for a, gs in self.outbox.pop(("B", s, m)):
-                    tag = self._tag("B", a, s, m)
-                    for g in gs:
-                        g = g.contiguous()
-                        works.append(dist.isend(g, self.RANKS[a], tag=tag))
-                        held.append(g)
-                self.sent[("B", s, m)] = (works, held)
-            return
-        with self._action("send_backward", s, m):
-            ts = [g.contiguous() for g in self.outbox.pop(("B", s, m))]
-            works = [dist.isend(t, self.RANKS[s - 1]) for t in ts]
-            self.sent[("B", s, m)] = (works, ts)
+        def finish() -> None:
+            self.inputs[(s, m)] = tuple(bufs) if tuple_out[s - 1] else bufs[0]
 
-    def recv_backward(self, s: int, m: int) -> None:
+        done.append(finish)
+
+    def _send_backward(self, s: int, m: int, ops: list[Any], done: list[Any]) -> None:
         if self.routed:
-            with self._action("recv_backward", s, m):
-                meta = self.out_meta.pop((s, m))
-                for (a, t), names in sorted(self.routes.items()):
-                    if a != s or t in self.local:
-                        continue
-                    got: dict[str, Any] = {}
-                    for n in names:
-                        if meta[n] is None:  # type: ignore[call-overload]
-                            got[n] = None
-                            continue
-                        shape, dtype = meta[n]  # type: ignore[call-overload]
-                        g = torch.empty(shape, dtype=dtype, device=self.device)
-                        dist.recv(g, self.RANKS[t], tag=self._tag("B", s, t, m))
-                        got[n] = g
-                    self.outgrads.setdefault((t, m), ({}, RECEIVED))[0].update(got)  # type: ignore[union-attr]
+            for a, gs in self.outbox.pop(("B", s, m)):
+                self._send(ops, gs, a, self._tag("B", a, s, m))
             return
-        with self._action("recv_backward", s, m):
-            src = self.RANKS[s + 1]
-            got: list[torch.Tensor | None] = []
-            for meta in self.out_meta.pop((s, m)):
-                if meta is None:
-                    got.append(None)
+        self._send(ops, self.outbox.pop(("B", s, m)), s - 1, self._tag("B", s - 1, s, m))
+
+    def _recv_backward(self, s: int, m: int, ops: list[Any], done: list[Any]) -> None:
+        meta = self.out_meta.pop((s, m))
+        if self.routed:
+            for (a, t), names in sorted(self.routes.items()):
+                if a != s or t in self.local:
                     continue
-                shape, dtype = meta
-                g = torch.empty(shape, dtype=dtype, device=self.device)
-                dist.recv(g, src)
-                got.append(g)
-            self.outgrads[(s + 1, m)] = (got, None)
+                got: dict[str, Any] = {}
+                for n in names:
+                    got[n] = None
+                    if meta[n] is not None:  # type: ignore[call-overload]
+                        shape, dtype = meta[n]  # type: ignore[call-overload]
+                        got[n] = self._recv(ops, [(shape, dtype)], t, self._tag("B", s, t, m))[0]
+                slot = self.outgrads.setdefault((t, m), ({}, RECEIVED))[0]
+                done.append(lambda slot=slot, got=got: slot.update(got))  # type: ignore[union-attr]
+            return
+        grads: list[torch.Tensor | None] = [
+            None if spec is None else self._recv(ops, [spec], s + 1, self._tag("B", s, s + 1, m))[0]
+            for spec in meta  # type: ignore[union-attr]
+        ]
+        done.append(lambda: self.outgrads.__setitem__((s + 1, m), (grads, None)))
 
     def _enter_streams(self) -> None:
         pass

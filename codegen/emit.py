@@ -15,8 +15,16 @@ from pathlib import Path
 
 from planner.plan import Plan
 from planner.search import schedule_of
-from schedules import Action, Kind, Schedule, canonical_order, insert_comms, validate
-from schedules.comm import send_acks
+from schedules import (
+    Action,
+    Kind,
+    Schedule,
+    ScheduleError,
+    canonical_order,
+    insert_comms,
+    validate,
+)
+from schedules.comm import batches
 
 RUNTIME = [Path(__file__).with_name(n) for n in ("_runtime.py", "_numerics.py")]
 DIST_RUNTIME = Path(__file__).with_name("_dist_runtime.py")
@@ -155,15 +163,22 @@ class Pipeline(PipelineRuntime):
 
 
 def _torchrun_class(plan: Plan, lowered: Schedule) -> str:
-    acks = send_acks(lowered)
+    try:
+        validate(lowered, rendezvous=True)
+        rendezvous = ""
+    except ScheduleError:  # a captured graph's skips, at times: gloo only
+        rendezvous = "\n    RENDEZVOUS = False  # may hang where sends block (NCCL): gloo only\n"
+    devices = _py_list("DEVICES", [json.dumps(d.torch_device or "") for d in plan.cluster.devices])
     methods = []
     for r in sorted(lowered.ranks):
         lines = []
-        for k, a in enumerate(lowered.ranks[r]):
-            lines.append(f"        self.{_CALL[a.kind]}({a.stage}, {a.microbatch})")
-            for sent in acks[r].get(k, []):
-                kind = "F" if sent.kind == Kind.SEND_F else "B"
-                lines.append(f'        self.release("{kind}", {sent.stage}, {sent.microbatch})')
+        for batch in batches(lowered.ranks[r]):
+            if batch[0].kind.is_compute:
+                a = batch[0]
+                lines.append(f"        self.{_CALL[a.kind]}({a.stage}, {a.microbatch})")
+                continue
+            ops = ", ".join(f'("{_CALL[a.kind]}", {a.stage}, {a.microbatch})' for a in batch)
+            lines.append(f"        self.exchange({ops})")
         calls = "\n".join(lines)
         methods.append(f"""
     def _rank{r}(self) -> None:
@@ -176,7 +191,10 @@ class Pipeline(DistPipelineRuntime):
     """{plan.schedule} over {len(plan.devices)} processes: each rank runs its own straight-line
     list of actions; torch.distributed carries what crosses ranks."""
 
-{_constants(plan)}
+{_constants(plan)}{rendezvous}
+    {devices}
+    PLAN = "{plan.digest()[:16]}"
+
     def train_step(
         self, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
     ) -> torch.Tensor:

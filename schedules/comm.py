@@ -1,10 +1,21 @@
 """Insert SEND/RECV for every edge that crosses ranks.
 
 Each receive goes right before the action that consumes it and each send right after the action
-that produces it. With sends that do not block (isend) and receives that wait, this cannot hang
-whenever the compute-only schedule is deadlock-free: a receive waits exactly for a send that sits
-right behind an action the compute-only schedule already ran before the consumer.
-`validate()` on the result checks it anyway.
+that produces it. The communication between two compute actions of a rank is one batch: the
+runtime posts all of it at once (torch.distributed.batch_isend_irecv) and waits for all of it
+before its next compute action. So a send is posted together with the receives the rank's next
+action needs, as Megatron-LM's send_forward_recv_backward pairs them:
+
+    rank 0:  F1 [SEND_F1 RECV_B0] B0        rank 1:  B0 [SEND_B0 RECV_F1] F1
+
+That is what keeps NCCL from hanging, where a send completes only once its receive is posted
+and a rank's operations run in the order it posts them: posted one at a time, rank 0 would
+wait in SEND_F1 for rank 1, which waits in SEND_B0 for rank 0. `validate(lowered,
+rendezvous=True)` proves a lowered schedule free of that (every schedule we generate passes it);
+`validate(lowered)` only proves it free of deadlock when sends never block.
+
+Messages between two ranks are taken in the order they are sent (NCCL has no tags): each action's
+messages follow `action_messages`, and the runtime posts them in that order.
 """
 
 from __future__ import annotations
@@ -36,9 +47,108 @@ def insert_comms(schedule: Schedule) -> Schedule:
             if a.kind in (Kind.B, Kind.I) and remote_in[s]:
                 seq.append(Action(s, Kind.SEND_B, m))
         out[r] = seq
-    return Schedule(
+    lowered = Schedule(
         schedule.name, S, schedule.num_microbatches, out, list(place), list(schedule.routes)
     )
+    from .validate import rendezvous_run  # validate reads this module's message lists
+
+    if not rendezvous_run(lowered).stuck:
+        return lowered
+    return _lockstep(schedule) or lowered
+
+
+SENDS = (Kind.SEND_F, Kind.SEND_B)
+
+
+def _lockstep(schedule: Schedule) -> Schedule | None:
+    """Communication in time steps, for schedules whose ranks would wait on each other's sends
+    with each send right after its action (interleaved ones, whose ranks send both ways at
+    once; a captured graph's skips). Each compute action gets the first step at which its
+    rank is free and its inputs were made at earlier steps; each message is posted by both
+    ends in a batch at the end of the step that made it (a receive carrying several messages:
+    at the last of their steps). Then, step by step, every rank reaches each batch without
+    waiting on a later one, and the batches of one step meet. None where the compute alone
+    cannot run (validate says why)."""
+    from .validate import dependencies, split_stages
+
+    compute = schedule.compute_only()
+    place, split = compute.placement, split_stages(compute)
+    step: dict[Action, int] = {}
+    ptr, free = dict.fromkeys(compute.ranks, 0), dict.fromkeys(compute.ranks, 0)
+    moved = True
+    while moved:
+        moved = False
+        for r, acts in compute.ranks.items():
+            while ptr[r] < len(acts):
+                a = acts[ptr[r]]
+                deps = dependencies(a, compute, False, split)
+                if any(d not in step for d in deps):
+                    break
+                step[a] = max([free[r]] + [step[d] + 1 for d in deps])
+                free[r] = step[a] + 1
+                ptr[r] += 1
+                moved = True
+    if any(ptr[r] < len(acts) for r, acts in compute.ranks.items()):
+        return None
+    at: dict[Action, int] = {}  # communication action -> the step whose batch posts it
+    for a, t in compute.edges():
+        if place[a] == place[t]:
+            continue
+        for m in range(compute.num_microbatches):
+            made = step[Action(a, Kind.F, m)]
+            at[Action(a, Kind.SEND_F, m)] = made
+            at[Action(t, Kind.RECV_F, m)] = max(at.get(Action(t, Kind.RECV_F, m), 0), made)
+            back = step[Action(t, Kind.I if t in split else Kind.B, m)]
+            at[Action(t, Kind.SEND_B, m)] = back
+            at[Action(a, Kind.RECV_B, m)] = max(at.get(Action(a, Kind.RECV_B, m), 0), back)
+    posted: dict[int, dict[int, list[Action]]] = {r: {} for r in compute.ranks}
+    # within a batch the sends first: the eager check (validate) takes receives one by one
+    for c, k in sorted(at.items(), key=lambda x: (x[1], x[0].kind not in SENDS, x[0])):
+        posted[place[c.stage]].setdefault(k, []).append(c)
+    ranks = {}
+    for r, acts in compute.ranks.items():
+        by_step = {step[a]: a for a in acts}
+        seq: list[Action] = []
+        for k in sorted(set(by_step) | set(posted[r])):
+            if k in by_step:
+                seq.append(by_step[k])
+            seq += posted[r].get(k, [])
+        ranks[r] = seq
+    return Schedule(
+        compute.name, compute.num_stages, compute.num_microbatches, ranks, list(place),
+        list(compute.routes),
+    )  # fmt: skip
+
+
+Message = tuple[str, int, int, int]  # (F or B, sending stage, receiving stage, micro-batch)
+
+
+def action_messages(lowered: Schedule, a: Action) -> list[tuple[Message, int]]:
+    """The messages a communication action carries, in the order it posts them, each with the
+    rank at the other end. Activations go from stage s to each reader t (a chain: s + 1), their
+    gradients back from t to s."""
+    place, s, m = lowered.placement, a.stage, a.microbatch
+    if a.kind == Kind.SEND_F:
+        return [(("F", s, t, m), place[t]) for t in lowered.receivers(s) if place[t] != place[s]]
+    if a.kind == Kind.RECV_F:
+        return [(("F", x, s, m), place[x]) for x in lowered.senders(s) if place[x] != place[s]]
+    if a.kind == Kind.SEND_B:
+        return [(("B", s, x, m), place[x]) for x in lowered.senders(s) if place[x] != place[s]]
+    if a.kind == Kind.RECV_B:
+        return [(("B", t, s, m), place[t]) for t in lowered.receivers(s) if place[t] != place[s]]
+    return []
+
+
+def batches(actions: list[Action]) -> list[list[Action]]:
+    """A rank's program as the runtime runs it: each compute action alone, and each run of
+    communication between two compute actions as one batch."""
+    out: list[list[Action]] = []
+    for a in actions:
+        if not a.kind.is_compute and out and not out[-1][-1].kind.is_compute:
+            out[-1].append(a)
+        else:
+            out.append([a])
+    return out
 
 
 def messages(lowered: Schedule) -> list[tuple[Action, Action]]:
@@ -53,48 +163,3 @@ def messages(lowered: Schedule) -> list[tuple[Action, Action]]:
             out.append((Action(s, Kind.SEND_F, m), Action(t, Kind.RECV_F, m)))
             out.append((Action(t, Kind.SEND_B, m), Action(s, Kind.RECV_B, m)))
     return out
-
-
-def send_acks(lowered: Schedule) -> dict[int, dict[int, list[Action]]]:
-    """Where each rank may let go of what it sent: rank -> {index of a receive -> the sends it
-    proves complete}. A message to rank q is complete once we have received anything q sent
-    after taking it: q takes its receives in program order, so such a message comes later. A
-    send is complete when all its messages are. Sends no receive acknowledges are let go at
-    the end of the step.
-
-        0: F0 SEND_F0 F1 SEND_F1 RECV_B0 B0 ...     RECV_B0 acknowledges SEND_F0, since
-        1: RECV_F0 F0 B0 SEND_B0 RECV_F1 ...        rank 1 sent B0 after taking F0
-    """
-    place = lowered.placement
-    where = {
-        a: (r, k)
-        for r, acts in lowered.ranks.items()
-        for k, a in enumerate(acts)
-        if not a.kind.is_compute
-    }
-    msgs = messages(lowered)
-    # per receive: the (peer rank, position there) of each message it takes
-    taken_from: dict[Action, list[tuple[int, int]]] = {}
-    for send, recv in msgs:
-        taken_from.setdefault(recv, []).append(where[send])
-    acks: dict[int, dict[int, list[Action]]] = {r: {} for r in lowered.ranks}
-    done_at: dict[Action, int] = {}  # a send -> the receive index by which all its messages are
-    for send, recv in msgs:
-        r, k = where[send]
-        peer, taken = place[recv.stage], where[recv][1]
-        ack = None
-        for k2 in range(k + 1, len(lowered.ranks[r])):
-            b = lowered.ranks[r][k2]
-            if b.kind in (Kind.RECV_F, Kind.RECV_B) and any(
-                pr == peer and pk > taken for pr, pk in taken_from.get(b, [])
-            ):
-                ack = k2
-                break
-        if ack is None:
-            done_at[send] = -1  # let go at the end of the step
-        elif done_at.get(send, 0) >= 0:
-            done_at[send] = max(done_at.get(send, 0), ack)
-    for send, k2 in done_at.items():
-        if k2 >= 0:
-            acks[place[send.stage]].setdefault(k2, []).append(send)
-    return acks

@@ -1,11 +1,20 @@
 """validate(schedule): every stage runs F and B (or I and W) once per micro-batch, dependencies
 hold, and executing the ranks' lists in order cannot deadlock. Errors print the rank x step grid
-with the faulty cell marked."""
+with the faulty cell marked.
+
+Two transports are modelled. By default a send never blocks (an isend with room to spare) and a
+receive waits for its send. `rendezvous=True` is the stricter one NCCL may impose: a rank runs its
+communication in the order it posts it, one batch at a time (comm.batches: everything between
+two compute actions), and a batch completes only when every message in it meets its other end
+posted in the peer's current batch. Messages between two ranks must also be received in the
+order they are sent, since nothing but that order tells them apart."""
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
+from .comm import Message, action_messages, batches
 from .ir import Action, Kind, Schedule, infer_placement
 
 
@@ -13,7 +22,9 @@ class ScheduleError(ValueError):
     """A schedule that cannot run. The message ends with the grid, the faulty cell in >< marks."""
 
 
-def validate(schedule: Schedule) -> None:
+def validate(schedule: Schedule, *, rendezvous: bool = False) -> None:
+    """Raise ScheduleError, with the rank x step grid, for a schedule that cannot run.
+    `rendezvous`: sends block until their receive is posted (see the module doc)."""
     try:
         placement = infer_placement(schedule.ranks, schedule.num_stages)
     except ValueError as e:
@@ -22,6 +33,9 @@ def validate(schedule: Schedule) -> None:
         raise ScheduleError(f"{schedule.name}: actions do not match the stated stage placement")
     _check_counts(schedule)
     _check_runs(schedule)
+    if rendezvous:
+        _check_order(schedule)
+        _check_rendezvous(schedule)
 
 
 def _check_counts(schedule: Schedule) -> None:
@@ -156,6 +170,140 @@ def _check_runs(schedule: Schedule) -> None:
         f"deadlock: rank {r} waits at {a} for {what}, which waits in turn",
         r,
         stuck[r],
+        marks,
+    )
+
+
+def _check_order(schedule: Schedule) -> None:
+    """Between each pair of ranks, the receiver takes the messages in the order they were sent."""
+    sent: dict[tuple[int, int], list[tuple[Message, int]]] = {}
+    taken: dict[tuple[int, int], list[tuple[Message, int]]] = {}
+    for r, acts in sorted(schedule.ranks.items()):
+        for k, a in enumerate(acts):
+            for msg, peer in action_messages(schedule, a):
+                if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                    sent.setdefault((r, peer), []).append((msg, k))
+                else:
+                    taken.setdefault((peer, r), []).append((msg, k))
+    for (r, q), out in sorted(sent.items()):
+        into = taken.get((r, q), [])
+        for (msg, k), (got, k2) in zip(out, into):
+            if msg != got:
+                _fail(
+                    schedule,
+                    f"rank {r} sends {_name(msg)} to rank {q} before {_name(got)}, but rank {q} "
+                    f"takes {_name(got)} first: messages between two ranks arrive in the order "
+                    "they are sent",
+                    r,
+                    k,
+                    {r: k, q: k2},
+                )
+
+
+def _name(msg: Message) -> str:
+    kind, s, t, m = msg
+    return (
+        f"activations {s}->{t} of micro-batch {m}"
+        if kind == "F"
+        else (f"gradients {s}->{t} of micro-batch {m}")
+    )
+
+
+@dataclass
+class Rendezvous:
+    """Where a rendezvous run of a lowered schedule stopped (module doc): per rank, the batch it
+    waits at (comm.batches) or None when it ran to the end; what went through."""
+
+    programs: dict[int, list[list[Action]]]
+    at: dict[int, int | None]
+    done: set[Action]
+    delivered: set[Message]
+
+    @property
+    def stuck(self) -> dict[int, int]:
+        """rank -> the index of the batch it waits at."""
+        return {r: k for r, k in self.at.items() if k is not None}
+
+    def step(self, r: int) -> int:
+        """The position in rank r's action list where its waiting batch begins."""
+        return sum(len(b) for b in self.programs[r][: self.at[r]])
+
+
+def posts(lowered: Schedule, batch: list[Action]) -> set[tuple[Message, bool]]:
+    """What a batch posts at once: each message it carries, and whether it is the send."""
+    return {
+        (msg, a.kind in (Kind.SEND_F, Kind.SEND_B))
+        for a in batch
+        if not a.kind.is_compute
+        for msg, _ in action_messages(lowered, a)
+    }
+
+
+def rendezvous_run(schedule: Schedule) -> Rendezvous:
+    """Run the ranks with blocking sends: each rank's compute actions once their inputs are in,
+    its batches once every message in them has met its other end posted (module doc)."""
+    has_comms = any(not a.kind.is_compute for acts in schedule.ranks.values() for a in acts)
+    split = split_stages(schedule)
+    progs = {r: batches(acts) for r, acts in schedule.ranks.items()}
+    posted_by = {r: [posts(schedule, b) for b in prog] for r, prog in progs.items()}
+    done: set[Action] = set()
+    delivered: set[Message] = set()
+    ptr = dict.fromkeys(progs, 0)
+    moved = True
+    while moved:
+        moved = False
+        for r, prog in progs.items():  # compute actions whose inputs are in
+            while ptr[r] < len(prog) and prog[ptr[r]][0].kind.is_compute:
+                a = prog[ptr[r]][0]
+                if any(d not in done for d in dependencies(a, schedule, has_comms, split)):
+                    break
+                done.add(a)
+                ptr[r] += 1
+                moved = True
+        heads = {r: posted_by[r][ptr[r]] for r in progs if ptr[r] < len(progs[r])}
+        posted = set().union(*heads.values()) if heads else set()
+        # a message goes through while both its ends are posted; a batch ends with its last
+        delivered.update(msg for msg, is_send in posted if is_send and (msg, False) in posted)
+        for r, ops in heads.items():
+            if progs[r][ptr[r]][0].kind.is_compute or not all(m in delivered for m, _ in ops):
+                continue
+            done.update(progs[r][ptr[r]])
+            ptr[r] += 1
+            moved = True
+    at = {r: (p if p < len(progs[r]) else None) for r, p in ptr.items()}
+    return Rendezvous(progs, at, done, delivered)
+
+
+def _check_rendezvous(schedule: Schedule) -> None:
+    run = rendezvous_run(schedule)
+    stuck = run.stuck
+    if not stuck:
+        return
+    has_comms = any(not a.kind.is_compute for acts in schedule.ranks.values() for a in acts)
+    split = split_stages(schedule)
+    waits = []
+    for r, k in sorted(stuck.items()):
+        b = run.programs[r][k]
+        if b[0].kind.is_compute:
+            what = [d for d in dependencies(b[0], schedule, has_comms, split) if d not in run.done]
+            waits.append(f"rank {r} waits at {b[0]} for {', '.join(map(str, what))}")
+            continue
+        for a in b:
+            late = [(msg, peer) for msg, peer in action_messages(schedule, a)
+                    if msg not in run.delivered]  # fmt: skip
+            if late:
+                msg, peer = late[0]
+                other = "receive" if a.kind in (Kind.SEND_F, Kind.SEND_B) else "send"
+                waits.append(f"rank {r} waits at {a} for rank {peer} to post the {other} of "
+                             f"{_name(msg)}")  # fmt: skip
+                break
+    marks = {r: run.step(r) for r in stuck}
+    r = min(stuck)
+    _fail(
+        schedule,
+        "deadlock when a send completes only once its receive is posted: " + "; ".join(waits),
+        r,
+        marks[r],
         marks,
     )
 

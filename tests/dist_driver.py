@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import signal
 import sys
 
 import torch
@@ -20,13 +21,15 @@ def main() -> None:
     out_dir, programs = sys.argv[1], sys.argv[2:]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    if out_dir == "--fail":  # the last rank's loss raises mid-step: nobody may hang
+    if out_dir in ("--fail", "--kill"):  # the last rank's loss fails mid-step: nobody may hang
         ns: dict = {}
         exec(compile(open(programs[0]).read(), programs[0], "exec"), ns)
         torch.manual_seed(0)
         pipe = ns["Pipeline"](mlp(width=32, depth=4, batch=8))
 
         def broken(out, y):
+            if out_dir == "--kill":  # killed from outside, as an out-of-memory killer would
+                os.kill(os.getpid(), signal.SIGKILL)
             raise ValueError("bad label")
 
         pipe.train_step(torch.randn(8, 32), torch.zeros(8, dtype=torch.long), broken)

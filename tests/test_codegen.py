@@ -8,6 +8,7 @@ import ast
 import shutil
 import subprocess
 import sys
+import time
 import types
 import warnings
 from pathlib import Path
@@ -591,7 +592,7 @@ def test_torchrun_program_runs_from_another_directory(
     assert r.code == 0 and "torchrun --nproc-per-node 3" in r.out
     source = program.read_text()
     compile(source, "program.py", "exec")
-    assert "def _rank2(self)" in source and "self.recv_forward(" in source
+    assert "def _rank2(self)" in source and 'self.exchange(("recv_forward"' in source
     done = torchrun(3, str(without_gpipe_plan), str(program), cwd=elsewhere, repo_on_path=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "example:mlp: one" in done.stdout and "on 3 ranks" in done.stdout
@@ -608,6 +609,22 @@ def test_torchrun_rank_that_raises_does_not_hang_the_others(profiles, tmp_path, 
     )
     path = tmp_path / "p.py"
     path.write_text(emit_program(plan, target="torchrun"))
+    t0 = time.perf_counter()
     r = torchrun(2, str(ROOT / "tests" / "dist_driver.py"), "--fail", str(path), timeout=120)
-    assert r.returncode != 0
+    assert r.returncode != 0 and time.perf_counter() - t0 < 60
     assert "forward of stage 1, micro-batch 0 failed: ValueError: bad label" in r.stderr
+    assert "rank      : 1" in r.stderr  # torchrun's summary names the rank
+
+
+def test_torchrun_rank_killed_from_outside_ends_the_job(profiles, tmp_path, torchrun_available):
+    """A rank SIGKILLed mid-step (its peers wait on it inside a batch): every rank exits,
+    non-zero, within 60 s, and the launcher names the rank and the signal."""
+    plan = plan_pipeline(
+        profiles["mlp"], Cluster.uniform(2, "1GiB"), N, microbatches=4, schedule="1f1b"
+    )
+    path = tmp_path / "p.py"
+    path.write_text(emit_program(plan, target="torchrun"))
+    t0 = time.perf_counter()
+    r = torchrun(2, str(ROOT / "tests" / "dist_driver.py"), "--kill", str(path), timeout=120)
+    assert r.returncode != 0 and time.perf_counter() - t0 < 60
+    assert "rank      : 1" in r.stderr and "SIGKILL" in r.stderr

@@ -1,0 +1,454 @@
+"""Point-to-point that cannot hang on a transport whose sends block (issue #11, item 1): the
+rendezvous validator against schedules written to deadlock or to cross messages, every lowered
+schedule we generate against it, and the torchrun runtime itself on a simulated blocking
+transport (threads, one per rank, a send completes only once its receive is posted)."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import schedules.comm as comm
+from schedules import ScheduleError, build_schedule, insert_comms, parse_schedule, validate
+from schedules.comm import batches
+from schedules.validate import rendezvous_run
+
+# Rank 1 runs I/W (zero bubble): between its SEND_B0 and RECV_F1 sits W0, which needs nothing
+# from rank 0, and between rank 0's SEND_F1 and RECV_B0 sits F2. Each rank posts its send alone,
+# so with blocking sends each waits for a receive the other has not reached.
+CROSSED = """\
+0: 0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2 0RECV_B0 0B0 0RECV_B1 0B1 0RECV_B2 0B2
+1: 1RECV_F0 1F0 1I0 1SEND_B0 1W0 1RECV_F1 1F1 1I1 1SEND_B1 1W1 1RECV_F2 1F2 1I2 1SEND_B2 1W2"""
+
+
+def test_a_crossed_send_passes_eager_sends_and_deadlocks_under_rendezvous():
+    s = parse_schedule(CROSSED, name="crossed")
+    validate(s)  # sends that never block: runs
+    with pytest.raises(ScheduleError) as e:
+        validate(s, rendezvous=True)
+    text = str(e.value)
+    assert "deadlock when a send completes only once its receive is posted" in text
+    assert "rank 0 waits at 0SEND_F1 for rank 1 to post the receive of activations 0->1 of " \
+        "micro-batch 1" in text  # fmt: skip
+    assert "rank 1 waits at 1SEND_B0 for rank 0 to post the receive of gradients 1->0 of " \
+        "micro-batch 0" in text  # fmt: skip
+    assert ">0SEND_F1<" in text and ">1SEND_B0<" in text  # the grid marks both ranks
+
+
+def test_insert_comms_posts_the_crossed_messages_in_time_steps(monkeypatch):
+    """Lowered with each send right after its action, this compute order is CROSSED itself;
+    insert_comms sees that it would hang and posts each message at the end of the step that
+    made it, at both ends."""
+    compute = parse_schedule(CROSSED, name="crossed").compute_only()
+    lowered = insert_comms(compute)
+    validate(lowered, rendezvous=True)
+    assert str(lowered) == (
+        "0: 0F0 0SEND_F0 0F1 0SEND_F1 0F2 0SEND_F2 0RECV_B0 0B0 0RECV_B1 0B1 0RECV_B2 0B2\n"
+        "1: 1RECV_F0 1F0 1RECV_F1 1I0 1SEND_B0 1RECV_F2 1W0 1F1 1I1 1SEND_B1 1W1 1F2 1I2 "
+        "1SEND_B2 1W2"
+    )
+    # rank 1 takes micro-batch 2 in the batch that sends gradient 0, as rank 0 sends it
+    assert ["1SEND_B0", "1RECV_F2"] in [[str(a) for a in b] for b in batches(lowered.ranks[1])]
+    monkeypatch.setattr(comm, "_lockstep", lambda schedule: None)
+    assert str(insert_comms(compute)) == str(parse_schedule(CROSSED))
+
+
+def test_messages_taken_out_of_order_are_reported():
+    s = parse_schedule(
+        "0: 0F0 0F1 0SEND_F1 0SEND_F0 0RECV_B0 0B0 0RECV_B1 0B1\n"
+        "1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1",
+        name="crossed-order",
+    )
+    validate(s)  # gloo's tags would sort this out; NCCL has none
+    with pytest.raises(ScheduleError, match="rank 0 sends activations 0->1 of micro-batch 1 to "
+                       "rank 1 before activations 0->1 of micro-batch 0") as e:  # fmt: skip
+        validate(s, rendezvous=True)
+    assert ">0SEND_F1<" in str(e.value) and ">1RECV_F0<" in str(e.value)
+
+
+def _generated():
+    for name in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b"):
+        for K in range(1, 9):
+            for M in range(1, 17):
+                try:
+                    yield name, K, M, build_schedule(name, K, M)
+                except ValueError:  # interleaved: K odd, or M not a multiple of the ranks
+                    continue
+
+
+def test_every_generated_schedule_meets_under_rendezvous():
+    count = 0
+    for name, K, M, sched in _generated():
+        lowered = insert_comms(sched)
+        validate(lowered, rendezvous=True)
+        run = rendezvous_run(lowered)
+        assert not run.stuck, (name, K, M)
+        assert run.done == {a for acts in lowered.ranks.values() for a in acts}
+        count += 1
+    assert count > 300
+
+
+def test_interleaved_needs_the_time_steps(monkeypatch):
+    """Interleaved ranks send both ways at once: posting each send right after its action
+    deadlocks there, and posting each message in the step that made it does not."""
+    sched = build_schedule("interleaved-1f1b", 4, 4)
+    mended = insert_comms(sched)
+    monkeypatch.setattr(comm, "_lockstep", lambda schedule: None)
+    plain = insert_comms(sched)
+    validate(plain)  # fine while sends never block
+    with pytest.raises(ScheduleError, match="deadlock when a send completes"):
+        validate(plain, rendezvous=True)
+    validate(mended, rendezvous=True)
+    assert mended.ranks != plain.ranks
+    # the same actions, each rank's compute in the same order
+    for r in plain.ranks:
+        assert sorted(mended.ranks[r]) == sorted(plain.ranks[r])
+        assert [a for a in mended.ranks[r] if a.kind.is_compute] == [
+            a for a in plain.ranks[r] if a.kind.is_compute
+        ]
+
+
+def _routes(S):
+    skips = [(s, t) for t in range(S) for s in range(t - 1)]
+    chain = [(s, s + 1) for s in range(S - 1)]
+    if not skips:
+        return st.just(chain)
+    return st.lists(st.sampled_from(skips), unique=True).map(lambda x: chain + x)
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data())
+def test_routed_schedules_run_and_say_whether_they_meet(data):
+    """A captured graph's skips go straight to the stage that reads them, one action carrying
+    several messages. Lowered, they always run where sends never block (gloo); where they also
+    meet under rendezvous depends on the skips (see the closing note of issue #11): the
+    rendezvous run and the validator agree on it, and a chain always meets."""
+    name = data.draw(st.sampled_from(["gpipe", "1f1b", "zb-h1"]))
+    K, M = data.draw(st.integers(2, 6)), data.draw(st.integers(1, 8))
+    sched = build_schedule(name, K, M)
+    sched.routes = data.draw(_routes(K))
+    lowered = insert_comms(sched)
+    validate(lowered)
+    meets = not rendezvous_run(lowered).stuck
+    try:
+        validate(lowered, rendezvous=True)
+        assert meets
+    except ScheduleError as e:
+        assert not meets and "deadlock when a send completes" in str(e)
+        assert any(t > s + 1 for s, t in sched.routes)
+
+
+# -- the runtime on a transport whose sends block -------------------------------------------
+
+
+class _Work:
+    def __init__(self, transport: BlockingTransport, parts: list[_Work] | None = None) -> None:
+        self.transport, self._done, self.parts = transport, False, parts
+
+    @property
+    def done(self) -> bool:
+        return all(p.done for p in self.parts) if self.parts is not None else self._done
+
+    @done.setter
+    def done(self, value: bool) -> None:
+        self._done = value
+
+    def is_completed(self) -> bool:
+        return self.done
+
+    def wait(self) -> None:
+        t = self.transport
+        with t.cond:
+            if not t.cond.wait_for(lambda: self.done or t.failed, timeout=t.timeout):
+                t.failed = True
+                t.cond.notify_all()
+            if not self.done:
+                raise TimeoutError("a send or receive never met its other end: deadlock")
+
+
+class BlockingTransport:
+    """torch.distributed as the torchrun runtime uses it, for ranks that are threads of one
+    process. A send completes only once its receive is posted (and a receive once its send
+    is): the rendezvous NCCL may impose; and as with NCCL, a batch gives one handle, done
+    when all of it is. Messages meet by (source, destination, tag), in the order posted."""
+
+    def __init__(self, world: int, timeout: float = 20.0) -> None:
+        self.world, self.timeout = world, timeout
+        self.local = threading.local()
+        self.cond = threading.Condition()
+        self.waiting: dict[tuple[str, int, int, int], deque] = {}
+        self.barrier = threading.Barrier(world, timeout=timeout)
+        self.shared: list[Any] = [None]
+        self.failed = False
+        self.posted = 0
+        self.queues: dict[int, deque] = {}  # per rank: its batches not yet complete
+
+    class P2POp:
+        def __init__(self, op: Any, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
+            self.op, self.tensor, self.peer, self.tag = op, tensor, peer, tag
+
+    @staticmethod
+    def isend(*args: Any, **kw: Any) -> None:  # the op's name only: batch_isend_irecv posts
+        raise AssertionError("the runtime posts sends through batch_isend_irecv")
+
+    @staticmethod
+    def irecv(*args: Any, **kw: Any) -> None:
+        raise AssertionError("the runtime posts receives through batch_isend_irecv")
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_rank(self) -> int:
+        return self.local.rank
+
+    def get_world_size(self) -> int:
+        return self.world
+
+    def get_backend(self) -> str:
+        return "blocking"
+
+    def new_group(self, ranks: list[int]) -> tuple[int, ...]:
+        return tuple(ranks)
+
+    class ReduceOp:
+        MIN, MAX, SUM = min, max, sum
+
+    def all_reduce(self, t: torch.Tensor, op: Any = sum, group: Any = None) -> None:
+        self.barrier.wait()
+        with self.cond:
+            self.shared.append(t.clone())
+        self.barrier.wait()
+        got = torch.stack(self.shared[1:])
+        self.barrier.wait()
+        t.copy_({min: got.amin(0), max: got.amax(0), sum: got.sum(0)}[op])
+        if self.get_rank() == 0:
+            del self.shared[1:]
+        self.barrier.wait()
+
+    def broadcast(self, t: torch.Tensor, src: int, group: Any = None) -> None:
+        self.barrier.wait()
+        if self.get_rank() == src:
+            self.shared[0] = t.clone()
+        self.barrier.wait()
+        t.copy_(self.shared[0])
+        self.barrier.wait()
+
+    def batch_isend_irecv(self, ops: list[Any]) -> list[_Work]:
+        """Queue the batch behind this rank's earlier ones (NCCL runs a rank's communication
+        in order, on one stream); it is posted once they have all completed."""
+        me = self.get_rank()
+        batch = [(op, _Work(self)) for op in ops]
+        with self.cond:
+            queue = self.queues.setdefault(me, deque())
+            queue.append(batch)
+            if len(queue) == 1:
+                self._post(me, batch)
+            self.cond.notify_all()
+        return [_Work(self, [w for _, w in batch])]
+
+    def _post(self, me: int, batch: list[tuple[Any, _Work]]) -> None:
+        touched = {me}
+        for op, work in batch:
+            send = op.op is self.isend
+            src, dst = (me, op.peer) if send else (op.peer, me)
+            mine, theirs = ("send", "recv") if send else ("recv", "send")
+            other = self.waiting.get((theirs, src, dst, op.tag))
+            if other:
+                tensor, peer = other.popleft()
+                (op.tensor if not send else tensor).copy_(tensor if not send else op.tensor)
+                work.done = peer.done = True
+                touched.add(op.peer)
+            else:
+                self.waiting.setdefault((mine, src, dst, op.tag), deque()).append((op.tensor, work))
+            self.posted += 1
+        for r in touched:  # a rank whose batch completed posts its next one
+            queue = self.queues.get(r)
+            while queue and all(w.done for _, w in queue[0]):
+                queue.popleft()
+                if queue:
+                    self._post(r, queue[0])
+
+
+def _run_ranks(program: str | list[str], models: list, x, y, loss_fn, timeout: float = 20.0):
+    """Each rank of the emitted torchrun `program` (or each its own) in a thread on a
+    BlockingTransport, with its own copy of the model (made beforehand: the RNG is not the
+    threads'); returns (losses, pipes, transport, errors)."""
+    world = len(models)
+    transport = BlockingTransport(world, timeout)
+    programs = [program] * world if isinstance(program, str) else program
+    spaces: list[dict] = []
+    for text in programs:
+        ns: dict = {}
+        exec(compile(text, "program.py", "exec"), ns)
+        ns["dist"] = transport
+        spaces.append(ns)
+    pipes: list[Any] = [None] * world
+    losses: list[Any] = [None] * world
+    errors: list[BaseException] = []
+
+    def rank(r: int) -> None:
+        transport.local.rank = r
+        try:
+            pipes[r] = spaces[r]["Pipeline"](models[r])
+            losses[r] = pipes[r].train_step(x if r == 0 else None, y, loss_fn)
+        except BaseException as e:  # noqa: BLE001 - reported to the test
+            errors.append(e)
+            with transport.cond:
+                transport.failed = True
+                transport.cond.notify_all()
+            # free the others from a collective, once those leaving it have left
+            threading.Timer(1.0, transport.barrier.abort).start()
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout * 3)
+    assert not any(t.is_alive() for t in threads), "a rank never finished"
+    return losses, pipes, transport, errors
+
+
+@pytest.fixture(scope="module")
+def mlp_profile():
+    from profiler.examples import mlp
+    from profiler.measure import profile_model
+
+    model = mlp(width=32, depth=4, batch=8)
+    return profile_model(
+        model, model.example_input, batch_sizes=[1, 2, 4], repeats=1, warmup=0, progress=False
+    )
+
+
+CASES = [  # (schedule, recompute, devices, micro-batches)
+    ("gpipe", "never", 2, 4),
+    ("1f1b", "except_last", 3, 5),
+    ("zb-h1", "always", 3, 4),
+    ("interleaved-1f1b", "never", 2, 4),
+    ("gpipe", "always", 4, 4),
+    ("1f1b", "never", 4, 6),
+    ("zb-h1", "except_last", 4, 5),
+    ("interleaved-1f1b", "except_last", 4, 8),
+]
+
+
+@pytest.mark.parametrize("schedule,mode,K,M", CASES)
+def test_the_runtime_meets_on_a_blocking_transport(mlp_profile, schedule, mode, K, M):
+    """The emitted torchrun program itself, every rank a thread, every send blocking until its
+    receive is posted: it finishes, and every rank's gradients are the un-pipelined model's."""
+    from codegen.emit import emit_program
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+    from profiler.examples import mlp
+
+    plan = plan_pipeline(mlp_profile, Cluster.uniform(K, "1GiB"), 8, microbatches=M,
+                         schedule=schedule, recompute=mode)  # fmt: skip
+    program = emit_program(plan, target="torchrun")
+    assert "RENDEZVOUS = False" not in program
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    models = []
+    for _ in range(K):
+        torch.manual_seed(0)
+        models.append(mlp(width=32, depth=4, batch=8))
+    losses, pipes, transport, errors = _run_ranks(program, models, x, y, loss_fn)
+    assert not errors, errors
+    torch.manual_seed(0)
+    reference = mlp(width=32, depth=4, batch=8)
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    assert transport.posted > 0
+    for r, pipe in enumerate(pipes):
+        assert abs(float(losses[r]) - float(expected.detach())) < 1e-5
+        model = models[r]
+        for s in sorted(pipe.local):
+            a, b = pipe.STAGES[s]
+            for i in range(a, b):
+                for p, q in zip(model[i].parameters(), reference[i].parameters()):
+                    torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+        assert not pipe.sending  # every send let go by the end of the step
+
+
+def test_posting_one_message_at_a_time_hangs_on_the_blocking_transport(mlp_profile, monkeypatch):
+    """The transport can fail: the same 1f1b program with each send and receive posted as a
+    batch of its own (as before issue #11) deadlocks on it, as it could under NCCL."""
+    import codegen.emit as emit
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+    from profiler.examples import mlp
+
+    plan = plan_pipeline(mlp_profile, Cluster.uniform(2, "1GiB"), 8, microbatches=3,
+                         schedule="1f1b", recompute="never")  # fmt: skip
+    monkeypatch.setattr(emit, "batches", lambda acts: [[a] for a in acts])
+    program = emit.emit_program(plan, target="torchrun")
+    assert 'self.exchange(("send_forward", 0, 1))' in program
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(mlp(width=32, depth=4, batch=8))
+    *_, errors = _run_ranks(program, models, x, y, torch.nn.CrossEntropyLoss(), timeout=3)
+    assert errors and any("deadlock" in str(e) for e in errors)
+
+
+def _models(K: int) -> list:
+    from profiler.examples import mlp
+
+    out = []
+    for _ in range(K):
+        torch.manual_seed(0)
+        out.append(mlp(width=32, depth=4, batch=8))
+    return out
+
+
+def test_ranks_running_different_plans_all_refuse_before_anything_is_sent(mlp_profile):
+    from codegen.emit import emit_program
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+
+    programs = [
+        emit_program(
+            plan_pipeline(
+                mlp_profile, Cluster.uniform(2, "1GiB"), 8, microbatches=M, schedule="gpipe"
+            ),  # fmt: skip
+            target="torchrun",
+        )
+        for M in (2, 4)
+    ]
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    *_, transport, errors = _run_ranks(programs, _models(2), x, y, torch.nn.CrossEntropyLoss())
+    assert len(errors) == 2 and transport.posted == 0, [repr(e) for e in errors]
+    for e in errors:
+        assert "runs plan" in str(e) and "give every rank the same program" in str(e)
+
+
+def test_each_rank_takes_the_device_the_cluster_names(mlp_profile):
+    from codegen.emit import emit_program
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+
+    cluster = Cluster.model_validate(
+        {"devices": [{"name": f"d{k}", "memory_bytes": "1GiB", "torch_device": dev}
+                     for k, dev in enumerate(["cpu", "meta"])]}
+    )  # fmt: skip
+    plan = plan_pipeline(mlp_profile, cluster, 8, microbatches=2, schedule="gpipe")
+    program = emit_program(plan, target="torchrun")
+    assert 'DEVICES = ["cpu", "meta"]' in program
+    ns: dict = {}
+    exec(compile(program, "program.py", "exec"), ns)
+    runtime = ns["Pipeline"]
+    probe = runtime.__new__(runtime)
+    for rank, want in ((0, "cpu"), (1, "meta")):
+        probe.rank = rank
+        assert probe._own_device() == torch.device(want)
+    probe.DEVICES = ["cpu", "nonsense:7"]
+    with pytest.raises(RuntimeError, match="rank 1: device 'nonsense:7'"):
+        probe._own_device()
