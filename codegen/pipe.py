@@ -29,13 +29,31 @@ class Pipe:
     """
 
     def __init__(
-        self, plan: Plan, schedule: Schedule, source: str, program: Any, module: Any
+        self,
+        plan: Plan,
+        schedule: Schedule,
+        source: str,
+        program: Any,
+        module: Any,
+        distributed: bool = False,
     ) -> None:
         self.plan = plan
         self.schedule = schedule
         self.source = source
         self.program = program
         self._module = module  # the executed program: its own StageError class lives there
+        self.distributed = distributed  # one rank of a torchrun launch: only its stages here
+
+    @property
+    def rank(self) -> int:
+        """This process's rank (0 when the whole pipeline runs here)."""
+        return self.program.rank if self.distributed else 0
+
+    def parameters(self) -> Any:
+        """The parameters this process trains: give them to its optimizer."""
+        if self.distributed:
+            return self.program.parameters()
+        return (p for stage in self.program.stages for p in stage.parameters())
 
     @property
     def stages(self) -> list[nn.Sequential]:
@@ -47,11 +65,19 @@ class Pipe:
 
     def train_step(self, x: torch.Tensor, y: Any, loss_fn: Any) -> torch.Tensor:
         """One step over the mini-batch x (batch first) with targets y; returns the mean loss.
-        `loss_fn(output, target)` must average over the samples it is given."""
-        self._check_batch(x)
+        `loss_fn(output, target)` must average over the samples it is given. Distributed,
+        every rank calls it: x matters on the first stage's rank, y on the last's (the others
+        may pass None), and afterwards this rank's parameters hold their gradients."""
+        if not self.distributed or 0 in self.program.local:
+            self._check_batch(x)
         if not callable(loss_fn):
             raise ArgumentError("loss_fn", loss_fn, "expected a function (output, target) -> loss")
-        if isinstance(y, torch.Tensor) and y.dim() > 0 and y.shape[0] != x.shape[0]:
+        if (
+            isinstance(x, torch.Tensor)
+            and isinstance(y, torch.Tensor)
+            and y.dim() > 0
+            and y.shape[0] != x.shape[0]
+        ):
             raise InputError(
                 f"the target has {y.shape[0]} samples but the input has {x.shape[0]}; "
                 "pass one target per sample (batch first)"
@@ -69,6 +95,11 @@ class Pipe:
         time with the plan: a MeasureReport (codegen/measure.py)."""
         from .measure import measure_in_process
 
+        if self.distributed:
+            raise InputError(
+                "a distributed pipe is measured from outside: gpipe-plan measure PLAN --model "
+                "MODEL --target torchrun"
+            )
         self._check_batch(x)
         whole(steps, "steps", 1, 10_000)
         real(tolerance, "tolerance", 0, 10)
@@ -80,6 +111,10 @@ class Pipe:
             raise StageError(str(e)) from e.__cause__
 
     def __call__(self, x: torch.Tensor) -> Any:
+        if self.distributed:
+            raise InputError(
+                "pipelined inference runs in one process: compile the plan without distributed=True"
+            )
         self._check_batch(x)
         try:
             return self.program.infer(x)
@@ -100,6 +135,12 @@ class Pipe:
             )
 
     def __repr__(self) -> str:
+        if self.distributed:
+            return (
+                f"Pipe({self.plan.schedule}, rank {self.rank} of {len(self.plan.devices)}: "
+                f"stages {sorted(self.program.local)} on {self.program.device}, "
+                f"M={self.plan.microbatches})"
+            )
         return (
             f"Pipe({self.plan.schedule}, {len(self.plan.stages)} stages on "
             f"{[str(d) for d in self.devices]}, M={self.plan.microbatches})"
@@ -113,9 +154,14 @@ def compile_pipe(
     *,
     deferred_batch_norm: bool = False,
     check_model: bool = True,
+    distributed: bool = False,
 ) -> Pipe:
     """Compile `plan` for `model`. `devices` (one per plan device) defaults to cuda:0..K-1 when
-    the machine has them, else every stage runs on the CPU (and the Pipe says so once)."""
+    the machine has them, else every stage runs on the CPU (and the Pipe says so once).
+
+    `distributed=True`, inside a torchrun launch (init_process_group called): this rank's part
+    of the torchrun program, a Pipe for its own stages; each rank takes its cluster device's
+    torch_device, else cuda:LOCAL_RANK, else the CPU."""
     if not isinstance(model, nn.Module):
         raise ArgumentError("model", type(model).__name__, "expected a torch nn.Module")
     if not isinstance(plan, Plan):
@@ -133,6 +179,8 @@ def compile_pipe(
             f"{plan.model_digest[:12]}, this one {model_digest(model)[:12]}); "
             "profile and plan this model again"
         )
+    if distributed:
+        return _distributed_pipe(model, plan, devices, deferred_batch_norm)
     K = len(plan.devices)
     devs = _resolve_devices(devices, K, plan)
     source = emit_program(plan)
@@ -142,6 +190,35 @@ def compile_pipe(
     from planner.search import schedule_of
 
     return Pipe(plan, schedule_of(plan), source, program, namespace)
+
+
+def _distributed_pipe(
+    model: nn.Module, plan: Plan, devices: Any, deferred_batch_norm: bool
+) -> Pipe:
+    import torch.distributed as dist
+
+    if devices is not None:
+        raise ArgumentError(
+            "devices",
+            devices,
+            "a distributed pipe's rank takes its device from the plan's cluster (torch_device) "
+            "or from LOCAL_RANK",
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise InputError(
+            "compile_pipe(..., distributed=True) runs inside a torchrun launch: call "
+            "torch.distributed.init_process_group first"
+        )
+    from planner.search import schedule_of
+
+    source = emit_program(plan, target="torchrun")
+    namespace = types.ModuleType("gpipe_plan_program")
+    exec(compile(source, f"<gpipe-plan program {plan.digest()[:12]}>", "exec"), namespace.__dict__)
+    try:
+        program = namespace.Pipeline(model, deferred_batch_norm=deferred_batch_norm)
+    except (RuntimeError, ValueError) as e:  # wrong world size, device or plan: every rank
+        raise InputError(str(e)) from None
+    return Pipe(plan, schedule_of(plan), source, program, namespace, distributed=True)
 
 
 def auto_pipe(

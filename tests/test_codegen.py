@@ -22,6 +22,7 @@ from codegen._runtime import StageError
 from planner import Cluster, plan_pipeline
 from profiler import InputError, model_digest, profile_model
 from profiler.examples import EXAMPLES, mlp, transformer
+from profiler.limits import ArgumentError
 from tests.conftest import mixed_plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -628,3 +629,37 @@ def test_torchrun_rank_killed_from_outside_ends_the_job(profiles, tmp_path, torc
     r = torchrun(2, str(ROOT / "tests" / "dist_driver.py"), "--kill", str(path), timeout=120)
     assert r.returncode != 0 and time.perf_counter() - t0 < 60
     assert "rank      : 1" in r.stderr and "SIGKILL" in r.stderr
+
+
+def test_compile_pipe_distributed_gives_each_rank_its_stages(
+    profiles, tmp_path, torchrun_available
+):
+    """The Pipe API inside a torchrun launch: each rank's Pipe trains its own stages, whose
+    gradients equal the un-pipelined model's; the other ranks' parameters get none here."""
+    paths = []
+    for schedule, mode, M in (("1f1b", "never", 4), ("interleaved-1f1b", "always", 4)):
+        plan = plan_pipeline(profiles["mlp"], Cluster.uniform(2, "1GiB"), N, microbatches=M,
+                             schedule=schedule, recompute=mode)  # fmt: skip
+        path = tmp_path / f"{schedule}.json"
+        plan.save(path)
+        paths.append(str(path))
+    r = torchrun(2, str(ROOT / "tests" / "dist_pipe_driver.py"), str(tmp_path), *paths)
+    assert r.returncode == 0, r.stderr[-3000:]
+    import json
+
+    for rank in (0, 1):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(results) == len(paths)
+        for name, res in results.items():
+            assert res["loss_err"] <= 1e-5 and res["grad_err"] <= 1e-5, (rank, name, res)
+            assert res["params"] > 0 and res["others"] == 0, (rank, name, res)
+            assert f"rank {rank} of 2" in res["repr"]
+            assert "pipelined inference runs in one process" in res["inference"]
+
+
+def test_compile_pipe_distributed_outside_torchrun_says_so(profiles):
+    plan = plan_for(profiles["mlp"], "1f1b", "never", 4)
+    with pytest.raises(InputError, match="runs inside a torchrun launch"):
+        compile_pipe(small_mlp(), plan, distributed=True)
+    with pytest.raises(ArgumentError, match="takes its device from the plan"):
+        compile_pipe(small_mlp(), plan, ["cpu"] * K, distributed=True)
