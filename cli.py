@@ -288,6 +288,12 @@ def cmd_codegen(args: argparse.Namespace) -> int:
             f"{args.model} first"
         )
     check_output(args.output, inputs=[args.plan, *_sources(args.model)])
+    if args.target == "torch-pipelining":
+        from codegen.emit import pipelining_refusal
+
+        refusal = pipelining_refusal(plan)
+        if refusal is not None:
+            raise InputError(refusal)
     write_output(out, emit_program(plan, target=args.target, model=args.model))
     run = (
         f"python {args.output}"
@@ -711,9 +717,11 @@ def _build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("codegen", help="emit the pipeline program for a plan")
     s.add_argument("plan")
     s.add_argument("--model", required=True, help="the model the plan was made for")
-    s.add_argument("--target", choices=["streams", "torchrun"], default="streams",
+    s.add_argument("--target", choices=["streams", "torchrun", "torch-pipelining"],
+                   default="streams",
                    help="streams: one process, a CUDA stream per stage (CPU without CUDA); "
-                   "torchrun: one process per device, over torch.distributed (gloo or NCCL)")  # fmt: skip
+                   "torchrun: one process per device, over torch.distributed (gloo or NCCL); "
+                   "torch-pipelining: the same on torch.distributed.pipelining's runtime")  # fmt: skip
     s.add_argument("-o", "--output", default="program.py")
     s.set_defaults(run=cmd_codegen)
 

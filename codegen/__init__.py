@@ -2,12 +2,20 @@
 
 from typing import Any
 
-__all__ = ["Pipe", "StageError", "auto_pipe", "compile_pipe", "emit_program", "issue_order"]
+__all__ = [
+    "Pipe",
+    "StageError",
+    "auto_pipe",
+    "compile_pipe",
+    "emit_program",
+    "issue_order",
+    "torch_pipelining",
+]
 
 
 def __getattr__(name: str) -> Any:
     # Lazy, so `import codegen` stays cheap and torch loads only when a pipe is built.
-    if name in ("Pipe", "StageError", "compile_pipe", "auto_pipe"):
+    if name in ("Pipe", "StageError", "compile_pipe", "auto_pipe", "torch_pipelining"):
         from . import pipe
 
         return getattr(pipe, name)

@@ -28,6 +28,7 @@ from schedules.comm import batches
 
 RUNTIME = [Path(__file__).with_name(n) for n in ("_runtime.py", "_numerics.py")]
 DIST_RUNTIME = Path(__file__).with_name("_dist_runtime.py")
+PIPELINING = Path(__file__).with_name("_pipelining.py")
 GRAPH = Path(__file__).parents[1] / "profiler" / "graph.py"
 _CALL = {
     Kind.F: "forward",
@@ -49,7 +50,7 @@ def issue_order(plan: Plan, schedule: Schedule | None = None) -> list[Action]:
     return canonical_order(sched, [st.recompute for st in plan.stages])
 
 
-TARGETS = ("streams", "torchrun")
+TARGETS = ("streams", "torchrun", "torch-pipelining")
 
 
 def emit_program(
@@ -60,10 +61,13 @@ def emit_program(
     relative file path does only from the directory the profile was made in).
 
     streams: one process drives every device, a CUDA stream per stage (CPU without CUDA).
-    torchrun: one process per device, point-to-point sends between them (gloo or NCCL)."""
+    torchrun: one process per device, point-to-point sends between them (gloo or NCCL).
+    torch-pipelining: one process per device, on torch.distributed.pipelining's runtime."""
     if target not in TARGETS:
         raise ValueError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
     sched = schedule or schedule_of(plan)
+    if target == "torch-pipelining":
+        return _pipelining_program(plan, sched, model)
     runtime = "\n\n".join(_without_dropped_lines(p.read_text()) for p in RUNTIME)
     if target == "streams":
         body = _streams_class(plan, issue_order(plan, sched))
@@ -86,6 +90,51 @@ INPUT_DTYPE = {json.dumps(plan.input_dtype)}
         runtime += "\n\n" + _without_dropped_lines(GRAPH.read_text())
         loader += _CAPTURED_LOADER
     return _header(plan, target) + runtime + body + constants + loader + _COMMON_MAIN + main
+
+
+def pipelining_refusal(plan: Plan) -> str | None:
+    """Why torch.distributed.pipelining's runtime cannot run this plan as planned, or None."""
+    if plan.captured:
+        return (
+            "torch.distributed.pipelining's stages hand each other positional tensors, and "
+            "this plan's captured graph sends named values past stages: use --target torchrun"
+        )
+    modes = {st.recompute for st in plan.stages} - {"never", "always"}
+    if modes:
+        return (
+            f"torch.distributed.pipelining's runtime cannot recompute {sorted(modes)[0]} (only "
+            "a whole stage, always): plan with --recompute never or always, or use --target "
+            "torchrun"
+        )
+    return None
+
+
+def _pipelining_program(plan: Plan, sched: Schedule, model: str | None) -> str:
+    refusal = pipelining_refusal(plan)
+    if refusal is not None:
+        raise ValueError(refusal)
+    validate(sched)
+    from schedules import to_csv
+
+    runtime = _without_dropped_lines(PIPELINING.read_text())
+    constants = f"""
+
+MODEL = {json.dumps(plan.model)}
+NUM_DEVICES = {len(plan.devices)}
+BATCH_SIZE = {plan.batch_size}
+INPUT_SHAPE = {list(plan.input_shape)}
+INPUT_DTYPE = {json.dumps(plan.input_dtype)}
+MICROBATCHES = {plan.microbatches}
+{_py_list("STAGES", [f"({a}, {b})" for a, b in (st.layers for st in plan.stages)]).strip()}
+{_py_list("RANKS", [str(st.rank) for st in plan.stages]).strip()}
+{_py_list("RECOMPUTE", [json.dumps(st.recompute) for st in plan.stages]).strip()}
+SCHEDULE_CSV = {json.dumps(to_csv(sched))}
+"""
+    loader = _model_loader(model if model is not None else plan.model)
+    return (
+        _header(plan, "torch-pipelining") + runtime + constants + loader + _COMMON_MAIN
+        + _PIPELINING_MAIN
+    )  # fmt: skip
 
 
 def _header(plan: Plan, target: str) -> str:
@@ -292,6 +341,60 @@ def main() -> None:
         if pipe.rank == 0:
             ranks = dist.get_world_size()
             print(f"{MODEL}: one {pipe.SCHEDULE} step on {ranks} ranks: {ms:.1f} ms, {loss=:.4f}")
+        dist.barrier()  # NOTE: tearing gloo down while a peer is still mid-exit can abort it
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+_PIPELINING_MAIN = """
+
+def main() -> None:
+    \"\"\"One timed training step on random data of the planned shapes, on every rank, on
+    torch.distributed.pipelining's runtime.\"\"\"
+    import time
+
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
+    try:
+        if dist.get_world_size() != NUM_DEVICES:
+            raise RuntimeError(f"this program runs on {NUM_DEVICES} processes")
+        torch.manual_seed(0)  # the same model and batch on every rank
+        model = load_model()
+        x = random_batch(model).to(device)
+        y = torch.zeros(BATCH_SIZE, device=device)
+        rank = dist.get_rank()
+        stages, schedule = torch_pipeline(
+            list(model), STAGES, RANKS, RECOMPUTE, SCHEDULE_CSV, MICROBATCHES, stand_in_loss,
+            rank, device,
+        )  # fmt: skip
+        mine = {st.stage_index for st in stages}
+
+        def step() -> None:
+            if 0 in mine:
+                schedule.step(x, target=y if len(STAGES) - 1 in mine else None)
+            elif len(STAGES) - 1 in mine:
+                schedule.step(target=y, losses=[])
+            else:
+                schedule.step()
+
+        step()  # warm-up
+        dist.barrier()
+        t0 = time.perf_counter()
+        step()
+        dist.barrier()
+        ms = (time.perf_counter() - t0) * 1e3
+        if rank == 0:
+            print(f"{MODEL}: one step on torch.distributed.pipelining, {NUM_DEVICES} ranks: {ms:.1f} ms")
         dist.barrier()  # NOTE: tearing gloo down while a peer is still mid-exit can abort it
     finally:
         dist.destroy_process_group()

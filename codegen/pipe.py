@@ -221,6 +221,59 @@ def _distributed_pipe(
     return Pipe(plan, schedule_of(plan), source, program, namespace, distributed=True)
 
 
+def torch_pipelining(model: nn.Module, plan: Plan, loss_fn: Any) -> tuple[list[Any], Any]:
+    """Inside a torchrun launch: the plan run on torch.distributed.pipelining's own runtime.
+    Returns this rank's PipelineStages, built from the plan's split (no tracing; stage s on
+    rank plan.stages[s].rank, on the cluster's torch_device, else cuda:LOCAL_RANK, else the
+    CPU), and torch's schedule runtime loaded with the plan's schedule as its CSV. Step it as
+    torch's schedules are stepped: schedule.step(x) on the first stage's rank,
+    schedule.step(target=y, losses=losses) on the last's, schedule.step() elsewhere."""
+    import os
+
+    import torch.distributed as dist
+
+    from planner.search import schedule_of
+    from schedules import to_csv
+
+    from ._pipelining import torch_pipeline
+    from .emit import pipelining_refusal
+
+    if not isinstance(plan, Plan):
+        raise ArgumentError("plan", type(plan).__name__, "expected a Plan (Plan.load(path))")
+    if not callable(loss_fn):
+        raise ArgumentError("loss_fn", loss_fn, "expected a function (output, target) -> loss")
+    refusal = pipelining_refusal(plan)
+    if refusal is not None:
+        raise InputError(refusal)
+    if not dist.is_available() or not dist.is_initialized():
+        raise InputError(
+            "torch_pipelining runs inside a torchrun launch: call "
+            "torch.distributed.init_process_group first"
+        )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != len(plan.devices):
+        raise InputError(f"the plan is for {len(plan.devices)} processes, this launch has {world}")
+    named = plan.cluster.devices[rank].torch_device
+    if named:
+        device = torch.device(named)
+    elif torch.cuda.is_available():
+        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}")
+    else:
+        device = torch.device("cpu")
+    layers = list(as_layers(model, capture_sample(model, plan.input_shape, plan.input_dtype)))
+    return torch_pipeline(
+        layers,
+        [st.layers for st in plan.stages],
+        [st.rank for st in plan.stages],
+        [st.recompute for st in plan.stages],
+        to_csv(schedule_of(plan)),
+        plan.microbatches,
+        loss_fn,
+        rank,
+        device,
+    )
+
+
 def auto_pipe(
     model: nn.Module,
     sample: torch.Tensor,

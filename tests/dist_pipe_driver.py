@@ -22,12 +22,52 @@ from profiler.artifact import InputError  # noqa: E402
 from profiler.examples import mlp  # noqa: E402
 
 
+def on_torch(path: str) -> dict:
+    """The plan on torch.distributed.pipelining's runtime (codegen.torch_pipelining)."""
+    from codegen import torch_pipelining
+
+    torch.manual_seed(0)
+    model = mlp(width=32, depth=4, batch=8)
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    loss_fn = nn.CrossEntropyLoss()
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    plan = Plan.load(path)
+    stages, schedule = torch_pipelining(model, plan, loss_fn)
+    mine = {st.stage_index for st in stages}
+    losses: list = []
+    if 0 in mine:
+        schedule.step(x)
+    else:
+        schedule.step(target=y, losses=losses)
+    errs = []
+    for s in sorted(mine):
+        a, b = plan.stages[s].layers
+        for i in range(a, b):
+            for p, q in zip(model[i].parameters(), reference[i].parameters()):
+                errs.append(float((p.grad - q.grad).abs().max() / q.grad.abs().max()))
+    loss = sum(losses) / len(losses) if losses else expected.detach()
+    return {
+        "loss_err": abs(float(loss) - float(expected.detach())),
+        "grad_err": max(errs, default=1.0),
+        "params": len(errs),
+        "others": 0,
+        "repr": f"rank {dist.get_rank()} of 2",
+        "inference": "pipelined inference runs in one process",
+    }
+
+
 def main() -> None:
-    out_dir, plans = sys.argv[1], sys.argv[2:]
+    torch_runtime = sys.argv[1] == "--torch"
+    out_dir, plans = sys.argv[1 + torch_runtime], sys.argv[2 + torch_runtime :]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     results = {}
     for path in plans:
+        if torch_runtime:
+            results[os.path.basename(path)] = on_torch(path)
+            continue
         torch.manual_seed(0)
         model = mlp(width=32, depth=4, batch=8)
         reference = copy.deepcopy(model)

@@ -631,11 +631,14 @@ def test_torchrun_rank_killed_from_outside_ends_the_job(profiles, tmp_path, torc
     assert "rank      : 1" in r.stderr and "SIGKILL" in r.stderr
 
 
+@pytest.mark.parametrize("runtime", ["ours", "torch"])
 def test_compile_pipe_distributed_gives_each_rank_its_stages(
-    profiles, tmp_path, torchrun_available
+    profiles, tmp_path, torchrun_available, runtime
 ):
     """The Pipe API inside a torchrun launch: each rank's Pipe trains its own stages, whose
-    gradients equal the un-pipelined model's; the other ranks' parameters get none here."""
+    gradients equal the un-pipelined model's; the other ranks' parameters get none here. The
+    same plans on torch.distributed.pipelining's runtime (codegen.torch_pipelining: stages from
+    our split, our schedule as its CSV) give the same loss and gradients."""
     paths = []
     for schedule, mode, M in (("1f1b", "never", 4), ("interleaved-1f1b", "always", 4)):
         plan = plan_pipeline(profiles["mlp"], Cluster.uniform(2, "1GiB"), N, microbatches=M,
@@ -643,7 +646,8 @@ def test_compile_pipe_distributed_gives_each_rank_its_stages(
         path = tmp_path / f"{schedule}.json"
         plan.save(path)
         paths.append(str(path))
-    r = torchrun(2, str(ROOT / "tests" / "dist_pipe_driver.py"), str(tmp_path), *paths)
+    flag = ["--torch"] if runtime == "torch" else []
+    r = torchrun(2, str(ROOT / "tests" / "dist_pipe_driver.py"), *flag, str(tmp_path), *paths)
     assert r.returncode == 0, r.stderr[-3000:]
     import json
 
@@ -663,3 +667,26 @@ def test_compile_pipe_distributed_outside_torchrun_says_so(profiles):
         compile_pipe(small_mlp(), plan, distributed=True)
     with pytest.raises(ArgumentError, match="takes its device from the plan"):
         compile_pipe(small_mlp(), plan, ["cpu"] * K, distributed=True)
+
+
+def test_torch_pipelining_target_runs_on_torchs_runtime(profiles, tmp_path, torchrun_available):
+    """`codegen --target torch-pipelining`: the emitted program runs one step of the plan on
+    torch.distributed.pipelining under torchrun; plans it cannot run are refused in one line."""
+    plan = plan_pipeline(profiles["mlp"], Cluster.uniform(2, "1GiB"), N, microbatches=4,
+                         schedule="zb-h1", recompute="never")  # fmt: skip
+    model_file = tmp_path / "tiny.py"
+    model_file.write_text(
+        "from profiler.examples import mlp\n\n\ndef build():\n"
+        f"    return mlp(width=32, depth=4, batch={N})\n"
+    )
+    source = emit_program(plan, target="torch-pipelining", model=f"{model_file}:build")
+    assert "SCHEDULE_CSV = " in source and "_PipelineScheduleRuntime" in source
+    path = tmp_path / "program.py"
+    path.write_text(source)
+    r = torchrun(2, str(path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "one step on torch.distributed.pipelining, 2 ranks" in r.stdout
+    mixed = plan_pipeline(profiles["mlp"], Cluster.uniform(2, "1GiB"), N, microbatches=4,
+                          schedule="1f1b", recompute="except_last")  # fmt: skip
+    with pytest.raises(ValueError, match="cannot recompute except_last"):
+        emit_program(mixed, target="torch-pipelining")

@@ -1,0 +1,62 @@
+# ---------------------------------------------------------------------------------------------
+# gpipe-plan on torch.distributed.pipelining's runtime: this rank's PipelineStages, built from
+# the plan's split (no tracing), and the plan's schedule given to torch's runtime as the CSV it
+# loads (its compute_only layout; torch adds the sends and receives itself).
+# ---------------------------------------------------------------------------------------------
+from __future__ import annotations  # emit: drop
+
+import os
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Recomputed(nn.Module):
+    """A stage that keeps only its input for backward and runs again inside it."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any) -> Any:
+        return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False)
+
+
+def torch_pipeline(
+    layers: list[nn.Module],
+    stages: list[tuple[int, int]],
+    ranks: list[int],
+    recompute: list[str],
+    schedule_csv: str,
+    microbatches: int,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    rank: int,
+    device: torch.device,
+) -> tuple[list[Any], Any]:
+    """This rank's PipelineStages over `layers` split at `stages` (stage s on rank ranks[s]),
+    and torch's schedule runtime loaded with `schedule_csv`: (stages, schedule). Call
+    schedule.step(x) on the first stage's rank, schedule.step(target=y, losses=[]) on the
+    last's, schedule.step() elsewhere."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+    built = []
+    for s, (a, b) in enumerate(stages):
+        if ranks[s] != rank:
+            continue
+        module: nn.Module = nn.Sequential(*layers[a:b]).to(device)
+        if recompute[s] == "always":
+            module = Recomputed(module)
+        built.append(PipelineStage(module, s, len(stages), device))
+    schedule = _PipelineScheduleRuntime(built, n_microbatches=microbatches, loss_fn=loss_fn)
+    fd, path = tempfile.mkstemp(suffix=".csv")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(schedule_csv)
+        schedule._load_csv(path, "compute_only")
+    finally:
+        os.unlink(path)
+    return built, schedule
