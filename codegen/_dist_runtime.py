@@ -54,26 +54,34 @@ class DistPipelineRuntime(PipelineRuntime):
             )
         self.rank, world = dist.get_rank(), dist.get_world_size()
         ranks = max(self.RANKS) + 1
-        if world != ranks:
-            raise RuntimeError(
-                f"this program runs on {ranks} processes, not {world}: torchrun --nproc-per-node {ranks}"
-            )
         layers = list(model)
-        if self.STAGES[-1][1] != len(layers):
-            raise ValueError(
+        problem = ""
+        try:
+            self.device = self._own_device()
+        except RuntimeError as e:
+            self.device, problem = torch.device("cpu"), str(e)
+        if world != ranks:
+            problem = (
+                f"this program runs on {ranks} processes, not {world}: torchrun "
+                f"--nproc-per-node {ranks}"
+            )
+        elif self.STAGES[-1][1] != len(layers):
+            problem = (
                 f"this program splits {self.STAGES[-1][1]} layers; the model has {len(layers)}"
             )
-        self.device = self._own_device()
-        self._same_plan()
+        elif not self.RENDEZVOUS and (
+            self.device.type != "cpu" or "nccl" in str(dist.get_backend()).lower()
+        ):
+            problem = (
+                "this program's communication is not proven free of deadlock where a send "
+                "completes only once its receive is posted, as with NCCL: run it on CPUs, "
+                "under gloo"
+            )
+        self._agree(problem)
         self.local = {s for s, r in enumerate(self.RANKS) if r == self.rank}
         self.layers = layers
         self.spec_cache: dict[Any, dict[Any, list[Spec]]] = {}
         self.sending: list[tuple[Any, torch.Tensor]] = []  # sends not yet seen complete
-        if not self.RENDEZVOUS and dist.get_backend() == "nccl":
-            raise RuntimeError(
-                "this program's communication is not proven free of deadlock where a send "
-                "completes only once its receive is posted, as with NCCL: run it under gloo"
-            )
         self.tuple_out = [False] * len(self.STAGES)  # does the stage hand on a tuple
         self._route(layers)
         self.ties = self._tie_groups(layers)
@@ -109,16 +117,27 @@ class DistPipelineRuntime(PipelineRuntime):
             torch.cuda.set_device(device)
         return device
 
-    def _same_plan(self) -> None:
-        """Every rank must run the same program: their plans are compared before anything
-        else crosses ranks, and every rank refuses alike."""
-        mine = torch.tensor([int(self.PLAN[:15], 16)], dtype=torch.int64, device=self.device)
+    def _agree(self, problem: str) -> None:
+        """Before anything else crosses ranks: every rank runs the same program and none has a
+        problem with it, or every rank refuses (each with its own reason, or the others')."""
+        device = self.device
+        if device.type != "cuda" and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())  # NCCL's collectives
+        mine = torch.tensor(
+            [int(self.PLAN[:15], 16), int(bool(problem))], dtype=torch.int64, device=device
+        )
         lo, hi = mine.clone(), mine.clone()
         dist.all_reduce(lo, op=dist.ReduceOp.MIN)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX)
-        if int(lo) != int(hi):
+        if problem:
+            raise RuntimeError(f"rank {self.rank}: {problem}")
+        if int(hi[1]):
             raise RuntimeError(
-                f"rank {self.rank} runs plan {self.PLAN}, and some rank another: give every "
+                f"rank {self.rank}: another rank refused this program; see its message"
+            )
+        if int(lo[0]) != int(hi[0]):
+            raise RuntimeError(
+                f"rank {self.rank} runs program {self.PLAN}, and some rank another: give every "
                 "rank the same program"
             )
 
@@ -163,28 +182,37 @@ class DistPipelineRuntime(PipelineRuntime):
         self.tied_grads = {id(p): p.grad for p, _ in self.ties if p.grad is not None}
         for p, _ in self.ties:
             p.grad = None
-        # the same dropout seeds on every rank, and the input's shape, from the first stage's
+        # From the first stage's rank: the dropout seed and the input's shape; from every rank:
+        # whether it refuses this batch (so that all refuse together, none left waiting).
         sig = torch.zeros(_SIGNATURE, dtype=torch.int64)
-        sig[0] = int(torch.randint(0, 2**62, (1,)))
+        problem = ""
         if 0 in self.local:
+            sig[0] = int(torch.randint(0, 2**62, (1,)))
             if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] < M:
-                raise ValueError(
-                    f"the first stage's rank needs the input batch, with at least {M} samples"
-                )
-            if x.dtype not in _DTYPES or x.dim() > _SIGNATURE - 3:
-                raise ValueError(f"an input of dtype {x.dtype} and {x.dim()} dimensions")
-            sig[1 : 3 + x.dim()] = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape])
-            self.batch = list(torch.tensor_split(x, M))
+                problem = f"the first stage's rank needs the input batch, with at least {M} samples"
+            elif x.dtype not in _DTYPES or x.dim() > _SIGNATURE - 4:
+                problem = f"an input of dtype {x.dtype} and {x.dim()} dimensions"
+            else:
+                sig[1 : 3 + x.dim()] = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape])
+        if last in self.local and not problem:
+            sized = y if isinstance(y, torch.Tensor) else x
+            if not isinstance(sized, torch.Tensor) or sized.dim() < 1 or sized.shape[0] < M:
+                problem = "the last stage's rank needs the targets (batch first)"
+        sig[-1] = int(bool(problem))
         sig = sig.to(self.device)
-        dist.broadcast(sig, src=self.RANKS[0])
+        dist.all_reduce(sig)  # one rank's entries, summed with the others' zeros
         head = sig.tolist()
+        if problem:
+            raise ValueError(problem)
+        if head[-1]:
+            raise ValueError("another rank refused this step's batch; see its message")
         self.seed = head[0]
+        if 0 in self.local:
+            self.batch = list(torch.tensor_split(x, M))
         self.specs = self._shapes(tuple(head[3 : 3 + head[2]]), _DTYPES[head[1]])
         self.rng = save_rng([self.device])
         if last in self.local:
             sized = y if isinstance(y, torch.Tensor) else x
-            if sized is None:
-                raise ValueError("the last stage's rank needs the targets (batch first)")
             parts = torch.tensor_split(sized, M)
             self.weights = [p.shape[0] / sized.shape[0] for p in parts]
             self.targets = [_to(t, self.device) for t in _split_target(y, M)]
@@ -200,39 +228,40 @@ class DistPipelineRuntime(PipelineRuntime):
 
         M = self.MICROBATCHES
         sizes = [len(part) for part in torch.tensor_split(torch.empty(shape[0], 0), M)]
-        flags = [(mod, mod.training) for layer in self.layers for mod in layer.modules()]
         by_size: dict[int, dict[tuple[int, int], list[Spec]]] = {}
         try:
-            for layer in self.layers:  # shapes only: no statistics updated, no dropout drawn
-                layer.eval()
-            with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+            with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 for b in sorted(set(sizes)):
                     x = torch.empty((b, *shape[1:]), dtype=dtype)
-                    by_size[b] = self._fake_pass(x)
+                    by_size[b] = self._fake_pass(x, mode)
         except Exception as e:
             raise RuntimeError(
                 f"cannot work out the shapes the stages send each other from an input of shape "
                 f"{list(shape)}: {type(e).__name__}: {e}"
             ) from e
-        finally:
-            for mod, was in flags:
-                mod.training = was
         specs = {
             (a, t, m): by_size[sizes[m]][(a, t)] for m in range(M) for a, t in by_size[sizes[m]]
         }
         self.spec_cache[key] = specs
         return specs
 
-    def _fake_pass(self, x: torch.Tensor) -> dict[tuple[int, int], list[Spec]]:
-        """The model on a fake input: (sender, receiver) stage -> what the sender sends."""
+    def _fake_pass(self, x: torch.Tensor, mode: Any) -> dict[tuple[int, int], list[Spec]]:
+        """The model on a fake input, in the mode it is in, each layer on fake copies of its
+        parameters and buffers (so nothing of the model changes): (sender, receiver) stage ->
+        what the sender sends."""
+        from torch.func import functional_call
 
         def call(layer: nn.Module, v: Any) -> Any:
-            dev = next(iter([*layer.parameters(), *layer.buffers()]), None)
+            state = {
+                n: mode.from_tensor(t)
+                for n, t in [*layer.named_parameters(), *layer.named_buffers()]
+            }
+            dev = next(iter(state.values()), None)
             if dev is not None:
                 v = torch.utils._pytree.tree_map(
                     lambda t: t.to(dev.device) if isinstance(t, torch.Tensor) else t, v
                 )
-            return layer(v)
+            return functional_call(layer, state, (v,), strict=False)
 
         def spec(t: torch.Tensor) -> Spec:
             return tuple(t.shape), t.dtype
@@ -381,12 +410,16 @@ class DistPipelineRuntime(PipelineRuntime):
         return bufs
 
     def _send_forward(self, s: int, m: int, ops: list[Any], done: list[Any]) -> None:
-        if self.routed:
-            for t, ts in self.outbox.pop(("F", s, m)):
-                self._send(ops, ts, t, self._tag("F", s, t, m))
-            return
-        _, ts = self.outbox.pop(("F", s, m))
-        self._send(ops, ts, s + 1, self._tag("F", s, s + 1, m))
+        far = self.outbox.pop(("F", s, m))
+        for t, ts in far if self.routed else [(s + 1, far[1])]:
+            got = [(tuple(x.shape), x.dtype) for x in ts]
+            if got != self.specs[(s, t, m)]:
+                raise RuntimeError(
+                    f"stage {s} sends stage {t} {got} for micro-batch {m}, where the shape pass "
+                    f"found {self.specs[(s, t, m)]}: the model's output shapes depend on more "
+                    "than its input's shape"
+                )
+            self._send(ops, ts, t, self._tag("F", s, t, m))
 
     def _recv_forward(self, s: int, m: int, ops: list[Any], done: list[Any]) -> None:
         if self.routed:

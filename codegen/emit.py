@@ -242,7 +242,7 @@ class Pipeline(DistPipelineRuntime):
 
 {_constants(plan)}{rendezvous}
     {devices}
-    PLAN = "{plan.digest()[:16]}"
+    PLAN = "{_program_id(plan, lowered)}"
 
     def train_step(
         self, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor]
@@ -254,6 +254,13 @@ class Pipeline(DistPipelineRuntime):
         getattr(self, f"_rank{{self.rank}}")()
         return self.finish()
 {"".join(methods)}'''
+
+
+def _program_id(plan: Plan, lowered: Schedule) -> str:
+    """What every rank of a launch must agree on: the plan and each rank's list of actions."""
+    import hashlib
+
+    return hashlib.sha256(f"{plan.digest()}\n{lowered}".encode()).hexdigest()[:16]
 
 
 def _without_dropped_lines(text: str) -> str:

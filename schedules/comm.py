@@ -54,7 +54,10 @@ def insert_comms(schedule: Schedule) -> Schedule:
 
     if not rendezvous_run(lowered).stuck:
         return lowered
-    return _lockstep(schedule) or lowered
+    stepped = _lockstep(schedule)
+    if stepped is not None and not rendezvous_run(stepped).stuck:
+        return stepped
+    return lowered  # validate(..., rendezvous=True) says where it would hang
 
 
 SENDS = (Kind.SEND_F, Kind.SEND_B)
@@ -65,10 +68,12 @@ def _lockstep(schedule: Schedule) -> Schedule | None:
     with each send right after its action (interleaved ones, whose ranks send both ways at
     once; a captured graph's skips). Each compute action gets the first step at which its
     rank is free and its inputs were made at earlier steps; each message is posted by both
-    ends in a batch at the end of the step that made it (a receive carrying several messages:
-    at the last of their steps). Then, step by step, every rank reaches each batch without
-    waiting on a later one, and the batches of one step meet. None where the compute alone
-    cannot run (validate says why)."""
+    ends in a batch at the end of the step that made it. Then, step by step, every rank reaches
+    each batch without waiting on a later one, and the batches of one step meet. That argument
+    holds where each communication action carries one message (chains, interleaved or not);
+    a receive that takes several (skips into one stage) is posted at the last of their steps,
+    which can make an earlier sender wait: insert_comms keeps this lowering only where a
+    rendezvous run finishes. None where the compute alone cannot run."""
     from .validate import dependencies, split_stages
 
     compute = schedule.compute_only()
