@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from measure_bench import print_table  # noqa: E402
 
 CASES = [  # (example, batch, micro-batches, schedule of ours)
     ("transformer", 32, 8, "1f1b"),
@@ -215,10 +217,7 @@ def main() -> None:
             print(" | ".join(rows[-1]), flush=True)
     head = ["example", "our schedule", "contender", "step ms (median)", "its time / ours",
             "rank 0 peak MiB", "rank 1 peak MiB", "loss"]  # fmt: skip
-    print("\n| " + " | ".join(head) + " |")
-    print("|" + "---|" * len(head))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    print_table(head, rows)
 
 
 if __name__ == "__main__":

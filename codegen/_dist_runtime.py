@@ -377,10 +377,10 @@ class DistPipelineRuntime(PipelineRuntime):
 
     def exchange(self, *actions: tuple[str, int, int]) -> None:
         """One batch of communication: the sends and receives of `actions` (each
-        (what, stage, micro-batch), in program order) posted at once, and the receives waited
-        for. A send is let go once it has completed (looked at here and at the end of the
-        step); where the backend gives one handle for the whole batch (NCCL), that is waited
-        for, which on a GPU holds back only the streams, not this process."""
+        (what, stage, micro-batch), in program order) posted at once and waited for, so what
+        was sent is let go as the batch ends. A program not proven to meet where sends block
+        (RENDEZVOUS False: gloo only) waits for its receives only and lets each send go once it
+        sees it complete (here, or at the end of the step)."""
         ops: list[Any] = []
         done: list[Callable[[], None]] = []
         what, s, m = actions[0]
@@ -391,7 +391,7 @@ class DistPipelineRuntime(PipelineRuntime):
             works = dist.batch_isend_irecv(ops) if ops else []
             one = len(works) != len(ops)  # one handle for the whole batch
             for work, op in zip(works, [None] * len(works) if one else ops):
-                if op is not None and op.op is dist.isend:
+                if op is not None and op.op is dist.isend and not self.RENDEZVOUS:
                     self.sending.append((work, op.tensor))
                 else:
                     work.wait()

@@ -22,10 +22,8 @@ from profiler.artifact import InputError  # noqa: E402
 from profiler.examples import mlp  # noqa: E402
 
 
-def on_torch(path: str) -> dict:
-    """The plan on torch.distributed.pipelining's runtime (codegen.torch_pipelining)."""
-    from codegen import torch_pipelining
-
+def reference_step() -> tuple:
+    """The model, its un-pipelined copy after one step, the batch, the loss and its value."""
     torch.manual_seed(0)
     model = mlp(width=32, depth=4, batch=8)
     reference = copy.deepcopy(model)
@@ -33,6 +31,14 @@ def on_torch(path: str) -> dict:
     loss_fn = nn.CrossEntropyLoss()
     expected = loss_fn(reference(x), y)
     expected.backward()
+    return model, reference, x, y, loss_fn, expected
+
+
+def on_torch(path: str) -> dict:
+    """The plan on torch.distributed.pipelining's runtime (codegen.torch_pipelining)."""
+    from codegen import torch_pipelining
+
+    model, reference, x, y, loss_fn, expected = reference_step()
     plan = Plan.load(path)
     stages, schedule = torch_pipelining(model, plan, loss_fn)
     mine = {st.stage_index for st in stages}
@@ -68,13 +74,7 @@ def main() -> None:
         if torch_runtime:
             results[os.path.basename(path)] = on_torch(path)
             continue
-        torch.manual_seed(0)
-        model = mlp(width=32, depth=4, batch=8)
-        reference = copy.deepcopy(model)
-        x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
-        loss_fn = nn.CrossEntropyLoss()
-        expected = loss_fn(reference(x), y)
-        expected.backward()
+        model, reference, x, y, loss_fn, expected = reference_step()
         pipe = compile_pipe(model, Plan.load(path), distributed=True)
         loss = pipe.train_step(x if pipe.rank == 0 else None, y, loss_fn)
         mine = {id(p) for p in pipe.parameters()}
