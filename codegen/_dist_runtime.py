@@ -45,7 +45,7 @@ class DistPipelineRuntime(PipelineRuntime):
 
     RENDEZVOUS = True  # the program meets when sends block (validate(..., rendezvous=True))
     DEVICES: list[str] = []  # per rank: the cluster's torch_device ("": this host's choice)
-    PLAN = "0" * 16  # the plan's digest, the same on every rank
+    PLAN = "0" * 16  # the plan and each rank's actions, hashed: the same on every rank
 
     def __init__(self, model: nn.Sequential, *, deferred_batch_norm: bool = False) -> None:
         if not dist.is_initialized():
@@ -103,12 +103,12 @@ class DistPipelineRuntime(PipelineRuntime):
     def _own_device(self) -> torch.device:
         """The cluster's device for this rank (its torch_device), else the GPU of this host's
         LOCAL_RANK, else the CPU; on a GPU it becomes the current device, as NCCL needs."""
-        named = self.DEVICES[self.rank] if self.DEVICES else ""
+        named = self.DEVICES[self.rank] if self.rank < len(self.DEVICES) else ""
         if named:
             try:
                 device = torch.device(named)
             except RuntimeError as e:
-                raise RuntimeError(f"rank {self.rank}: device {named!r}: {e}") from None
+                raise RuntimeError(f"device {named!r}: {e}") from None
         elif torch.cuda.is_available():
             device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', self.rank))}")
         else:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
+import stat
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -92,12 +94,45 @@ class Artifact(BaseModel):
 
 
 MAX_FILE_BYTES = 2**30  # far past a 100 000-layer profile; /dev/zero is not a profile
+FIFO_FIRST_S = 5.0  # how long a pipe may keep us waiting for its first bytes
+FIFO_WAIT_S = 30.0  # ... and for each next ones
+
+
+def _read_fifo(path: Path) -> bytes:
+    """A named pipe (or `<(...)`): read without blocking on the open, so a pipe that nobody
+    writes to is refused after FIFO_FIRST_S instead of hanging; once bytes flow, a writer may
+    pause up to FIFO_WAIT_S."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        chunks: list[bytes] = []
+        total = 0
+        while total <= MAX_FILE_BYTES:
+            wait = FIFO_WAIT_S if chunks else FIFO_FIRST_S
+            ready, _, _ = select.select([fd], [], [], wait)
+            if not ready:
+                raise InputError(f"{path}: a pipe that sent nothing for {wait:g} s")
+            try:
+                chunk = os.read(fd, 1 << 20)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+        data = b"".join(chunks)
+    finally:
+        os.close(fd)
+    if not data:
+        raise InputError(f"{path}: a pipe with nothing in it (nobody writes to it)")
+    return data
 
 
 def _read(path: Path) -> str:
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
+        data = _read_fifo(path) if stat.S_ISFIFO(os.stat(path).st_mode) else None
+        if data is None:
+            with open(path, "rb") as f:
+                data = f.read(MAX_FILE_BYTES + 1)
         if len(data) > MAX_FILE_BYTES:
             raise InputError(f"{path}: larger than 1 GiB; not a gpipe-plan file")
         return data.decode()

@@ -30,7 +30,19 @@ from hypothesis import HealthCheck, Phase, assume, event, given, note, settings
 from hypothesis import strategies as st
 
 import cli
+import profiler.artifact
 from tests.conftest import synthetic_profile
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _quick_pipes() -> Iterator[None]:
+    """The workspace's FIFO, given as an input, is refused once it has sent nothing for this
+    long (a user's pipe gets 5 s; test_hardening covers that)."""
+    saved = profiler.artifact.FIFO_FIRST_S
+    profiler.artifact.FIFO_FIRST_S = 0.2
+    yield
+    profiler.artifact.FIFO_FIRST_S = saved
+
 
 BOUND_S = 20.0  # every command here answers in well under a second; CI machines are noisy
 FUZZ = settings(

@@ -60,6 +60,33 @@ def test_fifo_as_output_is_refused_without_blocking(run_cli, prof, tmp_path):
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
 
 
+def test_a_fifo_nobody_writes_to_as_input_is_refused_not_waited_on(
+    run_cli, prof, tmp_path, monkeypatch
+):
+    """A named pipe as the profile: read as it comes (a writer that starts late is waited
+    for), but one that nobody writes to is refused in one line instead of hanging."""
+    import threading
+
+    import profiler.artifact as artifact
+
+    monkeypatch.setattr(artifact, "FIFO_FIRST_S", 0.5)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    assert_bad_input(run_cli("plan", fifo, *PLAN_ARGS), mentions="a pipe that sent nothing")
+    text = Path(prof).read_bytes()
+
+    def write() -> None:
+        with open(fifo, "wb") as f:  # blocks until the reader opens it
+            f.write(text)
+
+    writer = threading.Thread(target=write, daemon=True)
+    writer.start()
+    r = run_cli("plan", fifo, *PLAN_ARGS, "-o", tmp_path / "plan.json")
+    writer.join(5)
+    assert r.code == 0, r.err
+    assert (tmp_path / "plan.json").exists()
+
+
 def test_directory_as_output_is_refused(run_cli, prof, tmp_path):
     assert_bad_input(run_cli("plan", prof, *PLAN_ARGS, "-o", tmp_path), mentions="directory")
 

@@ -447,7 +447,7 @@ def test_each_rank_takes_the_device_the_cluster_names(mlp_profile):
         probe.rank = rank
         assert probe._own_device() == torch.device(want)
     probe.DEVICES = ["cpu", "nonsense:7"]
-    with pytest.raises(RuntimeError, match="rank 1: device 'nonsense:7'"):
+    with pytest.raises(RuntimeError, match="device 'nonsense:7'"):
         probe._own_device()
 
 
@@ -502,3 +502,18 @@ def test_the_shape_pass_leaves_the_model_as_it_was(mlp_profile):
     assert calls == [] and model[1].training
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_a_launch_of_the_wrong_size_is_refused_by_every_rank(mlp_profile):
+    from codegen.emit import emit_program
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+
+    plan = plan_pipeline(mlp_profile, Cluster.uniform(2, "1GiB"), 8, microbatches=2,
+                         schedule="gpipe")  # fmt: skip
+    program = emit_program(plan, target="torchrun")
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    *_, transport, errors = _run_ranks(program, _models(3), x, y, torch.nn.CrossEntropyLoss())
+    assert len(errors) == 3 and transport.posted == 0
+    for e in errors:
+        assert "this program runs on 2 processes, not 3: torchrun --nproc-per-node 2" in str(e)
