@@ -117,6 +117,7 @@ def _pipelining_program(plan: Plan, sched: Schedule, model: str | None) -> str:
     from schedules import to_csv
 
     runtime = _without_dropped_lines(PIPELINING.read_text())
+    rows = "\n".join(f"    {json.dumps(row + chr(10))}" for row in to_csv(sched).splitlines())
     constants = f"""
 
 MODEL = {json.dumps(plan.model)}
@@ -128,7 +129,9 @@ MICROBATCHES = {plan.microbatches}
 {_py_list("STAGES", [f"({a}, {b})" for a, b in (st.layers for st in plan.stages)]).strip()}
 {_py_list("RANKS", [str(st.rank) for st in plan.stages]).strip()}
 {_py_list("RECOMPUTE", [json.dumps(st.recompute) for st in plan.stages]).strip()}
-SCHEDULE_CSV = {json.dumps(to_csv(sched))}
+SCHEDULE_CSV = (
+{rows}
+)
 """
     loader = _model_loader(model if model is not None else plan.model)
     return (
@@ -401,7 +404,9 @@ def main() -> None:
         dist.barrier()
         ms = (time.perf_counter() - t0) * 1e3
         if rank == 0:
-            print(f"{MODEL}: one step on torch.distributed.pipelining, {NUM_DEVICES} ranks: {ms:.1f} ms")
+            print(
+                f"{MODEL}: one step on torch.distributed.pipelining, {NUM_DEVICES} ranks: {ms:.1f} ms"
+            )
         dist.barrier()  # NOTE: tearing gloo down while a peer is still mid-exit can abort it
     finally:
         dist.destroy_process_group()

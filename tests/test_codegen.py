@@ -321,7 +321,7 @@ def every_program(profiles) -> dict[str, str]:
     return {
         f"{spec} {target}": emit_program(plan.model_copy(update={"model": spec}), target=target)
         for spec in MODEL_SPECS
-        for target in ("streams", "torchrun")
+        for target in ("streams", "torchrun", "torch-pipelining")
     }
 
 
@@ -349,7 +349,7 @@ def test_emitted_program_imports_only_torch_and_the_standard_library(profiles):
         modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert {m.partition(".")[0] for m in modules} <= {
             "__future__", "argparse", "collections", "contextlib", "copy", "importlib", "os", "sys",
-            "time", "torch", "typing",
+            "tempfile", "time", "torch", "typing",
         }, name  # fmt: skip
 
 
