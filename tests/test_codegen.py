@@ -512,7 +512,9 @@ def test_auto_pipe_profiles_plans_and_compiles():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pipe = auto_pipe(model, x, devices=["cpu"] * 3, memory="1GiB", batch_size=N)
-    assert len(pipe.plan.devices) == 3 and pipe.devices == [torch.device("cpu")] * 3
+    # one device per stage (an interleaved plan, which timing noise may pick, has two per device)
+    assert len(pipe.plan.devices) == 3 and set(pipe.devices) == {torch.device("cpu")}
+    assert len(pipe.devices) == len(pipe.plan.stages)
     assert pipe.schedule.num_stages == len(pipe.stages) and "class Pipeline" in pipe.source
     loss_fn(reference(x), y).backward()
     pipe.train_step(x, y, loss_fn)
