@@ -77,7 +77,17 @@ def emit_program(
         runtime += "\n\n" + _without_dropped_lines(DIST_RUNTIME.read_text())
         body = _torchrun_class(plan, insert_comms(sched))
         main = _TORCHRUN_MAIN
-    constants = f"""
+    constants = _program_constants(plan)
+    loader = _model_loader(model if model is not None else plan.model)
+    if plan.captured:
+        runtime += "\n\n" + _without_dropped_lines(GRAPH.read_text())
+        loader += _CAPTURED_LOADER
+    return _header(plan, target) + runtime + body + constants + loader + _COMMON_MAIN + main
+
+
+def _program_constants(plan: Plan) -> str:
+    """The module-level constants every program's main and loader read."""
+    return f"""
 
 MODEL = {json.dumps(plan.model)}
 NUM_DEVICES = {len(plan.devices)}
@@ -85,11 +95,6 @@ BATCH_SIZE = {plan.batch_size}
 INPUT_SHAPE = {list(plan.input_shape)}
 INPUT_DTYPE = {json.dumps(plan.input_dtype)}
 """
-    loader = _model_loader(model if model is not None else plan.model)
-    if plan.captured:
-        runtime += "\n\n" + _without_dropped_lines(GRAPH.read_text())
-        loader += _CAPTURED_LOADER
-    return _header(plan, target) + runtime + body + constants + loader + _COMMON_MAIN + main
 
 
 def pipelining_refusal(plan: Plan) -> str | None:
@@ -118,21 +123,17 @@ def _pipelining_program(plan: Plan, sched: Schedule, model: str | None) -> str:
 
     runtime = _without_dropped_lines(PIPELINING.read_text())
     rows = "\n".join(f"    {json.dumps(row + chr(10))}" for row in to_csv(sched).splitlines())
-    constants = f"""
-
-MODEL = {json.dumps(plan.model)}
-NUM_DEVICES = {len(plan.devices)}
-BATCH_SIZE = {plan.batch_size}
-INPUT_SHAPE = {list(plan.input_shape)}
-INPUT_DTYPE = {json.dumps(plan.input_dtype)}
-MICROBATCHES = {plan.microbatches}
-{_py_list("STAGES", [f"({a}, {b})" for a, b in (st.layers for st in plan.stages)]).strip()}
-{_py_list("RANKS", [str(st.rank) for st in plan.stages]).strip()}
-{_py_list("RECOMPUTE", [json.dumps(st.recompute) for st in plan.stages]).strip()}
+    constants = (
+        _program_constants(plan)
+        + f"""MICROBATCHES = {plan.microbatches}
+{_py_list("STAGES", [f"({a}, {b})" for a, b in (st.layers for st in plan.stages)], 0)}
+{_py_list("RANKS", [str(st.rank) for st in plan.stages], 0)}
+{_py_list("RECOMPUTE", [json.dumps(st.recompute) for st in plan.stages], 0)}
 SCHEDULE_CSV = (
 {rows}
 )
 """
+    )
     loader = _model_loader(model if model is not None else plan.model)
     return (
         _header(plan, "torch-pipelining") + runtime + constants + loader + _COMMON_MAIN
@@ -540,10 +541,11 @@ def _example_source(name: str) -> tuple[str, str]:
     return factory, "\n\n\n".join(text for _, text in sorted(chunks))
 
 
-def _py_list(name: str, items: list[str]) -> str:
-    """`NAME = [a, b]` as a formatter would write it at class level: one line when it fits."""
+def _py_list(name: str, items: list[str], indent: int = 4) -> str:
+    """`NAME = [a, b]` as a formatter would write it `indent` spaces in (4: at class level):
+    one line when it fits."""
     flat = f"{name} = [{', '.join(items)}]"
-    if len(flat) + 4 <= 100:
+    if len(flat) + indent <= 100:
         return flat
-    body = "".join(f"        {item},\n" for item in items)
-    return f"{name} = [\n{body}    ]"
+    body = "".join(f"{' ' * (indent + 4)}{item},\n" for item in items)
+    return f"{name} = [\n{body}{' ' * indent}]"

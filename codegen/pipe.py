@@ -255,7 +255,10 @@ def torch_pipelining(model: nn.Module, plan: Plan, loss_fn: Any) -> tuple[list[A
         raise InputError(f"the plan is for {len(plan.devices)} processes, this launch has {world}")
     named = plan.cluster.devices[rank].torch_device
     if named:
-        device = torch.device(named)
+        try:
+            device = torch.device(named)
+        except RuntimeError as e:
+            raise InputError(f"rank {rank}: device {named!r}: {e}") from None
     elif torch.cuda.is_available():
         device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}")
     else:
