@@ -294,7 +294,13 @@ def cmd_codegen(args: argparse.Namespace) -> int:
         refusal = pipelining_refusal(plan)
         if refusal is not None:
             raise InputError(refusal)
-    write_output(out, emit_program(plan, target=args.target, model=args.model))
+    if args.check_streams and args.target != "streams":
+        raise InputError(
+            f"--check-streams checks the streams target's CUDA streams; --target {args.target} "
+            "has none"
+        )
+    source = emit_program(plan, target=args.target, model=args.model)
+    write_output(out, source)
     run = (
         f"python {args.output}"
         if args.target == "streams"
@@ -304,7 +310,20 @@ def cmd_codegen(args: argparse.Namespace) -> int:
         f"wrote {args.output}: {plan.schedule} over {len(plan.devices)} device(s), "
         f"{len(plan.stages)} stage(s), M={plan.microbatches}; run it with: {run}"
     )
+    if args.check_streams:
+        return _check_program_streams(source, args.output)
     return EXIT_OK
+
+
+def _check_program_streams(source: str, name: str) -> int:
+    """What `python PROGRAM --check-streams` does, on the program just written."""
+    import types
+
+    program = types.ModuleType("gpipe_plan_program")
+    program.__file__ = name
+    exec(compile(source, name, "exec"), program.__dict__)
+    sys.stdout.flush()
+    return EXIT_FAILED if program.check_streams() else EXIT_OK
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
@@ -723,6 +742,10 @@ def _build_parser() -> argparse.ArgumentParser:
                    "torchrun: one process per device, over torch.distributed (gloo or NCCL); "
                    "torch-pipelining: the same on torch.distributed.pipelining's runtime")  # fmt: skip
     s.add_argument("-o", "--output", default="program.py")
+    s.add_argument("--check-streams", action="store_true",
+                   help="then run the program's CUDA stream code on the CPU under a "
+                   "happens-before checker (as `python PROGRAM --check-streams`); exit 1 if it "
+                   "finds a use of memory the streams do not order")  # fmt: skip
     s.set_defaults(run=cmd_codegen)
 
     s = sub.add_parser("measure", help="run a plan and compare its predictions with the run")

@@ -6,6 +6,7 @@ __all__ = [
     "Pipe",
     "StageError",
     "auto_pipe",
+    "check_streams",
     "compile_pipe",
     "emit_program",
     "issue_order",
@@ -15,7 +16,14 @@ __all__ = [
 
 def __getattr__(name: str) -> Any:
     # Lazy, so `import codegen` stays cheap and torch loads only when a pipe is built.
-    if name in ("Pipe", "StageError", "compile_pipe", "auto_pipe", "torch_pipelining"):
+    if name in (
+        "Pipe",
+        "StageError",
+        "compile_pipe",
+        "auto_pipe",
+        "check_streams",
+        "torch_pipelining",
+    ):
         from . import pipe
 
         return getattr(pipe, name)

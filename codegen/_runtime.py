@@ -252,9 +252,14 @@ class PipelineRuntime:
 
     def finish(self) -> torch.Tensor:
         """Make the default streams wait for the pipeline, and return the mini-batch loss."""
+        last = len(self.stages) - 1
+        with self._stream(last):
+            total = sum(self.losses[m] for m in range(self.MICROBATCHES))
         self._leave_streams()
+        self._hand_over([total], last)
+        for s, stage in enumerate(self.stages):
+            self._hand_over([p.grad for p in stage.parameters() if p.grad is not None], s)
         gather_tied(self.tied)
-        total = sum(self.losses[m] for m in range(self.MICROBATCHES))
         self._reset()
         return total  # type: ignore[return-value]
 
@@ -378,15 +383,20 @@ class PipelineRuntime:
                 self.push(out, s, m)
 
     def infer_finish(self) -> Value:
-        self._leave_streams()
         last = len(self.stages) - 1
         outs = [self.outputs.pop((last, m)) for m in range(self.infer_microbatches)]
         self.inputs, self.outputs, self.batch = {}, {}, []
-        if isinstance(outs[0], tuple):
-            return tuple(torch.cat(parts) for parts in zip(*outs))
-        if not isinstance(outs[0], torch.Tensor):  # a library's output class: per field
-            return torch.utils._pytree.tree_map(lambda *parts: torch.cat(parts), *outs)
-        return torch.cat(outs)
+        with self._stream(last):
+            if isinstance(outs[0], tuple):
+                out: Value = tuple(torch.cat(parts) for parts in zip(*outs))
+            elif not isinstance(outs[0], torch.Tensor):  # a library's output class: per field
+                out = torch.utils._pytree.tree_map(lambda *parts: torch.cat(parts), *outs)
+            else:
+                out = torch.cat(outs)
+        self._leave_streams()
+        leaves = torch.utils._pytree.tree_leaves(out)
+        self._hand_over([t for t in leaves if isinstance(t, torch.Tensor)], last)
+        return out
 
     # -- machinery ------------------------------------------------------------------------
 
@@ -606,11 +616,13 @@ class PipelineRuntime:
         send.wait_event(produced)
         recv.wait_event(produced)
         # NOTE: a copy between GPUs runs on the source's current stream and syncs with the
-        # destination's current stream; make both ours (as torchgpipe's Copy does).
+        # destination's current stream; make both ours (as torchgpipe's Copy does). On one
+        # GPU the receive stream, current last, is the one that runs the copy.
         with torch.cuda.stream(send), torch.cuda.stream(recv):
             out = [t.to(b, non_blocking=True, copy=True) for t in ts]
+        copier = send if self.devices[src] != b else recv
         for t in ts:
-            t.record_stream(send)
+            t.record_stream(copier)
         copied = torch.cuda.Event()
         copied.record(recv)
         self.compute[dst].wait_event(copied)
@@ -618,6 +630,15 @@ class PipelineRuntime:
             t.record_stream(recv)
             t.record_stream(self.compute[dst])
         return out
+
+    def _hand_over(self, ts: list[torch.Tensor], s: int) -> None:
+        """Tensors made on stage s's streams that the caller goes on to use, on its own stream
+        (after _leave_streams): their memory must not go back to a stage stream's pool, for
+        that stream to reuse, before the caller's work on them is done."""
+        if self.cuda:
+            caller = torch.cuda.current_stream(self.devices[s])
+            for t in ts:
+                t.record_stream(caller)
 
     def _stream(self, s: int) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(self.compute[s]) if self.cuda else contextlib.nullcontext()

@@ -27,6 +27,7 @@ from schedules import (
 from schedules.comm import batches
 
 RUNTIME = [Path(__file__).with_name(n) for n in ("_runtime.py", "_numerics.py")]
+STREAM_CHECK = Path(__file__).with_name("_streamcheck.py")
 DIST_RUNTIME = Path(__file__).with_name("_dist_runtime.py")
 PIPELINING = Path(__file__).with_name("_pipelining.py")
 GRAPH = Path(__file__).parents[1] / "profiler" / "graph.py"
@@ -70,6 +71,7 @@ def emit_program(
         return _pipelining_program(plan, sched, model)
     runtime = "\n\n".join(_without_dropped_lines(p.read_text()) for p in RUNTIME)
     if target == "streams":
+        runtime += "\n\n" + _without_dropped_lines(STREAM_CHECK.read_text())
         body = _streams_class(plan, issue_order(plan, sched))
         main = _STREAMS_MAIN
     else:
@@ -299,15 +301,45 @@ def stand_in_loss(out: Any, y: Any) -> torch.Tensor:
 
 _STREAMS_MAIN = """
 
-def main() -> None:
+def check_streams() -> int:
+    \"\"\"Two steps and an inference under the stream checker, on the CPU: stages on a GPU
+    each, then all on one GPU. Prints what the streams leave unordered; 1 if anything.\"\"\"
+    model = load_model()
+    x = random_batch(model)
+    layouts = [[f"cuda:{k}" for k in range(NUM_DEVICES)]]
+    if NUM_DEVICES > 1:
+        layouts.append(["cuda:0"] * NUM_DEVICES)
+    found = 0
+    for devices in layouts:
+        problems = check_pipeline(
+            lambda: Pipeline(copy.deepcopy(model), devices), x, None, stand_in_loss
+        )
+        for problem in problems:
+            print(f"stream check on {devices}: {problem}")
+        found += len(problems)
+    if not found:
+        on = " and ".join(map(str, layouts))
+        print(f"{MODEL}: the streams order every use of memory, on {on}")
+    return 1 if found else 0
+
+
+def main(argv: list[str] | None = None) -> None:
     \"\"\"One timed training step on random data of the planned shapes.\"\"\"
     import argparse
+    import sys
     import time
 
     ap = argparse.ArgumentParser(description=__doc__)
     default = "cuda" if torch.cuda.is_available() else "cpu"
     ap.add_argument("--device", choices=["cuda", "cpu"], default=default)
-    args = ap.parse_args()
+    ap.add_argument(
+        "--check-streams",
+        action="store_true",
+        help="run the CUDA stream code on the CPU under a happens-before checker (no GPU needed)",
+    )
+    args = ap.parse_args(argv)
+    if args.check_streams:
+        sys.exit(check_streams())
     n_gpu = torch.cuda.device_count() if args.device == "cuda" else 0
     devices = [f"cuda:{k % n_gpu}" if n_gpu else "cpu" for k in range(NUM_DEVICES)]
     model = load_model()

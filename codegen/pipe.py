@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import types
 import warnings
 from typing import Any
@@ -190,6 +191,38 @@ def compile_pipe(
     from planner.search import schedule_of
 
     return Pipe(plan, schedule_of(plan), source, program, namespace)
+
+
+def check_streams(
+    model: nn.Module,
+    plan: Plan,
+    x: torch.Tensor,
+    y: Any,
+    loss_fn: Any,
+    devices: list[str] | None = None,
+    *,
+    deferred_batch_norm: bool = False,
+) -> list[str]:
+    """Run the plan's streams program for a copy of `model` on the CPU under the stream checker
+    (codegen/_streamcheck.py): two training steps and an inference as a training loop would run
+    them, with its CUDA stream code doing what it does on a GPU. Returns the uses of memory its
+    streams leave unordered ([] when none). `devices`: the cuda devices of the stages, by
+    default one each (cuda:0..K-1); ["cuda:0"] * K puts every stage on streams of one GPU."""
+    K = len(plan.devices)
+    devices = devices if devices is not None else [f"cuda:{k}" for k in range(K)]
+    if len(devices) != K or not all(torch.device(d).type == "cuda" for d in devices):
+        raise ArgumentError("devices", devices, f"expected {K} cuda devices, e.g. ['cuda:0'] * {K}")
+    model = as_layers(model, capture_sample(model, plan.input_shape, plan.input_dtype))
+    source = emit_program(plan)
+    namespace = types.ModuleType("gpipe_plan_program")
+    exec(compile(source, f"<gpipe-plan program {plan.digest()[:12]}>", "exec"), namespace.__dict__)
+    copied = copy.deepcopy(model)
+    return namespace.check_pipeline(
+        lambda: namespace.Pipeline(copied, devices, deferred_batch_norm=deferred_batch_norm),
+        x,
+        y,
+        loss_fn,
+    )
 
 
 def _distributed_pipe(

@@ -259,8 +259,8 @@ def test_emitted_program_captures_and_runs(tmp_path):
     modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert {m.partition(".")[0] for m in modules} <= {
-        "__future__", "argparse", "collections", "contextlib", "copy", "io", "logging", "time",
-        "torch", "typing",
+        "__future__", "argparse", "collections", "contextlib", "copy", "io", "logging", "re",
+        "sys", "time", "torch", "typing", "weakref",
     }  # fmt: skip
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     fmt = subprocess.run([ruff, "format", "--check", "--line-length", "100", str(path)],
@@ -270,6 +270,10 @@ def test_emitted_program_captures_and_runs(tmp_path):
                          text=True, timeout=300)  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
     assert "one 1f1b step" in run.stdout
+    run = subprocess.run([sys.executable, str(path), "--check-streams"], capture_output=True,
+                         text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "the streams order every use of memory" in run.stdout
 
 
 GPT_SMALL = {"depth": 2, "d_model": 32, "vocab": 64, "seq_len": 16}
