@@ -375,19 +375,20 @@ class DistPipelineRuntime(PipelineRuntime):
             return super().pull(s, m)
         return self.outgrads.pop((s + 1, m))[0]  # received by RECV_B, already ours
 
-    def exchange(self, *actions: tuple[str, int, int]) -> None:
+    def exchange(self, *actions: tuple[int | str, ...]) -> None:
         """One batch of communication: the sends and receives of `actions` (each
-        (what, stage, micro-batch), in program order) posted at once and waited for, so what
+        (what, stage, micro-batch), or with the stage at the other end when the action carries
+        that one message only, in program order) posted at once and waited for, so what
         was sent is let go as the batch ends. A program not proven to meet where sends block
         (RENDEZVOUS False: gloo only) waits for its receives only and lets each send go once it
         sees it complete (here, or at the end of the step)."""
         ops: list[Any] = []
         done: list[Callable[[], None]] = []
-        what, s, m = actions[0]
-        with self._action(what, s, m):
+        what, s, m = actions[0][:3]
+        with self._action(what, s, m):  # type: ignore[arg-type]
             self.sending = [(w, t) for w, t in self.sending if not w.is_completed()]
-            for kind, stage, mb in actions:
-                getattr(self, "_" + kind)(stage, mb, ops, done)
+            for kind, stage, mb, *peer in actions:
+                getattr(self, f"_{kind}")(stage, mb, ops, done, *peer)
             works = dist.batch_isend_irecv(ops) if ops else []
             one = len(works) != len(ops)  # one handle for the whole batch
             for work, op in zip(works, [None] * len(works) if one else ops):
@@ -399,7 +400,7 @@ class DistPipelineRuntime(PipelineRuntime):
                 finish()
         if self.action_log:  # each action of the batch took the batch's time
             *_, start, end = self.action_log[-1]
-            self.action_log += [(w, s2, m2, start, end) for w, s2, m2 in actions[1:]]
+            self.action_log += [(a[0], a[1], a[2], start, end) for a in actions[1:]]
 
     def _send(self, ops: list[Any], ts: list[torch.Tensor], dst: int, tag: int) -> None:
         ops += [dist.P2POp(dist.isend, t.contiguous(), self.RANKS[dst], tag=tag) for t in ts]
@@ -409,8 +410,20 @@ class DistPipelineRuntime(PipelineRuntime):
         ops += [dist.P2POp(dist.irecv, b, self.RANKS[src], tag=tag) for b in bufs]
         return bufs
 
-    def _send_forward(self, s: int, m: int, ops: list[Any], done: list[Any]) -> None:
-        far = self.outbox.pop(("F", s, m))
+    def _mine(self, key: tuple[str, int, int], peer: int) -> Any:
+        """What the outbox holds under `key` for `peer` (-1: all of it), taken out."""
+        if peer < 0:
+            return self.outbox.pop(key)
+        held = self.outbox[key]
+        self.outbox[key] = [item for item in held if item[0] != peer]
+        if not self.outbox[key]:
+            del self.outbox[key]
+        return [item for item in held if item[0] == peer]
+
+    def _send_forward(
+        self, s: int, m: int, ops: list[Any], done: list[Any], peer: int = -1
+    ) -> None:
+        far = self._mine(("F", s, m), peer) if self.routed else self.outbox.pop(("F", s, m))
         for t, ts in far if self.routed else [(s + 1, far[1])]:
             got = [(tuple(x.shape), x.dtype) for x in ts]
             if got != self.specs[(s, t, m)]:
@@ -421,10 +434,12 @@ class DistPipelineRuntime(PipelineRuntime):
                 )
             self._send(ops, ts, t, self._tag("F", s, t, m))
 
-    def _recv_forward(self, s: int, m: int, ops: list[Any], done: list[Any]) -> None:
+    def _recv_forward(
+        self, s: int, m: int, ops: list[Any], done: list[Any], peer: int = -1
+    ) -> None:
         if self.routed:
             for (a, t), names in sorted(self.routes.items()):
-                if t == s and a not in self.local:
+                if t == s and a not in self.local and peer in (-1, a):
                     bufs = self._recv(ops, self.specs[(a, t, m)], a, self._tag("F", a, s, m))
                     got = self.inputs.setdefault((s, m), {})
                     done.append(
@@ -439,18 +454,22 @@ class DistPipelineRuntime(PipelineRuntime):
 
         done.append(finish)
 
-    def _send_backward(self, s: int, m: int, ops: list[Any], done: list[Any]) -> None:
+    def _send_backward(
+        self, s: int, m: int, ops: list[Any], done: list[Any], peer: int = -1
+    ) -> None:
         if self.routed:
-            for a, gs in self.outbox.pop(("B", s, m)):
+            for a, gs in self._mine(("B", s, m), peer):
                 self._send(ops, gs, a, self._tag("B", a, s, m))
             return
         self._send(ops, self.outbox.pop(("B", s, m)), s - 1, self._tag("B", s - 1, s, m))
 
-    def _recv_backward(self, s: int, m: int, ops: list[Any], done: list[Any]) -> None:
-        meta = self.out_meta.pop((s, m))
+    def _recv_backward(
+        self, s: int, m: int, ops: list[Any], done: list[Any], peer: int = -1
+    ) -> None:
         if self.routed:
+            meta = self.out_meta[(s, m)]  # (dropped with the step: a message per peer reads it)
             for (a, t), names in sorted(self.routes.items()):
-                if a != s or t in self.local:
+                if a != s or t in self.local or peer not in (-1, t):
                     continue
                 got: dict[str, Any] = {}
                 for n in names:
@@ -463,7 +482,7 @@ class DistPipelineRuntime(PipelineRuntime):
             return
         grads: list[torch.Tensor | None] = [
             None if spec is None else self._recv(ops, [spec], s + 1, self._tag("B", s, s + 1, m))[0]
-            for spec in meta  # type: ignore[union-attr]
+            for spec in self.out_meta.pop((s, m))  # type: ignore[union-attr]
         ]
         done.append(lambda: self.outgrads.__setitem__((s + 1, m), (grads, None)))
 

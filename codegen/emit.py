@@ -232,7 +232,11 @@ def _torchrun_class(plan: Plan, lowered: Schedule) -> str:
                 a = batch[0]
                 lines.append(f"        self.{_CALL[a.kind]}({a.stage}, {a.microbatch})")
                 continue
-            ops = ", ".join(f'("{_CALL[a.kind]}", {a.stage}, {a.microbatch})' for a in batch)
+            ops = ", ".join(
+                f'("{_CALL[a.kind]}", {a.stage}, {a.microbatch}'
+                + (f", {a.peer})" if a.peer >= 0 else ")")
+                for a in batch
+            )
             lines.append(f"        self.exchange({ops})")
         calls = "\n".join(lines)
         methods.append(f"""

@@ -50,14 +50,23 @@ def insert_comms(schedule: Schedule) -> Schedule:
     lowered = Schedule(
         schedule.name, S, schedule.num_microbatches, out, list(place), list(schedule.routes)
     )
-    from .validate import rendezvous_run  # validate reads this module's message lists
-
-    if not rendezvous_run(lowered).stuck:
+    if _meets(lowered):
         return lowered
     stepped = _lockstep(schedule)
-    if stepped is not None and not rendezvous_run(stepped).stuck:
+    if stepped is not None and _meets(stepped):
         return stepped
     return lowered  # validate(..., rendezvous=True) says where it would hang
+
+
+def _meets(lowered: Schedule) -> bool:
+    """Does every message meet its other end where sends block and nothing has tags?"""
+    from .validate import ScheduleError, check_order, rendezvous_run  # it reads this module
+
+    try:
+        check_order(lowered)
+    except ScheduleError:
+        return False
+    return not rendezvous_run(lowered).stuck
 
 
 SENDS = (Kind.SEND_F, Kind.SEND_B)
@@ -70,10 +79,9 @@ def _lockstep(schedule: Schedule) -> Schedule | None:
     rank is free and its inputs were made at earlier steps; each message is posted by both
     ends in a batch at the end of the step that made it. Then, step by step, every rank reaches
     each batch without waiting on a later one, and the batches of one step meet. That argument
-    holds where each communication action carries one message (chains, interleaved or not);
-    a receive that takes several (skips into one stage) is posted at the last of their steps,
-    which can make an earlier sender wait: insert_comms keeps this lowering only where a
-    rendezvous run finishes. None where the compute alone cannot run."""
+    needs each communication action to carry one message: a chain's do; a captured graph's
+    are split by peer (`0SEND_F1@3`), since a receive taking several skips at the last of their
+    steps could make an earlier sender wait. None where the compute alone cannot run."""
     from .validate import dependencies, split_stages
 
     compute = schedule.compute_only()
@@ -95,20 +103,30 @@ def _lockstep(schedule: Schedule) -> Schedule | None:
                 moved = True
     if any(ptr[r] < len(acts) for r, acts in compute.ranks.items()):
         return None
+    # One action per message where a stage sends to, or takes from, several (skips): each
+    # end of each message is then posted in the step that made it.
+    named = bool(compute.routes)
     at: dict[Action, int] = {}  # communication action -> the step whose batch posts it
     for a, t in compute.edges():
         if place[a] == place[t]:
             continue
+        to_t, to_a = (t, a) if named else (-1, -1)
         for m in range(compute.num_microbatches):
             made = step[Action(a, Kind.F, m)]
-            at[Action(a, Kind.SEND_F, m)] = made
-            at[Action(t, Kind.RECV_F, m)] = max(at.get(Action(t, Kind.RECV_F, m), 0), made)
+            at[Action(a, Kind.SEND_F, m, to_t)] = made
+            at[Action(t, Kind.RECV_F, m, to_a)] = made
             back = step[Action(t, Kind.I if t in split else Kind.B, m)]
-            at[Action(t, Kind.SEND_B, m)] = back
-            at[Action(a, Kind.RECV_B, m)] = max(at.get(Action(a, Kind.RECV_B, m), 0), back)
+            at[Action(t, Kind.SEND_B, m, to_a)] = back
+            at[Action(a, Kind.RECV_B, m, to_t)] = back
     posted: dict[int, dict[int, list[Action]]] = {r: {} for r in compute.ranks}
-    # within a batch the sends first: the eager check (validate) takes receives one by one
-    for c, k in sorted(at.items(), key=lambda x: (x[1], x[0].kind not in SENDS, x[0])):
+
+    # Within a batch the sends first (the eager check, validate, takes receives one by one),
+    # each side in the order of its messages: two ranks then agree on the order of theirs.
+    def order(item: tuple[Action, int]) -> tuple:
+        c, k = item
+        return (k, c.kind not in SENDS, action_messages(compute, c)[0][0])
+
+    for c, k in sorted(at.items(), key=order):
         posted[place[c.stage]].setdefault(k, []).append(c)
     ranks = {}
     for r, acts in compute.ranks.items():
@@ -133,15 +151,24 @@ def action_messages(lowered: Schedule, a: Action) -> list[tuple[Message, int]]:
     rank at the other end. Activations go from stage s to each reader t (a chain: s + 1), their
     gradients back from t to s."""
     place, s, m = lowered.placement, a.stage, a.microbatch
+
+    def ends(stages: list[int]) -> list[int]:
+        return [x for x in stages if place[x] != place[s] and a.peer in (-1, x)]
+
     if a.kind == Kind.SEND_F:
-        return [(("F", s, t, m), place[t]) for t in lowered.receivers(s) if place[t] != place[s]]
+        return [(("F", s, t, m), place[t]) for t in ends(lowered.receivers(s))]
     if a.kind == Kind.RECV_F:
-        return [(("F", x, s, m), place[x]) for x in lowered.senders(s) if place[x] != place[s]]
+        return [(("F", x, s, m), place[x]) for x in ends(lowered.senders(s))]
     if a.kind == Kind.SEND_B:
-        return [(("B", s, x, m), place[x]) for x in lowered.senders(s) if place[x] != place[s]]
+        return [(("B", s, x, m), place[x]) for x in ends(lowered.senders(s))]
     if a.kind == Kind.RECV_B:
-        return [(("B", t, s, m), place[t]) for t in lowered.receivers(s) if place[t] != place[s]]
+        return [(("B", t, s, m), place[t]) for t in ends(lowered.receivers(s))]
     return []
+
+
+def by_peer(schedule: Schedule) -> bool:
+    """Whether the schedule's communication actions name their peers (one message each)."""
+    return any(a.peer >= 0 for acts in schedule.ranks.values() for a in acts)
 
 
 def batches(actions: list[Action]) -> list[list[Action]]:
@@ -160,11 +187,13 @@ def messages(lowered: Schedule) -> list[tuple[Action, Action]]:
     """Every message a step sends between ranks: (the send that carries it, the receive that
     takes it). A route s -> t across ranks is one message per micro-batch each way."""
     place, M = lowered.placement, lowered.num_microbatches
+    named = by_peer(lowered)
     out = []
     for s, t in lowered.edges():
         if place[s] == place[t]:
             continue
+        to_t, to_s = (t, s) if named else (-1, -1)
         for m in range(M):
-            out.append((Action(s, Kind.SEND_F, m), Action(t, Kind.RECV_F, m)))
-            out.append((Action(t, Kind.SEND_B, m), Action(s, Kind.RECV_B, m)))
+            out.append((Action(s, Kind.SEND_F, m, to_t), Action(t, Kind.RECV_F, m, to_s)))
+            out.append((Action(t, Kind.SEND_B, m, to_s), Action(s, Kind.RECV_B, m, to_t)))
     return out

@@ -2,6 +2,9 @@
 
 Short forms follow torch.distributed.pipelining, so schedules can be exchanged with it:
 `2F0` (stage 2, forward, micro-batch 0), `1B3`, `0I2`, `0W2`, `0SEND_F1`, `1RECV_F1`.
+A communication action carries every message of its stage that crosses ranks, or, with a peer,
+the one exchanged with that stage: `0SEND_F1@3` (stage 0's activations of micro-batch 1 for
+stage 3), `3RECV_F1@0` (the same, taken by stage 3); a captured graph's skips need these.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ class Kind(str, Enum):
 
 
 COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
-_ACTION = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)$")
+_ACTION = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)(?:@(\d+))?$")
 
 
 @dataclass(frozen=True, order=True)
@@ -35,16 +38,21 @@ class Action:
     stage: int
     kind: Kind
     microbatch: int
+    peer: int = -1  # communication: the stage at the other end; -1: every one that crosses ranks
 
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind.value}{self.microbatch}"
+        at = f"@{self.peer}" if self.peer >= 0 else ""
+        return f"{self.stage}{self.kind.value}{self.microbatch}{at}"
 
     @classmethod
     def parse(cls, text: str) -> Action:
         m = _ACTION.match(text.strip())
-        if m is None:
-            raise ValueError(f"{text!r} is not an action; write e.g. 2F0, 1B3, 0SEND_F1")
-        return cls(int(m.group(1)), Kind(m.group(2)), int(m.group(3)))
+        if m is None or (m.group(4) is not None and m.group(2) in ("F", "B", "I", "W")):
+            raise ValueError(
+                f"{text!r} is not an action; write e.g. 2F0, 1B3, 0SEND_F1, 0SEND_F1@3"
+            )
+        peer = int(m.group(4)) if m.group(4) is not None else -1
+        return cls(int(m.group(1)), Kind(m.group(2)), int(m.group(3)), peer)
 
 
 def F(stage: int, mb: int) -> Action:

@@ -32,9 +32,10 @@ def validate(schedule: Schedule, *, rendezvous: bool = False) -> None:
     if placement != schedule.placement:
         raise ScheduleError(f"{schedule.name}: actions do not match the stated stage placement")
     _check_counts(schedule)
+    _check_peers(schedule)
     _check_runs(schedule)
     if rendezvous:
-        _check_order(schedule)
+        check_order(schedule)
         _check_rendezvous(schedule)
 
 
@@ -67,16 +68,48 @@ def _check_counts(schedule: Schedule) -> None:
                       schedule.ranks[r].index(Action(s, Kind.B, m)))  # fmt: skip
 
 
+def _check_peers(schedule: Schedule) -> None:
+    """Communication by peer names, on every action, a stage it exchanges with across ranks."""
+    if comms_of(schedule) != "peer":
+        return
+    place = schedule.placement
+    for r, acts in schedule.ranks.items():
+        for step, a in enumerate(acts):
+            if a.kind.is_compute:
+                continue
+            if a.peer < 0:
+                _fail(schedule, f"{a} names no peer, where the others do (e.g. {a}@0)", r, step)
+            forward = a.kind in (Kind.SEND_F, Kind.RECV_B)
+            ends = schedule.receivers(a.stage) if forward else schedule.senders(a.stage)
+            if a.peer not in ends or place[a.peer] == place[a.stage]:
+                _fail(schedule, f"{a}: stage {a.stage} exchanges nothing with stage {a.peer} "
+                      "across ranks", r, step)  # fmt: skip
+
+
 def split_stages(schedule: Schedule) -> set[int]:
     """Stages whose backward is split into I and W."""
     return {a.stage for acts in schedule.ranks.values() for a in acts if a.kind == Kind.I}
 
 
-def dependencies(a: Action, schedule: Schedule, has_comms: bool, split: set[int]) -> list[Action]:
+def comms_of(schedule: Schedule) -> bool | str:
+    """How a schedule carries communication: not at all (False), an action per stage and
+    direction (True), or an action per message ("peer": `0SEND_F1@3`)."""
+    kinds = [a for acts in schedule.ranks.values() for a in acts if not a.kind.is_compute]
+    if not kinds:
+        return False
+    return "peer" if any(a.peer >= 0 for a in kinds) else True
+
+
+def dependencies(
+    a: Action, schedule: Schedule, has_comms: bool | str, split: set[int]
+) -> list[Action]:
     """What must have run before `a` (on any rank). Cross-rank inputs come through a RECV when
-    the schedule carries communication, directly from the producer when it is compute-only.
-    `split`: the stages whose backward is I + W (see split_stages)."""
+    the schedule carries communication (one per message when by peer: comms_of), directly
+    from the producer when it is compute-only. `split`: the stages whose backward is I + W
+    (see split_stages)."""
     S, s, m, k, place = schedule.num_stages, a.stage, a.microbatch, a.kind, schedule.placement
+    if has_comms == "peer":
+        return _peer_dependencies(a, schedule, split)
 
     def backward(stage: int) -> Action:
         return Action(stage, Kind.I if stage in split else Kind.B, m)
@@ -108,10 +141,40 @@ def dependencies(a: Action, schedule: Schedule, has_comms: bool, split: set[int]
     return [Action(b, Kind.SEND_B, m) for b in schedule.receivers(s) if place[b] != place[s]]
 
 
+def _peer_dependencies(a: Action, schedule: Schedule, split: set[int]) -> list[Action]:
+    """dependencies() where each communication action carries the one message with its peer."""
+    S, s, m, k, place = schedule.num_stages, a.stage, a.microbatch, a.kind, schedule.placement
+
+    def backward(stage: int) -> Action:
+        return Action(stage, Kind.I if stage in split else Kind.B, m)
+
+    if k == Kind.F:
+        return [
+            Action(s, Kind.RECV_F, m, x) if place[x] != place[s] else Action(x, Kind.F, m)
+            for x in schedule.senders(s)
+        ]
+    if k in (Kind.B, Kind.I):
+        if s == S - 1:
+            return [Action(s, Kind.F, m)]
+        return [Action(s, Kind.F, m)] + [
+            Action(s, Kind.RECV_B, m, t) if place[t] != place[s] else backward(t)
+            for t in schedule.receivers(s)
+        ]
+    if k == Kind.W:
+        return [Action(s, Kind.I, m)]
+    if k == Kind.SEND_F:
+        return [Action(s, Kind.F, m)]
+    if k == Kind.RECV_F:
+        return [Action(a.peer, Kind.SEND_F, m, s)]
+    if k == Kind.SEND_B:
+        return [backward(s)]
+    return [Action(a.peer, Kind.SEND_B, m, s)]
+
+
 def _check_runs(schedule: Schedule) -> None:
     """Run every rank's list in order, each action once all it depends on has run; sends never
     block, receives wait for their send. Stuck before the end means deadlock."""
-    has_comms = any(not a.kind.is_compute for acts in schedule.ranks.values() for a in acts)
+    has_comms = comms_of(schedule)
     split = split_stages(schedule)
     done: set[Action] = set()
     ptr = dict.fromkeys(schedule.ranks, 0)
@@ -174,7 +237,7 @@ def _check_runs(schedule: Schedule) -> None:
     )
 
 
-def _check_order(schedule: Schedule) -> None:
+def check_order(schedule: Schedule) -> None:
     """Between each pair of ranks, the receiver takes the messages in the order they were sent."""
     sent: dict[tuple[int, int], list[tuple[Message, int]]] = {}
     taken: dict[tuple[int, int], list[tuple[Message, int]]] = {}
@@ -242,7 +305,7 @@ def posts(lowered: Schedule, batch: list[Action]) -> set[tuple[Message, bool]]:
 def rendezvous_run(schedule: Schedule) -> Rendezvous:
     """Run the ranks with blocking sends: each rank's compute actions once their inputs are in,
     its batches once every message in them has met its other end posted (module doc)."""
-    has_comms = any(not a.kind.is_compute for acts in schedule.ranks.values() for a in acts)
+    has_comms = comms_of(schedule)
     split = split_stages(schedule)
     progs = {r: batches(acts) for r, acts in schedule.ranks.items()}
     posted_by = {r: [posts(schedule, b) for b in prog] for r, prog in progs.items()}
@@ -279,7 +342,7 @@ def _check_rendezvous(schedule: Schedule) -> None:
     stuck = run.stuck
     if not stuck:
         return
-    has_comms = any(not a.kind.is_compute for acts in schedule.ranks.values() for a in acts)
+    has_comms = comms_of(schedule)
     split = split_stages(schedule)
     waits = []
     for r, k in sorted(stuck.items()):

@@ -441,8 +441,9 @@ def test_a_skip_is_sent_once_straight_to_the_stage_that_reads_it(unet_routes):
     lowered = insert_comms(schedule_of(plan))
     msgs = [(str(a), str(b)) for a, b in messages(lowered)]
     M = plan.microbatches
+    # (each message its own action, `0SEND_F0@3`: one action carrying several could hang NCCL)
     assert [p for p in msgs if p[0].startswith("0SEND_F") and p[1].startswith("3")] == [
-        (f"0SEND_F{m}", f"3RECV_F{m}") for m in range(M)
+        (f"0SEND_F{m}@3", f"3RECV_F{m}@0") for m in range(M)
     ]
     assert len(msgs) == 2 * M * len(plan.routes)
     # what a stage receives: the values its layers read, by hand from the U-Net's shapes

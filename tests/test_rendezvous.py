@@ -5,6 +5,7 @@ transport (threads, one per rank, a send completes only once its receive is post
 
 from __future__ import annotations
 
+import re
 import threading
 from collections import deque
 from typing import Any
@@ -16,7 +17,7 @@ from hypothesis import strategies as st
 
 import schedules.comm as comm
 from schedules import ScheduleError, build_schedule, insert_comms, parse_schedule, validate
-from schedules.comm import batches
+from schedules.comm import SENDS, batches
 from schedules.validate import rendezvous_run
 
 # Rank 1 runs I/W (zero bubble): between its SEND_B0 and RECV_F1 sits W0, which needs nothing
@@ -125,16 +126,43 @@ def _routes(S):
 @settings(max_examples=120, deadline=None)
 @given(data=st.data())
 def test_routed_schedules_always_run_where_sends_never_block(data):
-    """A captured graph's skips go straight to the stage that reads them, one action carrying
-    several messages. Lowered, they always run where sends never block (gloo with its tags);
-    where they would hang under rendezvous, the emitted program refuses NCCL (RENDEZVOUS)."""
+    """A captured graph's skips go straight to the stage that reads them. Lowered, they run
+    where sends never block (gloo with its tags) and where they do (NCCL): each message in
+    its own action where one would carry several, and taken in the order it was sent."""
     name = data.draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]))
     K, M = data.draw(st.sampled_from([2, 4, 6])), data.draw(st.integers(1, 8))
     if name == "interleaved-1f1b" and M > K // 2 and M % (K // 2):
         M = K // 2
     sched = build_schedule(name, K, M)
     sched.routes = data.draw(_routes(K))
-    validate(insert_comms(sched))
+    lowered = insert_comms(sched)
+    validate(lowered)
+    # and they meet where sends block: a message per communication action where skips are
+    validate(lowered, rendezvous=True)
+    assert not rendezvous_run(lowered).stuck
+
+
+def test_skips_are_posted_one_message_per_action_in_the_step_that_made_them(monkeypatch):
+    """Stage 3 takes activations from stages 0 and 2 (a skip), as a captured U-Net's last stage
+    does. Each receive right before its forward hangs where sends block; a message per action
+    (`3RECV_F0@0`, `3RECV_F0@2`), each posted in the step that made it, meets."""
+    sched = build_schedule("1f1b", 4, 4)
+    sched.routes = [(0, 1), (0, 3), (1, 2), (2, 3)]
+    with monkeypatch.context() as m:
+        m.setattr(comm, "_lockstep", lambda schedule: None)
+        with pytest.raises(ScheduleError, match="deadlock when a send completes"):
+            validate(insert_comms(sched), rendezvous=True)
+    lowered = insert_comms(sched)
+    validate(lowered, rendezvous=True)
+    rank3 = [str(a) for a in lowered.ranks[3]]
+    # the skip of micro-batch 0 is taken in the step stage 0 made it, long before stage 2's
+    assert rank3.index("3RECV_F0@0") < rank3.index("3RECV_F1@0") < rank3.index("3RECV_F0@2")
+    assert rank3.index("3RECV_F0@2") < rank3.index("3F0")
+    assert all("@" in str(a) for acts in lowered.ranks.values() for a in acts
+               if not a.kind.is_compute)  # fmt: skip
+    # each message once, sent and taken
+    sent = sorted(str(a) for acts in lowered.ranks.values() for a in acts if a.kind in SENDS)
+    assert len(sent) == len(set(sent)) == 2 * 4 * len(sched.routes)
 
 
 # -- the runtime on a transport whose sends block -------------------------------------------
@@ -370,6 +398,51 @@ def test_the_runtime_meets_on_a_blocking_transport(mlp_profile, schedule, mode, 
             for i in range(a, b):
                 for p, q in zip(model[i].parameters(), reference[i].parameters()):
                     torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "schedule,K,M", [("1f1b", 4, 4), ("zb-h1", 3, 4), ("interleaved-1f1b", 2, 4)]
+)
+def test_a_captured_unets_skips_meet_on_a_blocking_transport(schedule, K, M):
+    """A captured U-Net's skips cross ranks past the next stage. Each message in its own
+    action, the emitted program is proven to meet where sends block (no RENDEZVOUS = False),
+    and it does: every rank finishes with the model's loss and its stages' gradients."""
+    import copy
+
+    from codegen.emit import emit_program
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+    from profiler.examples import unet
+    from profiler.graph import capture
+    from profiler.measure import profile_model
+
+    model = unet(size=8)
+    x = model.example_input
+    prof = profile_model(capture(model, x), x, batch_sizes=[2], repeats=1, warmup=0,
+                         progress=False)  # fmt: skip
+    plan = plan_pipeline(prof, Cluster.uniform(K, "1GiB"), x.shape[0], microbatches=M,
+                         schedule=schedule)  # fmt: skip
+    assert any(t > s + 1 for s, t in plan.routes)  # a skip past the next stage
+    program = emit_program(plan, target="torchrun")
+    assert "RENDEZVOUS = False" not in program
+    assert re.search(r'\("recv_forward", \d+, \d+, \d+\)', program)  # a message per action
+    y, loss_fn = torch.randn_like(x), torch.nn.functional.mse_loss
+    copies = [copy.deepcopy(model) for _ in range(K)]
+    layers = [capture(c, x) for c in copies]
+    losses, pipes, transport, errors = _run_ranks(program, layers, x, y, loss_fn)
+    assert not errors, errors
+    assert not transport.crossed
+    reference = copy.deepcopy(model)
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    grads = {}
+    for c in copies:
+        grads.update({n: p.grad for n, p in c.named_parameters() if p.grad is not None})
+    assert all(abs(float(v) - float(expected.detach())) < 1e-5 for v in losses)
+    assert set(grads) == {n for n, p in reference.named_parameters() if p.grad is not None}
+    for n, p in reference.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[n], p.grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
 def test_posting_one_message_at_a_time_hangs_on_the_blocking_transport(mlp_profile, monkeypatch):
