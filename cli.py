@@ -323,7 +323,7 @@ def _check_program_streams(source: str, name: str) -> int:
     program.__file__ = name
     exec(compile(source, name, "exec"), program.__dict__)
     sys.stdout.flush()
-    return EXIT_FAILED if program.check_streams() else EXIT_OK
+    return int(program.check_streams())  # 0 clean, 1 problems listed, 2 it could not run
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
@@ -745,7 +745,8 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--check-streams", action="store_true",
                    help="then run the program's CUDA stream code on the CPU under a "
                    "happens-before checker (as `python PROGRAM --check-streams`); exit 1 if it "
-                   "finds a use of memory the streams do not order")  # fmt: skip
+                   "finds a use of memory the streams do not order, 2 if it cannot run the "
+                   "model")  # fmt: skip
     s.set_defaults(run=cmd_codegen)
 
     s = sub.add_parser("measure", help="run a plan and compare its predictions with the run")

@@ -91,10 +91,11 @@ def loop(model: nn.Module, plan, x, y, dev: str) -> Callable[[], None]:
     M, N = plan.microbatches, x.shape[0]
 
     def run() -> None:
-        for xm, ym in zip(x.chunk(M), y.chunk(M)):
+        for m, (xm, ym) in enumerate(zip(x.chunk(M), y.chunk(M))):
             h = xm.to(dev)
             for st, mode in zip(stages, modes):
-                h = checkpoint(st, h, use_reentrant=False) if mode != "never" else st(h)
+                again = mode == "always" or (mode == "except_last" and m < M - 1)
+                h = checkpoint(st, h, use_reentrant=False) if again else st(h)
             (loss_fn(h, ym.to(dev)) * (xm.shape[0] / N)).backward()
 
     return run

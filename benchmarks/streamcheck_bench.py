@@ -44,7 +44,7 @@ def main() -> None:
     print(f"# {time.strftime('%Y-%m-%d')} | {platform.processor() or platform.machine()} | "
           f"torch {torch.__version__} | 1 thread | K={K}, M=8\n")  # fmt: skip
     print("| model | schedule | one plain step, ms | checked run (2 steps + inference), ms | ratio "
-          "| ops charged to streams | streams | problems |")  # fmt: skip
+          "| tensor operations seen | streams | problems |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for name, build in (("mlp", mlp), ("transformer", transformer)):
         model = build()

@@ -181,7 +181,7 @@ class PipelineRuntime:
                 f"this program splits {self.STAGES[-1][1] if self.STAGES else 0} layers; "
                 f"the model has {len(layers)}"
             )
-        self.devices = [torch.device(devices[r]) for r in self.RANKS]
+        self.devices = [_indexed(torch.device(devices[r])) for r in self.RANKS]
         # The stages hold the model's own layers (and so its own parameters), moved in place;
         # a parameter that stages on several devices use (tied weights) is copied to the others.
         stages = [nn.Sequential(*layers[a:b]) for a, b in self.STAGES]
@@ -252,14 +252,9 @@ class PipelineRuntime:
 
     def finish(self) -> torch.Tensor:
         """Make the default streams wait for the pipeline, and return the mini-batch loss."""
-        last = len(self.stages) - 1
-        with self._stream(last):
-            total = sum(self.losses[m] for m in range(self.MICROBATCHES))
         self._leave_streams()
-        self._hand_over([total], last)
-        for s, stage in enumerate(self.stages):
-            self._hand_over([p.grad for p in stage.parameters() if p.grad is not None], s)
         gather_tied(self.tied)
+        total = sum(self.losses[m] for m in range(self.MICROBATCHES))
         self._reset()
         return total  # type: ignore[return-value]
 
@@ -383,20 +378,15 @@ class PipelineRuntime:
                 self.push(out, s, m)
 
     def infer_finish(self) -> Value:
+        self._leave_streams()
         last = len(self.stages) - 1
         outs = [self.outputs.pop((last, m)) for m in range(self.infer_microbatches)]
         self.inputs, self.outputs, self.batch = {}, {}, []
-        with self._stream(last):
-            if isinstance(outs[0], tuple):
-                out: Value = tuple(torch.cat(parts) for parts in zip(*outs))
-            elif not isinstance(outs[0], torch.Tensor):  # a library's output class: per field
-                out = torch.utils._pytree.tree_map(lambda *parts: torch.cat(parts), *outs)
-            else:
-                out = torch.cat(outs)
-        self._leave_streams()
-        leaves = torch.utils._pytree.tree_leaves(out)
-        self._hand_over([t for t in leaves if isinstance(t, torch.Tensor)], last)
-        return out
+        if isinstance(outs[0], tuple):
+            return tuple(torch.cat(parts) for parts in zip(*outs))
+        if not isinstance(outs[0], torch.Tensor):  # a library's output class: per field
+            return torch.utils._pytree.tree_map(lambda *parts: torch.cat(parts), *outs)
+        return torch.cat(outs)
 
     # -- machinery ------------------------------------------------------------------------
 
@@ -431,7 +421,8 @@ class PipelineRuntime:
         log = self.action_log or []
         if not self.cuda or not log:
             return list(log)
-        torch.cuda.synchronize()
+        for d in set(self.devices):  # synchronize() alone waits for the current GPU only
+            torch.cuda.synchronize(d)
         first = log[0][3]
         return [(w, s, m, first.elapsed_time(a), first.elapsed_time(b)) for w, s, m, a, b in log]
 
@@ -631,15 +622,6 @@ class PipelineRuntime:
             t.record_stream(self.compute[dst])
         return out
 
-    def _hand_over(self, ts: list[torch.Tensor], s: int) -> None:
-        """Tensors made on stage s's streams that the caller goes on to use, on its own stream
-        (after _leave_streams): their memory must not go back to a stage stream's pool, for
-        that stream to reuse, before the caller's work on them is done."""
-        if self.cuda:
-            caller = torch.cuda.current_stream(self.devices[s])
-            for t in ts:
-                t.record_stream(caller)
-
     def _stream(self, s: int) -> contextlib.AbstractContextManager[Any]:
         return torch.cuda.stream(self.compute[s]) if self.cuda else contextlib.nullcontext()
 
@@ -653,6 +635,13 @@ class PipelineRuntime:
             for streams in (self.compute, self.send_streams, self.recv_streams):
                 for st, d in zip(streams, self.devices):
                     torch.cuda.current_stream(d).wait_stream(st)
+
+
+def _indexed(d: torch.device) -> torch.device:
+    """ "cuda" as the GPU it means now, so that devices compare equal however they are spelt."""
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
 
 
 def _like_leaf(v: Value, grad: bool) -> Value:

@@ -17,11 +17,16 @@
 #   read   a tensor read where its last write is not ordered before the read;
 #   write  a tensor written while an earlier read or write on another stream may be pending;
 #   free   a tensor's memory going back to the pool of the stream it was allocated on while
-#          another stream may still use it, and record_stream did not name that stream (the
-#          caching allocator gives freed memory to the next allocation on that stream, at once).
-# Copies go as on CUDA: host <-> device on the device's current stream (a blocking one makes
-# the host wait); device to device on the source's current stream, after the destination's
-# current stream and before its later work, into memory of the destination's current stream.
+#          another stream may still use it, and record_stream did not name that stream. The
+#          caching allocator hands freed memory to the next allocation on that stream: into a
+#          default stream's pool, which code outside the pipeline allocates from at any time,
+#          the free itself must be ordered; into a stream of the pipeline's own, the next
+#          allocation on that stream must be.
+#   mixed  an operation on tensors of two devices (a GPU refuses it).
+# Copies go as on CUDA: .to() returns the tensor itself where CUDA would (same device and
+# dtype); host <-> device on the device's current stream (a blocking one makes the host wait);
+# device to device on the source's current stream, after the destination's current stream and
+# before its later work, into memory of the destination's current stream.
 # Backward ops are charged to the stream current when backward is called: the runtime runs a
 # stage's forward and backward on the same stream, where CUDA's autograd runs them too.
 # ---------------------------------------------------------------------------------------------
@@ -68,7 +73,7 @@ class FakeStream:
         self.device = torch.device("cuda", self.index)
         self.id = len(check.streams)
         self.name = name or f"stream {self.id} of cuda:{self.index}"
-        self.clock: dict[int, int] = {self.id: 0}
+        self.clock: dict[int, int] = {**check.host, self.id: 0}  # after all the host waited for
         check.streams.append(self)
 
     def tick(self) -> int:
@@ -100,6 +105,8 @@ class FakeStream:
         _running().host_waits(self.clock)
 
     def query(self) -> bool:
+        """True (all done, on the CPU): so the host saw everything issued to it finish."""
+        self.synchronize()
         return True
 
     def __repr__(self) -> str:
@@ -122,6 +129,8 @@ class FakeEvent:
         (stream or _running().current_stream()).wait_event(self)
 
     def query(self) -> bool:
+        """True (done, on the CPU): so the host saw the recorded work finish."""
+        self.synchronize()
         return True
 
     def synchronize(self) -> None:
@@ -149,7 +158,11 @@ class _Memory:
 
 
 _COPIES = ("aten::_to_copy", "aten::copy_")
-_SYNCS = ("aten::_local_scalar_dense", "aten::item")  # reading a value makes the host wait
+_SYNCS = (  # the host waits for these: it reads what they make, or their size depends on it
+    "aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select",
+    "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive", "aten::equal",
+    "aten::is_nonzero",
+)  # fmt: skip
 
 
 class StreamCheck:
@@ -170,6 +183,8 @@ class StreamCheck:
         self.streams: list[FakeStream] = []
         self.defaults: dict[int, FakeStream] = {}
         self.current: dict[int, FakeStream] = {}
+        self.host: dict[int, int] = {}  # the clocks the host has waited for: all later work follows
+        self.pending: dict[int, list[tuple[str, FakeStream, int, str, str]]] = {}  # per pool
         self.device = 0
         self.memory: dict[int, _Memory] = {}
         self.where = "outside the step"
@@ -189,7 +204,7 @@ class StreamCheck:
             "stream": self.stream,
             "current_stream": self.current_stream,
             "default_stream": self.default_stream,
-            "synchronize": lambda device=None: self.host_waits(None),
+            "synchronize": self.synchronize,
             "current_device": lambda: self.device,
             "set_device": self._set_device,
             "manual_seed": lambda seed: None,
@@ -207,6 +222,13 @@ class StreamCheck:
         base = torch._C.TensorBase
         tensor_fakes = {
             "record_stream": lambda t, stream: self.record_stream(t, stream),
+            "to": lambda t, *args, **kwargs: self._to(base.to, t, *args, **kwargs),
+            "cpu": lambda t, memory_format=torch.preserve_format: self._to(
+                base.to, t, "cpu", memory_format=memory_format
+            ),
+            "cuda": lambda t, device=None, non_blocking=False, **kw: self._to(
+                base.to, t, torch.device("cuda", _index(device)), non_blocking=non_blocking, **kw
+            ),
             "device": property(lambda t: self._device(t, base.device.__get__(t))),
             "is_cuda": property(lambda t: self._device(t, base.device.__get__(t)).type == "cuda"),
         }
@@ -257,6 +279,28 @@ class StreamCheck:
                 self.current[stream.index] = before
             self.device = device
 
+    def _to(self, to: Callable[..., Any], t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """Tensor.to as CUDA does it: the tensor itself where device and dtype already match,
+        else a copy (which the dispatch mode charges to the right streams)."""
+        copy = kwargs.pop("copy", False)
+        if args and isinstance(args[0], torch.Tensor):  # .to(other): other's device and dtype
+            other, *rest = args
+            args = (other.device, other.dtype, *rest)
+        device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        src = self._device_of(t)
+        dst = src if device is None else (_index(device) if device.type == "cuda" else -1)
+        fmt = memory_format in (None, torch.preserve_format)
+        if dst == src and (dtype is None or dtype == t.dtype) and fmt and not copy:
+            return t
+        where = torch.device("cuda", dst) if dst >= 0 else torch.device("cpu")
+        more = {} if memory_format is None else {"memory_format": memory_format}
+        return to(t, where, dtype or t.dtype, non_blocking=non_blocking, copy=True, **more)
+
+    def synchronize(self, device: Any = None) -> None:
+        """torch.cuda.synchronize: the host waits for every stream of the device."""
+        i = _index(device)
+        self.host_waits(_latest(st.clock for st in self.streams if st.index == i))
+
     def _device(self, t: torch.Tensor, physical: torch.device) -> torch.device:
         mem = self.memory.get(_key(t))
         return torch.device("cuda", mem.device) if mem is not None else physical
@@ -264,13 +308,9 @@ class StreamCheck:
     def _set_device(self, device: Any) -> None:
         self.device = _index(device)
 
-    def host_waits(self, clock: dict[int, int] | None) -> None:
-        """The host waited for `clock` (None: for everything): all later work comes after."""
-        if clock is None:
-            clock = {}
-            for st in self.streams:
-                for k, v in st.clock.items():
-                    clock[k] = max(clock.get(k, 0), v)
+    def host_waits(self, clock: dict[int, int]) -> None:
+        """The host waited for `clock`: all work issued later, on any stream, comes after."""
+        self.host = _latest([self.host, clock])
         for st in self.streams:
             st.join(clock)
 
@@ -348,8 +388,9 @@ class StreamCheck:
                 writes += ts
             elif not looks:
                 reads += ts
-        if schema.returns and all(
-            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+        if torch.Tag.inplace_view in func.tags or (
+            schema.returns
+            and all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
         ):
             return  # a view: the same memory, nothing run
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
@@ -359,6 +400,11 @@ class StreamCheck:
         if schema.name in _COPIES:
             stream, pool = self._copy(schema.name, args, kwargs, target)
         else:
+            if len(set(tagged)) > 1:
+                self.report(
+                    f"{self.where}: {func} takes tensors of cuda:{tagged[0]} and "
+                    f"cuda:{next(d for d in tagged if d != tagged[0])}, which a GPU refuses"
+                )
             device = target if target is not None else (tagged[0] if tagged else -1)
             if device < 0:
                 return  # host work: not tracked
@@ -411,8 +457,9 @@ class StreamCheck:
         self, t: torch.Tensor, key: int, func: Any, pool: FakeStream, stream: FakeStream, stamp: int
     ) -> None:
         what = (
-            f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} made by {func} in {self.where}"
+            f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} made by {func} ({self.where})"
         )
+        self._reuse(pool)
         mem = _Memory(what, pool.index, pool)
         mem.write = (stream, stamp, self.where)
         mem.used[stream.id] = mem.write
@@ -447,14 +494,39 @@ class StreamCheck:
         mem = self.memory.pop(key, None)
         if mem is None:
             return
+        shared = mem.pool in self.defaults.values()
         for u, c, where in mem.used.values():
             if u is mem.pool or u.id in mem.recorded or mem.pool.orders(u, c):
+                continue
+            if not shared:  # the pipeline's own stream: what matters is its next allocation
+                self.pending.setdefault(mem.pool.id, []).append((mem.what, u, c, where, self.where))
                 continue
             self.report(
                 f"{self.where}: {mem.what} goes back to the memory pool of {mem.pool.name} while "
                 f"{u.name} may still use it ({where}): ordered by no wait, and no "
                 f"record_stream names {u.name}"
             )
+
+    def _reuse(self, pool: FakeStream) -> None:
+        """An allocation on `pool`'s stream may take any memory freed into its pool: each use
+        of such memory on another stream must be ordered before it by now."""
+        for what, u, c, where, freed in self.pending.pop(pool.id, []):
+            if not pool.orders(u, c):
+                self.report(
+                    f"{self.where}: {pool.name} allocates while memory it freed ({what}, freed "
+                    f"in {freed}) may still be in use on {u.name} ({where}): ordered by no wait, "
+                    f"and no record_stream names {u.name}"
+                )
+
+
+def _latest(clocks: Any) -> dict[int, int]:
+    """The elementwise maximum of some clocks."""
+    out: dict[int, int] = {}
+    for clock in clocks:
+        for k, v in clock.items():
+            if out.get(k, 0) < v:
+                out[k] = v
+    return out
 
 
 def _key(t: Any) -> int | None:

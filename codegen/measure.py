@@ -193,7 +193,10 @@ def measure_in_process(
         optimizer_steps(optimizers, [stages[0] for stages in on], params)
         return ms
 
-    sync = torch.cuda.synchronize if program.cuda else (lambda: None)
+    def sync() -> None:  # every GPU of the pipe: synchronize() waits for the current one only
+        for d in {d for d in program.devices if d.type == "cuda"}:
+            torch.cuda.synchronize(d)
+
     step()  # warm-up: creates gradients and optimizer state
     with trace_allocations() as trace:
         step()

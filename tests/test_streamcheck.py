@@ -85,8 +85,38 @@ def test_a_write_racing_a_pending_read_is_reported():
     assert "writes float32[3]" in check.problems[0] and "may still be pending" in check.problems[0]
 
 
-def test_a_free_is_safe_after_the_pool_stream_waits_and_reported_when_moved_before_it():
+def test_a_free_into_the_default_pool_is_safe_after_it_waits_and_reported_when_moved_before():
+    """Code outside the pipeline allocates from the default stream's pool at any time: memory
+    freed into it must be done with everywhere by then."""
     for free_early in (False, True):
+        with StreamCheck() as check:
+            b = torch.cuda.Stream(0)
+            t = torch.zeros(5, device="cuda:0")  # from the default stream's pool
+            b.wait_stream(torch.cuda.current_stream(0))
+            with torch.cuda.stream(b):
+                t.sum()
+            if free_early:
+                del t  # back to the default pool while b's read may be running
+                torch.cuda.current_stream(0).wait_stream(b)
+            else:
+                torch.cuda.current_stream(0).wait_stream(b)
+                del t
+        if free_early:
+            assert len(check.problems) == 1, check.problems
+            assert "float32[5] made by aten.zeros.default" in check.problems[0]
+            assert (
+                "goes back to the memory pool of the default stream of cuda:0"
+                in (check.problems[0])
+            )
+            assert "no record_stream names stream 0 of cuda:0" in check.problems[0]
+        else:
+            assert check.problems == []
+
+
+def test_memory_freed_into_a_streams_own_pool_must_be_done_with_by_its_next_allocation():
+    """The caching allocator hands freed memory to the next allocation on the same stream:
+    a wait before that allocation is in time, an allocation before the wait is not."""
+    for allocate_first in (False, True):
         with StreamCheck() as check:
             a, b = torch.cuda.Stream(0), torch.cuda.Stream(0)
             with torch.cuda.stream(a):
@@ -94,17 +124,19 @@ def test_a_free_is_safe_after_the_pool_stream_waits_and_reported_when_moved_befo
             b.wait_stream(a)
             with torch.cuda.stream(b):
                 t.sum()
-            if free_early:
-                del t  # back to a's pool while b's read may be running
-                a.wait_stream(b)
-            else:
-                a.wait_stream(b)
-                del t
-        if free_early:
+            del t  # back to a's pool while b's read may be running
+            if allocate_first:
+                with torch.cuda.stream(a):
+                    torch.ones(5, device="cuda:0")
+            a.wait_stream(b)
+            with torch.cuda.stream(a):
+                torch.ones(5, device="cuda:0")
+        if allocate_first:
             assert len(check.problems) == 1, check.problems
-            assert "float32[5] made by aten.zeros.default" in check.problems[0]
-            assert "goes back to the memory pool of stream 0" in check.problems[0]
-            assert "no record_stream names stream 1" in check.problems[0]
+            assert (
+                "stream 0 of cuda:0 allocates while memory it freed (float32[5] made by "
+                in (check.problems[0])
+            )
         else:
             assert check.problems == []
 
@@ -112,16 +144,110 @@ def test_a_free_is_safe_after_the_pool_stream_waits_and_reported_when_moved_befo
 def test_record_stream_makes_an_unordered_free_safe():
     for record in (False, True):
         with StreamCheck() as check:
-            a, b = torch.cuda.Stream(0), torch.cuda.Stream(0)
-            with torch.cuda.stream(a):
-                t = torch.zeros(2, device="cuda:0")
-            b.wait_stream(a)
+            b = torch.cuda.Stream(0)
+            t = torch.zeros(2, device="cuda:0")
+            b.wait_stream(torch.cuda.current_stream(0))
             with torch.cuda.stream(b):
                 t.sum()
             if record:
                 t.record_stream(b)
             del t
         assert len(check.problems) == (0 if record else 1)
+
+
+def test_to_copies_where_cuda_copies_and_returns_the_tensor_itself_where_it_does_not():
+    with StreamCheck() as check:
+        t = torch.ones(4, device="cuda:0")
+        assert t.to("cuda:0") is t and t.to(t) is t and t.cuda(0) is t
+        assert t.to("cuda:1") is not t and t.to("cuda:1").device == torch.device("cuda:1")
+        assert t.to(torch.float64) is not t and t.to(torch.float64).device.index == 0
+        assert t.to("cuda:0", copy=True) is not t
+        h = t.cpu()
+        assert h is not t and h.device.type == "cpu"
+        h.add_(1)
+        assert float(t.sum()) == 4.0  # a copy: t unchanged
+        # a blocking copy to the host waits for the stream that wrote t; later work follows
+        b = torch.cuda.Stream(0)
+        with torch.cuda.stream(b):
+            t.sum()
+        t.record_stream(b)
+    assert check.problems == []
+
+
+def test_a_same_device_to_is_no_copy_so_its_race_is_seen():
+    """`.to()` onto the device a tensor is on returns the tensor: writing the result writes it."""
+    with StreamCheck() as check:
+        a, b = torch.cuda.Stream(0), torch.cuda.Stream(0)
+        t = torch.ones(3, device="cuda:0")
+        a.wait_stream(torch.cuda.current_stream(0))
+        b.wait_stream(torch.cuda.current_stream(0))
+        with torch.cuda.stream(b):
+            t.sum()
+        with torch.cuda.stream(a):
+            t.to("cuda:0").mul_(3)
+        t.record_stream(a)
+        t.record_stream(b)
+    assert len(check.problems) == 1 and "may still be pending" in check.problems[0]
+
+
+def test_synchronize_waits_for_one_device_only():
+    for device in (0, 1):
+        with StreamCheck() as check:
+            a, b = torch.cuda.Stream(1), torch.cuda.Stream(1)
+            with torch.cuda.stream(a):
+                t = torch.ones(4, device="cuda:1")
+            torch.cuda.synchronize(device)
+            with torch.cuda.stream(b):
+                t.sum()
+            t.record_stream(b)
+        assert len(check.problems) == (1 if device == 0 else 0), device
+
+
+def test_a_stream_made_after_the_host_waited_comes_after_what_it_waited_for():
+    with StreamCheck() as check:
+        a = torch.cuda.Stream(0)
+        with torch.cuda.stream(a):
+            t = torch.ones(4, device="cuda:0")
+        torch.cuda.synchronize(0)
+        later = torch.cuda.Stream(0)
+        with torch.cuda.stream(later):
+            t.sum()
+        t.record_stream(later)
+    assert check.problems == []
+
+
+def test_views_and_in_place_views_touch_no_memory():
+    with StreamCheck() as check:
+        a, b = torch.cuda.Stream(0), torch.cuda.Stream(0)
+        with torch.cuda.stream(a):
+            t = torch.ones(4, device="cuda:0")
+        with torch.cuda.stream(b):
+            t.unsqueeze_(0)
+            t.view(2, 2).t()
+            t.detach_()
+    assert check.problems == []
+
+
+def test_an_operation_on_two_devices_is_reported():
+    with StreamCheck() as check:
+        (torch.ones(2, device="cuda:0") + torch.ones(2, device="cuda:1")).sum()
+    assert check.problems  # (then, as the checker charges it to cuda:0, its streams' too)
+    assert (
+        "aten.add.Tensor takes tensors of cuda:0 and cuda:1, which a GPU refuses"
+        in (check.problems[0])
+    )
+
+
+def test_torch_is_restored_when_the_checked_code_raises():
+    stream, to = torch.cuda.Stream, torch.Tensor.to
+    with pytest.raises(ZeroDivisionError), StreamCheck():
+        torch.ones(2, device="cuda:0")
+        raise ZeroDivisionError
+    assert torch.cuda.Stream is stream and torch.Tensor.to is to
+    assert "device" not in torch.Tensor.__dict__ and torch.ones(1).device.type == "cpu"
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    assert _get_current_dispatch_mode() is None
 
 
 def test_a_copy_between_devices_runs_on_the_source_stream_and_orders_the_destinations():
@@ -300,7 +426,7 @@ MUTATIONS = {
     ),
     "the compute streams' wait for the caller": (
         "                st.wait_stream(torch.cuda.current_stream(d))\n",
-        "made by aten._to_copy.default in the caller, before step 0 on stage 0's compute stream",
+        "made by aten._to_copy.default (the caller, before step 0) on stage 0's compute stream",
     ),
     "the caller's wait for the pipeline": (
         "                    torch.cuda.current_stream(d).wait_stream(st)\n",
@@ -308,15 +434,11 @@ MUTATIONS = {
     ),
     "record_stream on a received tensor": (
         "            t.record_stream(self.compute[dst])\n",
-        "goes back to the memory pool of stage 1's receive stream while stage 1's compute",
+        "stage 1's receive stream allocates while memory it freed",
     ),
     "record_stream on a sent tensor": (
         "            t.record_stream(copier)\n",
-        "goes back to the memory pool of stage 0's compute stream while",
-    ),
-    "record_stream on what the caller gets": (
-        "                t.record_stream(caller)\n",
-        "goes back to the memory pool of stage 0's compute stream while the default stream",
+        "'s compute stream allocates while memory it freed",
     ),
 }
 
@@ -349,6 +471,24 @@ def test_taking_one_ordering_out_of_the_program_is_reported(program, what, devic
             assert any(says in p for p in problems), problems
 
 
+def test_a_one_gpu_copy_must_be_recorded_on_the_stream_that_runs_it(program):
+    """What the checker found in the runtime: on one GPU a copy between stages runs on the
+    receiver's stream, so recording only the sender's send stream (as the runtime did) lets
+    the sent tensor's memory be reused under the copy. Right on two GPUs, wrong on one."""
+    line = "        copier = send if self.devices[src] != b else recv\n"
+    assert program.count(line) == 1
+    module = types.ModuleType("program")
+    exec(compile(program.replace(line, "        copier = send\n"), "program.py", "exec"),
+         module.__dict__)  # fmt: skip
+    x, y, loss_fn = _data("mlp")
+    for devices, wrong in ((["cuda:0", "cuda:1"], False), (["cuda:0", "cuda:0"], True)):
+        problems = check_pipeline(
+            lambda devices=devices: module.Pipeline(small_mlp(), devices), x, y, loss_fn
+        )
+        assert bool(problems) == wrong, problems
+    assert any("may still be in use on stage 1's receive stream" in p for p in problems), problems
+
+
 def test_the_program_checks_itself_and_fails_when_broken(tmp_path):
     """`gpipe-plan codegen --check-streams` and `python program.py --check-streams`: exit 0
     with a one-line verdict when clean; a program with a wait taken out exits 1, listing it."""
@@ -377,6 +517,17 @@ def test_the_program_checks_itself_and_fails_when_broken(tmp_path):
     listed = run.stdout.splitlines()
     assert listed and all(p.startswith("stream check on ['cuda:0', 'cuda:") for p in listed)
     assert any("is not ordered before it" in p for p in listed)
+
+
+def test_a_model_the_check_cannot_run_gets_one_line_and_exit_2(program, tmp_path):
+    path = tmp_path / "program.py"
+    path.write_text(program)  # profiled from a model object: the program cannot build it
+    run = subprocess.run(
+        [sys.executable, str(path), "--check-streams"], capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.count("\n") == 1 and "the stream check could not run" in run.stderr
 
 
 def test_check_streams_is_refused_for_targets_without_streams(tmp_path, run_cli):
