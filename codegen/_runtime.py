@@ -205,6 +205,7 @@ class PipelineRuntime:
         # reads it (times in ms; CUDA events until action_times() resolves them).
         self.action_log: list[tuple[str, int, int, Any, Any]] | None = None
         self.rng: Any = None
+        self.zero: dict[torch.device, Any] = {}  # CUDA: each GPU's start event, when logging
         self._reset()
 
     def _route(self, layers: list[nn.Module]) -> None:
@@ -249,6 +250,14 @@ class PipelineRuntime:
         self.weights = [c.shape[0] / n for c in self.batch]
         sync_tied(self.tied)
         self._enter_streams()
+        if self.cuda and self.action_log is not None:
+            # NOTE: CUDA times two events only on one device: each GPU's actions are timed
+            # from its own start, all recorded at once here, after the caller's work.
+            self.zero = {}
+            for s, d in enumerate(self.devices):
+                if d not in self.zero:
+                    self.zero[d] = torch.cuda.Event(enable_timing=True)
+                    self.zero[d].record(self.compute[s])
 
     def finish(self) -> torch.Tensor:
         """Make the default streams wait for the pipeline, and return the mini-batch loss."""
@@ -417,14 +426,17 @@ class PipelineRuntime:
         return event
 
     def action_times(self) -> list[tuple[str, int, int, float, float]]:
-        """The action log with times in ms (on CUDA: since the first event, after a sync)."""
+        """The action log with times in ms (on CUDA: since the step began on the action's GPU,
+        after waiting for every GPU)."""
         log = self.action_log or []
         if not self.cuda or not log:
             return list(log)
         for d in set(self.devices):  # synchronize() alone waits for the current GPU only
             torch.cuda.synchronize(d)
-        first = log[0][3]
-        return [(w, s, m, first.elapsed_time(a), first.elapsed_time(b)) for w, s, m, a, b in log]
+        zero = [self.zero[d] for d in self.devices]
+        return [
+            (w, s, m, zero[s].elapsed_time(a), zero[s].elapsed_time(b)) for w, s, m, a, b in log
+        ]
 
     def _recomputes(self, s: int, m: int) -> bool:
         mode = self.RECOMPUTE[s] if self.RECOMPUTE else "never"

@@ -119,11 +119,13 @@ class FakeEvent:
     def __init__(self, enable_timing: bool = False, blocking: bool = False, **_: Any) -> None:
         self.clock: dict[int, int] | None = None
         self.at = 0.0
+        self.index = -1  # the device it was recorded on
 
     def record(self, stream: FakeStream | None = None) -> None:
         stream = stream or _running().current_stream()
         self.clock = dict(stream.clock)
         self.at = time.perf_counter()
+        self.index = stream.index
 
     def wait(self, stream: FakeStream | None = None) -> None:
         (stream or _running().current_stream()).wait_event(self)
@@ -138,6 +140,12 @@ class FakeEvent:
             _running().host_waits(self.clock)
 
     def elapsed_time(self, end: FakeEvent) -> float:
+        if self.clock is None or end.clock is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        if self.index != end.index:  # as CUDA: cudaEventElapsedTime fails across devices
+            raise RuntimeError(
+                f"CUDA cannot time events of two devices (cuda:{self.index}, cuda:{end.index})"
+            )
         return (end.at - self.at) * 1e3
 
 
@@ -456,9 +464,8 @@ class StreamCheck:
     def _allocated(
         self, t: torch.Tensor, key: int, func: Any, pool: FakeStream, stream: FakeStream, stamp: int
     ) -> None:
-        what = (
-            f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)} made by {func} ({self.where})"
-        )
+        dtype = str(t.dtype).removeprefix("torch.")
+        what = f"{dtype}{list(t.shape)} made by {func} ({self.where})"
         self._reuse(pool)
         mem = _Memory(what, pool.index, pool)
         mem.write = (stream, stamp, self.where)

@@ -471,6 +471,27 @@ def test_taking_one_ordering_out_of_the_program_is_reported(program, what, devic
             assert any(says in p for p in problems), problems
 
 
+def test_action_times_on_several_gpus_time_each_action_on_its_own_gpu(program):
+    """CUDA times two events only on one device (the stand-in refuses as CUDA does): measure's
+    action log on a pipe over two GPUs must not time one GPU's actions from another's event."""
+    module = types.ModuleType("program")
+    exec(compile(program, "program.py", "exec"), module.__dict__)
+    x, y, loss_fn = _data("mlp")
+    with StreamCheck():
+        pipe = module.Pipeline(small_mlp(), ["cuda:0", "cuda:1"])
+        pipe.action_log = []
+        pipe.train_step(x.to("cuda:0"), y.to("cuda:0"), loss_fn)
+        times = pipe.action_times()
+        early, late = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        early.record(pipe.compute[0])
+        late.record(pipe.compute[1])
+        with pytest.raises(RuntimeError, match="two devices"):
+            early.elapsed_time(late)
+    assert len(times) == 2 * 2 * 4  # F and B of two stages, four micro-batches
+    assert {s for _, s, _, _, _ in times} == {0, 1}
+    assert all(0 <= start <= end for _, _, _, start, end in times)
+
+
 def test_a_one_gpu_copy_must_be_recorded_on_the_stream_that_runs_it(program):
     """What the checker found in the runtime: on one GPU a copy between stages runs on the
     receiver's stream, so recording only the sender's send stream (as the runtime did) lets
