@@ -27,7 +27,7 @@ from schedules import (
 from schedules.comm import batches
 
 RUNTIME = [Path(__file__).with_name(n) for n in ("_runtime.py", "_numerics.py")]
-STREAM_CHECK = Path(__file__).with_name("_streamcheck.py")
+STREAM_CHECK = [Path(__file__).with_name(n) for n in ("_fakecuda.py", "_streamcheck.py")]
 DIST_RUNTIME = Path(__file__).with_name("_dist_runtime.py")
 PIPELINING = Path(__file__).with_name("_pipelining.py")
 GRAPH = Path(__file__).parents[1] / "profiler" / "graph.py"
@@ -71,7 +71,7 @@ def emit_program(
         return _pipelining_program(plan, sched, model)
     runtime = "\n\n".join(_without_dropped_lines(p.read_text()) for p in RUNTIME)
     if target == "streams":
-        runtime += "\n\n" + _without_dropped_lines(STREAM_CHECK.read_text())
+        runtime += "".join("\n\n" + _without_dropped_lines(p.read_text()) for p in STREAM_CHECK)
         body = _streams_class(plan, issue_order(plan, sched))
         main = _STREAMS_MAIN
     else:
