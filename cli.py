@@ -322,7 +322,8 @@ def _check_program_streams(source: str, name: str) -> int:
     program = types.ModuleType("gpipe_plan_program")
     program.__file__ = name
     exec(compile(source, name, "exec"), program.__dict__)
-    sys.stdout.flush()
+    if sys.stdout is not None:
+        sys.stdout.flush()
     return int(program.check_streams())  # 0 clean, 1 problems listed, 2 it could not run
 
 

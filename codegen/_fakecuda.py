@@ -84,6 +84,14 @@ class FakeStream:
         self.synchronize()
         return True
 
+    def __enter__(self) -> FakeStream:  # `with stream:` as torch.cuda.stream(stream)
+        self._context = _running().stream(self)
+        self._context.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._context.__exit__(*exc)
+
     def __repr__(self) -> str:
         return f"<{self.name}>"
 

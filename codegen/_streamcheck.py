@@ -111,10 +111,22 @@ class StreamCheck:
             # NOTE: parsing a "cuda" device argument initialises CUDA first, which a CPU-only
             # build refuses; the dispatch mode then moves the work to the CPU.
             "_lazy_init": lambda: None,
+            "device": self.on_device,
         }
         for name, fake in fakes.items():
             self._saved.append((cuda, name, getattr(cuda, name)))
             setattr(cuda, name, fake)
+        # A captured graph asks prim.device where its layer is (profiler/graph.py): not an
+        # operation the dispatch mode sees, so it answers here.
+        device_of = torch.ops.prim.device
+        self._saved.append((device_of, "default", device_of.default))
+        physical = device_of.default
+        device_of.default = lambda t: self._device(t, physical(t))
+        # Tensors made from Python data straight onto a GPU: made on the host, then copied.
+        for name in ("tensor", "as_tensor"):
+            make = getattr(torch, name)
+            self._saved.append((torch, name, make))
+            setattr(torch, name, self._from_data(make))
         # A tensor says it is where the check put it, so code that makes tensors "on the
         # device of x" makes them there (and the check sees them).
         base = torch._C.TensorBase
@@ -129,6 +141,11 @@ class StreamCheck:
             ),
             "device": property(lambda t: self._device(t, base.device.__get__(t))),
             "is_cuda": property(lambda t: self._device(t, base.device.__get__(t)).type == "cuda"),
+            "get_device": lambda t: self._device_of(t),
+            "new_tensor": lambda t, data, **kw: self._to(
+                base.to, base.new_tensor(t, data, **kw), t.device
+            ),
+            "numpy": lambda t, **kw: self._host_only(t, "numpy()", base.numpy, **kw),
         }
         for name, fake in tensor_fakes.items():
             self._saved.append((torch.Tensor, name, torch.Tensor.__dict__.get(name)))
@@ -193,6 +210,34 @@ class StreamCheck:
         where = torch.device("cuda", dst) if dst >= 0 else torch.device("cpu")
         more = {} if memory_format is None else {"memory_format": memory_format}
         return to(t, where, dtype or t.dtype, non_blocking=non_blocking, copy=True, **more)
+
+    def _from_data(self, make: Callable[..., Any]) -> Callable[..., Any]:
+        def made(data: Any, *args: Any, device: Any = None, **kwargs: Any) -> Any:
+            if device is None or torch.device(device).type != "cuda":
+                return make(data, *args, device=device, **kwargs)
+            if isinstance(data, torch.Tensor) and make is not torch.tensor:
+                return self._to(torch._C.TensorBase.to, data, device, *args, **kwargs)
+            return self._to(torch._C.TensorBase.to, make(data, *args, **kwargs), device)
+
+        return made
+
+    def _host_only(self, t: torch.Tensor, what: str, call: Callable[..., Any], **kw: Any) -> Any:
+        if self._device_of(t) >= 0:
+            raise TypeError(
+                f"can't call {what} on a tensor on cuda:{self._device_of(t)}; copy it to the host first (.cpu())"
+            )
+        return call(t, **kw)
+
+    @contextlib.contextmanager
+    def on_device(self, device: Any) -> Iterator[None]:
+        """torch.cuda.device: the device is current inside."""
+        before = self.device
+        if device is not None and not (isinstance(device, int) and device < 0):
+            self.device = _index(device)
+        try:
+            yield
+        finally:
+            self.device = before
 
     def synchronize(self, device: Any = None) -> None:
         """torch.cuda.synchronize: the host waits for every stream of the device."""
@@ -303,6 +348,14 @@ class StreamCheck:
                     f"{self.where}: {func} takes tensors of cuda:{tagged[0]} and "
                     f"cuda:{next(d for d in tagged if d != tagged[0])}, which a GPU refuses"
                 )
+            elif tagged and not schema.name.startswith("aten::index"):
+                host = [t for t in reads + writes if t.dim() > 0 and _key(t) not in self.memory]
+                if host:
+                    dtype = str(host[0].dtype).removeprefix("torch.")
+                    self.report(
+                        f"{self.where}: {func} takes a host tensor ({dtype}{list(host[0].shape)}) "
+                        f"with tensors of cuda:{tagged[0]}, which a GPU refuses"
+                    )
             device = target if target is not None else (tagged[0] if tagged else -1)
             if device < 0:
                 return  # host work: not tracked

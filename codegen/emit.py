@@ -310,23 +310,30 @@ def check_streams() -> int:
     each, then all on one GPU. Prints what the streams leave unordered and returns 1 if
     anything; 2, with one line, if the check cannot run the model.\"\"\"
     import sys
+    import warnings
 
     layouts = [[f"cuda:{k}" for k in range(NUM_DEVICES)]]
     if NUM_DEVICES > 1:
         layouts.append(["cuda:0"] * NUM_DEVICES)
     found = 0
     try:
-        model = load_model()
-        x = random_batch(model)
-        for devices in layouts:
-            problems = check_pipeline(
-                lambda: Pipeline(copy.deepcopy(model), devices), x, None, stand_in_loss
-            )
-            for problem in problems:
-                print(f"stream check on {devices}: {problem}")
-            found += len(problems)
-    except Exception as e:  # the model, or an operation the stand-in has no CPU form of
-        print(f"{MODEL}: the stream check could not run: {type(e).__name__}: {e}", file=sys.stderr)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the model's own, and torch's about the CPU
+            model = load_model()
+            x = random_batch(model)
+            for devices in layouts:
+                problems = check_pipeline(
+                    lambda: Pipeline(copy.deepcopy(model), devices), x, None, stand_in_loss
+                )
+                for problem in problems:
+                    print(f"stream check on {devices}: {problem}")
+                found += len(problems)
+    except (BrokenPipeError, KeyboardInterrupt):
+        raise
+    except (Exception, SystemExit) as e:  # the model, or what the stand-in has no CPU form of
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        print(f"{MODEL}: the stream check could not run: {type(e).__name__}: {first}",
+              file=sys.stderr)  # fmt: skip
         return 2
     if not found:
         on = " and ".join(map(str, layouts))

@@ -410,7 +410,13 @@ def _layers(
             if p.name in returned or any(u.op != "output" for u in p.users)
         ]
         inputs = [p.name for p in placeholders]
-        layer = GraphLayer(fx.GraphModule(attrs, g), name, kind, crossing, spec, inputs, reads)
+        here = any(n.op == "get_attr" and n.target == HERE for n in g.nodes)
+        gm = fx.GraphModule({**attrs, HERE: torch.empty(0)} if here else attrs, g)
+        if here:  # a buffer (moved with the layer), left out of the state dict
+            gm._buffers.pop(HERE, None)
+            gm.__dict__.pop(HERE, None)
+            gm.register_buffer(HERE, torch.empty(0), persistent=False)
+        layer = GraphLayer(gm, name, kind, crossing, spec, inputs, reads)
         for path, buf in layer.gm.named_buffers():
             mod_path, _, leaf = path.rpartition(".")
             try:
@@ -528,7 +534,31 @@ def _subgraph(
         v = need(n)
         result.append(g.call_function(_as_tensor, (v,)) if _kind(n) == "size" else v)
     g.output(tuple(result))
+    _on_the_layers_device(g)
     return g
+
+
+_MOVES = (torch.ops.aten._to_copy.default, torch.ops.aten.to.device, torch.ops.aten.to.dtype_layout)
+
+
+def _on_the_layers_device(g: fx.Graph) -> None:
+    """What the model makes "on the device of x" (torch.arange(n, device=x.device)), the capture
+    wrote down as the device it ran on: make it, instead, where the layer's inputs are, as the
+    model would on the GPU its stage runs on. (A move the model asks for, .to(d), stays.)"""
+    made = [
+        n for n in g.nodes
+        if n.op == "call_function" and n.target not in _MOVES
+        and isinstance(n.kwargs.get("device"), torch.device)
+    ]  # fmt: skip
+    if not made:
+        return
+    with g.inserting_before(made[0]):  # a buffer of no bytes, which goes where the layer goes
+        here = g.call_function(torch.ops.prim.device.default, (g.get_attr(HERE),))
+    for n in made:
+        n.update_kwarg("device", here)
+
+
+HERE = "_here"  # the buffer of a layer that makes tensors on its own device (see above)
 
 
 __all__ = ["CaptureError", "CapturedModel", "GraphLayer", "capture", "with_inputs"]  # emit: drop

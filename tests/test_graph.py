@@ -260,7 +260,7 @@ def test_emitted_program_captures_and_runs(tmp_path):
     modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     assert {m.partition(".")[0] for m in modules} <= {
         "__future__", "argparse", "collections", "contextlib", "copy", "io", "logging", "re",
-        "sys", "time", "torch", "typing", "weakref",
+        "sys", "time", "torch", "typing", "warnings", "weakref",
     }  # fmt: skip
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     fmt = subprocess.run([ruff, "format", "--check", "--line-length", "100", str(path)],
@@ -627,3 +627,25 @@ def test_a_stage_that_receives_nothing_runs(schedule):
     plan = _plan(prof, schedule, "never", K=4, M=4)
     assert plan.stages[1].input_bytes == 0 and (0, 2) in [tuple(r) for r in plan.routes]
     _assert_step_parity(model, layers, plan, x, torch.randn(8, 4, 8), nn.functional.mse_loss)
+
+
+def test_a_captured_graph_makes_its_tensors_on_the_device_its_layer_runs_on():
+    """torch.arange(n, device=ids.device) in a model: the capture ran on the CPU, but on a GPU
+    the layer must make it there (found by the stream checker: the GPT's position ids stayed
+    on the host while its embedding moved to a GPU)."""
+    from codegen._streamcheck import StreamCheck
+    from profiler.examples import gpt
+
+    model = gpt(vocab=64, d_model=32, heads=2, depth=1, seq_len=8)
+    layers = capture(model, model.example_input)
+    baked = [
+        (layer.unit, n.name) for layer in layers for n in layer.gm.graph.nodes
+        if isinstance(n.kwargs.get("device"), torch.device)
+    ]  # fmt: skip
+    assert baked == []
+    with StreamCheck() as check:
+        on_gpu = copy.deepcopy(layers).to("cuda:1")
+        out = on_gpu(model.example_input.to("cuda:1"))
+        assert out.device == torch.device("cuda:1")
+    assert check.problems == []
+    torch.testing.assert_close(layers(model.example_input), model(model.example_input))

@@ -238,6 +238,46 @@ def test_an_operation_on_two_devices_is_reported():
     )
 
 
+def test_a_host_tensor_in_a_gpu_operation_is_reported_but_a_host_scalar_is_not():
+    with StreamCheck() as check:
+        t = torch.ones(3, device="cuda:0")
+        (t * torch.tensor(2.0)).sum()  # a 0-d host tensor: CUDA takes it as a scalar
+    assert check.problems == []
+    with StreamCheck() as check:
+        (torch.ones(3, device="cuda:0") * torch.ones(3)).sum()
+    assert check.problems == [
+        "outside the step: aten.mul.Tensor takes a host tensor (float32[3]) with tensors of "
+        "cuda:0, which a GPU refuses"
+    ]
+
+
+def test_the_stand_in_takes_what_models_commonly_do_on_a_gpu():
+    with StreamCheck() as check:
+        x = torch.ones(2, device="cuda:1")
+        made = [
+            torch.tensor([1.0, 2.0], device=x.device),
+            torch.as_tensor([3.0, 4.0], device="cuda:1"),
+            x.new_tensor([5.0, 6.0]),
+            torch.arange(2, device=x.device).float(),
+        ]
+        assert all(t.device == torch.device("cuda:1") for t in made) and x.get_device() == 1
+        side = torch.cuda.Stream(1)
+        side.wait_stream(torch.cuda.current_stream(1))
+        with side:
+            assert torch.cuda.current_stream(1) is side
+            total = sum(made) + x
+        torch.cuda.current_stream(1).wait_stream(side)
+        for t in [*made, x]:
+            t.record_stream(side)
+        assert total.tolist() == [10.0, 14.0]  # [1+3+5+0+1, 2+4+6+1+1]
+        with torch.cuda.device(0):
+            assert torch.cuda.current_device() == 0
+        with pytest.raises(TypeError, match="copy it to the host first"):
+            x.numpy()
+        assert x.cpu().numpy().tolist() == [1.0, 1.0]
+    assert check.problems == []
+
+
 def test_torch_is_restored_when_the_checked_code_raises():
     stream, to = torch.cuda.Stream, torch.Tensor.to
     with pytest.raises(ZeroDivisionError), StreamCheck():
