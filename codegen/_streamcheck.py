@@ -126,7 +126,7 @@ class StreamCheck:
         for name in ("tensor", "as_tensor"):
             make = getattr(torch, name)
             self._saved.append((torch, name, make))
-            setattr(torch, name, self._from_data(make))
+            setattr(torch, name, self._from_data(make, copies=name == "tensor"))
         # A tensor says it is where the check put it, so code that makes tensors "on the
         # device of x" makes them there (and the check sees them).
         base = torch._C.TensorBase
@@ -211,11 +211,13 @@ class StreamCheck:
         more = {} if memory_format is None else {"memory_format": memory_format}
         return to(t, where, dtype or t.dtype, non_blocking=non_blocking, copy=True, **more)
 
-    def _from_data(self, make: Callable[..., Any]) -> Callable[..., Any]:
+    def _from_data(self, make: Callable[..., Any], copies: bool) -> Callable[..., Any]:
+        """torch.tensor (copies: always a new tensor) or torch.as_tensor onto a GPU."""
+
         def made(data: Any, *args: Any, device: Any = None, **kwargs: Any) -> Any:
             if device is None or torch.device(device).type != "cuda":
                 return make(data, *args, device=device, **kwargs)
-            if isinstance(data, torch.Tensor) and make is not torch.tensor:
+            if isinstance(data, torch.Tensor) and not copies:
                 return self._to(torch._C.TensorBase.to, data, device, *args, **kwargs)
             return self._to(torch._C.TensorBase.to, make(data, *args, **kwargs), device)
 
@@ -223,9 +225,8 @@ class StreamCheck:
 
     def _host_only(self, t: torch.Tensor, what: str, call: Callable[..., Any], **kw: Any) -> Any:
         if self._device_of(t) >= 0:
-            raise TypeError(
-                f"can't call {what} on a tensor on cuda:{self._device_of(t)}; copy it to the host first (.cpu())"
-            )
+            where = f"cuda:{self._device_of(t)}"
+            raise TypeError(f"can't call {what} on a tensor on {where}; copy it to the host first")
         return call(t, **kw)
 
     @contextlib.contextmanager
