@@ -40,6 +40,19 @@ _SIGNATURE = 64  # int64 slots broadcast at each step: [seed, dtype, ndim, shape
 Spec = tuple[tuple[int, ...], torch.dtype]
 
 
+def rank_device(named: str | None, rank: int) -> torch.device:
+    """A rank's device: the one its cluster device names (torch_device), else the GPU of this
+    host's LOCAL_RANK, else the CPU."""
+    if named:
+        try:
+            return torch.device(named)
+        except RuntimeError as e:
+            raise RuntimeError(f"device {named!r}: {e}") from None
+    if torch.cuda.is_available():
+        return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}")
+    return torch.device("cpu")
+
+
 class DistPipelineRuntime(PipelineRuntime):
     """PipelineRuntime for one rank: only this rank's stages live here."""
 
@@ -104,15 +117,7 @@ class DistPipelineRuntime(PipelineRuntime):
         """The cluster's device for this rank (its torch_device), else the GPU of this host's
         LOCAL_RANK, else the CPU; on a GPU it becomes the current device, as NCCL needs."""
         named = self.DEVICES[self.rank] if self.rank < len(self.DEVICES) else ""
-        if named:
-            try:
-                device = torch.device(named)
-            except RuntimeError as e:
-                raise RuntimeError(f"device {named!r}: {e}") from None
-        elif torch.cuda.is_available():
-            device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', self.rank))}")
-        else:
-            device = torch.device("cpu")
+        device = rank_device(named, self.rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
         return device

@@ -261,13 +261,12 @@ def torch_pipelining(model: nn.Module, plan: Plan, loss_fn: Any) -> tuple[list[A
     CPU), and torch's schedule runtime loaded with the plan's schedule as its CSV. Step it as
     torch's schedules are stepped: schedule.step(x) on the first stage's rank,
     schedule.step(target=y, losses=losses) on the last's, schedule.step() elsewhere."""
-    import os
-
     import torch.distributed as dist
 
     from planner.search import schedule_of
     from schedules import to_csv
 
+    from ._dist_runtime import rank_device
     from ._pipelining import torch_pipeline
     from .emit import pipelining_refusal
 
@@ -286,16 +285,10 @@ def torch_pipelining(model: nn.Module, plan: Plan, loss_fn: Any) -> tuple[list[A
     rank, world = dist.get_rank(), dist.get_world_size()
     if world != len(plan.devices):
         raise InputError(f"the plan is for {len(plan.devices)} processes, this launch has {world}")
-    named = plan.cluster.devices[rank].torch_device
-    if named:
-        try:
-            device = torch.device(named)
-        except RuntimeError as e:
-            raise InputError(f"rank {rank}: device {named!r}: {e}") from None
-    elif torch.cuda.is_available():
-        device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}")
-    else:
-        device = torch.device("cpu")
+    try:
+        device = rank_device(plan.cluster.devices[rank].torch_device, rank)
+    except RuntimeError as e:
+        raise InputError(f"rank {rank}: {e}") from None
     layers = list(as_layers(model, capture_sample(model, plan.input_shape, plan.input_dtype)))
     return torch_pipeline(
         layers,
