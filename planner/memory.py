@@ -268,26 +268,49 @@ class MemoryModel:
         """What terms() adds up, without the breakdown: the hot path of the partition search."""
         i = np.atleast_1d(np.asarray(i, dtype=np.int64))
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
+        return self._totals(i, j, [shape], np.array([0, len(i)]))
+
+    def _totals(
+        self, i: np.ndarray, j: np.ndarray, shapes: list[StageShape], cut: np.ndarray
+    ) -> np.ndarray:
+        """total() of [i, j) for many shapes at once: entries cut[g]:cut[g + 1] are shape g's.
+        The bytes of each state depend on the layers alone, so they are computed once for all."""
         b = self.state_bytes(i, j)
         values = np.stack([b[name] for name in STATES + TRANSIENTS])
-        held = (np.asarray(shape.occupancy, dtype=np.int64) @ values).max(axis=0)
         p = self.params(i, j)
-        static = (2 + shape.optimizer_slots) * p + self._buffers[j] - self._buffers[i]
-        return static + np.maximum(held, self.optimizer_step(i, j, shape)) + shape.reserved
+        largest = None if all(sh.foreach for sh in shapes) else self._largest(i, j)
+        out = np.empty(len(i), dtype=np.int64)
+        for g, shape in enumerate(shapes):
+            lo, hi = int(cut[g]), int(cut[g + 1])
+            if lo == hi:
+                continue
+            occ = np.asarray(shape.occupancy, dtype=np.int64)
+            held = (occ @ values[:, lo:hi]).max(axis=0)
+            size = p[lo:hi] if shape.foreach else largest[lo:hi]  # type: ignore[index]
+            step = np.ceil(shape.optimizer_step * size).astype(np.int64)  # optimizer_step()
+            weights = (2 + shape.optimizer_slots) * p[lo:hi]
+            static = weights + self._buffers[j[lo:hi]] - self._buffers[i[lo:hi]]
+            out[lo:hi] = static + np.maximum(held, step) + shape.reserved
+        return out
 
     def max_end(self, shape: StageShape, budget: int) -> np.ndarray:
         """For every start i: the largest end j with total(i, j) <= budget, or i if even [i, i+1)
         does not fit. Binary search on all starts at once (total grows with j); kept per shape
         and budget, since the search's candidates share them (per-stage recomputation reuses
         every single mode's)."""
-        key = (shape, budget)
-        hit = self._ends.get(key)
-        if hit is None:
-            if len(self._ends) > 4096:
+        return self.max_ends([(shape, budget)])[0]
+
+    def max_ends(self, wanted: list[tuple[StageShape, int]]) -> list[np.ndarray]:
+        """max_end of every (shape, budget), those not kept yet searched together: one pass
+        of state bytes per bisection step serves them all (a split of 64 stages has 64)."""
+        todo = list(dict.fromkeys(k for k in wanted if k not in self._ends))
+        if todo:
+            if len(self._ends) + len(todo) > 4096:
                 self._ends.clear()
-            hit = self._ends[key] = self._max_end(shape, budget)
-            hit.setflags(write=False)
-        return hit
+            for key, ends in zip(todo, self._max_ends(todo)):
+                ends.setflags(write=False)
+                self._ends[key] = ends
+        return [self._ends[k] for k in wanted]
 
     def params(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """The parameter bytes of stages [i, j): a parameter several of its layers use, once."""
@@ -296,27 +319,35 @@ class MemoryModel:
             p = p - nbytes * np.maximum(before[j] - before[i] - 1, 0)
         return p
 
-    def _max_end(self, shape: StageShape, budget: int) -> np.ndarray:
-        n = self.chain.num_layers
-        i = np.arange(n, dtype=np.int64)
+    def _max_ends(self, keys: list[tuple[StageShape, int]]) -> list[np.ndarray]:
+        n, G = self.chain.num_layers, len(keys)
+        shapes = [shape for shape, _ in keys]
+        budget = np.repeat(np.array([b for _, b in keys], dtype=np.int64), n)
+        i = np.tile(np.arange(n, dtype=np.int64), G)
         # total(i, lo) fits (or lo = i); hi does not. The weights, gradients and optimizer slots
         # alone bound the end from above (prefix sums; with tied parameters counted once they
         # do not); a start whose whole rest fits is done.
-        weights = (2 + shape.optimizer_slots) * self._params + self._buffers
-        if self._tied:
-            cap = np.full(n, n + 1)
-        else:
-            cap = np.searchsorted(weights, weights[i] + (budget - shape.reserved), side="right")
-        hi = np.minimum(np.maximum(cap, i + 1), n + 1)
+        caps = []
+        for shape, b in keys:
+            weights = (2 + shape.optimizer_slots) * self._params + self._buffers
+            if self._tied:
+                caps.append(np.full(n, n + 1))
+            else:
+                caps.append(
+                    np.searchsorted(weights, weights[:n] + (b - shape.reserved), side="right")
+                )
+        hi = np.minimum(np.maximum(np.concatenate(caps), i + 1), n + 1)
         lo = i.copy()
-        whole = self.total(i, np.full(n, n, dtype=np.int64), shape) <= budget
+        cut = np.arange(G + 1) * n
+        whole = self._totals(i, np.full(len(i), n, dtype=np.int64), shapes, cut) <= budget
         lo[whole], hi[whole] = n, n + 1
+        group = np.repeat(np.arange(G), n)
         while True:
-            open_ = hi - lo > 1
-            if not open_.any():
-                return lo
-            idx = np.nonzero(open_)[0]
+            idx = np.nonzero(hi - lo > 1)[0]  # in group order, as _totals wants them
+            if not len(idx):
+                return [lo[g * n : (g + 1) * n] for g in range(G)]
             mid = (lo[idx] + hi[idx]) // 2
-            fits = self.total(i[idx], mid, shape) <= budget
+            at = np.searchsorted(group[idx], np.arange(G + 1))
+            fits = self._totals(i[idx], mid, shapes, at) <= budget[idx]
             lo[idx[fits]] = mid[fits]
             hi[idx[~fits]] = mid[~fits]

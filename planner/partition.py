@@ -147,16 +147,12 @@ class _Prober:
         self.prefixes = np.concatenate([zero, np.cumsum(table, axis=1)], axis=1)
         self.least = table.min(axis=0)  # per layer, its cheapest option (for lower bounds)
         self.speeds = [s.speed for s in stages]
-        cache: dict[tuple[StageShape, int], np.ndarray] = {}
+        keys = [[(shape, s.budget) for shape in s.shapes] for s in stages]
+        found = memory.max_ends([k for row in keys for k in row])
         self.mem_end: list[list[np.ndarray]] = []
-        for s in stages:
-            ends = []
-            for shape in s.shapes:
-                key = (shape, s.budget)
-                if key not in cache:
-                    cache[key] = memory.max_end(shape, s.budget)
-                ends.append(cache[key])
-            self.mem_end.append(ends)
+        for row in keys:
+            self.mem_end.append(found[: len(row)])
+            found = found[len(row) :]
         self.probes = 0
         self._every = np.arange(self.L + 1, dtype=np.int64)
         self._bound = math.nan  # the bound _time_ends holds ends for (nan: none yet)

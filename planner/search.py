@@ -393,6 +393,7 @@ def _search(
     best: tuple[float, int, Plan, Candidate] | None = None
     visited = _Visited()
     outcomes = visited.outcomes
+    built: dict[tuple, Plan] = {}
 
     def beaten(bound: float) -> bool:
         return best is not None and bound > best[0] * (1 + 1e-12)
@@ -427,7 +428,11 @@ def _search(
             if beaten(bound):  # it cannot beat the best so far: no simulation
                 outcomes[k] = _Outcome("bound", bound)
                 continue
-            plan = _build_plan(problem, cand, specs, part, method)
+            # a per-stage split that chose what a single-mode candidate's did is that plan
+            same = (cand.microbatches, cand.schedule, tuple(part.bounds),
+                    tuple(_stage_modes(cand, part)), part.bottleneck, tuple(part.extra.items()))  # fmt: skip
+            plan = built.get(same) or _build_plan(problem, cand, specs, part, method)
+            built[same] = plan
             if not plan.fits and cand.per_device > 1:
                 plan = _interleaved_fallback(problem, cand, times, specs, part, solve, method)
             t = plan.predicted.iteration_ms

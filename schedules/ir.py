@@ -26,10 +26,11 @@ class Kind(str, Enum):
 
     @property
     def is_compute(self) -> bool:
-        return self in (Kind.F, Kind.B, Kind.I, Kind.W)
+        return self in _COMPUTE_KINDS
 
 
 COMPUTE = (Kind.F, Kind.B, Kind.I, Kind.W)
+_COMPUTE_KINDS = frozenset(COMPUTE)  # a set: tested once per action in hot loops
 _ACTION = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)(?:@(\d+))?$")
 
 

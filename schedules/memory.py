@@ -124,7 +124,7 @@ _STEPS: dict[tuple, list[_Step]] = {}
 
 def _once(cache: dict, build: Callable, schedule: Schedule, modes: Sequence[str]) -> Any:
     """build(schedule, modes), kept per schedule and recomputation (at most 256 kept)."""
-    key = schedule_key(schedule.compute_only(), tuple(modes))
+    key = schedule_key(schedule, tuple(modes))
     hit = cache.get(key)
     if hit is None:
         if len(cache) > 256:
@@ -288,7 +288,9 @@ class _Events:
         group = np.concatenate([change_group, snap_group])
         seq = np.concatenate([self.change_seq, self.snap_seq])
         sub = np.concatenate([np.zeros(n_change, np.int64), np.ones(len(self.snap_seq), np.int64)])
-        order = np.lexsort((sub, seq, group))
+        # by group, then position, changes before looks: one integer key (lexsort is slower)
+        span = 2 * (int(seq.max(initial=0)) + 1)
+        order = np.argsort((group.astype(np.int64) * span + 2 * seq) + sub)
         if columns is not None:
             delta = columns[self.change_state] * self.change_delta[:, None]
         else:

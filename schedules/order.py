@@ -21,6 +21,8 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+import numpy as np
+
 from .ir import Action, Schedule
 
 
@@ -72,16 +74,59 @@ def canonical_order(schedule: Schedule, recompute: str | Sequence[str] = "never"
 
 
 def schedule_key(schedule: Schedule, modes: tuple[str, ...]) -> tuple:
-    """What an issue order (and anything derived from it alone) depends on."""
-    return (
+    """What an issue order (and anything derived from it alone) depends on: the compute actions
+    and how they are placed and routed, hashed once per schedule object."""
+    return (_identity(schedule)[1], modes)
+
+
+class _Key:
+    """A large hashable value whose hash is computed once (a schedule's actions: hashing them on
+    every cache lookup cost more than the lookups saved)."""
+
+    __slots__ = ("value", "hash")
+
+    def __init__(self, value: tuple) -> None:
+        self.value = value
+        self.hash = hash(value)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (
+            isinstance(other, _Key) and self.hash == other.hash and self.value == other.value
+        )
+
+
+def _identity(schedule: Schedule) -> tuple[tuple, _Key, bool]:
+    """The schedule's compute content as a _Key (and whether that is all it holds), kept on
+    the schedule. A schedule is not meant to be edited once used; edits that change a rank's
+    length, the placement or the routes (what the tests do) are noticed and the key remade."""
+    guard = (
         schedule.name,
         schedule.num_stages,
         schedule.num_microbatches,
         tuple(schedule.placement),
-        tuple((r, tuple(acts)) for r, acts in sorted(schedule.ranks.items())),
-        modes,
         tuple(schedule.routes),
+        tuple((r, id(acts), len(acts)) for r, acts in schedule.ranks.items()),
     )
+    kept = getattr(schedule, "_identity", None)
+    if kept is None or kept[0] != guard:
+        ranks = tuple(
+            (r, tuple(a for a in acts if a.kind.is_compute))
+            for r, acts in sorted(schedule.ranks.items())
+        )
+        only = sum(len(a) for _, a in ranks) == sum(len(a) for a in schedule.ranks.values())
+        kept = (guard, _Key(guard[:5] + (ranks,)), only)
+        schedule._identity = kept  # type: ignore[attr-defined]
+    return kept
+
+
+def compute_only_key(schedule: Schedule) -> _Key | None:
+    """schedule_key(schedule, ()) for a schedule of compute actions only; None if it also
+    communicates (a key of its compute alone would then stand for two different schedules)."""
+    _, key, only = _identity(schedule)
+    return key if only else None
 
 
 def _canonical(schedule: Schedule, modes: tuple[str, ...]) -> tuple[Action, ...]:
@@ -105,15 +150,25 @@ UNIT = (1.0, 2.0, 1.0, 1.0)  # F, B, I, W: the costs the order is simulated with
 
 def _unit_cost_order(schedule: Schedule) -> list[Action]:
     from .simulate import Costs, simulate
+    from .waves import durations, run, waves_of
 
     f, b, i, w = UNIT
     S = schedule.num_stages
     sched = schedule.compute_only()
-    costs = Costs([f] * S, [b] * S, input_grad=[i] * S, weight_grad=[w] * S)
-    timeline = simulate(sched, costs, memory=False)
     # Every action here takes time, so each one starts after all it depends on has started:
     # issue_order's choice among the ready actions is then simply the order of (start, rank,
     # place in the program), and a sort gives it without walking the dependencies.
+    waves = waves_of(sched)
+    if waves is not None:  # the same simulation, a wave at a time
+        n = len(waves.actions)
+        idle = np.zeros((S, schedule.num_microbatches), dtype=bool)
+        dur = durations(waves, [f] * S, [b] * S, [i] * S, [w] * S, idle, [0.0] * (S - 1))
+        start = run(waves, dur)[0][:n]
+        rank = np.repeat(np.arange(len(waves.offsets) - 1), np.diff(waves.offsets))
+        pos = np.arange(n) - waves.offsets[rank]
+        return [waves.actions[k] for k in np.lexsort((pos, rank, start)).tolist()]
+    costs = Costs([f] * S, [b] * S, input_grad=[i] * S, weight_grad=[w] * S)
+    timeline = simulate(sched, costs, memory=False)
     keyed = [
         (st, r, p, a)
         for r, acts in sorted(sched.ranks.items())

@@ -17,8 +17,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .ir import Action, Kind, Schedule
 from .memory import StageBytes, peaks, recomputes, timed_levels
+from .waves import Waves, durations, run, waves_of
 
 
 @dataclass
@@ -123,8 +126,7 @@ def simulate(
 ) -> Timeline:
     """The timeline of `schedule` under `costs`; `memory=False` skips the memory replay, and
     `levels=False` keeps its peaks but not each device's level over time (for drawing)."""
-    S, M = schedule.num_stages, schedule.num_microbatches
-    place = schedule.placement
+    S, M, R = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
     fwd, bwd = list(costs.forward), list(costs.backward)
     if len(fwd) != S or len(bwd) != S:
         raise ValueError(
@@ -143,6 +145,65 @@ def simulate(
         raise ValueError(f"costs.recompute {modes}: one of never, always, except_last per stage")
     rec = [[recomputes(mode, m, M) for m in range(M)] for mode in modes]
 
+    w = waves_of(schedule)
+    if w is not None:
+        recomputed = np.array(rec, dtype=bool).reshape(S, M)
+        starts, ends, transfers, busy = _by_waves(
+            w, durations(w, fwd, bwd, i_cost, w_cost, recomputed, link)
+        )
+    else:
+        starts, ends, transfers, busy = _event_loop(schedule, fwd, bwd, i_cost, w_cost, rec, link)
+    makespan = max([max(e, default=0.0) for e in ends] + [tr[4] for tr in transfers] + [0.0])
+    memory_steps: list[list[tuple[float, int]]] = [[] for _ in range(R)]
+    peak = [0] * R
+    if memory:
+        sizes = list(costs.memory) if costs.memory is not None else [StageBytes()] * S
+        if len(sizes) != S:
+            raise ValueError(f"costs give memory for {len(sizes)} stages, the schedule has {S}")
+        peak = peaks(schedule, modes, sizes)
+        if levels:
+            when: dict[Action, tuple[float, float]] = {}
+            for r, acts in schedule.ranks.items():
+                for a, st, en in zip(acts, starts[r], ends[r]):
+                    when[a] = (st, en)
+            memory_steps = timed_levels(schedule, modes, sizes, when)
+    return Timeline(schedule, starts, ends, transfers, makespan, busy, peak, memory_steps)
+
+
+_Run = tuple[
+    list[list[float]], list[list[float]], list[tuple[int, int, int, float, float]], list[float]
+]
+
+
+def _by_waves(w: Waves, dur: np.ndarray) -> _Run:
+    """Starts, ends, transfers and busy time per rank, a wave at a time (waves.py)."""
+    start, end = run(w, dur)
+    n, off = len(w.actions), w.offsets
+    R = len(off) - 1
+    starts = [start[off[r] : off[r + 1]].tolist() for r in range(R)]
+    ends = [end[off[r] : off[r + 1]].tolist() for r in range(R)]
+    # busy: the running sum in program order, as the event loop adds it
+    busy = [float(np.cumsum(dur[off[r] : off[r + 1]])[-1]) if off[r + 1] > off[r] else 0.0
+            for r in range(R)]  # fmt: skip
+    transfers = list(
+        zip(w.tr_dir.tolist(), w.tr_cut.tolist(), w.tr_mb.tolist(), start[n:].tolist(),
+            end[n:].tolist())
+    )  # fmt: skip
+    return starts, ends, transfers, busy
+
+
+def _event_loop(
+    schedule: Schedule,
+    fwd: list[float],
+    bwd: list[float],
+    i_cost: list[float],
+    w_cost: list[float],
+    rec: list[list[bool]],
+    link: list[float],
+) -> _Run:
+    """The event-driven simulation, for any schedule (communication actions included)."""
+    S = schedule.num_stages
+    place = schedule.placement
     R = schedule.num_ranks
     # Actions as (code, stage, mb) tuples: enum comparisons in the hot loop cost more than the loop.
     code = {Kind.F: 0, Kind.B: 1, Kind.I: 2, Kind.W: 3, Kind.SEND_F: 4, Kind.SEND_B: 4,
@@ -261,18 +322,4 @@ def simulate(
 
         validate(schedule)  # raises with the grid
         raise AssertionError("simulation stalled on a schedule that validates")
-    makespan = max([max(e, default=0.0) for e in ends] + [tr[4] for tr in transfers] + [0.0])
-    memory_steps: list[list[tuple[float, int]]] = [[] for _ in range(R)]
-    peak = [0] * R
-    if memory:
-        sizes = list(costs.memory) if costs.memory is not None else [StageBytes()] * S
-        if len(sizes) != S:
-            raise ValueError(f"costs give memory for {len(sizes)} stages, the schedule has {S}")
-        peak = peaks(schedule, modes, sizes)
-        if levels:
-            when: dict[Action, tuple[float, float]] = {}
-            for r, acts in schedule.ranks.items():
-                for a, st, en in zip(acts, starts[r], ends[r]):
-                    when[a] = (st, en)
-            memory_steps = timed_levels(schedule, modes, sizes, when)
-    return Timeline(schedule, starts, ends, transfers, makespan, busy, peak, memory_steps)
+    return starts, ends, transfers, busy

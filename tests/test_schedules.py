@@ -163,6 +163,52 @@ def test_every_generated_schedule_is_valid_and_simulates_causally(sched, R, M, d
     assert all(m == 0 for steps in tl.memory for m in [steps[-1][1]])  # everything freed at the end
 
 
+@settings(max_examples=120, deadline=None)
+@given(st.sampled_from(SCHEDULES), st.integers(1, 6), st.integers(1, 13), st.data())
+def test_wave_simulation_equals_the_event_loop_to_the_bit(sched, R, M, data):
+    """The planner's simulation, a wave of nodes at a time (waves.py), against the event loop it
+    replaces on compute-only schedules: every start, end, busy time and transfer identical."""
+    import numpy as np
+
+    from schedules.memory import recomputes
+    from schedules.simulate import _by_waves, _event_loop
+    from schedules.waves import durations, waves_of
+
+    name, v = sched
+    if name == "interleaved-1f1b" and M > R and M % R:
+        return
+    s = build_schedule(name, R * v, M, stages_per_rank=v)
+    S = s.num_stages
+    t = st.floats(0, 10, allow_nan=False)
+    f, b, i, w = (data.draw(st.lists(t, min_size=S, max_size=S)) for _ in range(4))
+    link = data.draw(st.lists(t, min_size=S - 1, max_size=S - 1))
+    modes = data.draw(st.lists(st.sampled_from(["never", "always", "except_last"]), min_size=S,
+                               max_size=S))  # fmt: skip
+    rec = [[recomputes(mode, m, M) for m in range(M)] for mode in modes]
+    want = _event_loop(s, f, b, i, w, rec, link)
+    waves = waves_of(s)
+    assert waves is not None
+    got = _by_waves(waves, durations(waves, f, b, i, w, np.array(rec).reshape(S, M), link))
+    assert got[0] == want[0] and got[1] == want[1] and got[3] == want[3]
+    assert sorted(got[2]) == sorted(want[2])
+    if R > 1:  # communication actions: the event loop
+        assert waves_of(insert_comms(s)) is None
+
+
+def test_broken_schedules_leave_the_wave_path_for_the_event_loops_report():
+    from schedules.waves import waves_of
+
+    s = parse_schedule("0: 0F0 0B0 0F1 0B1\n1: 1F1 1F0 1B0 1B1", name="broken")  # deadlock
+    assert waves_of(s) is None
+    with pytest.raises(ScheduleError, match="deadlock"):
+        simulate(s, Costs.uniform(2))
+    s = build_schedule("gpipe", 3, 3)
+    s.ranks[1].remove(Action(1, Kind.B, 2))
+    assert waves_of(s) is None
+    with pytest.raises(ScheduleError, match=r"stage 1 never runs 1B2"):
+        simulate(s, Costs.uniform(3))
+
+
 def test_comms_pair_every_cross_rank_edge():
     s = insert_comms(build_schedule("1f1b", 4, 5))
     kinds = [a.kind for acts in s.ranks.values() for a in acts]
