@@ -75,12 +75,20 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--memory", default="1GiB")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--baseline", help="a checkout of an earlier commit: run it alternately, "
+                    "same profiles, and compare times and plans")  # fmt: skip
     args = ap.parse_args()
-    exe = str(Path(sys.executable).with_name("gpipe-plan"))
+    exe = [str(Path(sys.executable).with_name("gpipe-plan"))]
+    base = [sys.executable, str(Path(args.baseline) / "cli.py")] if args.baseline else None
     print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
           f"python {platform.python_version()}, batch {args.batch_size}, {args.memory} per device")  # fmt: skip
-    print("| layers | devices | whole process s | candidates | solved | pruned | plan |")
-    print("|---:|---:|---:|---:|---:|---:|---|")
+    if base:
+        print("| layers | devices | baseline s | now s | ratio | candidates | solved | pruned "
+              "| plan | same plan |")  # fmt: skip
+        print("|---:|---:|---:|---:|---:|---:|---:|---:|---|---|")
+    else:
+        print("| layers | devices | whole process s | candidates | solved | pruned | plan |")
+        print("|---:|---:|---:|---:|---:|---:|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for L in map(int, args.layers.split(",")):
             prof = Path(tmp) / f"p{L}.json"
@@ -88,25 +96,49 @@ def main() -> None:
             for K in map(int, args.devices.split(",")):
                 if K > L:
                     continue
-                out = Path(tmp) / "plan.json"
-                cmd = [exe, "plan", str(prof), "--devices", str(K), "--memory", args.memory,
-                       "--batch-size", str(args.batch_size), "-o", str(out)]  # fmt: skip
-                walls = []
-                for _ in range(args.repeats):
+
+                def run(prog: list[str], out: Path) -> tuple[float, int, str]:
+                    cmd = [*prog, "plan", str(prof), "--devices", str(K), "--memory", args.memory,
+                           "--batch-size", str(args.batch_size), "-o", str(out)]  # fmt: skip
                     t0 = time.perf_counter()
-                    done = subprocess.run(cmd, capture_output=True, text=True)
-                    walls.append(time.perf_counter() - t0)
-                if done.returncode == 1:  # no split fits: the search ran to the end
-                    print(f"| {L} | {K} | {statistics.median(walls):.2f} | - | - | - | "
-                          "no split fits |", flush=True)  # fmt: skip
+                    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
+                    wall = time.perf_counter() - t0
+                    if done.returncode not in (0, 1):
+                        raise SystemExit(done.stderr)
+                    return wall, done.returncode, done.stderr
+
+                now, then = [], []
+                for _ in range(args.repeats):  # alternated: the machine's drift hits both
+                    if base:
+                        then.append(run(base, Path(tmp) / "base.json")[0])
+                    wall, rc, _ = run(exe, Path(tmp) / "plan.json")
+                    now.append(wall)
+                if rc == 1:  # no split fits: the search ran to the end
+                    print(f"| {L} | {K} | {statistics.median(now):.2f} | no split fits |")
                     continue
-                if done.returncode != 0:
-                    raise SystemExit(done.stderr)
-                plan = json.loads(out.read_text())
+                plan = json.loads((Path(tmp) / "plan.json").read_text())
                 s = plan["solver"]
                 what = f"M={plan['microbatches']} {plan['schedule']} {plan['recompute']}"
-                print(f"| {L} | {K} | {statistics.median(walls):.2f} | {s['candidates']} | "
-                      f"{s['solved']} | {s['pruned']} | {what} |", flush=True)  # fmt: skip
+                counts = f"{s['candidates']} | {s['solved']} | {s['pruned']}"
+                if base:
+                    old = json.loads((Path(tmp) / "base.json").read_text())
+                    same = all(_timed(old)[k] == _timed(plan)[k] for k in _timed(plan))
+                    a, b = statistics.median(then), statistics.median(now)
+                    print(f"| {L} | {K} | {a:.2f} | {b:.2f} | {a / b:.1f}x | {counts} | {what} | "
+                          f"{'yes' if same else 'NO'} |", flush=True)  # fmt: skip
+                else:
+                    print(f"| {L} | {K} | {statistics.median(now):.2f} | {counts} | {what} |",
+                          flush=True)  # fmt: skip
+
+
+def _timed(plan: dict) -> dict:
+    """What makes two plans the same: the split and what it runs, predicted time and memory."""
+    return {
+        "stages": [(st["layers"], st["recompute"]) for st in plan["stages"]],
+        "choice": (plan["microbatches"], plan["schedule"], plan["recompute"]),
+        "ms": plan["predicted"]["iteration_ms"],
+        "peaks": plan["predicted"]["peak_memory"],
+    }
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ def prior_bound(
     load = microbatches * W / float(sum(speeds))
     busy = work > 0
     rho = min(1.0, float((counted[busy] / work[busy]).min()))
-    if rho <= 0:
+    if rho <= 1e-9:  # (a vanishing fill term; subnormal rho once rounded it above the truth)
         return load
     # 1 - (1 - rho / M)^S, accurate also where rho / M is tiny
     x = rho / microbatches

@@ -41,7 +41,7 @@ from profiler.limits import (
     whole,
 )
 from profiler.types import PER_SIZE, Profile
-from schedules import SCHEDULE_NAMES, Costs, Schedule, Timeline, build_schedule, simulate
+from schedules import SCHEDULE_NAMES, Costs, Kind, Schedule, Timeline, build_schedule, simulate
 from schedules.memory import StageBytes, occupancy
 
 from .bounds import least_bottleneck, prior_bound
@@ -804,34 +804,39 @@ def _lower_bound(
     problem: _Problem, cand: Candidate, specs: list[StageSpec], part: Partition
 ) -> float:
     """No schedule beats the busiest device's or link's load, nor one micro-batch's trip there
-    and back (every stage's forward and backward, and every transfer twice). With one stage
-    per device, stage s also waits before its first action for micro-batch 0's forward through
-    the stages before it, and after its last backward that micro-batch's backward runs back
-    through them (zero bubble: no tail, its last action may be a W that nothing follows)."""
+    and back (every stage's forward and backward, and every transfer twice). And each device's
+    load is framed: its first action, an F of micro-batch m on its first stage s, waits for m's
+    forward through the stages before s (on other devices, or they would come first); after
+    its last action, a B or I of micro-batch m on stage s, m's backward runs back through the
+    stages before s (a W or F: nothing follows). Interleaved devices included."""
     chain, memory = problem.chain(cand)
     K, M = problem.cluster.size, cand.microbatches
     received = _received(memory, part)
     busy = [0.0] * K
     trip = 0.0
     link = 0.0
-    head = 0.0  # the forward of one micro-batch to stage s, transfers included
-    tail = 0.0  # its backward from stage s back to the first
-    framed = 0.0
     S = len(specs)
+    # before[kind][s]: one micro-batch's forward (F), backward (B) or I from stage s back to
+    # the first, transfers included
+    before = {Kind.F: [0.0] * S, Kind.B: [0.0] * S, Kind.I: [0.0] * S}
     modes = _stage_modes(cand, part)
     for s, (i, j) in enumerate(part.stages):
         t = _stage_times(chain, cand, modes[s], i, j, specs[s].speed)
         busy[s % K] += M * t["work_ms"]
         trip += t["trip_ms"]
-        if cand.per_device == 1:
-            framed = max(framed, head + M * t["work_ms"] + tail)
         if s < S - 1:  # what the next stage receives, as the plan times it
             c = _link_ms(problem.cluster, s % K, (s + 1) % K, float(received[s + 1]))
             trip += 2 * c
             link = max(link, M * c)
-            head += t["forward_ms"] + c
-            if cand.schedule != "zb-h1":
-                tail += t["backward_ms"] + c
+            for kind, ms in ((Kind.F, "forward_ms"), (Kind.B, "backward_ms"),
+                             (Kind.I, "input_grad_ms")):  # fmt: skip
+                before[kind][s + 1] = before[kind][s] + t[ms] + c
+    framed = 0.0
+    program = plan_schedule(cand.schedule, K, M).ranks
+    for d in range(K):
+        first, last = program[d][0], program[d][-1]
+        tail = before[last.kind][last.stage] if last.kind in (Kind.B, Kind.I) else 0.0
+        framed = max(framed, before[Kind.F][first.stage] + busy[d] + tail)
     return max(max(busy), trip, link, framed)
 
 

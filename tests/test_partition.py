@@ -410,6 +410,11 @@ def test_max_end_is_the_last_end_that_fits(problem):
                 j for j in range(i + 1, L + 1) if memory.total(i, j, spec.shape)[0] <= spec.budget
             ]
             assert got[i] == (max(fits) if fits else i)
+    # many shapes and budgets at once (bracketed by two envelope shapes): the same ends
+    keys = [(sp.shape, b) for sp in specs for b in (sp.budget, sp.budget // 2 + 1, 2 * sp.budget)]
+    together = MemoryModel(chain).max_ends(keys)
+    for (shape, budget), got in zip(keys, together):
+        assert np.array_equal(got, MemoryModel(chain).max_end(shape, budget))
 
 
 def brute_force_options(table, chain, specs, cuts=None) -> float:
