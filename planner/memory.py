@@ -304,10 +304,13 @@ class MemoryModel:
         """max_end of every (shape, budget), those not kept yet searched together: one pass
         of state bytes per bisection step serves them all (a split of 64 stages has 64)."""
         todo = list(dict.fromkeys(k for k in wanted if k not in self._ends))
-        if todo:
-            if len(self._ends) + len(todo) > 4096:
-                self._ends.clear()
-            for key, ends in zip(todo, self._max_ends(todo)):
+        if len(self._ends) + len(todo) > 4096:
+            self._ends.clear()
+        # in batches of about 2^16 entries: larger arrays only spill out of the caches
+        per = max(1, (1 << 16) // max(self.chain.num_layers, 1))
+        for at in range(0, len(todo), per):
+            batch = todo[at : at + per]
+            for key, ends in zip(batch, self._max_ends(batch)):
                 ends.setflags(write=False)
                 self._ends[key] = ends
         return [self._ends[k] for k in wanted]
