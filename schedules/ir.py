@@ -56,20 +56,36 @@ class Action:
         return cls(int(m.group(1)), Kind(m.group(2)), int(m.group(3)), peer)
 
 
+_MADE: dict[tuple[int, Kind, int], Action] = {}
+
+
+def _compute(stage: int, kind: Kind, mb: int) -> Action:
+    """One shared object per compute action: generators make tens of thousands per schedule,
+    and a frozen dataclass costs far more to make than to look up (equal ones are also
+    identical then, which makes comparing schedules cheap)."""
+    key = (stage, kind, mb)
+    a = _MADE.get(key)
+    if a is None:
+        if len(_MADE) >= 1 << 20:
+            _MADE.clear()
+        a = _MADE[key] = Action(stage, kind, mb)
+    return a
+
+
 def F(stage: int, mb: int) -> Action:
-    return Action(stage, Kind.F, mb)
+    return _compute(stage, Kind.F, mb)
 
 
 def B(stage: int, mb: int) -> Action:
-    return Action(stage, Kind.B, mb)
+    return _compute(stage, Kind.B, mb)
 
 
 def I(stage: int, mb: int) -> Action:  # noqa: E743
-    return Action(stage, Kind.I, mb)
+    return _compute(stage, Kind.I, mb)
 
 
 def W(stage: int, mb: int) -> Action:
-    return Action(stage, Kind.W, mb)
+    return _compute(stage, Kind.W, mb)
 
 
 @dataclass

@@ -201,7 +201,7 @@ def occupancy(schedule: Schedule, recompute: str | Sequence[str]) -> list[Occupa
     S = schedule.num_stages
     modes = [recompute] * S if isinstance(recompute, str) else list(recompute)
     ev = _events(schedule, modes)
-    counts = ev.counts(ev.change_stage, ev.snap_stage, np.eye(len(STATES), dtype=np.int64))
+    counts = ev.counts(ev.change_stage, ev.snap_stage)
     flags = np.zeros((len(ev.snap_stage), len(TRANSIENTS)), dtype=np.int64)
     running = ev.snap_running >= 0
     flags[np.nonzero(running)[0], ev.snap_running[running] - LIVE] = 1
@@ -240,7 +240,7 @@ def peaks(
     ).reshape(S, -1)
     # Device levels: each change weighs its state's bytes on its stage; one column per device.
     weights = per_state[ev.change_stage, ev.change_state] * ev.change_delta
-    level = ev.counts(place[ev.change_stage], place[ev.snap_stage], None, weights)[:, 0]
+    level = ev.counts(place[ev.change_stage], place[ev.snap_stage], weights)[:, 0]
     on = ev.snap_running >= 0
     extra = np.zeros(len(level), dtype=np.int64)
     extra[on] = trans[ev.snap_stage[on], ev.snap_running[on] - LIVE]
@@ -276,36 +276,36 @@ class _Events:
     snap_running: np.ndarray  # the transient running there, -1 for none
 
     def counts(
-        self,
-        change_group: np.ndarray,
-        snap_group: np.ndarray,
-        columns: np.ndarray | None,
-        weights: np.ndarray | None = None,
+        self, change_group: np.ndarray, snap_group: np.ndarray, weights: np.ndarray | None = None
     ) -> np.ndarray:
         """At every look: per group (stage or device), the running sum of its changes so far,
-        one column per state (`columns`: the one-hot of each state) or one of `weights`."""
+        one column per state, or one of `weights` (one per change)."""
         n_change = len(self.change_seq)
-        group = np.concatenate([change_group, snap_group])
+        group = np.concatenate([change_group, snap_group]).astype(np.int64)
         seq = np.concatenate([self.change_seq, self.snap_seq])
-        sub = np.concatenate([np.zeros(n_change, np.int64), np.ones(len(self.snap_seq), np.int64)])
+        N = len(group)
         # by group, then position, changes before looks: one integer key (lexsort is slower)
         span = 2 * (int(seq.max(initial=0)) + 1)
-        order = np.argsort((group.astype(np.int64) * span + 2 * seq) + sub)
-        if columns is not None:
-            delta = columns[self.change_state] * self.change_delta[:, None]
+        key = group * span + 2 * seq
+        key[n_change:] += 1
+        order = np.argsort(key)
+        # one row per column, one entry per event (rows contiguous: cumsum runs along them)
+        if weights is None:
+            rows = np.zeros((len(STATES), N), dtype=np.int64)
+            rows[self.change_state, np.arange(n_change)] = self.change_delta
         else:
-            assert weights is not None
-            delta = weights[:, None]
-        rows = np.zeros((len(group), delta.shape[1]), dtype=np.int64)
-        rows[:n_change] = delta
-        run = np.cumsum(rows[order], axis=0)
+            rows = np.zeros((1, N), dtype=np.int64)
+            rows[0, :n_change] = weights
+        run = np.cumsum(rows[:, order], axis=1)
         g = group[order]
-        first = np.searchsorted(g, g)  # each group's running sum starts from zero
-        base = np.where((first > 0)[:, None], run[np.maximum(first - 1, 0)], 0)
-        run = run - base
-        at = np.empty(len(group), dtype=np.int64)
-        at[order] = np.arange(len(group))
-        return run[at[n_change:]]
+        # each group's running sum starts from zero: take off what the groups before it added
+        starts = np.flatnonzero(np.concatenate([[N > 0], g[1:] != g[:-1]]))
+        before = np.zeros((len(rows), len(starts)), dtype=np.int64)
+        before[:, 1:] = run[:, starts[1:] - 1]
+        run -= np.repeat(before, np.diff(np.append(starts, N)), axis=1)
+        at = np.empty(N, dtype=np.int64)
+        at[order] = np.arange(N)
+        return run[:, at[n_change:]].T
 
 
 _EVENTS: dict[tuple, _Events] = {}
