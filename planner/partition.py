@@ -154,6 +154,7 @@ class _Prober:
             self.mem_end.append(found[: len(row)])
             found = found[len(row) :]
         self.probes = 0
+        self.memory_cut = False  # whether memory lowered some stage's end in the last probe
         self._every = np.arange(self.L + 1, dtype=np.int64)
         self._bound = math.nan  # the bound _time_ends holds ends for (nan: none yet)
         self._time_ends: dict[tuple[int, float], np.ndarray] = {}
@@ -178,7 +179,10 @@ class _Prober:
             if key not in self._time_ends:
                 self._time_ends[key] = self._time_end(P, self.speeds[s], every, bound)
             j = self._time_ends[key][starts]
-            best = np.maximum(best, np.minimum(j, mem_end[starts]))
+            room = mem_end[starts]
+            if not self.memory_cut and (room < j).any():
+                self.memory_cut = True
+            best = np.maximum(best, np.minimum(j, room))
         if s > 0 and self.cuts is not None and self.cuts.ndim == 3:
             if s not in self._link_ends:  # the last end each start's link allows
                 cap = min(bound, self.max_cut)
@@ -208,6 +212,7 @@ class _Prober:
     def probe(self, bound: float) -> list[int] | None:
         """A split with every stage cost <= bound and every stage fitting, or None."""
         self.probes += 1
+        self.memory_cut = False
         L, K = self.L, self.K
         reach = np.zeros(L + 1, dtype=bool)
         reach[0] = True
@@ -300,6 +305,9 @@ def solve_partition(
     # Prove it: no split is feasible strictly below the best bottleneck found.
     while (found := prober.probe(below := float(np.nextafter(hi, -math.inf)))) is not None:
         bounds, hi = found, prober.bottleneck(found, below)
+    # Where memory lowered no stage's end in that proof, time alone rules out anything faster:
+    # the bottleneck is what unlimited memory would give (`memory_free`).
     return Partition(
-        bounds=bounds, bottleneck=hi, probes=prober.probes, choices=prober.costs(bounds)[1]
-    )
+        bounds=bounds, bottleneck=hi, probes=prober.probes, choices=prober.costs(bounds)[1],
+        extra={"memory_free": 0.0 if prober.memory_cut else 1.0},
+    )  # fmt: skip

@@ -394,6 +394,7 @@ def _search(
     visited = _Visited()
     outcomes = visited.outcomes
     built: dict[tuple, Plan] = {}
+    settled: dict[tuple[int, str], tuple[_Outcome, Plan | None]] = {}  # see PER_STAGE below
 
     def beaten(bound: float) -> bool:
         return best is not None and bound > best[0] * (1 + 1e-12)
@@ -412,6 +413,18 @@ def _search(
                     outcomes.update((q, _Outcome("unsearched", prior[q])) for q in order[n:])
                     break
             tick()
+            pair = (cand.microbatches, cand.schedule)
+            if cand.recompute == PER_STAGE and pair in settled:
+                # Its never twin's solve proved that memory does not bind (partition.py,
+                # `memory_free`): recomputation only adds time, so no per-stage choice beats
+                # that split with every stage choosing never, which is this candidate's answer.
+                visited.solved += 1
+                outcomes[k], twin = settled[pair]
+                if twin is not None and (
+                    best is None or _better(twin.predicted.iteration_ms, k, best[0], best[1])
+                ):
+                    best = (twin.predicted.iteration_ms, k, twin, cand)
+                continue
             chain, memory = problem.chain(cand)
             # Interleaved: each stage may first use its whole device (a relaxation: a device
             # holds at least either of its stages); the plan then checks each device's stages
@@ -424,9 +437,13 @@ def _search(
             if part is None:
                 outcomes[k] = _Outcome("nofit", math.inf)
                 continue
+            free = cand.recompute == "never" and cand.per_device == 1
+            free = free and part.extra.get("memory_free") == 1.0
             bound = _lower_bound(problem, cand, specs, part)
             if beaten(bound):  # it cannot beat the best so far: no simulation
                 outcomes[k] = _Outcome("bound", bound)
+                if free:
+                    settled[pair] = (outcomes[k], None)
                 continue
             # a per-stage split that chose what a single-mode candidate's did is that plan
             same = (cand.microbatches, cand.schedule, tuple(part.bounds),
@@ -441,6 +458,8 @@ def _search(
                 outcomes[k] = _Outcome("over", t, peak, _over_budget(plan))
                 continue
             outcomes[k] = _Outcome("plan", t, peak, recompute=plan.recompute)
+            if free:
+                settled[pair] = (outcomes[k], plan)
             if best is None or _better(t, k, best[0], best[1]):
                 best = (t, k, plan, cand)
     if best is None:

@@ -396,6 +396,31 @@ def test_cpsat_matches_brute_force(problem):
         assert part.extra["lower_bound_ms"] == expected
 
 
+@settings(max_examples=80, deadline=None)
+@given(problems(), st.data())
+def test_memory_free_means_more_memory_or_more_options_cannot_beat_it(problem, data):
+    """`memory_free`: memory lowered no end in the proof, so neither unlimited budgets nor
+    further options that cost at least as much per layer (per-stage recomputation: any memory
+    shapes) find a smaller bottleneck."""
+    import dataclasses
+
+    chain, specs, cuts = problem
+    times = chain.forward + chain.backward
+    memory = MemoryModel(chain)
+    part = solve_partition(times, memory, specs, cuts)
+    if part is None:
+        return
+    free = [dataclasses.replace(sp, budget=10**15) for sp in specs]
+    unlimited = solve_partition(times, memory, free, cuts)
+    extra = data.draw(st.lists(st.floats(0, 3), min_size=len(times), max_size=len(times)))
+    more = [dataclasses.replace(sp, more=(sp.shape, free[0].shape)) for sp in specs]
+    table = np.stack([times, times + np.array(extra), times * 2])
+    options = solve_partition(table, memory, more, cuts)
+    if part.extra["memory_free"] == 1.0:
+        assert unlimited.bottleneck == part.bottleneck
+        assert options is not None and options.bottleneck == part.bottleneck
+
+
 @settings(max_examples=60, deadline=None)
 @given(problems())
 def test_max_end_is_the_last_end_that_fits(problem):
