@@ -166,7 +166,7 @@ def _build(schedule: Schedule) -> Waves | None:
     same = link[by_link][1:] == link[by_link][:-1]
     before[by_link[1:][same]] = n + by_link[:-1][same]
     pred[n:N, 1] = before
-    waves = _kahn(pred, sentinel)
+    waves = _kahn(pred, sentinel, R)
     if waves is None:
         return None
     return Waves(
@@ -176,8 +176,12 @@ def _build(schedule: Schedule) -> Waves | None:
     )  # fmt: skip
 
 
-def _kahn(pred: np.ndarray, sentinel: int) -> list[np.ndarray] | None:
-    """The nodes wave by wave (Kahn's algorithm, a whole frontier at a time); None on a cycle."""
+def _kahn(pred: np.ndarray, sentinel: int, ranks: int) -> list[np.ndarray] | None:
+    """The nodes wave by wave (Kahn's algorithm, a whole frontier at a time), each wave in node
+    order; None on a cycle. A wave holds about one node per rank: with few ranks, numpy's cost
+    per call outweighs its speed per node, and plain Python does better."""
+    if ranks <= 24:
+        return _kahn_python(pred, sentinel)
     N = len(pred)
     dst = np.repeat(np.arange(N), 3)
     src = pred.reshape(-1)
@@ -208,6 +212,36 @@ def _kahn(pred: np.ndarray, sentinel: int) -> list[np.ndarray] | None:
         indeg[nxt] -= np.diff(np.append(np.flatnonzero(head), len(x)))
         frontier = nxt[indeg[nxt] == 0]
     return waves if done == N else None
+
+
+def _kahn_python(pred: np.ndarray, sentinel: int) -> list[np.ndarray] | None:
+    N = len(pred)
+    indeg = [0] * N
+    succ: list[list[int]] = [[] for _ in range(N)]
+    for n, ps in enumerate(pred.tolist()):
+        for q in ps:
+            if q != sentinel:
+                succ[q].append(n)
+                indeg[n] += 1
+    level = [0] * N
+    frontier = [n for n in range(N) if indeg[n] == 0]
+    done = 0
+    while frontier:
+        done += len(frontier)
+        nxt = []
+        for q in frontier:
+            up = level[q] + 1
+            for n in succ[q]:
+                indeg[n] -= 1
+                if indeg[n] == 0:
+                    level[n] = up
+                    nxt.append(n)
+        frontier = nxt
+    if done < N:
+        return None
+    depth = np.array(level, dtype=np.int64)
+    order = np.argsort(depth, kind="stable")
+    return np.split(order, np.flatnonzero(np.diff(depth[order])) + 1)
 
 
 def durations(

@@ -195,6 +195,32 @@ def test_wave_simulation_equals_the_event_loop_to_the_bit(sched, R, M, data):
         assert waves_of(insert_comms(s)) is None
 
 
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+def test_wide_schedules_take_numpys_waves_and_still_equal_the_event_loop(name):
+    """Past 24 ranks the waves come from numpy's frontier loop instead of Python's: the same
+    waves, and the same simulation to the bit."""
+    import numpy as np
+
+    from schedules.simulate import _by_waves, _event_loop
+    from schedules.waves import _kahn, durations, waves_of
+
+    s = build_schedule(name, 64 if name == "interleaved-1f1b" else 32, 8)
+    waves = waves_of(s)
+    assert s.num_ranks > 24 and waves is not None
+    by_numpy = _kahn(waves.pred, waves.nodes, s.num_ranks)
+    by_python = _kahn(waves.pred, waves.nodes, 1)
+    assert len(by_numpy) == len(by_python)
+    assert all(np.array_equal(a, b) for a, b in zip(by_numpy, by_python))
+    S, M = s.num_stages, s.num_microbatches
+    f = [0.5 + (k % 3) for k in range(S)]
+    b = [1.25 * x for x in f]
+    link = [0.1 * (k % 2) for k in range(S - 1)]
+    rec = [[m % 2 == 0 for m in range(M)] for _ in range(S)]
+    want = _event_loop(s, f, b, f, b, rec, link)
+    got = _by_waves(waves, durations(waves, f, b, f, b, np.array(rec), link))
+    assert got[0] == want[0] and got[1] == want[1] and got[3] == want[3]
+
+
 def test_broken_schedules_leave_the_wave_path_for_the_event_loops_report():
     from schedules.waves import waves_of
 
