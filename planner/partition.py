@@ -295,7 +295,18 @@ def solve_partition(
     # A bound on compute alone (each layer at its cheapest option), at most the optimum.
     lo = max(float(np.max(prober.least)) / max(prober.speeds), total / sum(prober.speeds))
     lo = min(lo, hi) * (1 - 1e-12)
+    tried, proven = math.nan, False  # the best bottleneck a proof was last tried at
     while hi - lo > 1e-9 * hi:
+        if hi - lo <= 1e-4 * hi and tried != hi:
+            # Narrow enough that the split in hand is likely optimal: try to prove it now (one
+            # probe just below) rather than bisect on to 1e-9.
+            tried = hi
+            found = prober.probe(below := float(np.nextafter(hi, -math.inf)))
+            if found is None:
+                proven = True
+                break
+            bounds, hi = found, prober.bottleneck(found, below)
+            continue
         mid = (lo + hi) / 2
         found = prober.probe(mid)
         if found is None:
@@ -303,11 +314,19 @@ def solve_partition(
         else:
             bounds, hi = found, prober.bottleneck(found, mid)
     # Prove it: no split is feasible strictly below the best bottleneck found.
-    while (found := prober.probe(below := float(np.nextafter(hi, -math.inf)))) is not None:
+    while not proven:
+        found = prober.probe(below := float(np.nextafter(hi, -math.inf)))
+        if found is None:
+            break
         bounds, hi = found, prober.bottleneck(found, below)
     # Where memory lowered no stage's end in that proof, time alone rules out anything faster:
     # the bottleneck is what unlimited memory would give (`memory_free`).
+    memory_free = 0.0 if prober.memory_cut else 1.0
+    # The split returned: the probe's at the optimum itself, whichever way the bisection went.
+    canonical = prober.probe(hi)
+    assert canonical is not None, f"no split within {hi}, which {bounds} meets"
+    bounds = canonical
     return Partition(
-        bounds=bounds, bottleneck=hi, probes=prober.probes, choices=prober.costs(bounds)[1],
-        extra={"memory_free": 0.0 if prober.memory_cut else 1.0},
+        bounds=bounds, bottleneck=prober.bottleneck(bounds, hi), probes=prober.probes,
+        choices=prober.costs(bounds)[1], extra={"memory_free": memory_free},
     )  # fmt: skip
