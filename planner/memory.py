@@ -300,20 +300,27 @@ class MemoryModel:
         every single mode's)."""
         return self.max_ends([(shape, budget)])[0]
 
-    def max_ends(self, wanted: list[tuple[StageShape, int]]) -> list[np.ndarray]:
+    def max_ends(
+        self, wanted: list[tuple[StageShape, int]], cap: np.ndarray | None = None
+    ) -> list[np.ndarray]:
         """max_end of every (shape, budget), those not kept yet searched together: one pass
-        of state bytes per bisection step serves them all (a split of 64 stages has 64)."""
-        todo = list(dict.fromkeys(k for k in wanted if k not in self._ends))
-        if len(self._ends) + len(todo) > 4096:
-            self._ends.clear()
+        of state bytes per bisection step serves them all (a split of 64 stages has 64).
+        `cap`: per start, the last end the caller will ask about; each end is then
+        min(max_end, cap), found in fewer steps (one, where the cap fits), and not kept."""
+        n = self.chain.num_layers
+        ends = self._ends if cap is None else {}
+        todo = list(dict.fromkeys(k for k in wanted if k not in ends))
+        if len(ends) + len(todo) > 4096:
+            ends.clear()
+        top = np.full(n, n, dtype=np.int64) if cap is None else np.asarray(cap, dtype=np.int64)
         # in batches of about 2^16 entries: larger arrays only spill out of the caches
-        per = max(1, (1 << 16) // max(self.chain.num_layers, 1))
+        per = max(1, (1 << 16) // max(n, 1))
         for at in range(0, len(todo), per):
             batch = todo[at : at + per]
-            for key, ends in zip(batch, self._max_ends(batch)):
-                ends.setflags(write=False)
-                self._ends[key] = ends
-        return [self._ends[k] for k in wanted]
+            for key, found in zip(batch, self._max_ends(batch, top)):
+                found.setflags(write=False)
+                ends[key] = found
+        return [ends[k] for k in wanted]
 
     def params(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """The parameter bytes of stages [i, j): a parameter several of its layers use, once."""
@@ -322,14 +329,14 @@ class MemoryModel:
             p = p - nbytes * np.maximum(before[j] - before[i] - 1, 0)
         return p
 
-    def _max_ends(self, keys: list[tuple[StageShape, int]]) -> list[np.ndarray]:
+    def _max_ends(self, keys: list[tuple[StageShape, int]], cap: np.ndarray) -> list[np.ndarray]:
         n, G = self.chain.num_layers, len(keys)
         shapes = [shape for shape, _ in keys]
         budget = np.repeat(np.array([b for _, b in keys], dtype=np.int64), n)
         i = np.tile(np.arange(n, dtype=np.int64), G)
-        # total(i, lo) fits (or lo = i); hi does not. The weights, gradients and optimizer slots
-        # alone bound the end from above (prefix sums; with tied parameters counted once they
-        # do not); a start whose whole rest fits is done.
+        # total(i, lo) fits (or lo = i); hi does not, or lies past the cap. The weights,
+        # gradients and optimizer slots alone bound the end from above (prefix sums; with tied
+        # parameters counted once they do not); a start whose end at the cap fits is done.
         caps = []
         for shape, b in keys:
             weights = (2 + shape.optimizer_slots) * self._params + self._buffers
@@ -342,8 +349,10 @@ class MemoryModel:
         hi = np.minimum(np.maximum(np.concatenate(caps), i + 1), n + 1)
         lo = i.copy()
         cut = np.arange(G + 1) * n
-        whole = self._totals(i, np.full(len(i), n, dtype=np.int64), shapes, cut) <= budget
-        lo[whole], hi[whole] = n, n + 1
+        top = np.tile(np.clip(cap, np.arange(n) + 1, n), G)
+        whole = self._totals(i, top, shapes, cut) <= budget
+        lo = np.where(whole, top, lo)
+        hi = np.where(whole, top + 1, np.minimum(hi, top))
         group = np.repeat(np.arange(G), n)
         while True:
             idx = np.nonzero(hi - lo > 1)[0]  # in group order, as _totals wants them

@@ -136,7 +136,11 @@ class _Prober:
         memory: MemoryModel,
         stages: list[StageSpec],
         cuts: Sequence[np.ndarray] | None = None,
+        cap_bound: float = math.inf,
     ) -> None:
+        """`cap_bound`: the largest bound the caller expects to probe. Memory tables are then
+        searched only as far as any stage could reach under it (the cheapest option at the
+        fastest speed), and searched in full the first time a probe reaches past that."""
         table = option_times(times, stages)
         self.L, self.K = table.shape[1], len(stages)
         self.cuts = cut_table(cuts, self.L, self.K)
@@ -147,15 +151,15 @@ class _Prober:
         self.prefixes = np.concatenate([zero, np.cumsum(table, axis=1)], axis=1)
         self.least = table.min(axis=0)  # per layer, its cheapest option (for lower bounds)
         self.speeds = [s.speed for s in stages]
-        keys = [[(shape, s.budget) for shape in s.shapes] for s in stages]
-        found = memory.max_ends([k for row in keys for k in row])
-        self.mem_end: list[list[np.ndarray]] = []
-        for row in keys:
-            self.mem_end.append(found[: len(row)])
-            found = found[len(row) :]
         self.probes = 0
         self.memory_cut = False  # whether memory lowered some stage's end in the last probe
         self._every = np.arange(self.L + 1, dtype=np.int64)
+        self._memory, self._keys = memory, [[(sh, s.budget) for sh in s.shapes] for s in stages]
+        self._cap: np.ndarray | None = None  # per start: the last end the tables are exact to
+        if math.isfinite(cap_bound):
+            least = np.concatenate([[0.0], np.cumsum(self.least)])
+            self._cap = self._time_end(least, max(self.speeds), self._every, cap_bound)[: self.L]
+        self._load_tables()
         self._bound = math.nan  # the bound _time_ends holds ends for (nan: none yet)
         self._time_ends: dict[tuple[int, float], np.ndarray] = {}
         self._link_ends: dict[int, np.ndarray] = {}
@@ -164,6 +168,19 @@ class _Prober:
         if self.cuts is not None and self.cuts.ndim == 3:
             later = np.triu(np.ones((self.L + 1, self.L + 1), dtype=bool), 1)
             self.cuts = np.where(later, self.cuts, 0.0)
+
+    def _load_tables(self) -> None:
+        found = self._memory.max_ends([k for row in self._keys for k in row], cap=self._cap)
+        self.mem_end: list[list[np.ndarray]] = []
+        for row in self._keys:
+            self.mem_end.append(found[: len(row)])
+            found = found[len(row) :]
+
+    def _exact_to(self, starts: np.ndarray, j: np.ndarray) -> None:
+        """Make the memory tables exact up to end j from each start (searching them in full)."""
+        if self._cap is not None and (j > self._cap[np.minimum(starts, self.L - 1)]).any():
+            self._cap = None
+            self._load_tables()
 
     def ends(self, s: int, starts: np.ndarray, bound: float) -> np.ndarray:
         """Largest j per start with cost(s, i, j) <= bound and stage s's memory fitting, under
@@ -174,12 +191,13 @@ class _Prober:
             self._bound, self._time_ends, self._link_ends = bound, {}, {}
         best = starts.copy()
         every = self._every
-        for x, (P, mem_end) in enumerate(zip(self.prefixes, self.mem_end[s])):
+        for x, P in enumerate(self.prefixes):
             key = (x, self.speeds[s])
             if key not in self._time_ends:
                 self._time_ends[key] = self._time_end(P, self.speeds[s], every, bound)
             j = self._time_ends[key][starts]
-            room = mem_end[starts]
+            self._exact_to(starts, j)
+            room = self.mem_end[s][x][starts]
             if not self.memory_cut and (room < j).any():
                 self.memory_cut = True
             best = np.maximum(best, np.minimum(j, room))
@@ -248,6 +266,7 @@ class _Prober:
         costs, choices = [], []
         for s, (i, j) in enumerate(zip(bounds[:-1], bounds[1:])):
             sp = self.speeds[s]
+            self._exact_to(np.array([i]), np.array([j]))
             best, pick = math.inf, 0
             for x, (P, mem_end) in enumerate(zip(self.prefixes, self.mem_end[s])):
                 if mem_end[i] >= j and float(P[j] - P[i]) / sp < best:
@@ -286,14 +305,20 @@ def solve_partition(
     L, K = np.atleast_2d(times).shape[1], len(stages)
     if not 1 <= K <= L:
         raise ValueError(f"cannot split {L} layers into {K} non-empty stages")
-    prober = _Prober(times, memory, stages, cuts)
-    bounds = prober.probe(math.inf)
+    least = option_times(times, stages).min(axis=0)
+    speeds = [s.speed for s in stages]
+    # A bound on compute alone (each layer at its cheapest option), at most the optimum.
+    lo = max(float(np.max(least)) / max(speeds), float(least.sum()) / sum(speeds))
+    # First a bound that usually admits a split on equal devices (each stage filled past half
+    # of it): then no probe reaches past it, and memory is searched only that far.
+    first = 2 * lo if lo > 0 else math.inf
+    prober = _Prober(times, memory, stages, cuts, cap_bound=first)
+    bounds = prober.probe(first) if math.isfinite(first) else None
+    if bounds is None:
+        bounds = prober.probe(math.inf)
     if bounds is None:
         return None
     hi = prober.bottleneck(bounds)
-    total = float(prober.least.sum())
-    # A bound on compute alone (each layer at its cheapest option), at most the optimum.
-    lo = max(float(np.max(prober.least)) / max(prober.speeds), total / sum(prober.speeds))
     lo = min(lo, hi) * (1 - 1e-12)
     tried, proven = math.nan, False  # the best bottleneck a proof was last tried at
     while hi - lo > 1e-9 * hi:

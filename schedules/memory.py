@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from .ir import Action, Kind, Schedule
-from .order import canonical_order, schedule_key
+from .order import canonical_order, issue_arrays, schedule_key
 
 STATES = ("input", "activations", "during_i", "between_iw", "grad", "pulled", "early", "late")
 IN, ACT, DURING_I, IW, GRAD, PULLED, EARLY, LATE = range(len(STATES))
@@ -318,14 +318,10 @@ def _events(schedule: Schedule, modes: Sequence[str]) -> _Events:
 def _build_events(schedule: Schedule, modes: Sequence[str]) -> _Events:
     """The same transitions as _build_steps (the module doc), rule by rule over all actions."""
     S, M = schedule.num_stages, schedule.num_microbatches
-    order = canonical_order(schedule, modes)
-    kind_code = {Kind.F: 0, Kind.B: 1, Kind.I: 2, Kind.W: 3}
-    kind = np.fromiter((kind_code[a.kind] for a in order), np.int64, len(order))
-    s = np.fromiter((a.stage for a in order), np.int64, len(order))
-    m = np.fromiter((a.microbatch for a in order), np.int64, len(order))
+    kind, s, m = issue_arrays(schedule)
     mode_code = np.array([("never", "except_last", "always").index(x) for x in modes])
     rec = np.where(mode_code[s] == 2, True, np.where(mode_code[s] == 1, m < M - 1, False))
-    k = np.arange(len(order), dtype=np.int64)
+    k = np.arange(len(kind), dtype=np.int64)
     F, B, I, W = (kind == c for c in range(4))  # noqa: E741
     last = s == S - 1
     # the phase that holds I's own changes: 1 after a re-materialising forward, else 0

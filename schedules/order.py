@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+from itertools import chain
+from operator import attrgetter
 
 import numpy as np
 
-from .ir import Action, Schedule
+from .ir import COMPUTE, Action, Kind, Schedule
 
 
 def issue_order(schedule: Schedule, start: dict[Action, float]) -> list[Action]:
@@ -70,7 +72,12 @@ def issue_order(schedule: Schedule, start: dict[Action, float]) -> list[Action]:
 def canonical_order(schedule: Schedule, recompute: str | Sequence[str] = "never") -> list[Action]:
     """The issue order of `schedule`; the same under every recomputation `recompute` (one mode,
     or one per stage: accepted so that callers need not know that)."""
-    return list(_canonical(schedule, ()))
+    return list(_canonical(schedule, ())[0])
+
+
+def issue_arrays(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The issue order as arrays: each action's kind (F 0, B 1, I 2, W 3), stage, micro-batch."""
+    return _canonical(schedule, ())[1]
 
 
 def schedule_key(schedule: Schedule, modes: tuple[str, ...]) -> tuple:
@@ -112,11 +119,12 @@ def _identity(schedule: Schedule) -> tuple[tuple, _Key, bool]:
     )
     kept = getattr(schedule, "_identity", None)
     if kept is None or kept[0] != guard:
+        kinds = set(map(attrgetter("kind"), chain.from_iterable(schedule.ranks.values())))
+        only = kinds <= set(COMPUTE)
         ranks = tuple(
-            (r, tuple(a for a in acts if a.kind.is_compute))
+            (r, tuple(acts) if only else tuple(a for a in acts if a.kind.is_compute))
             for r, acts in sorted(schedule.ranks.items())
         )
-        only = sum(len(a) for _, a in ranks) == sum(len(a) for a in schedule.ranks.values())
         kept = (guard, _Key(guard[:5] + (ranks,)), only)
         schedule._identity = kept  # type: ignore[attr-defined]
     return kept
@@ -129,32 +137,35 @@ def compute_only_key(schedule: Schedule) -> _Key | None:
     return key if only else None
 
 
-def _canonical(schedule: Schedule, modes: tuple[str, ...]) -> tuple[Action, ...]:
+_Order = tuple[tuple[Action, ...], tuple[np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _canonical(schedule: Schedule, modes: tuple[str, ...]) -> _Order:
     return _cached(schedule_key(schedule, modes), schedule)
 
 
-_CACHE: dict[tuple, tuple[Action, ...]] = {}
+_CACHE: dict[tuple, _Order] = {}
 
 
-def _cached(key: tuple, schedule: Schedule) -> tuple[Action, ...]:
+def _cached(key: tuple, schedule: Schedule) -> _Order:
     hit = _CACHE.get(key)
     if hit is None:
         if len(_CACHE) > 256:
             _CACHE.clear()
-        hit = _CACHE[key] = tuple(_unit_cost_order(schedule))
+        hit = _CACHE[key] = _unit_cost_order(schedule)
     return hit
 
 
 UNIT = (1.0, 2.0, 1.0, 1.0)  # F, B, I, W: the costs the order is simulated with
 
 
-def _unit_cost_order(schedule: Schedule) -> list[Action]:
+def _unit_cost_order(schedule: Schedule) -> _Order:
     from .simulate import Costs, simulate
     from .waves import durations, run, waves_of
 
     f, b, i, w = UNIT
     S = schedule.num_stages
-    sched = schedule.compute_only()
+    sched = schedule if compute_only_key(schedule) is not None else schedule.compute_only()
     # Every action here takes time, so each one starts after all it depends on has started:
     # issue_order's choice among the ready actions is then simply the order of (start, rank,
     # place in the program), and a sort gives it without walking the dependencies.
@@ -166,7 +177,9 @@ def _unit_cost_order(schedule: Schedule) -> list[Action]:
         start = run(waves, dur)[0][:n]
         rank = np.repeat(np.arange(len(waves.offsets) - 1), np.diff(waves.offsets))
         pos = np.arange(n) - waves.offsets[rank]
-        return [waves.actions[k] for k in np.lexsort((pos, rank, start)).tolist()]
+        perm = np.lexsort((pos, rank, start))
+        order = tuple(waves.actions[k] for k in perm.tolist())
+        return order, (waves.kind[perm], waves.stage[perm], waves.mb[perm])
     costs = Costs([f] * S, [b] * S, input_grad=[i] * S, weight_grad=[w] * S)
     timeline = simulate(sched, costs, memory=False)
     keyed = [
@@ -175,4 +188,11 @@ def _unit_cost_order(schedule: Schedule) -> list[Action]:
         for p, (a, st) in enumerate(zip(acts, timeline.starts[r]))
     ]
     keyed.sort(key=lambda x: x[:3])
-    return [a for *_, a in keyed]
+    order = tuple(a for *_, a in keyed)
+    code = {Kind.F: 0, Kind.B: 1, Kind.I: 2, Kind.W: 3}
+    arrays = (
+        np.fromiter((code[a.kind] for a in order), np.int64, len(order)),
+        np.fromiter((a.stage for a in order), np.int64, len(order)),
+        np.fromiter((a.microbatch for a in order), np.int64, len(order)),
+    )
+    return order, arrays
