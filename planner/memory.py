@@ -193,11 +193,18 @@ class MemoryModel:
         }
 
     def stage_bytes(
-        self, i: int, j: int, shape: StageShape, start: int | None = None
+        self,
+        i: int,
+        j: int,
+        shape: StageShape,
+        start: int | None = None,
+        *,
+        known: tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None = None,
     ) -> StageBytes:
-        """The stage [i, j) as the simulator's StageBytes."""
-        b = {k: int(v[0]) for k, v in self.state_bytes(i, j, start).items()}
-        terms = self.terms(i, j, shape, start)
+        """The stage [i, j) as the simulator's StageBytes. `known`: its state_bytes and terms,
+        where the caller has them already."""
+        states, terms = known or (self.state_bytes(i, j, start), self.terms(i, j, shape, start))
+        b = {k: int(v[0]) for k, v in states.items()}
         static = sum(int(terms[k][0]) for k in ("params", "grads", "optimizer", "workspace"))
         step = int(terms["optimizer_step_size"][0])
         return StageBytes(
@@ -213,12 +220,14 @@ class MemoryModel:
         j: np.ndarray | int,
         shape: StageShape,
         start: np.ndarray | int | None = None,
+        states: dict[str, np.ndarray] | None = None,
     ) -> dict[str, np.ndarray]:
-        """The breakdown for stages [i, j) (j > i) at the stage's worst moment, in bytes."""
+        """The breakdown for stages [i, j) (j > i) at the stage's worst moment, in bytes
+        (`states`: their state_bytes, where the caller has them)."""
         i = np.atleast_1d(np.asarray(i, dtype=np.int64))
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
         p = self.params(i, j)
-        b = self.state_bytes(i, j, start)
+        b = self.state_bytes(i, j, start) if states is None else states
         best = np.full(i.shape, -1, dtype=np.int64)
         parts = {k: np.zeros(i.shape, dtype=np.int64) for k in ("stash", "grad", "live", "loss")}
         z = b["during_i"] - b["activations"] - b["grad"]

@@ -889,9 +889,11 @@ def _build_plan(
         # from the stages before (the simulator times it as one transfer after this forward)
         send_bytes = received[s + 1] if s < S - 1 else 0
         send = _link_ms(cluster, rank, (s + 1) % K, send_bytes) if s < S - 1 else 0.0
-        terms = {k: int(x[0]) for k, x in memory.terms(i, j, shape, starts[s]).items()}
+        states = memory.state_bytes(i, j, starts[s])
+        raw = memory.terms(i, j, shape, starts[s], states)
+        sizes = memory.stage_bytes(i, j, shape, starts[s], known=(states, raw))
+        terms = {k: int(x[0]) for k, x in raw.items()}
         terms.pop("optimizer_step_size")
-        sizes = memory.stage_bytes(i, j, shape, starts[s])
         stages.append(
             StagePlan(
                 index=s,
@@ -909,7 +911,7 @@ def _build_plan(
                 },
                 send_bytes=send_bytes,
                 send_ms=send,
-                stash_bytes=int(memory.state_bytes(i, j)["saved"][0]),
+                stash_bytes=int(states["saved"][0]),
                 input_bytes=received[s],
                 state_bytes=StateBytes(**vars(sizes)),
                 memory=MemoryBreakdown(**terms, total=sum(terms.values()), budget=spec.budget),
