@@ -16,7 +16,7 @@ Any K >= 1 and M >= 1 (M < K included).
 
 from __future__ import annotations
 
-from .ir import B, F, I, Schedule, W
+from .ir import Action, Kind, Schedule, row
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 
@@ -50,21 +50,23 @@ def build_schedule(
 
 
 def _gpipe(K: int, M: int) -> Schedule:
-    ranks = {
-        s: [F(s, m) for m in range(M)] + [B(s, m) for m in reversed(range(M))] for s in range(K)
-    }
+    ranks = {s: row(Kind.F, s, M) + row(Kind.B, s, M)[::-1] for s in range(K)}
     return Schedule("gpipe", K, M, ranks, list(range(K)))
+
+
+def _alternate(first: list[Action], second: list[Action]) -> list[Action]:
+    """first[0] second[0] first[1] second[1] ... (equal lengths)."""
+    out = first + second
+    out[::2], out[1::2] = first, second
+    return out
 
 
 def _one_f_one_b(K: int, M: int) -> Schedule:
     ranks = {}
     for s in range(K):
         warm = min(K - s - 1, M)
-        acts = [F(s, m) for m in range(warm)]
-        for m in range(M - warm):
-            acts += [F(s, warm + m), B(s, m)]
-        acts += [B(s, m) for m in range(M - warm, M)]
-        ranks[s] = acts
+        f, b = row(Kind.F, s, M), row(Kind.B, s, M)
+        ranks[s] = f[:warm] + _alternate(f[warm:], b[: M - warm]) + b[M - warm :]
     return Schedule("1f1b", K, M, ranks, list(range(K)))
 
 
@@ -81,14 +83,13 @@ def _interleaved(R: int, v: int, M: int) -> Schedule:
         backwards += [(c, m) for c in reversed(range(v)) for m in group]
     ranks = {}
     for r in range(R):
-        warm = min((v - 1) * R + 2 * (R - 1 - r), len(forwards))
-        acts = [F(c * R + r, m) for c, m in forwards[:warm]]
-        for k in range(len(forwards) - warm):
-            c, m = forwards[warm + k]
-            cb, mb = backwards[k]
-            acts += [F(c * R + r, m), B(cb * R + r, mb)]
-        acts += [B(c * R + r, m) for c, m in backwards[len(forwards) - warm :]]
-        ranks[r] = acts
+        f = [row(Kind.F, c * R + r, M) for c in range(v)]
+        b = [row(Kind.B, c * R + r, M) for c in range(v)]
+        fs = [f[c][m] for c, m in forwards]
+        bs = [b[c][m] for c, m in backwards]
+        warm = min((v - 1) * R + 2 * (R - 1 - r), len(fs))
+        steady = len(fs) - warm
+        ranks[r] = fs[:warm] + _alternate(fs[warm:], bs[:steady]) + bs[steady:]
     return Schedule("interleaved-1f1b", R * v, M, ranks, [s % R for s in range(R * v)])
 
 
@@ -106,14 +107,13 @@ def _zb_h1(K: int, M: int) -> Schedule:
     ranks = {}
     for s in range(K):
         warm = min(K - s - 1, M)
-        acts = [F(s, m) for m in range(warm)]
+        f, i, w = row(Kind.F, s, M), row(Kind.I, s, M), row(Kind.W, s, M)
+        acts = f[:warm]
         owed = 0  # next W to run
-        steady = [a for m in range(M - warm) for a in (F(s, warm + m), I(s, m))]
-        for a in steady + [I(s, m) for m in range(M - warm, M)]:
+        for a in _alternate(f[warm:], i[: M - warm]) + i[M - warm :]:
             acts.append(a)
-            if a.kind.value == "I" and a.microbatch >= s:
-                acts.append(W(s, owed))
+            if a.kind is Kind.I and a.microbatch >= s:
+                acts.append(w[owed])
                 owed += 1
-        acts += [W(s, m) for m in range(owed, M)]
-        ranks[s] = acts
+        ranks[s] = acts + w[owed:]
     return Schedule("zb-h1", K, M, ranks, list(range(K)))

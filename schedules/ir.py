@@ -72,6 +72,22 @@ def _compute(stage: int, kind: Kind, mb: int) -> Action:
     return a
 
 
+_ROWS: dict[tuple[Kind, int], list[Action]] = {}
+
+
+def row(kind: Kind, stage: int, count: int) -> list[Action]:
+    """The shared actions of `kind` on `stage` for micro-batches 0 .. count - 1 (a new list):
+    generators index these instead of making each action."""
+    have = _ROWS.setdefault((kind, stage), [])
+    if len(have) < count:
+        if len(_MADE) + count >= 1 << 20:
+            _MADE.clear()
+            _ROWS.clear()
+            have = _ROWS.setdefault((kind, stage), [])
+        have.extend(_compute(stage, kind, m) for m in range(len(have), count))
+    return have[:count]
+
+
 def F(stage: int, mb: int) -> Action:
     return _compute(stage, Kind.F, mb)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -83,12 +84,13 @@ def _build(schedule: Schedule) -> Waves | None:
     if sorted(schedule.ranks) != list(range(R)):
         return None
     acts = tuple(a for r in range(R) for a in schedule.ranks[r])
-    if any(a.kind not in _CODE for a in acts):
+    if not set(map(attrgetter("kind"), acts)) <= _CODE.keys():
         return None
     n = len(acts)
-    kind = np.fromiter((_CODE[a.kind] for a in acts), np.int64, n)
-    stage = np.fromiter((a.stage for a in acts), np.int64, n)
-    mb = np.fromiter((a.microbatch for a in acts), np.int64, n)
+    # map with attrgetter: the attribute reads run in C
+    kind = np.fromiter(map(_CODE.__getitem__, map(attrgetter("kind"), acts)), np.int64, n)
+    stage = np.fromiter(map(attrgetter("stage"), acts), np.int64, n)
+    mb = np.fromiter(map(attrgetter("microbatch"), acts), np.int64, n)
     if n and (stage.min() < 0 or stage.max() >= S or mb.min() < 0 or mb.max() >= M):
         return None
     lens = [len(schedule.ranks[r]) for r in range(R)]
