@@ -318,9 +318,9 @@ class MemoryModel:
         min(max_end, cap), found in fewer steps (one, where the cap fits), and not kept."""
         n = self.chain.num_layers
         ends = self._ends if cap is None else {}
-        todo = list(dict.fromkeys(k for k in wanted if k not in ends))
-        if len(ends) + len(todo) > 4096:
+        if len(ends) + len(wanted) > 4096:  # (before `todo`: what it leaves out must stay kept)
             ends.clear()
+        todo = list(dict.fromkeys(k for k in wanted if k not in ends))
         top = np.full(n, n, dtype=np.int64) if cap is None else np.asarray(cap, dtype=np.int64)
         # in batches of about 2^16 entries: larger arrays only spill out of the caches
         per = max(1, (1 << 16) // max(n, 1))

@@ -344,13 +344,16 @@ def solve_partition(
         if found is None:
             break
         bounds, hi = found, prober.bottleneck(found, below)
-    # Where memory lowered no stage's end in that proof, time alone rules out anything faster:
-    # the bottleneck is what unlimited memory would give (`memory_free`).
-    memory_free = 0.0 if prober.memory_cut else 1.0
+    proof_cut = prober.memory_cut
     # The split returned: the probe's at the optimum itself, whichever way the bisection went.
     canonical = prober.probe(hi)
     assert canonical is not None, f"no split within {hi}, which {bounds} meets"
     bounds = canonical
+    # `memory_free`: memory lowered no stage's end in the proof (time alone rules out anything
+    # faster) nor in the probe that made the split (so further options, each costing at least
+    # as much per layer, reach exactly the same ends there: the same split, every stage on its
+    # first option).
+    memory_free = 0.0 if proof_cut or prober.memory_cut else 1.0
     return Partition(
         bounds=bounds, bottleneck=prober.bottleneck(bounds, hi), probes=prober.probes,
         choices=prober.costs(bounds)[1], extra={"memory_free": memory_free},

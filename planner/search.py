@@ -43,6 +43,7 @@ from profiler.limits import (
 from profiler.types import PER_SIZE, Profile
 from schedules import SCHEDULE_NAMES, Costs, Kind, Schedule, Timeline, build_schedule, simulate
 from schedules.memory import StageBytes, occupancy
+from schedules.order import freeze
 
 from .bounds import least_bottleneck, prior_bound
 from .cluster import Cluster
@@ -674,7 +675,8 @@ def plan_schedule(
     `routes` (a chain when empty)."""
     v = INTERLEAVE if name == "interleaved-1f1b" else 1
     sched = build_schedule(name, num_devices * v, microbatches, stages_per_rank=v)
-    return dataclasses.replace(sched, routes=list(routes))  # (checked as it is made)
+    # checked as it is made; kept by the cache above, so never edited: its key is kept on it
+    return freeze(dataclasses.replace(sched, routes=list(routes)))
 
 
 def _routes(plan: Plan) -> tuple[tuple[int, int], ...]:

@@ -105,10 +105,18 @@ class _Key:
         )
 
 
+def freeze(schedule: Schedule) -> Schedule:
+    """Mark a schedule that nobody edits any more (the planner's, made once per name, size and
+    routes): its key is then made once and kept on it. Any other schedule's key is made afresh
+    at each use, so an edit in place is always seen."""
+    schedule._frozen = True  # type: ignore[attr-defined]
+    return schedule
+
+
 def _identity(schedule: Schedule) -> tuple[tuple, _Key, bool]:
-    """The schedule's compute content as a _Key (and whether that is all it holds), kept on
-    the schedule. A schedule is not meant to be edited once used; edits that change a rank's
-    length, the placement or the routes (what the tests do) are noticed and the key remade."""
+    """The schedule's compute content as a _Key (and whether that is all it holds); kept on a
+    frozen schedule (see freeze), where edits that change a rank's length, the placement or the
+    routes are still noticed."""
     guard = (
         schedule.name,
         schedule.num_stages,
@@ -117,7 +125,7 @@ def _identity(schedule: Schedule) -> tuple[tuple, _Key, bool]:
         tuple(schedule.routes),
         tuple((r, id(acts), len(acts)) for r, acts in schedule.ranks.items()),
     )
-    kept = getattr(schedule, "_identity", None)
+    kept = getattr(schedule, "_identity", None) if getattr(schedule, "_frozen", False) else None
     if kept is None or kept[0] != guard:
         kinds = set(map(attrgetter("kind"), chain.from_iterable(schedule.ranks.values())))
         only = kinds <= set(COMPUTE)
@@ -126,7 +134,8 @@ def _identity(schedule: Schedule) -> tuple[tuple, _Key, bool]:
             for r, acts in sorted(schedule.ranks.items())
         )
         kept = (guard, _Key(guard[:5] + (ranks,)), only)
-        schedule._identity = kept  # type: ignore[attr-defined]
+        if getattr(schedule, "_frozen", False):
+            schedule._identity = kept  # type: ignore[attr-defined]
     return kept
 
 

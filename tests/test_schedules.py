@@ -221,6 +221,18 @@ def test_wide_schedules_take_numpys_waves_and_still_equal_the_event_loop(name):
     assert got[0] == want[0] and got[1] == want[1] and got[3] == want[3]
 
 
+def test_a_schedule_edited_in_place_after_a_simulation_is_simulated_afresh():
+    """Found in review: a key kept on the schedule missed an edit that keeps every rank's
+    length, and the old waves came back. Only the planner's own schedules keep their key."""
+    s = build_schedule("1f1b", 3, 4)
+    simulate(s, Costs.uniform(3))
+    acts = s.ranks[2]
+    i, j = acts.index(Action(2, Kind.F, 1)), acts.index(Action(2, Kind.B, 1))
+    acts[i], acts[j] = acts[j], acts[i]
+    with pytest.raises(ScheduleError, match="before 2F1"):
+        simulate(s, Costs.uniform(3))
+
+
 def test_broken_schedules_leave_the_wave_path_for_the_event_loops_report():
     from schedules.waves import waves_of
 
