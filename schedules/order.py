@@ -25,7 +25,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from .ir import COMPUTE, Action, Kind, Schedule
+from .ir import COMPUTE, Action, Schedule
 
 
 def issue_order(schedule: Schedule, start: dict[Action, float]) -> list[Action]:
@@ -170,7 +170,7 @@ UNIT = (1.0, 2.0, 1.0, 1.0)  # F, B, I, W: the costs the order is simulated with
 
 def _unit_cost_order(schedule: Schedule) -> _Order:
     from .simulate import Costs, simulate
-    from .waves import durations, run, waves_of
+    from .waves import KIND_CODE, durations, run, waves_of
 
     f, b, i, w = UNIT
     S = schedule.num_stages
@@ -198,9 +198,8 @@ def _unit_cost_order(schedule: Schedule) -> _Order:
     ]
     keyed.sort(key=lambda x: x[:3])
     order = tuple(a for *_, a in keyed)
-    code = {Kind.F: 0, Kind.B: 1, Kind.I: 2, Kind.W: 3}
     arrays = (
-        np.fromiter((code[a.kind] for a in order), np.int64, len(order)),
+        np.fromiter((KIND_CODE[a.kind] for a in order), np.int64, len(order)),
         np.fromiter((a.stage for a in order), np.int64, len(order)),
         np.fromiter((a.microbatch for a in order), np.int64, len(order)),
     )

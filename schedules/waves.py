@@ -35,7 +35,7 @@ import numpy as np
 from .ir import Action, Kind, Schedule
 from .order import compute_only_key
 
-_CODE = {Kind.F: 0, Kind.B: 1, Kind.I: 2, Kind.W: 3}
+KIND_CODE = {Kind.F: 0, Kind.B: 1, Kind.I: 2, Kind.W: 3}  # as arrays carry kinds
 F_, B_, I_, W_ = range(4)
 
 
@@ -84,11 +84,11 @@ def _build(schedule: Schedule) -> Waves | None:
     if sorted(schedule.ranks) != list(range(R)):
         return None
     acts = tuple(a for r in range(R) for a in schedule.ranks[r])
-    if not set(map(attrgetter("kind"), acts)) <= _CODE.keys():
+    if not set(map(attrgetter("kind"), acts)) <= KIND_CODE.keys():
         return None
     n = len(acts)
     # map with attrgetter: the attribute reads run in C
-    kind = np.fromiter(map(_CODE.__getitem__, map(attrgetter("kind"), acts)), np.int64, n)
+    kind = np.fromiter(map(KIND_CODE.__getitem__, map(attrgetter("kind"), acts)), np.int64, n)
     stage = np.fromiter(map(attrgetter("stage"), acts), np.int64, n)
     mb = np.fromiter(map(attrgetter("microbatch"), acts), np.int64, n)
     if n and (stage.min() < 0 or stage.max() >= S or mb.min() < 0 or mb.max() >= M):
@@ -139,27 +139,18 @@ def _build(schedule: Schedule) -> Waves | None:
     first = np.zeros(n, dtype=bool)
     first[offsets[:-1][np.array(lens) > 0]] = True
     act[:, 0] = np.where(first, sentinel, idx - 1)
-    # F(s, m), s > 0: X(s, m) from F(s-1, m)
-    need = is_f & (stage > 0)
-    src = f_at[np.maximum(stage - 1, 0) * M + mb]
-    if (src[need] < 0).any():
-        return None
-    act[need, 1] = arrived(src[need])
-    # B/I(s, m): F(s, m), and G(s, m) from stage s+1's B or I
-    own = f_at[stage * M + mb]
-    if (own[is_bi] < 0).any():
-        return None
-    act[is_bi, 1] = own[is_bi]
-    need = is_bi & (stage < last)
-    src = bi_at[nxt * M + mb]
-    if (src[need] < 0).any():
-        return None
-    act[need, 2] = arrived(src[need])
-    # W(s, m): I(s, m)
-    src = i_at[stage * M + mb]
-    if (src[is_w] < 0).any():
-        return None
-    act[is_w, 1] = src[is_w]
+    # (who, column, producer table, producer's stage, whether it may come by a transfer)
+    rules = (
+        (is_f & (stage > 0), 1, f_at, np.maximum(stage - 1, 0), True),  # F: X from F(s-1)
+        (is_bi, 1, f_at, stage, False),  # B/I: its own F
+        (is_bi & (stage < last), 2, bi_at, nxt, True),  # B/I: G from stage s+1's B or I
+        (is_w, 1, i_at, stage, False),  # W: its own I
+    )
+    for need, column, table_at, where, crossing in rules:
+        src = table_at[where * M + mb][need]
+        if (src < 0).any():  # a dependency the schedule never runs
+            return None
+        act[need, column] = arrived(src) if crossing else src
     # a transfer: its sender, and the transfer before it on its link
     pred[n:N, 0] = source
     link = t_dir * S + t_cut
