@@ -237,11 +237,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.png:
         _needs_matplotlib()  # before anything is written
     plan = Plan.load(args.plan)
-    tl = simulate_plan(plan)
+    torchrun = args.target == "torchrun"
+    tl = simulate_plan(plan, rendezvous=torchrun)
     print(
         f"{plan.schedule}, {len(plan.devices)} devices x {plan.stages_per_device} stage(s), "
         f"M={plan.microbatches}: makespan {tl.makespan:.3f} ms, bubble {tl.bubble_fraction:.3f}"
-    )
+        + (f" (torchrun program; the plan predicts {plan.predicted.iteration_ms:.3f} ms where "
+           "sends never wait)" if torchrun else "")
+    )  # fmt: skip
     rows = [
         [
             d.name,
@@ -732,6 +735,10 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("plan")
     s.add_argument("--chrome-trace", help="write a Chrome trace (Perfetto) JSON here")
     s.add_argument("--png", help="write a Gantt chart PNG here (needs matplotlib)")
+    s.add_argument("--target", choices=["streams", "torchrun"], default="streams",
+                   help="streams: transfers never hold the sender; torchrun: the program the "
+                   "torchrun target runs, each rank held in its batch of sends and receives "
+                   "until every message in it has gone")  # fmt: skip
     s.set_defaults(run=cmd_simulate)
 
     s = sub.add_parser("codegen", help="emit the pipeline program for a plan")

@@ -14,14 +14,13 @@ import json
 from pathlib import Path
 
 from planner.plan import Plan
-from planner.search import schedule_of
+from planner.search import schedule_of, torchrun_schedule
 from schedules import (
     Action,
     Kind,
     Schedule,
     ScheduleError,
     canonical_order,
-    insert_comms,
     validate,
 )
 from schedules.comm import batches
@@ -77,7 +76,7 @@ def emit_program(
     else:
         validate(sched)
         runtime += "\n\n" + _without_dropped_lines(DIST_RUNTIME.read_text())
-        body = _torchrun_class(plan, insert_comms(sched))
+        body = _torchrun_class(plan, torchrun_schedule(plan, sched))
         main = _TORCHRUN_MAIN
     constants = _program_constants(plan)
     loader = _model_loader(model if model is not None else plan.model)

@@ -234,7 +234,8 @@ def build_report(
     """Put measured peaks and the action log (what, stage, micro-batch, start, end in ms, over
     `steps` steps) next to the plan's predictions."""
     ranks = [st.rank for st in plan.stages]
-    tl = simulate_plan(plan)
+    # torchrun's ranks wait in their batches of communication for each other (simulate_plan)
+    tl = simulate_plan(plan, levels=False, rendezvous=target == "torchrun")
     predicted = predicted_actions(tl)
     durations: dict[tuple[int, str], list[float]] = {}
     busy = [0.0] * len(plan.devices)
@@ -278,9 +279,9 @@ def build_report(
         steps=steps,
         tolerance=tolerance,
         concurrent=concurrent,
-        predicted_step_ms=plan.predicted.iteration_ms,
+        predicted_step_ms=tl.makespan,
         measured_step_ms=step_ms,
-        step_error=_error(step_ms, plan.predicted.iteration_ms),
+        step_error=_error(step_ms, tl.makespan),
         devices=devices,
         actions=actions,
         unattributed_bytes=other,

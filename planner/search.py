@@ -41,7 +41,16 @@ from profiler.limits import (
     whole,
 )
 from profiler.types import PER_SIZE, Profile
-from schedules import SCHEDULE_NAMES, Costs, Kind, Schedule, Timeline, build_schedule, simulate
+from schedules import (
+    SCHEDULE_NAMES,
+    Costs,
+    Kind,
+    Schedule,
+    Timeline,
+    build_schedule,
+    insert_comms,
+    simulate,
+)
 from schedules.memory import StageBytes, occupancy
 from schedules.order import freeze
 
@@ -993,6 +1002,19 @@ def stage_bytes(stage: StagePlan) -> StageBytes:
     return StageBytes(**stage.state_bytes.model_dump())
 
 
+def stage_costs(stages: list[StagePlan]) -> Costs:
+    """What the simulator charges each of the plan's stages (per micro-batch) and cuts."""
+    return Costs(
+        forward=[st.forward_ms for st in stages],
+        backward=[st.backward_ms for st in stages],
+        input_grad=[st.input_grad_ms for st in stages],
+        weight_grad=[st.weight_grad_ms for st in stages],
+        recompute=[st.recompute for st in stages],
+        transfer=[st.send_ms for st in stages[:-1]],
+        memory=[stage_bytes(st) for st in stages],
+    )
+
+
 def simulate_stages(
     schedule: str,
     num_devices: int,
@@ -1005,24 +1027,27 @@ def simulate_stages(
     """Run the plan's schedule through the simulator with the plan's own stage costs
     (`levels=False`: peaks only, not each device's memory over time)."""
     sched = plan_schedule(schedule, num_devices, microbatches, routes)
-    costs = Costs(
-        forward=[st.forward_ms for st in stages],
-        backward=[st.backward_ms for st in stages],
-        input_grad=[st.input_grad_ms for st in stages],
-        weight_grad=[st.weight_grad_ms for st in stages],
-        recompute=[st.recompute for st in stages],
-        transfer=[st.send_ms for st in stages[:-1]],
-        memory=[stage_bytes(st) for st in stages],
+    return simulate(sched, stage_costs(stages), levels=levels)
+
+
+def simulate_plan(plan: Plan, *, levels: bool = True, rendezvous: bool = False) -> Timeline:
+    """The plan's own schedule, routes and stage costs through the simulator; `rendezvous`:
+    the program the torchrun target runs (`torchrun_schedule`), as it runs it."""
+    if not rendezvous:
+        return simulate_stages(
+            plan.schedule, len(plan.devices), plan.microbatches, plan.stages, levels=levels,
+            routes=_routes(plan),
+        )  # fmt: skip
+    return simulate(
+        torchrun_schedule(plan), stage_costs(plan.stages), levels=levels, rendezvous=True
     )
-    return simulate(sched, costs, levels=levels)
 
 
-def simulate_plan(plan: Plan, *, levels: bool = True) -> Timeline:
-    """The plan's own schedule, routes and stage costs through the simulator."""
-    return simulate_stages(
-        plan.schedule, len(plan.devices), plan.microbatches, plan.stages, levels=levels,
-        routes=_routes(plan),
-    )  # fmt: skip
+def torchrun_schedule(plan: Plan, schedule: Schedule | None = None) -> Schedule:
+    """`schedule` (by default the plan's own) with the communication the torchrun target
+    posts: of the lowerings that meet where sends block, the one the simulator finds fastest
+    under the plan's costs (insert_comms)."""
+    return insert_comms(schedule or schedule_of(plan), stage_costs(plan.stages))
 
 
 def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleError:

@@ -16,17 +16,33 @@ rendezvous=True)` proves a lowered schedule free of that (every schedule we gene
 
 Messages between two ranks are taken in the order they are sent (NCCL has no tags): each action's
 messages follow `action_messages`, and the runtime posts them in that order.
+
+Where a send waits for its receive, where it is posted decides how long ranks wait for each
+other: `insert_comms(schedule, costs)` tries each lowering that meets (this one, time steps,
+and three placed from the compute-only timeline) in the simulator as the program runs them
+(`simulate(..., rendezvous=True)`) and keeps the fastest. The torchrun target emits that one.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from .ir import Action, Kind, Schedule
 
+if TYPE_CHECKING:
+    from .simulate import Costs
 
-def insert_comms(schedule: Schedule) -> Schedule:
+
+def insert_comms(schedule: Schedule, costs: Costs | None = None) -> Schedule:
     """SEND_F after a forward whose activations some other rank takes, RECV_F before a forward
     that takes activations from another rank; SEND_B and RECV_B alike for their gradients. One
-    action carries every route of its stage that crosses ranks (schedule.routes)."""
+    action carries every route of its stage that crosses ranks (schedule.routes).
+
+    With `costs`, each lowering that meets where sends block (this one, `_lockstep`, and
+    `_timed`'s from the compute-only timeline) is simulated as the torchrun program runs it,
+    and the fastest is returned (the first of equals, in that order)."""
+    if costs is not None:
+        return _fastest(schedule, costs)
     S, place = schedule.num_stages, schedule.placement
     remote_in = [any(place[a] != place[t] for a in schedule.senders(t)) for t in range(S)]
     remote_out = [any(place[b] != place[s] for b in schedule.receivers(s)) for s in range(S)]
@@ -120,13 +136,7 @@ def _lockstep(schedule: Schedule) -> Schedule | None:
             at[Action(a, Kind.RECV_B, m, to_t)] = back
     posted: dict[int, dict[int, list[Action]]] = {r: {} for r in compute.ranks}
 
-    # Within a batch the sends first (the eager check, validate, takes receives one by one),
-    # each side in the order of its messages: two ranks then agree on the order of theirs.
-    def order(item: tuple[Action, int]) -> tuple:
-        c, k = item
-        return (k, c.kind not in SENDS, action_messages(compute, c)[0][0])
-
-    for c, k in sorted(at.items(), key=order):
+    for c, k in sorted(at.items(), key=lambda item: _post_order(compute, *item)):
         posted[place[c.stage]].setdefault(k, []).append(c)
     ranks = {}
     for r, acts in compute.ranks.items():
@@ -141,6 +151,91 @@ def _lockstep(schedule: Schedule) -> Schedule | None:
         compute.name, compute.num_stages, compute.num_microbatches, ranks, list(place),
         list(compute.routes),
     )  # fmt: skip
+
+
+def _fastest(schedule: Schedule, costs: Costs) -> Schedule:
+    from .simulate import simulate
+
+    plain = insert_comms(schedule)
+    compute = schedule.compute_only()
+    tl = simulate(compute, costs, memory=False)
+    tried = [plain, _lockstep(schedule)] + [_timed(compute, tl, how) for how in _HOW]
+    meet = [c for c in tried if c is not None and _meets(c)]
+    if not meet:
+        return plain  # validate(..., rendezvous=True) says where it would hang
+    times = [simulate(c, costs, memory=False, rendezvous=True).makespan for c in meet]
+    return meet[times.index(min(times))]
+
+
+_HOW = ("early", "late", "nearest")
+
+
+def _timed(compute: Schedule, tl: Any, how: str) -> Schedule:
+    """Each message posted where the compute-only timeline `tl` has it made: the send right
+    after the action that makes it, the receive at a gap between the receiving rank's actions
+    (before the one that reads it): the last gap that opens before the message is made
+    ("early": the receiver may wait for it), the first that opens after ("late": the sender
+    may wait), or whichever is nearer in time."""
+    import bisect
+
+    place, split = compute.placement, split_stages_of(compute)
+    named = bool(compute.routes)
+    where = {a: (r, i) for r, acts in compute.ranks.items() for i, a in enumerate(acts)}
+    gaps = {r: [0.0, *tl.ends[r]] for r in compute.ranks}  # gap i opens as action i - 1 ends
+
+    def gap(rank: int, made: float, before: int) -> int:
+        t = gaps[rank]
+        late = min(bisect.bisect_left(t, made), before)
+        early = min(max(bisect.bisect_right(t, made) - 1, 0), before)
+        if how == "early":
+            return early
+        if how == "late":
+            return late
+        return early if made - t[early] <= t[late] - made else late
+
+    at: dict[Action, tuple[int, int]] = {}
+    for a, t in compute.edges():
+        if place[a] == place[t]:
+            continue
+        to_t, to_a = (t, a) if named else (-1, -1)
+        for m in range(compute.num_microbatches):
+            for made, used, send, recv in (
+                (Action(a, Kind.F, m), Action(t, Kind.F, m),
+                 Action(a, Kind.SEND_F, m, to_t), Action(t, Kind.RECV_F, m, to_a)),
+                (Action(t, Kind.I if t in split else Kind.B, m),
+                 Action(a, Kind.I if a in split else Kind.B, m),
+                 Action(t, Kind.SEND_B, m, to_a), Action(a, Kind.RECV_B, m, to_t)),
+            ):  # fmt: skip
+                r, i = where[made]
+                at[send] = (r, i + 1)
+                ru, j = where[used]
+                at[recv] = (ru, gap(ru, tl.ends[r][i], j))
+    posted: dict[int, dict[int, list[Action]]] = {r: {} for r in compute.ranks}
+    for c, (r, k) in sorted(at.items(), key=lambda item: _post_order(compute, item[0], item[1][1])):
+        posted[r].setdefault(k, []).append(c)
+    ranks = {}
+    for r, acts in compute.ranks.items():
+        seq: list[Action] = []
+        for i, a in enumerate(acts):
+            seq += posted[r].get(i, [])
+            seq.append(a)
+        ranks[r] = seq + posted[r].get(len(acts), [])
+    return Schedule(
+        compute.name, compute.num_stages, compute.num_microbatches, ranks, list(place),
+        list(compute.routes),
+    )  # fmt: skip
+
+
+def _post_order(compute: Schedule, c: Action, k: int) -> tuple:
+    """Within a batch the sends first, each side in the order of its messages: two ranks then
+    agree on the order of theirs (the eager check, validate, takes receives one by one)."""
+    return (k, c.kind not in SENDS, action_messages(compute, c)[0][0])
+
+
+def split_stages_of(compute: Schedule) -> set[int]:
+    from .validate import split_stages
+
+    return split_stages(compute)
 
 
 Message = tuple[str, int, int, int]  # (F or B, sending stage, receiving stage, micro-batch)

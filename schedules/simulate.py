@@ -9,6 +9,10 @@ transfers on it in the sender's order, overlapping compute). Memory per rank mov
     B / W    - everything the micro-batch holds on that stage
 
 so peaks are exact for the model; allocations happen at an action's start and frees at its end.
+
+`rendezvous=True` times the program the torchrun target runs instead: a send holds its rank
+until its receive is posted and the message has gone (`_rendezvous_loop`). Every wait of the
+default model is in it too, so it is never the faster of the two.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .comm import action_messages, batches, insert_comms
 from .ir import Action, Kind, Schedule
 from .memory import StageBytes, peaks, recomputes, timed_levels
+from .validate import comms_of
 from .waves import Waves, durations, run, waves_of
 
 
@@ -122,10 +128,18 @@ def _finite_time(v: object) -> bool:
 
 
 def simulate(
-    schedule: Schedule, costs: Costs, *, memory: bool = True, levels: bool = True
+    schedule: Schedule,
+    costs: Costs,
+    *,
+    memory: bool = True,
+    levels: bool = True,
+    rendezvous: bool = False,
 ) -> Timeline:
     """The timeline of `schedule` under `costs`; `memory=False` skips the memory replay, and
-    `levels=False` keeps its peaks but not each device's level over time (for drawing)."""
+    `levels=False` keeps its peaks but not each device's level over time (for drawing).
+    `rendezvous`: as the torchrun program runs it, each batch of communication held until
+    every message in it has met its other end and gone (`_rendezvous_loop`); a schedule
+    without communication actions is lowered first (insert_comms)."""
     S, M, R = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
     fwd, bwd = list(costs.forward), list(costs.backward)
     if len(fwd) != S or len(bwd) != S:
@@ -145,14 +159,17 @@ def simulate(
         raise ValueError(f"costs.recompute {modes}: one of never, always, except_last per stage")
     rec = [[recomputes(mode, m, M) for m in range(M)] for mode in modes]
 
-    w = waves_of(schedule)
-    if w is not None:
+    w = None if rendezvous else waves_of(schedule)
+    if rendezvous:
+        if not comms_of(schedule):
+            schedule = insert_comms(schedule)
+        run_ = _rendezvous_loop(schedule, fwd, bwd, i_cost, w_cost, rec, link)
+    elif w is not None:
         recomputed = np.array(rec, dtype=bool).reshape(S, M)
-        starts, ends, transfers, busy = _by_waves(
-            w, durations(w, fwd, bwd, i_cost, w_cost, recomputed, link)
-        )
+        run_ = _by_waves(w, durations(w, fwd, bwd, i_cost, w_cost, recomputed, link))
     else:
-        starts, ends, transfers, busy = _event_loop(schedule, fwd, bwd, i_cost, w_cost, rec, link)
+        run_ = _event_loop(schedule, fwd, bwd, i_cost, w_cost, rec, link)
+    starts, ends, transfers, busy = run_
     makespan = max([max(e, default=0.0) for e in ends] + [tr[4] for tr in transfers] + [0.0])
     memory_steps: list[list[tuple[float, int]]] = [[] for _ in range(R)]
     peak = [0] * R
@@ -322,4 +339,151 @@ def _event_loop(
 
         validate(schedule)  # raises with the grid
         raise AssertionError("simulation stalled on a schedule that validates")
+    return starts, ends, transfers, busy
+
+
+def _rendezvous_loop(
+    schedule: Schedule,
+    fwd: list[float],
+    bwd: list[float],
+    i_cost: list[float],
+    w_cost: list[float],
+    rec: list[list[bool]],
+    link: list[float],
+) -> _Run:
+    """The timeline of a lowered schedule as the torchrun program runs it: each run of
+    communication between two compute actions is one batch, posted when the rank reaches it
+    and left only when every message in it has gone; a message goes once both of its ends
+    are posted and its link is free, and takes its link's time. A rank waiting in a batch is
+    not busy. Compute actions wait for their inputs as in `_event_loop`; an input from
+    another rank arrives with its message."""
+    from .validate import validate
+
+    S, R, place = schedule.num_stages, schedule.num_ranks, schedule.placement
+    X, G, FDONE, IDONE = 0, 1, 2, 3
+    last = S - 1
+    programs = [batches(schedule.ranks[r]) for r in range(R)]
+    # Per batch: (message, is_send) for each message it carries.
+    carried = [
+        [
+            [
+                (msg, a.kind in (Kind.SEND_F, Kind.SEND_B))
+                for a in b
+                for msg, _ in action_messages(schedule, a)
+            ]
+            if not b[0].kind.is_compute
+            else []
+            for b in prog
+        ]
+        for prog in programs
+    ]
+    avail: dict[tuple[int, int, int], float] = {}
+    posted: dict[tuple[tuple, bool], float] = {}  # (message, is_send) -> when its end was posted
+    delivered: dict[tuple, float] = {}  # message -> when it arrived
+    link_free: dict[tuple[int, int], float] = {}
+    waiting: dict[object, list[int]] = {}
+    rank_time = [0.0] * R
+    busy = [0.0] * R
+    ptr = [0] * R
+    entered = [-1] * R  # the last batch each rank has posted
+    starts: list[list[float]] = [[] for _ in range(R)]
+    ends: list[list[float]] = [[] for _ in range(R)]
+    transfers: list[tuple[int, int, int, float, float]] = []
+    todo = list(range(R))
+
+    def publish(key: object, t: float) -> None:
+        if isinstance(key, tuple) and len(key) == 3:
+            avail[key] = t  # type: ignore[index]
+        w = waiting.pop(key, None)
+        if w:
+            todo.extend(w)
+
+    def wait(key: object, r: int) -> None:
+        waiting.setdefault(key, []).append(r)
+
+    while todo:
+        r = todo.pop()
+        prog, p, t_rank = programs[r], ptr[r], rank_time[r]
+        while p < len(prog):
+            batch = prog[p]
+            a = batch[0]
+            if not a.kind.is_compute:
+                ops = carried[r][p]
+                if entered[r] < p:
+                    entered[r] = p
+                    for end in ops:
+                        posted[end] = t_rank
+                        publish(end, t_rank)
+                late = next(
+                    ((msg, not snd) for msg, snd in ops if (msg, not snd) not in posted), None
+                )
+                if late is not None:
+                    wait(late, r)
+                    break
+                done = t_rank
+                for msg, _snd in ops:
+                    if msg not in delivered:
+                        kind, s, t, m = msg
+                        d = 0 if kind == "F" else 1
+                        cut = min(s, t)
+                        go = max(
+                            posted[(msg, True)], posted[(msg, False)], link_free.get((d, cut), 0.0)
+                        )
+                        end = go + link[cut]
+                        link_free[(d, cut)] = end
+                        delivered[msg] = end
+                        transfers.append((d, cut, m, go, end))
+                        if abs(s - t) == 1:  # a skip's receiver waits in its batch
+                            publish((X, t, m) if kind == "F" else (G, t, m), end)
+                    done = max(done, delivered[msg])
+                for _ in batch:
+                    starts[r].append(t_rank)
+                    ends[r].append(done)
+                t_rank = done
+                p += 1
+                continue
+            c, s, m = a.kind, a.stage, a.microbatch
+            start = t_rank
+            needs = []
+            if c == Kind.F and s > 0:
+                needs.append((X, s, m))
+            elif c in (Kind.B, Kind.I):
+                needs.append((FDONE, s, m))
+                if s < last:
+                    needs.append((G, s, m))
+            elif c == Kind.W:
+                needs.append((IDONE, s, m))
+            blocked = next((k for k in needs if k not in avail), None)
+            if blocked is not None:
+                wait(blocked, r)
+                break
+            start = max([start] + [avail[k] for k in needs])
+            if c == Kind.F:
+                dur = fwd[s]
+            elif c == Kind.B:
+                dur = bwd[s] + (fwd[s] if rec[s][m] else 0.0)
+            elif c == Kind.I:
+                dur = i_cost[s] + (fwd[s] if rec[s][m] else 0.0)
+            else:
+                dur = w_cost[s]
+            end = start + dur
+            t_rank = end
+            busy[r] += dur
+            p += 1
+            starts[r].append(start)
+            ends[r].append(end)
+            if c == Kind.F:
+                publish((FDONE, s, m), end)
+                if s < last and place[s + 1] == r:
+                    publish((X, s + 1, m), end)
+            elif c in (Kind.B, Kind.I):
+                if c == Kind.I:
+                    publish((IDONE, s, m), end)
+                if s > 0 and place[s - 1] == r:
+                    publish((G, s - 1, m), end)
+        ptr[r] = p
+        rank_time[r] = t_rank
+    if any(ptr[r] < len(programs[r]) for r in range(R)):
+        validate(schedule, rendezvous=True)  # raises with the grid
+        raise AssertionError("simulation stalled on a schedule that meets where sends block")
     return starts, ends, transfers, busy

@@ -374,6 +374,23 @@ def test_simulate_writes_trace_and_png(run_cli, plan_path, tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_simulate_the_torchrun_program(run_cli, plan_path, tmp_path):
+    """--target torchrun: the program the torchrun target runs, its sends and receives in the
+    trace, each rank waiting in its batches: never faster than the plan's own figure."""
+    from planner import Plan
+    from planner.search import simulate_plan
+
+    trace = tmp_path / "trace.json"
+    r = run_cli("simulate", plan_path, "--target", "torchrun", "--chrome-trace", trace)
+    assert r.code == 0, r.err
+    plan = Plan.load(plan_path)
+    timed = simulate_plan(plan, rendezvous=True)
+    assert f"makespan {timed.makespan:.3f} ms" in r.out and "torchrun program" in r.out
+    assert timed.makespan >= plan.predicted.iteration_ms
+    cats = {e.get("cat") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert len(plan.devices) == 4 and {"SEND_F", "RECV_F", "SEND_B", "RECV_B"} <= cats
+
+
 def test_simulate_bad_output_dir_writes_nothing(run_cli, plan_path, tmp_path):
     r = run_cli("simulate", plan_path, "--chrome-trace", tmp_path / "no" / "t.json")
     assert_bad_input(r, mentions="does not exist")

@@ -14,6 +14,7 @@ from torch import nn
 from codegen import compile_pipe
 from codegen.measure import make_data
 from planner import Cluster, Plan, plan_pipeline
+from planner.search import simulate_plan
 from profiler import profile_model
 from profiler.examples import mlp, transformer
 from profiler.memtrack import UNOWNED, owned_by, trace_allocations
@@ -224,5 +225,9 @@ def test_torchrun_holds_what_the_plan_counts(tmp_path, profiles):
         peaks[M] = [d.measured_peak_bytes for d in report.devices]
         counts = {(a.stage, a.kind): a.count for a in report.actions}
         assert counts[(0, "SEND_F")] == counts[(1, "RECV_F")] == M
+        # the step predicted is the program's own, its ranks waiting in their batches
+        timed = simulate_plan(plan, levels=False, rendezvous=True)
+        assert report.predicted_step_ms == timed.makespan
+        assert timed.makespan >= plan.predicted.iteration_ms - 1e-9
     # twice the micro-batches, the same peak (1F1B holds K - s micro-batches at most)
     assert peaks[8] == pytest.approx(peaks[4], rel=0.02)

@@ -590,3 +590,101 @@ def test_a_launch_of_the_wrong_size_is_refused_by_every_rank(mlp_profile):
     assert len(errors) == 3 and transport.posted == 0
     for e in errors:
         assert "this program runs on 2 processes, not 3: torchrun --nproc-per-node 2" in str(e)
+
+
+# Timed as the torchrun program runs: each batch held until every message in it has gone.
+
+
+def test_the_rendezvous_timeline_by_hand():
+    """gpipe, 2 ranks, 2 micro-batches; F 1 ms, B 2 and 3 ms, 0.5 ms on the link. Rank 0's
+    SEND_F1 and RECV_B1 are one batch, so rank 0 holds it until rank 1 sends B1 (7.0, in by
+    7.5); rank 1's SEND_B1 holds rank 1 for the transfer, so its B0 starts at 7.5, not 6.5."""
+    from schedules import Costs, simulate
+
+    lowered = insert_comms(build_schedule("gpipe", 2, 2))
+    assert [str(a) for a in lowered.ranks[0]] == [
+        "0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B1", "0B1", "0RECV_B0", "0B0",
+    ]  # fmt: skip
+    costs = Costs([1.0, 1.0], [2.0, 3.0], transfer=[0.5])
+    tl = simulate(lowered, costs, memory=False, rendezvous=True)
+    assert tl.starts == [
+        [0.0, 1.0, 1.5, 2.5, 2.5, 7.5, 9.5, 11.0],
+        [0.0, 1.5, 2.5, 3.0, 4.0, 7.0, 7.5, 10.5],
+    ]
+    assert tl.ends == [
+        [1.0, 1.5, 2.5, 7.5, 7.5, 9.5, 11.0, 13.0],
+        [1.5, 2.5, 3.0, 4.0, 7.0, 7.5, 10.5, 11.0],
+    ]
+    assert tl.makespan == 13.0 and tl.busy == [6.0, 8.0]
+    assert sorted(tl.raw_transfers) == [
+        (0, 0, 0, 1.0, 1.5), (0, 0, 1, 2.5, 3.0), (1, 0, 0, 10.5, 11.0), (1, 0, 1, 7.0, 7.5),
+    ]  # fmt: skip
+    # where sends never block, rank 1 starts B0 as soon as B1 is sent: 1 ms sooner
+    assert simulate(lowered, costs, memory=False).makespan == 12.0
+    # a compute-only schedule is lowered first
+    plain = build_schedule("gpipe", 2, 2)
+    assert simulate(plain, costs, memory=False, rendezvous=True).makespan == 13.0
+
+
+def test_a_schedule_that_deadlocks_where_sends_block_is_refused_by_the_timed_run():
+    from schedules import Costs, simulate
+
+    with pytest.raises(ScheduleError, match="deadlock when a send completes"):
+        simulate(parse_schedule(CROSSED), Costs.uniform(2), rendezvous=True)
+
+
+def _random_costs(data, S):
+    from schedules import Costs
+
+    t = st.floats(0.0, 5.0, allow_nan=False)
+    f, i, w = (data.draw(st.lists(t, min_size=S, max_size=S)) for _ in range(3))
+    link = data.draw(st.lists(st.floats(0.0, 2.0), min_size=S - 1, max_size=S - 1))
+    return Costs(f, [a + b for a, b in zip(i, w)], input_grad=i, weight_grad=w, transfer=link)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_the_lowering_chosen_by_time_meets_and_is_the_fastest_tried(data):
+    """With costs, insert_comms returns a lowering that meets where sends block, keeps each
+    rank's compute in order, and is as fast as the plain one and the time steps, as simulated;
+    none beats the compute-only timeline, where no send waits (a lower bound)."""
+    from schedules import simulate
+
+    name = data.draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]))
+    K, M = data.draw(st.sampled_from([2, 3, 4])), data.draw(st.integers(1, 8))
+    if name == "interleaved-1f1b":
+        K, M = 2 * (K // 2), (M + 1) // 2 * 2 if M > 1 else M
+    sched = build_schedule(name, K, M)
+    costs = _random_costs(data, sched.num_stages)
+    chosen = insert_comms(sched, costs)
+    validate(chosen, rendezvous=True)
+    for r, acts in sched.ranks.items():
+        assert [a for a in chosen.ranks[r] if a.kind.is_compute] == acts
+    best = simulate(chosen, costs, memory=False, rendezvous=True).makespan
+    floor = simulate(sched, costs, memory=False).makespan
+    assert best >= floor - 1e-9
+    for other in (insert_comms(sched), comm._lockstep(sched)):
+        if other is not None and comm._meets(other):
+            assert best <= simulate(other, costs, memory=False, rendezvous=True).makespan + 1e-9
+
+
+def test_zero_bubble_takes_each_gradient_before_its_next_forward():
+    """zb-h1 on 2 ranks. Plain, rank 0 batches SEND_F(m + 1) with RECV_B(m), and rank 1 takes
+    F(m + 1) after its W(m - 1): rank 0 waits in that batch through every W of rank 1. Chosen
+    by time, rank 0 takes B(m) as soon as it is made, before F(m + 1), and sends F(m + 1)
+    alone; 14% faster here, 15% over the compute-only timeline (a send waits for its receive)."""
+    from schedules import Costs, simulate
+
+    sched = build_schedule("zb-h1", 2, 8)
+    costs = Costs([10.0, 10.0], [28.0, 29.0], input_grad=[11.0, 11.5], weight_grad=[17.0, 17.5],
+                  transfer=[0.2])  # fmt: skip
+    plain, chosen = insert_comms(sched), insert_comms(sched, costs)
+    slow = simulate(plain, costs, memory=False, rendezvous=True).makespan
+    fast = simulate(chosen, costs, memory=False, rendezvous=True).makespan
+    floor = simulate(sched, costs, memory=False).makespan
+    assert fast < 0.9 * slow and floor <= fast
+    first = [str(a) for a in chosen.ranks[0]]
+    assert (
+        first.index("0RECV_B1") < first.index("0F2") < first.index("0SEND_F2") < first.index("0I1")
+    )
+    assert [str(a) for a in plain.ranks[0]][8:10] == ["0SEND_F2", "0RECV_B1"]
