@@ -5,7 +5,9 @@ Memory is measured in one process (`gpipe-plan measure`, streams target: the all
 reports per stage); time with the torchrun target, one process per device and one thread each.
 The profile is taken with one thread too, and the links between the two ranks are measured
 first (gloo over loopback: a ping-pong fitted to latency + bytes / bandwidth), so the plan's
-cluster describes the machine the step runs on.
+cluster describes the machine the step runs on. Each plan is made for the program whose time
+is compared (`--target torchrun`: its ranks wait for each other where sends meet receives); the
+time the same plan takes where sends never wait is listed beside it.
 
     OMP_NUM_THREADS=1 python benchmarks/measure_bench.py [--steps 5] [--out bench-out]
 
@@ -93,6 +95,9 @@ def main() -> None:
     cuda = args.device.startswith("cuda")
     import torch
 
+    from planner.plan import Plan
+    from planner.search import simulate_plan
+
     torchrun = not cuda or torch.cuda.device_count() >= 2
     out = Path(args.out)
     out.mkdir(exist_ok=True)
@@ -123,7 +128,7 @@ def main() -> None:
             plan = out / f"{example}-{schedule}.json"
             r = cli("plan", str(prof), "--cluster", str(cluster), "--batch-size", str(batch),
                     "--microbatches", str(M), "--schedule", schedule, "--recompute", "never",
-                    "-o", str(plan))  # fmt: skip
+                    "--target", "torchrun" if torchrun else "streams", "-o", str(plan))  # fmt: skip
             assert r.returncode == 0, r.stderr
             reports = {}
             for target in ("streams", "torchrun") if torchrun else ("streams",):
@@ -134,6 +139,7 @@ def main() -> None:
                 reports[target] = json.loads(rep.read_text())
             mem = reports["streams"]
             run = reports.get("torchrun", mem)
+            free = simulate_plan(Plan.load(plan), levels=False, rendezvous=False).makespan
             for d, t in zip(mem["devices"], run["devices"]):
                 rows.append([
                     example, schedule, d["name"],
@@ -141,13 +147,15 @@ def main() -> None:
                     f"{d['measured_peak_bytes'] / 2**20:.2f}",
                     f"{100 * d['memory_error']:+.1f}%",
                     f"{100 * t['memory_error']:+.1f}%",
+                    f"{free:.1f}",
                     f"{run['predicted_step_ms']:.1f}",
                     f"{run['measured_step_ms']:.1f}",
                     f"{100 * run['step_error']:+.1f}%",
                 ])  # fmt: skip
             print(" | ".join(rows[-1]), flush=True)
     head = ["example", "schedule", "device", "predicted peak MiB", "measured peak MiB",
-            "memory error", "memory error (torchrun)", "predicted step ms",
+            "memory error", "memory error (torchrun)", "step ms where sends never wait",
+            "predicted step ms (the program)",
             "measured step ms (torchrun, median)", "step error"]  # fmt: skip
     print_table(head, rows)
 

@@ -7,7 +7,8 @@ same step in one process (rank 0 alone, rank 1 waiting). Each contender's step t
 median over the steps (each step between two barriers, so the slower rank counts); peak memory
 is what one step allocates on each rank, from the allocator's own reports (profiler/memtrack),
 on top of the weights. A Chrome trace of rank 0's step under our program is written for a look
-at where the time goes.
+at where the time goes. Our programs are planned for torchrun (`--target torchrun`), one per
+schedule listed; torch's stages take the first one's split.
 
     OMP_NUM_THREADS=1 python benchmarks/pipelining_bench.py [--steps 20] [--out bench-out]
 """
@@ -29,9 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from measure_bench import print_table  # noqa: E402
 
-CASES = [  # (example, batch, micro-batches, schedule of ours)
-    ("transformer", 32, 8, "1f1b"),
-    ("mlp", 256, 8, "1f1b"),
+CASES = [  # (example, batch, micro-batches, our schedules: the first one's split is torch's)
+    ("transformer", 32, 8, ["1f1b", "zb-h1"]),
+    ("mlp", 256, 8, ["1f1b", "zb-h1"]),
 ]
 
 RANK = r"""
@@ -44,11 +45,13 @@ from planner.plan import Plan
 from profiler.memtrack import trace_allocations
 from profiler.models import as_layers, load_model
 
-program, plan_path, spec, out, steps = sys.argv[1:6]
+programs, plan_paths, spec, out, steps = sys.argv[1:6]
+programs, plan_paths = programs.split(","), plan_paths.split(",")
 steps = int(steps)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
-plan = Plan.load(plan_path)
+plans = [Plan.load(p) for p in plan_paths]
+plan = plans[0]
 M = plan.microbatches
 
 
@@ -77,10 +80,13 @@ with torch.no_grad():
 classes = logits.shape[-1]
 y = torch.randint(0, classes, (B, *logits.shape[1:-1]))
 
-ns = {}
-exec(compile(open(program).read(), program, "exec"), ns)
-ours = ns["Pipeline"](torch.nn.Sequential(*fresh()))
-ours_params = list(ours.parameters())
+ours = {}
+for program, p in zip(programs, plans):
+    ns = {}
+    exec(compile(open(program).read(), program, "exec"), ns)
+    ours[f"ours ({p.schedule})"] = ns["Pipeline"](torch.nn.Sequential(*fresh()))
+ours_params = [q for pipe in ours.values() for q in pipe.parameters()]
+first = next(iter(ours))
 
 (a, b) = plan.stages[rank].layers
 torch_stages = {}
@@ -91,8 +97,10 @@ for name, cls in (("torch ScheduleGPipe", ScheduleGPipe), ("torch Schedule1F1B",
 whole = torch.nn.Sequential(*fresh())
 
 
-def step_ours():
-    return ours.train_step(x if rank == 0 else None, y, loss_fn)
+def step_ours(name):
+    def run():
+        return ours[name].train_step(x if rank == 0 else None, y, loss_fn)
+    return run
 
 
 def step_torch(name):
@@ -123,7 +131,7 @@ def zero():
     whole.zero_grad(set_to_none=True)
 
 
-contenders = {"ours": step_ours, **{n: step_torch(n) for n in torch_stages},
+contenders = {**{n: step_ours(n) for n in ours}, **{n: step_torch(n) for n in torch_stages},
               "one process": step_single}
 times = {n: [] for n in contenders}
 peaks, losses = {}, {}
@@ -147,11 +155,11 @@ for k in range(steps):
 if rank == 0:
     zero(); dist.barrier()
     with torch.profiler.profile() as prof:
-        step_ours()
+        step_ours(first)()
     dist.barrier()
     prof.export_chrome_trace(os.path.join(out, "ours-rank0.json"))
 else:
-    zero(); dist.barrier(); step_ours(); dist.barrier()
+    zero(); dist.barrier(); step_ours(first)(); dist.barrier()
 res = {"rank": rank, "ms": {n: statistics.median(t) for n, t in times.items()},
        "peak": peaks, "loss": losses}
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -177,17 +185,26 @@ def main() -> None:
     out = Path(args.out).resolve()
     out.mkdir(exist_ok=True)
     rows = []
-    for example, batch, M, schedule in CASES:
-        prof, plan = out / f"pp-{example}.json", out / f"pp-{example}-plan.json"
+    for example, batch, M, schedules in CASES:
+        prof = out / f"pp-{example}.json"
         mb = batch // M
         cli("profile", f"example:{example}", "--threads", "1", "--batch-sizes",
             f"{mb // 2},{mb},{2 * mb}", "-o", str(prof))  # fmt: skip
-        cli("plan", str(prof), "--devices", "2", "--memory", "4GiB", "--batch-size", str(batch),
-            "--microbatches", str(M), "--schedule", schedule, "--recompute", "never",
-            "-o", str(plan))  # fmt: skip
-        program = out / f"pp-{example}.py"
-        cli("codegen", str(plan), "--model", f"example:{example}", "--target", "torchrun",
-            "-o", str(program))  # fmt: skip
+        plans, programs = [], []
+        for schedule in schedules:
+            plan = out / f"pp-{example}-{schedule}-plan.json"
+            cli("plan", str(prof), "--devices", "2", "--memory", "4GiB", "--batch-size",
+                str(batch), "--microbatches", str(M), "--schedule", schedule, "--recompute",
+                "never", "--target", "torchrun", "-o", str(plan))  # fmt: skip
+            program = out / f"pp-{example}-{schedule}.py"
+            cli("codegen", str(plan), "--model", f"example:{example}", "--target", "torchrun",
+                "-o", str(program))  # fmt: skip
+            plans.append(plan)
+            programs.append(program)
+        predicted = {f"ours ({s})": json.loads(p.read_text())["predicted"]["iteration_ms"]
+                     for s, p in zip(schedules, plans)}  # fmt: skip
+        splits = {f"ours ({s})": json.loads(p.read_text())["stages"][0]["layers"]
+                  for s, p in zip(schedules, plans)}  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
             script = Path(tmp) / "rank.py"
             script.write_text(RANK)
@@ -195,8 +212,8 @@ def main() -> None:
             t0 = time.perf_counter()
             r = subprocess.run(
                 [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                 "--nproc-per-node=2", str(script), str(program), str(plan),
-                 f"example:{example}", tmp, str(args.steps)],
+                 "--nproc-per-node=2", str(script), ",".join(map(str, programs)),
+                 ",".join(map(str, plans)), f"example:{example}", tmp, str(args.steps)],
                 capture_output=True, text=True, env=env,
             )  # fmt: skip
             if r.returncode != 0:
@@ -206,17 +223,20 @@ def main() -> None:
                 (Path(tmp) / "ours-rank0.json").replace(out / f"pp-{example}-trace.json")
         print(f"{example}: {time.perf_counter() - t0:.0f} s", flush=True)
         ms = res[0]["ms"]
+        base = ms[f"ours ({schedules[0]})"]
         for n in ms:
             loss = res[1]["loss"].get(n) if res[1]["loss"].get(n) is not None else res[0]["loss"][n]
             rows.append([
-                example, schedule if n == "ours" else "", n, f"{ms[n]:.1f}",
-                f"{ms['ours'] and ms[n] / ms['ours']:.2f}x",
+                example, n, f"{ms[n]:.1f}", f"{ms[n] / base:.2f}x",
+                f"{predicted[n]:.1f}" if n in predicted else "",
+                str(splits.get(n, splits[f"ours ({schedules[0]})"] if "torch" in n else "")),
                 f"{res[0]['peak'][n] / 2**20:.2f}", f"{res[1]['peak'][n] / 2**20:.2f}",
                 f"{loss:.5f}",
             ])  # fmt: skip
             print(" | ".join(rows[-1]), flush=True)
-    head = ["example", "our schedule", "contender", "step ms (median)", "its time / ours",
-            "rank 0 peak MiB", "rank 1 peak MiB", "loss"]  # fmt: skip
+    head = ["example", "contender", "step ms (median)", "its time / our first",
+            "predicted ms (torchrun program)", "stage 0 layers", "rank 0 peak MiB",
+            "rank 1 peak MiB", "loss"]  # fmt: skip
     print_table(head, rows)
 
 

@@ -17,6 +17,7 @@ Recompute = Literal["never", "except_last", "always"]
 # a plan's: one mode for every stage, or per_stage (each stage says its own)
 PlanRecompute = Literal["never", "except_last", "always", "per_stage"]
 Optimizer = Literal["sgd", "momentum", "adam"]
+Target = Literal["streams", "torchrun"]
 
 
 class _Strict(BaseModel):
@@ -206,6 +207,12 @@ class Plan(Artifact):
     )
     recompute: PlanRecompute
     optimizer: Optimizer
+    target: Target = Field(
+        default="streams",
+        description="the program the times predict: streams (a transfer never holds its "
+        "sender) or torchrun (each rank held in its batch of sends and receives until every "
+        "message in it has gone)",
+    )
     loss: Text = Field(default="", description="the profiled loss the last stage includes, if any")
     captured: bool = Field(
         default=False, description="the model's graph was captured: layers are runs of its graph"

@@ -75,6 +75,7 @@ from .routing import routes as route_pairs
 from .units import format_size
 
 SOLVERS = ("auto", "probe", "dp", "cp-sat")
+TARGETS = ("streams", "torchrun")
 INTERLEAVE = 2  # stages per device for interleaved-1f1b
 
 
@@ -125,6 +126,7 @@ class _Problem:
     batch_size: int
     optimizer: str
     digests: tuple[str, str] = ("", "")  # of the profile and the cluster: computed once
+    target: str = "streams"  # the program whose time each plan predicts (Plan.target)
     table: ProfileTable = field(init=False)
     chains: dict[int, Chain] = field(default_factory=dict)
     memories: dict[int, MemoryModel] = field(default_factory=dict)
@@ -169,13 +171,16 @@ def plan_pipeline(
     time_limit_s: float | None = None,
     progress: bool | None = None,
     allow_reorder: bool = False,
+    target: str = "streams",
 ) -> Plan:
     """The fastest predicted plan for `profile` on `cluster` that fits every device's memory.
     `time_limit_s`: return the best plan found by then, marked not proven (the search goes on
     until one plan fits). `progress`: a bar on stderr (default: when it is a terminal).
     `allow_reorder`: the devices may run the stages in another order (Cluster.placements:
     every distinct order, hosts kept together when links are given by host); the plan's
-    cluster lists them in the order chosen.
+    cluster lists them in the order chosen. `target`: the program whose time is minimised
+    and predicted (Plan.target): the torchrun program's ranks wait for each other where sends
+    meet their receives, which the exact split does not see (the plan says so when it costs).
 
     Raises ArgumentError (an InputError) for bad arguments and InfeasibleError when no split fits."""
     started = time.perf_counter()
@@ -184,6 +189,7 @@ def plan_pipeline(
             profile, cluster, batch_size, started,
             microbatches=microbatches, schedule=schedule, recompute=recompute,
             optimizer=optimizer, solver=solver, time_limit_s=time_limit_s, progress=progress,
+            target=target,
         )  # fmt: skip
     if not isinstance(profile, Profile):
         raise ArgumentError("profile", type(profile).__name__, "expected a Profile")
@@ -200,6 +206,7 @@ def plan_pipeline(
         )
     choice(optimizer, "optimizer", tuple(OPTIMIZER_SLOTS))
     choice(solver, "solver", SOLVERS)
+    choice(target, "target", TARGETS)
     if time_limit_s is not None:
         real(time_limit_s, "time_limit_s", 0, 86400)
     if microbatches == "auto":
@@ -224,7 +231,7 @@ def plan_pipeline(
         (solve_partition_dp, "dp") if solver == "dp" else (solve_partition, "probe-bisection")
     )
     problem = _Problem(
-        profile, cluster, batch_size, optimizer, (profile.digest(), cluster.digest())
+        profile, cluster, batch_size, optimizer, (profile.digest(), cluster.digest()), target
     )
     _check_magnitude(problem.table, batch_size)
 
@@ -940,8 +947,20 @@ def _build_plan(
         )
         for k, d in enumerate(cluster.devices)
     ]
-    total_ms = timeline.makespan
-    proven = relaxed is None and part.extra.get("optimal", 1.0) == 1.0
+    total_ms, bubble = timeline.makespan, timeline.bubble_fraction
+    waits = ""
+    if problem.target == "torchrun" and K > 1:
+        costs = stage_costs(stages)
+        sched = plan_schedule(cand.schedule, K, cand.microbatches, routes)
+        run = simulate(insert_comms(sched, costs), costs, memory=False, rendezvous=True)
+        if run.makespan > total_ms * (1 + 1e-12):
+            waits = (
+                f"the torchrun program's ranks wait for each other in their batches of sends "
+                f"and receives ({run.makespan - total_ms:.3g} ms over the same plan where "
+                "sends never wait), which the exact split does not see"
+            )
+        total_ms, bubble = run.makespan, run.bubble_fraction
+    proven = relaxed is None and part.extra.get("optimal", 1.0) == 1.0 and not waits
     unproven = ""
     lower = part.extra.get("lower_bound_ms", part.bottleneck)
     gap = part.extra.get("gap", 0.0)
@@ -953,6 +972,8 @@ def _build_plan(
         )
         lower = relaxed.bottleneck
         gap = (part.bottleneck - lower) / part.bottleneck if part.bottleneck > 0 else 0.0
+    elif waits:
+        unproven = waits
     elif not proven:
         unproven = f"{method} stopped before proving its split optimal"
     return Plan(
@@ -976,12 +997,13 @@ def _build_plan(
         # one mode when every stage chose it
         recompute=modes[0] if len(set(modes)) == 1 else PER_STAGE,  # type: ignore[arg-type]
         optimizer=problem.optimizer,  # type: ignore[arg-type]
+        target=problem.target,  # type: ignore[arg-type]
         loss=profile.loss.type if profile.loss is not None else "",
         stages=stages,
         devices=devices,
         predicted=Prediction(
             iteration_ms=total_ms,
-            bubble_fraction=timeline.bubble_fraction,
+            bubble_fraction=bubble,
             throughput_samples_per_s=(problem.batch_size / total_ms * 1e3 if total_ms > 0 else 0.0),
             bottleneck_ms=part.bottleneck,
             peak_memory=timeline.peak_memory,
@@ -1030,10 +1052,13 @@ def simulate_stages(
     return simulate(sched, stage_costs(stages), levels=levels)
 
 
-def simulate_plan(plan: Plan, *, levels: bool = True, rendezvous: bool = False) -> Timeline:
+def simulate_plan(plan: Plan, *, levels: bool = True, rendezvous: bool | None = None) -> Timeline:
     """The plan's own schedule, routes and stage costs through the simulator; `rendezvous`:
-    the program the torchrun target runs (`torchrun_schedule`), as it runs it."""
-    if not rendezvous:
+    the program the torchrun target runs (`torchrun_schedule`), as it runs it (by default
+    when that is the plan's target, whose times then match the plan's)."""
+    if rendezvous is None:
+        rendezvous = plan.target == "torchrun"
+    if not rendezvous or len(plan.devices) == 1:
         return simulate_stages(
             plan.schedule, len(plan.devices), plan.microbatches, plan.stages, levels=levels,
             routes=_routes(plan),

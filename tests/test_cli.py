@@ -391,6 +391,28 @@ def test_simulate_the_torchrun_program(run_cli, plan_path, tmp_path):
     assert len(plan.devices) == 4 and {"SEND_F", "RECV_F", "SEND_B", "RECV_B"} <= cats
 
 
+def test_plan_for_the_torchrun_program(run_cli, transformer_profile_path, tmp_path):
+    from planner import Plan
+    from planner.search import simulate_plan
+
+    out = tmp_path / "plan.json"
+    r = run_cli("plan", transformer_profile_path, "--devices", 2, "--memory", "1GiB",
+                "--batch-size", 8, "--target", "torchrun", "-o", out)  # fmt: skip
+    assert r.code == 0, r.err
+    plan = Plan.load(out)
+    assert plan.target == "torchrun" and "(the torchrun program)" in r.out
+    timed = simulate_plan(plan)  # the plan's target: the torchrun program
+    assert plan.predicted.iteration_ms == timed.makespan
+    assert timed.makespan >= simulate_plan(plan, rendezvous=False).makespan
+    r = run_cli("simulate", out)
+    assert f"makespan {timed.makespan:.3f} ms" in r.out and "the torchrun program" in r.out
+    assert "(the torchrun program)" in run_cli("show", out).out
+    r = run_cli("plan", transformer_profile_path, "--devices", 2, "--memory", "1GiB",
+                "--batch-size", 8, "--target", "nccl", "-o", tmp_path / "x.json")  # fmt: skip
+    assert_bad_input(r, mentions="--target")
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_simulate_bad_output_dir_writes_nothing(run_cli, plan_path, tmp_path):
     r = run_cli("simulate", plan_path, "--chrome-trace", tmp_path / "no" / "t.json")
     assert_bad_input(r, mentions="does not exist")

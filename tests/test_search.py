@@ -322,3 +322,60 @@ def test_interleaved_split_that_overruns_a_device_falls_back_to_halves_and_says_
         assert "half its device" in plan.solver.unproven and not plan.solver.optimal
         assert plan.solver.lower_bound_ms <= plan.predicted.bottleneck_ms
         assert all(st.memory.budget == 3_400 // 2 for st in plan.stages)
+
+
+def test_planned_for_torchrun_the_plan_is_the_fastest_there():
+    """Interleaved 1F1B is the fastest where a transfer never holds its sender (streams: 123
+    ms), but its ranks send both ways at once and wait for each other where sends meet their
+    receives (147 ms under torchrun). Planned for torchrun, zb-h1 wins (124 ms, no waits: its
+    time is the split's, proven); every prediction is the simulator's for that program."""
+    profile = synthetic_profile([0.5, 1, 1.5, 2, 1, 1, 0.5, 2], sizes=(1, 2, 4, 8))
+    cluster = Cluster.uniform(2, "1GiB")
+    streams = plan_pipeline(profile, cluster, 8, microbatches=8)
+    torchrun = plan_pipeline(profile, cluster, 8, microbatches=8, target="torchrun")
+    assert (streams.schedule, streams.target, torchrun.schedule) == (
+        "interleaved-1f1b", "streams", "zb-h1",
+    )  # fmt: skip
+    assert streams.predicted.iteration_ms == 123.0 == search.simulate_plan(streams).makespan
+    assert search.simulate_plan(streams, rendezvous=True).makespan == 147.0
+    assert torchrun.predicted.iteration_ms == 124.0 == search.simulate_plan(torchrun).makespan
+    assert torchrun.solver.optimal and not torchrun.solver.unproven
+    # with a latency the waits cost, and the plan says the split is not proven for them
+    slow = plan_pipeline(profile, Cluster.uniform(2, "1GiB", latency_ms=1.0), 8, microbatches=8,
+                         target="torchrun")  # fmt: skip
+    assert slow.predicted.iteration_ms == search.simulate_plan(slow).makespan
+    assert not slow.solver.optimal and "wait for each other" in slow.solver.unproven
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    forward=st.lists(st.floats(0.1, 4.0), min_size=4, max_size=8),
+    backward_ratio=st.floats(0.2, 10.0),
+    K=st.integers(2, 3),
+    N=st.sampled_from([3, 4, 8]),
+    latency=st.sampled_from([0.0, 0.5, 5.0]),
+)
+def test_pruned_search_for_torchrun_returns_the_exhaustive_plan(
+    forward, backward_ratio, K, N, latency
+):
+    """The bounds are of the split where sends never wait, so they stay below the torchrun
+    program's time: pruning by them still returns what solving every candidate returns."""
+    fwd = [round(x, 3) for x in forward]
+    profile = synthetic_profile(
+        fwd, [round(x * backward_ratio, 3) for x in fwd], sizes=(1, 2, 4, 8)
+    )
+    cluster = Cluster.uniform(K, "1GiB", bandwidth=1e6, latency_ms=latency)
+    pruned = plan_pipeline(profile, cluster, N, target="torchrun")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(search, "_prior_bound", lambda *a: 0.0)
+        mp.setattr(search, "_lower_bound", lambda *a: 0.0)
+        full = plan_pipeline(profile, cluster, N, target="torchrun")
+    assert full.solver.solved == full.solver.candidates
+    a, b = json.loads(pruned.canonical_json()), json.loads(full.canonical_json())
+    for plan in (a, b):
+        plan["solver"].pop("solved"), plan["solver"].pop("pruned"), plan.pop("alternatives")
+    assert a == b
+    assert pruned.predicted.iteration_ms == search.simulate_plan(pruned).makespan
+    for alt in full.alternatives:
+        if alt.iteration_ms is not None:
+            assert alt.iteration_ms >= full.predicted.iteration_ms * (1 - 1e-12)
