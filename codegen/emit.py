@@ -157,7 +157,8 @@ def _header(plan: Plan, target: str) -> str:
 #     {run}
 #
 # {len(plan.devices)} device(s), schedule {plan.schedule}, batch {plan.batch_size} as {plan.microbatches} micro-batch(es)
-# of <= {plan.microbatch_size}, recompute {plan.recompute}; predicted {plan.predicted.iteration_ms:.2f} ms per step.
+# of <= {plan.microbatch_size}, recompute {plan.recompute}; predicted {plan.predicted.iteration_ms:.2f} ms per step
+# ({"this program" if plan.target == target else f"the plan's {plan.target} program"}).
 #
 #   stage  device  name         layers
 {rows}

@@ -294,8 +294,12 @@ def plan_pipeline(
         else:  # keep the probe's exact split, and say that CP-SAT did not confirm it
             if rebuilt is not None:
                 failed = "its split overran a device's memory once both stages were counted"
+            told = best.solver.unproven
             best.solver = best.solver.model_copy(
-                update={"unproven": f"CP-SAT could not re-solve the split: {failed}"}
+                update={
+                    "unproven": f"CP-SAT could not re-solve the split: {failed}"
+                    + (f"; {told}" if told else "")
+                }
             )
     unproven = best.solver.unproven
     if visited.timed_out:
@@ -959,8 +963,18 @@ def _build_plan(
                 f"and receives ({run.makespan - total_ms:.3g} ms over the same plan where "
                 "sends never wait), which the exact split does not see"
             )
+        elif run.makespan < total_ms * (1 - 1e-12):
+            # the default model takes a captured graph's stages in chain order; the program
+            # runs branches that exchange nothing side by side: faster than what the bounds
+            # that pruned other candidates assume
+            waits = (
+                f"the torchrun program runs this captured graph's branches side by side "
+                f"({total_ms - run.makespan:.3g} ms under the chain-order model the split and "
+                "the search's bounds use)"
+            )
         total_ms, bubble = run.makespan, run.bubble_fraction
-    proven = relaxed is None and part.extra.get("optimal", 1.0) == 1.0 and not waits
+    solved = part.extra.get("optimal", 1.0) == 1.0
+    proven = relaxed is None and solved and not waits
     unproven = ""
     lower = part.extra.get("lower_bound_ms", part.bottleneck)
     gap = part.extra.get("gap", 0.0)
@@ -972,10 +986,10 @@ def _build_plan(
         )
         lower = relaxed.bottleneck
         gap = (part.bottleneck - lower) / part.bottleneck if part.bottleneck > 0 else 0.0
-    elif waits:
-        unproven = waits
-    elif not proven:
+    elif not solved:
         unproven = f"{method} stopped before proving its split optimal"
+    if waits:
+        unproven = f"{unproven}; {waits}" if unproven else waits
     return Plan(
         model=profile.model,
         model_digest=profile.model_digest,

@@ -157,6 +157,8 @@ def _fastest(schedule: Schedule, costs: Costs) -> Schedule:
     from .simulate import simulate
 
     plain = insert_comms(schedule)
+    if all(a.kind.is_compute for acts in plain.ranks.values() for a in acts):
+        return plain  # nothing crosses ranks
     compute = schedule.compute_only()
     tl = simulate(compute, costs, memory=False)
     tried = [plain, _lockstep(schedule)] + [_timed(compute, tl, how) for how in _HOW]

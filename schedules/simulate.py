@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -162,8 +163,8 @@ def simulate(
     w = None if rendezvous else waves_of(schedule)
     if rendezvous:
         if not comms_of(schedule):
-            schedule = insert_comms(schedule)
-        run_ = _rendezvous_loop(schedule, fwd, bwd, i_cost, w_cost, rec, link)
+            schedule = insert_comms(schedule, costs)
+        run_ = _as_it_runs(schedule, fwd, bwd, i_cost, w_cost, rec, link)
     elif w is not None:
         recomputed = np.array(rec, dtype=bool).reshape(S, M)
         run_ = _by_waves(w, durations(w, fwd, bwd, i_cost, w_cost, recomputed, link))
@@ -342,6 +343,25 @@ def _event_loop(
     return starts, ends, transfers, busy
 
 
+def _as_it_runs(schedule: Schedule, *times: Any) -> _Run:
+    """The torchrun program's timeline: its sends block where it is proven to meet there (it
+    then waits for them), else they go as on gloo (the program says RENDEZVOUS = False)."""
+    from .validate import ScheduleError, check_order, validate
+
+    try:
+        check_order(schedule)
+        ordered = True
+    except ScheduleError:
+        ordered = False
+    got = _rendezvous_loop(schedule, *times, sends_block=True) if ordered else None
+    if got is None:
+        got = _rendezvous_loop(schedule, *times, sends_block=False)
+    if got is None:
+        validate(schedule)  # raises with the grid
+        raise AssertionError("simulation stalled on a schedule that validates")
+    return got
+
+
 def _rendezvous_loop(
     schedule: Schedule,
     fwd: list[float],
@@ -350,38 +370,35 @@ def _rendezvous_loop(
     w_cost: list[float],
     rec: list[list[bool]],
     link: list[float],
-) -> _Run:
+    sends_block: bool = True,
+) -> _Run | None:
     """The timeline of a lowered schedule as the torchrun program runs it: each run of
     communication between two compute actions is one batch, posted when the rank reaches it
-    and left only when every message in it has gone; a message goes once both of its ends
-    are posted and its link is free, and takes its link's time. A rank waiting in a batch is
-    not busy. Compute actions wait for their inputs as in `_event_loop`; an input from
-    another rank arrives with its message."""
-    from .validate import validate
-
+    and left once every message in it has gone (`sends_block`; else, as a program not proven
+    to meet runs on gloo, once every message it receives has come). A message goes once both
+    of its ends are posted and its link is free, and takes its link's time: a message between
+    neighbouring stages is charged all the next stage receives (skips included, as the default
+    model charges it); a skip past a stage adds no time of its own. A rank waiting in a batch
+    is not busy. A compute action waits for what it reads: its own rank's actions, or the
+    messages that brought the rest. None where a rank never gets past a batch."""
     S, R, place = schedule.num_stages, schedule.num_ranks, schedule.placement
-    X, G, FDONE, IDONE = 0, 1, 2, 3
-    last = S - 1
+    senders = [schedule.senders(t) for t in range(S)]
+    receivers = [schedule.receivers(t) for t in range(S)]
     programs = [batches(schedule.ranks[r]) for r in range(R)]
-    # Per batch: (message, is_send) for each message it carries.
-    carried = [
+    SENT = (Kind.SEND_F, Kind.SEND_B)
+    carried = [  # per batch: (message, is_send) for each message it carries
         [
-            [
-                (msg, a.kind in (Kind.SEND_F, Kind.SEND_B))
-                for a in b
-                for msg, _ in action_messages(schedule, a)
-            ]
-            if not b[0].kind.is_compute
-            else []
+            []
+            if b[0].kind.is_compute
+            else [(msg, a.kind in SENT) for a in b for msg, _ in action_messages(schedule, a)]
             for b in prog
         ]
         for prog in programs
     ]
-    avail: dict[tuple[int, int, int], float] = {}
-    posted: dict[tuple[tuple, bool], float] = {}  # (message, is_send) -> when its end was posted
-    delivered: dict[tuple, float] = {}  # message -> when it arrived
+    avail: dict[tuple, float] = {}  # what is done or has arrived -> when
+    posted: dict[tuple, float] = {}  # (message, is_send) -> when that end was posted
     link_free: dict[tuple[int, int], float] = {}
-    waiting: dict[object, list[int]] = {}
+    waiting: dict[tuple, list[int]] = {}
     rank_time = [0.0] * R
     busy = [0.0] * R
     ptr = [0] * R
@@ -391,15 +408,36 @@ def _rendezvous_loop(
     transfers: list[tuple[int, int, int, float, float]] = []
     todo = list(range(R))
 
-    def publish(key: object, t: float) -> None:
-        if isinstance(key, tuple) and len(key) == 3:
-            avail[key] = t  # type: ignore[index]
-        w = waiting.pop(key, None)
-        if w:
-            todo.extend(w)
+    def publish(key: tuple, t: float) -> None:
+        avail[key] = t
+        woken = waiting.pop(key, None)
+        if woken:
+            todo.extend(woken)
 
-    def wait(key: object, r: int) -> None:
-        waiting.setdefault(key, []).append(r)
+    def deliver(msg: tuple) -> float:
+        kind, s, t, m = msg
+        key = ("msg", msg)
+        if key not in avail:
+            go = max(posted[(msg, True)], posted[(msg, False)])
+            end = go
+            if abs(s - t) == 1:
+                d, cut = (0 if kind == "F" else 1), min(s, t)
+                go = max(go, link_free.get((d, cut), 0.0))
+                end = go + link[cut]
+                link_free[(d, cut)] = end
+                transfers.append((d, cut, m, go, end))
+            publish(key, end)
+        return avail[key]
+
+    def needs(a: Action, r: int) -> list[tuple]:
+        s, m = a.stage, a.microbatch
+        if a.kind == Kind.F:
+            return [("F", x, m) if place[x] == r else ("msg", ("F", x, s, m)) for x in senders[s]]
+        if a.kind in (Kind.B, Kind.I):
+            return [("F", s, m)] + [
+                ("bwd", x, m) if place[x] == r else ("msg", ("B", x, s, m)) for x in receivers[s]
+            ]
+        return [("I", s, m)]  # W
 
     while todo:
         r = todo.pop()
@@ -413,56 +451,31 @@ def _rendezvous_loop(
                     entered[r] = p
                     for end in ops:
                         posted[end] = t_rank
-                        publish(end, t_rank)
-                late = next(
-                    ((msg, not snd) for msg, snd in ops if (msg, not snd) not in posted), None
-                )
+                        publish(("posted", *end), t_rank)
+                waited = [(msg, snd) for msg, snd in ops if sends_block or not snd]
+                late = next(((m_, not s_) for m_, s_ in waited if (m_, not s_) not in posted), None)
                 if late is not None:
-                    wait(late, r)
+                    waiting.setdefault(("posted", *late), []).append(r)
                     break
-                done = t_rank
-                for msg, _snd in ops:
-                    if msg not in delivered:
-                        kind, s, t, m = msg
-                        d = 0 if kind == "F" else 1
-                        cut = min(s, t)
-                        go = max(
-                            posted[(msg, True)], posted[(msg, False)], link_free.get((d, cut), 0.0)
-                        )
-                        end = go + link[cut]
-                        link_free[(d, cut)] = end
-                        delivered[msg] = end
-                        transfers.append((d, cut, m, go, end))
-                        if abs(s - t) == 1:  # a skip's receiver waits in its batch
-                            publish((X, t, m) if kind == "F" else (G, t, m), end)
-                    done = max(done, delivered[msg])
+                done = max([t_rank] + [deliver(msg) for msg, _ in waited])
                 for _ in batch:
                     starts[r].append(t_rank)
                     ends[r].append(done)
                 t_rank = done
                 p += 1
                 continue
-            c, s, m = a.kind, a.stage, a.microbatch
-            start = t_rank
-            needs = []
-            if c == Kind.F and s > 0:
-                needs.append((X, s, m))
-            elif c in (Kind.B, Kind.I):
-                needs.append((FDONE, s, m))
-                if s < last:
-                    needs.append((G, s, m))
-            elif c == Kind.W:
-                needs.append((IDONE, s, m))
-            blocked = next((k for k in needs if k not in avail), None)
+            wants = needs(a, r)
+            blocked = next((k for k in wants if k not in avail), None)
             if blocked is not None:
-                wait(blocked, r)
+                waiting.setdefault(blocked, []).append(r)
                 break
-            start = max([start] + [avail[k] for k in needs])
-            if c == Kind.F:
+            start = max([t_rank] + [avail[k] for k in wants])
+            s, m = a.stage, a.microbatch
+            if a.kind == Kind.F:
                 dur = fwd[s]
-            elif c == Kind.B:
+            elif a.kind == Kind.B:
                 dur = bwd[s] + (fwd[s] if rec[s][m] else 0.0)
-            elif c == Kind.I:
+            elif a.kind == Kind.I:
                 dur = i_cost[s] + (fwd[s] if rec[s][m] else 0.0)
             else:
                 dur = w_cost[s]
@@ -472,18 +485,14 @@ def _rendezvous_loop(
             p += 1
             starts[r].append(start)
             ends[r].append(end)
-            if c == Kind.F:
-                publish((FDONE, s, m), end)
-                if s < last and place[s + 1] == r:
-                    publish((X, s + 1, m), end)
-            elif c in (Kind.B, Kind.I):
-                if c == Kind.I:
-                    publish((IDONE, s, m), end)
-                if s > 0 and place[s - 1] == r:
-                    publish((G, s - 1, m), end)
+            if a.kind == Kind.F:
+                publish(("F", s, m), end)
+            elif a.kind in (Kind.B, Kind.I):
+                publish(("bwd", s, m), end)
+                if a.kind == Kind.I:
+                    publish(("I", s, m), end)
         ptr[r] = p
         rank_time[r] = t_rank
     if any(ptr[r] < len(programs[r]) for r in range(R)):
-        validate(schedule, rendezvous=True)  # raises with the grid
-        raise AssertionError("simulation stalled on a schedule that meets where sends block")
+        return None
     return starts, ends, transfers, busy

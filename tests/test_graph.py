@@ -649,3 +649,25 @@ def test_a_captured_graph_makes_its_tensors_on_the_device_its_layer_runs_on():
         assert out.device == torch.device("cuda:1")
     assert check.problems == []
     torch.testing.assert_close(layers(model.example_input), model(model.example_input))
+
+
+@pytest.mark.parametrize("K", [2, 4])
+def test_a_captured_graph_planned_for_torchrun(unet_routes, K):
+    """The U-Net's skips go straight to the stages that read them: the torchrun program is
+    timed with them (each message between neighbours on its link, a skip free of its own), the
+    plan predicts that, and where the program beats the chain-order model the search's bounds
+    use, the plan says the search is not proven."""
+    from planner.search import simulate_plan
+
+    _, _, prof = unet_routes
+    plan = plan_pipeline(prof, Cluster.uniform(K, "1GiB", latency_ms=0.5), 8, microbatches=4,
+                         target="torchrun")  # fmt: skip
+    assert plan.target == "torchrun" and any(t > s + 1 for s, t in plan.routes)
+    timed = simulate_plan(plan)
+    free = simulate_plan(plan, rendezvous=False)
+    assert plan.predicted.iteration_ms == timed.makespan
+    if timed.makespan < free.makespan:
+        assert not plan.solver.optimal and "side by side" in plan.solver.unproven
+    elif timed.makespan > free.makespan:
+        assert not plan.solver.optimal and "wait for each other" in plan.solver.unproven
+    assert emit_program(plan, target="torchrun")

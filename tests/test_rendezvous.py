@@ -626,11 +626,57 @@ def test_the_rendezvous_timeline_by_hand():
     assert simulate(plain, costs, memory=False, rendezvous=True).makespan == 13.0
 
 
-def test_a_schedule_that_deadlocks_where_sends_block_is_refused_by_the_timed_run():
+def test_a_program_not_proven_to_meet_is_timed_as_gloo_runs_it():
+    """CROSSED hangs where sends block; its program says RENDEZVOUS = False and runs on gloo,
+    waiting for its receives only. Timed so, with free links, it is what the default model
+    gives the same lowered schedule (sends never wait, each receive waits for its message)."""
     from schedules import Costs, simulate
 
-    with pytest.raises(ScheduleError, match="deadlock when a send completes"):
-        simulate(parse_schedule(CROSSED), Costs.uniform(2), rendezvous=True)
+    crossed = parse_schedule(CROSSED)
+    costs = Costs([1.0, 1.5], [2.0, 3.0], input_grad=[1.0, 1.0], weight_grad=[1.0, 2.0])
+    timed = simulate(crossed, costs, memory=False, rendezvous=True)
+    free = simulate(crossed, costs, memory=False)
+    assert timed.makespan == free.makespan
+    for r, acts in crossed.ranks.items():  # every compute action at the same time
+        on = [k for k, a in enumerate(acts) if a.kind.is_compute]
+        assert [timed.starts[r][k] for k in on] == [free.starts[r][k] for k in on]
+        assert [timed.ends[r][k] for k in on] == [free.ends[r][k] for k in on]
+    # and one that cannot run even so is refused with the grid
+    stuck = parse_schedule("0: 0F0 0RECV_B0 0B0 0SEND_F0\n1: 1RECV_F0 1F0 1B0 1SEND_B0")
+    with pytest.raises(ScheduleError, match="rank"):
+        simulate(stuck, Costs.uniform(2), rendezvous=True)
+
+
+def test_skips_are_timed_as_they_run():
+    """Two branches (0 -> 1 -> 3 and 0 -> 2 -> 3): stage 2 takes nothing from stage 1 and
+    gives it no gradient. Each input comes from the stage that made it, each message between
+    neighbours is charged its link and a skip nothing of its own (its bytes are the next
+    stage's link's, as the default model charges them). So the branches run side by side,
+    where the default model takes the stages in chain order."""
+    import dataclasses
+
+    from schedules import Costs, simulate
+
+    sched = dataclasses.replace(
+        build_schedule("1f1b", 4, 4), routes=[(0, 1), (0, 2), (1, 3), (2, 3)]
+    )
+    costs = Costs.uniform(4, transfer=[0.5, 0.5, 0.5])
+    lowered = insert_comms(sched, costs)
+    validate(lowered, rendezvous=True)
+    timed = simulate(lowered, costs, memory=False, rendezvous=True)
+    # only the messages between neighbours take a link: 0-1 and 2-3 (1-2 carries none)
+    assert sorted({(d, c) for d, c, *_ in timed.raw_transfers}) == [(0, 0), (0, 2), (1, 0), (1, 2)]
+    assert len(timed.raw_transfers) == 4 * 4
+    # stage 2's first forward: stage 0's (1 ms), its skip free, so at 1.0, not after stage 1
+    rank2 = lowered.ranks[2]
+    f0 = rank2.index(next(a for a in rank2 if str(a) == "2F0"))
+    assert timed.starts[2][f0] == 1.0
+    assert simulate(sched, costs, memory=False).makespan == 26.0 > timed.makespan == 21.0
+    # a chain is never faster timed so
+    chain = build_schedule("1f1b", 4, 4)
+    assert simulate(chain, costs, memory=False, rendezvous=True).makespan >= (
+        simulate(chain, costs, memory=False).makespan
+    )
 
 
 def _random_costs(data, S):
