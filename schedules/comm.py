@@ -25,6 +25,7 @@ and three placed from the compute-only timeline) in the simulator as the program
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from .ir import Action, Kind, Schedule
@@ -43,6 +44,18 @@ def insert_comms(schedule: Schedule, costs: Costs | None = None) -> Schedule:
     and the fastest is returned (the first of equals, in that order)."""
     if costs is not None:
         return _fastest(schedule, costs)
+    lowered = _plain(schedule)
+    if _meets(lowered):
+        return lowered
+    stepped = _lockstep(schedule)
+    if stepped is not None and _meets(stepped):
+        return stepped
+    return lowered  # validate(..., rendezvous=True) says where it would hang
+
+
+def _plain(schedule: Schedule) -> Schedule:
+    """Each receive right before the action that reads it, each send right after the one that
+    makes it."""
     S, place = schedule.num_stages, schedule.placement
     remote_in = [any(place[a] != place[t] for a in schedule.senders(t)) for t in range(S)]
     remote_out = [any(place[b] != place[s] for b in schedule.receivers(s)) for s in range(S)]
@@ -63,15 +76,9 @@ def insert_comms(schedule: Schedule, costs: Costs | None = None) -> Schedule:
             if a.kind in (Kind.B, Kind.I) and remote_in[s]:
                 seq.append(Action(s, Kind.SEND_B, m))
         out[r] = seq
-    lowered = Schedule(
+    return Schedule(
         schedule.name, S, schedule.num_microbatches, out, list(place), list(schedule.routes)
     )
-    if _meets(lowered):
-        return lowered
-    stepped = _lockstep(schedule)
-    if stepped is not None and _meets(stepped):
-        return stepped
-    return lowered  # validate(..., rendezvous=True) says where it would hang
 
 
 def _meets(lowered: Schedule) -> bool:
@@ -154,19 +161,37 @@ def _lockstep(schedule: Schedule) -> Schedule | None:
 
 
 def _fastest(schedule: Schedule, costs: Costs) -> Schedule:
-    from .simulate import simulate
+    """insert_comms with costs. A lowering meets where sends block exactly when its ranks agree
+    on the order of their messages and the timed run with blocking sends gets every rank to
+    its end (`rendezvous_run` decides the same, untimed: tests/test_rendezvous.py), so each
+    distinct lowering is simulated once, and that run both vets and times it."""
+    from .simulate import blocking_makespan
 
-    plain = insert_comms(schedule)
+    plain = _plain(schedule)
     if all(a.kind.is_compute for acts in plain.ranks.values() for a in acts):
         return plain  # nothing crosses ranks
+    from .simulate import simulate
+
     compute = schedule.compute_only()
     tl = simulate(compute, costs, memory=False)
-    tried = [plain, _lockstep(schedule)] + [_timed(compute, tl, how) for how in _HOW]
-    meet = [c for c in tried if c is not None and _meets(c)]
-    if not meet:
-        return plain  # validate(..., rendezvous=True) says where it would hang
-    times = [simulate(c, costs, memory=False, rendezvous=True).makespan for c in meet]
-    return meet[times.index(min(times))]
+    best: tuple[float, Schedule] | None = None
+    seen: set[tuple] = set()
+    for make in (
+        lambda: plain,
+        lambda: _lockstep(schedule),
+        *[lambda how=how: _timed(compute, tl, how) for how in _HOW],
+    ):
+        lowered = make()
+        if lowered is None:
+            continue
+        key = tuple(tuple(acts) for _, acts in sorted(lowered.ranks.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        t = blocking_makespan(lowered, costs)
+        if t is not None and (best is None or t < best[0]):
+            best = (t, lowered)
+    return best[1] if best is not None else insert_comms(schedule)
 
 
 _HOW = ("early", "late", "nearest")
@@ -247,20 +272,38 @@ def action_messages(lowered: Schedule, a: Action) -> list[tuple[Message, int]]:
     """The messages a communication action carries, in the order it posts them, each with the
     rank at the other end. Activations go from stage s to each reader t (a chain: s + 1), their
     gradients back from t to s."""
+    k = a.kind
+    if k.is_compute:
+        return []
     place, s, m = lowered.placement, a.stage, a.microbatch
+    senders, receivers = _neighbours(lowered.num_stages, tuple(map(tuple, lowered.routes)))
+    if k == Kind.SEND_F or k == Kind.RECV_B:
+        others = receivers[s]
+    else:
+        others = senders[s]
+    ends = [x for x in others if place[x] != place[s] and a.peer in (-1, x)]
+    if k == Kind.SEND_F:
+        return [(("F", s, t, m), place[t]) for t in ends]
+    if k == Kind.RECV_F:
+        return [(("F", x, s, m), place[x]) for x in ends]
+    if k == Kind.SEND_B:
+        return [(("B", s, x, m), place[x]) for x in ends]
+    return [(("B", t, s, m), place[t]) for t in ends]
 
-    def ends(stages: list[int]) -> list[int]:
-        return [x for x in stages if place[x] != place[s] and a.peer in (-1, x)]
 
-    if a.kind == Kind.SEND_F:
-        return [(("F", s, t, m), place[t]) for t in ends(lowered.receivers(s))]
-    if a.kind == Kind.RECV_F:
-        return [(("F", x, s, m), place[x]) for x in ends(lowered.senders(s))]
-    if a.kind == Kind.SEND_B:
-        return [(("B", s, x, m), place[x]) for x in ends(lowered.senders(s))]
-    if a.kind == Kind.RECV_B:
-        return [(("B", t, s, m), place[t]) for t in ends(lowered.receivers(s))]
-    return []
+@lru_cache(maxsize=64)
+def _neighbours(
+    num_stages: int, routes: tuple[tuple[int, ...], ...]
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Per stage, the stages it takes activations from and the ones it hands them to
+    (Schedule.senders and .receivers, worked out once per stage count and routes)."""
+    edges = routes or tuple((s, s + 1) for s in range(num_stages - 1))
+    senders: list[list[int]] = [[] for _ in range(num_stages)]
+    receivers: list[list[int]] = [[] for _ in range(num_stages)]
+    for a, b in edges:
+        receivers[a].append(b)
+        senders[b].append(a)
+    return senders, receivers
 
 
 def by_peer(schedule: Schedule) -> bool:

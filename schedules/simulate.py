@@ -142,23 +142,8 @@ def simulate(
     every message in it has met its other end and gone (`_rendezvous_loop`); a schedule
     without communication actions is lowered first (insert_comms)."""
     S, M, R = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
-    fwd, bwd = list(costs.forward), list(costs.backward)
-    if len(fwd) != S or len(bwd) != S:
-        raise ValueError(
-            f"costs give {len(fwd)} forward / {len(bwd)} backward times for {S} stages"
-        )
-    i_cost = list(costs.input_grad) if costs.input_grad is not None else [b / 2 for b in bwd]
-    w_cost = (
-        list(costs.weight_grad)
-        if costs.weight_grad is not None
-        else [b - i for b, i in zip(bwd, i_cost)]
-    )
     modes = list(costs.recompute) if costs.recompute is not None else ["never"] * S
-    link = list(costs.transfer) if costs.transfer is not None else [0.0] * max(S - 1, 0)
-    _check_costs(S, forward=fwd, backward=bwd, input_grad=i_cost, weight_grad=w_cost, transfer=link)
-    if len(modes) != S or not set(modes) <= {"never", "always", "except_last"}:
-        raise ValueError(f"costs.recompute {modes}: one of never, always, except_last per stage")
-    rec = [[recomputes(mode, m, M) for m in range(M)] for mode in modes]
+    fwd, bwd, i_cost, w_cost, rec, link = _cost_lists(schedule, costs)
 
     w = None if rendezvous else waves_of(schedule)
     if rendezvous:
@@ -341,6 +326,48 @@ def _event_loop(
         validate(schedule)  # raises with the grid
         raise AssertionError("simulation stalled on a schedule that validates")
     return starts, ends, transfers, busy
+
+
+def _cost_lists(schedule: Schedule, costs: Costs) -> tuple:
+    """Per stage: forward, backward, I and W times, whether each micro-batch recomputes, and
+    per cut the transfer time; checked (one per stage, finite, >= 0)."""
+    S, M = schedule.num_stages, schedule.num_microbatches
+    fwd, bwd = list(costs.forward), list(costs.backward)
+    if len(fwd) != S or len(bwd) != S:
+        raise ValueError(
+            f"costs give {len(fwd)} forward / {len(bwd)} backward times for {S} stages"
+        )
+    i_cost = list(costs.input_grad) if costs.input_grad is not None else [b / 2 for b in bwd]
+    w_cost = (
+        list(costs.weight_grad)
+        if costs.weight_grad is not None
+        else [b - i for b, i in zip(bwd, i_cost)]
+    )
+    modes = list(costs.recompute) if costs.recompute is not None else ["never"] * S
+    link = list(costs.transfer) if costs.transfer is not None else [0.0] * max(S - 1, 0)
+    _check_costs(S, forward=fwd, backward=bwd, input_grad=i_cost, weight_grad=w_cost, transfer=link)
+    if len(modes) != S or not set(modes) <= {"never", "always", "except_last"}:
+        raise ValueError(f"costs.recompute {modes}: one of never, always, except_last per stage")
+    rec = [[recomputes(mode, m, M) for m in range(M)] for mode in modes]
+    return fwd, bwd, i_cost, w_cost, rec, link
+
+
+def blocking_makespan(lowered: Schedule, costs: Costs) -> float | None:
+    """The makespan of `lowered` run with blocking sends, or None where it does not meet there
+    (its ranks disagree on the order of their messages, or some rank never gets past a batch):
+    what insert_comms weighs its lowerings by."""
+    from .validate import ScheduleError, check_order
+
+    try:
+        check_order(lowered)
+    except ScheduleError:
+        return None
+    times = _cost_lists(lowered, costs)
+    got = _rendezvous_loop(lowered, *times, sends_block=True)
+    if got is None:
+        return None
+    ends = got[1]
+    return max([max(e, default=0.0) for e in ends] + [tr[4] for tr in got[2]] + [0.0])
 
 
 def _as_it_runs(schedule: Schedule, *times: Any) -> _Run:
