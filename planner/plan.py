@@ -231,6 +231,9 @@ class Plan(Artifact):
     )
     meta: PlanMeta = PlanMeta()
     _solve_ms: float = PrivateAttr(default=0.0)
+    # the search's: its torchrun program was not timed, since the plan where sends never
+    # wait (predicted) already lost; that time is then a lower bound of the program's
+    _untimed: bool = PrivateAttr(default=False)
 
     @property
     def fits(self) -> bool:

@@ -469,8 +469,15 @@ def _search(
             # a per-stage split that chose what a single-mode candidate's did is that plan
             same = (cand.microbatches, cand.schedule, tuple(part.bounds),
                     tuple(_stage_modes(cand, part)), part.bottleneck, tuple(part.extra.items()))  # fmt: skip
-            plan = built.get(same) or _build_plan(problem, cand, specs, part, method)
+            plan = built.get(same) or _build_plan(
+                problem, cand, specs, part, method, beat=best[0] if best else None
+            )
             built[same] = plan
+            if plan._untimed:  # planned for torchrun: slower than the best already, untimed
+                outcomes[k] = _Outcome("bound", plan.predicted.iteration_ms)
+                if free:
+                    settled[pair] = (outcomes[k], None)
+                continue
             if not plan.fits and cand.per_device > 1:
                 plan = _interleaved_fallback(problem, cand, times, specs, part, solve, method)
             t = plan.predicted.iteration_ms
@@ -888,9 +895,12 @@ def _build_plan(
     part: Partition,
     method: str,
     relaxed: Partition | None = None,
+    beat: float | None = None,
 ) -> Plan:
     """The plan of a solved split. `relaxed`: the split found when each interleaved stage could
-    use its whole device, whose bottleneck bounds this one from below (it overran a device)."""
+    use its whole device, whose bottleneck bounds this one from below (it overran a device).
+    `beat`: the time to beat; planned for torchrun, a chain whose plan is slower than that
+    where sends never wait is not timed as the program runs (it cannot be faster there)."""
     profile, cluster = problem.profile, problem.cluster
     chain, memory = problem.chain(cand)
     K, v, L = cluster.size, cand.per_device, chain.num_model_layers
@@ -953,7 +963,8 @@ def _build_plan(
     ]
     total_ms, bubble = timeline.makespan, timeline.bubble_fraction
     waits = ""
-    if problem.target == "torchrun" and K > 1:
+    lost = beat is not None and not routes and total_ms > beat * (1 + 1e-12)
+    if problem.target == "torchrun" and K > 1 and not lost:
         costs = stage_costs(stages)
         sched = plan_schedule(cand.schedule, K, cand.microbatches, routes)
         run = simulate(insert_comms(sched, costs), costs, memory=False, rendezvous=True)
@@ -990,7 +1001,7 @@ def _build_plan(
         unproven = f"{method} stopped before proving its split optimal"
     if waits:
         unproven = f"{unproven}; {waits}" if unproven else waits
-    return Plan(
+    plan = Plan(
         model=profile.model,
         model_digest=profile.model_digest,
         profile_digest=problem.digests[0],
@@ -1032,6 +1043,8 @@ def _build_plan(
         ),
         meta=PlanMeta(tool_version=_version()),
     )
+    plan._untimed = problem.target == "torchrun" and K > 1 and lost
+    return plan
 
 
 def stage_bytes(stage: StagePlan) -> StageBytes:

@@ -366,9 +366,12 @@ def test_pruned_search_for_torchrun_returns_the_exhaustive_plan(
     )
     cluster = Cluster.uniform(K, "1GiB", bandwidth=1e6, latency_ms=latency)
     pruned = plan_pipeline(profile, cluster, N, target="torchrun")
+    build = search._build_plan
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(search, "_prior_bound", lambda *a: 0.0)
         mp.setattr(search, "_lower_bound", lambda *a: 0.0)
+        # and every plan's program timed, even one already slower where sends never wait
+        mp.setattr(search, "_build_plan", lambda *a, beat=None, **k: build(*a, **k))
         full = plan_pipeline(profile, cluster, N, target="torchrun")
     assert full.solver.solved == full.solver.candidates
     a, b = json.loads(pruned.canonical_json()), json.loads(full.canonical_json())
