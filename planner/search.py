@@ -963,7 +963,10 @@ def _build_plan(
     ]
     total_ms, bubble = timeline.makespan, timeline.bubble_fraction
     waits = ""
-    lost = beat is not None and not routes and total_ms > beat * (1 + 1e-12)
+    # (one stage per device, and it fits: else the search goes on to the interleaved
+    # fallback, or reports by how much it is over budget)
+    lost = beat is not None and v == 1 and not routes and total_ms > beat * (1 + 1e-12)
+    lost = lost and all(d.total <= d.budget for d in devices)
     if problem.target == "torchrun" and K > 1 and not lost:
         costs = stage_costs(stages)
         sched = plan_schedule(cand.schedule, K, cand.microbatches, routes)

@@ -347,6 +347,33 @@ def test_planned_for_torchrun_the_plan_is_the_fastest_there():
     assert not slow.solver.optimal and "wait for each other" in slow.solver.unproven
 
 
+def test_planned_for_torchrun_plans_that_already_lost_are_not_timed():
+    """A chain's plan slower where sends never wait than the best program so far is left
+    untimed (its time there bounds its program's); the plan is the one timing them all gives,
+    under a budget that rules some candidates out too."""
+    profile = synthetic_profile([0.5, 1, 1.5, 2, 1, 1, 0.5, 2], sizes=(1, 2, 4, 8))
+    build, untimed = search._build_plan, []
+
+    def watch(*a, **k):
+        plan = build(*a, **k)
+        untimed.append(plan._untimed)
+        return plan
+
+    for memory in ("1GiB", 2_000):
+        cluster = Cluster.uniform(2, memory, latency_ms=0.5)
+        untimed.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(search, "_build_plan", watch)
+            pruned = plan_pipeline(profile, cluster, 8, target="torchrun")
+        assert any(untimed), memory
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(search, "_build_plan", lambda *a, beat=None, **k: build(*a, **k))
+            full = plan_pipeline(profile, cluster, 8, target="torchrun")
+        a, b = json.loads(pruned.canonical_json()), json.loads(full.canonical_json())
+        a.pop("alternatives"), b.pop("alternatives")
+        assert a == b
+
+
 @settings(max_examples=8, deadline=None)
 @given(
     forward=st.lists(st.floats(0.1, 4.0), min_size=4, max_size=8),
@@ -354,9 +381,10 @@ def test_planned_for_torchrun_the_plan_is_the_fastest_there():
     K=st.integers(2, 3),
     N=st.sampled_from([3, 4, 8]),
     latency=st.sampled_from([0.0, 0.5, 5.0]),
+    memory=st.sampled_from(["1GiB", 3_000]),
 )
 def test_pruned_search_for_torchrun_returns_the_exhaustive_plan(
-    forward, backward_ratio, K, N, latency
+    forward, backward_ratio, K, N, latency, memory
 ):
     """The bounds are of the split where sends never wait, so they stay below the torchrun
     program's time: pruning by them still returns what solving every candidate returns."""
@@ -364,15 +392,24 @@ def test_pruned_search_for_torchrun_returns_the_exhaustive_plan(
     profile = synthetic_profile(
         fwd, [round(x * backward_ratio, 3) for x in fwd], sizes=(1, 2, 4, 8)
     )
-    cluster = Cluster.uniform(K, "1GiB", bandwidth=1e6, latency_ms=latency)
-    pruned = plan_pipeline(profile, cluster, N, target="torchrun")
+    cluster = Cluster.uniform(K, memory, bandwidth=1e6, latency_ms=latency)
+    try:
+        pruned = plan_pipeline(profile, cluster, N, target="torchrun")
+    except search.InfeasibleError:
+        pruned = None
     build = search._build_plan
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(search, "_prior_bound", lambda *a: 0.0)
         mp.setattr(search, "_lower_bound", lambda *a: 0.0)
         # and every plan's program timed, even one already slower where sends never wait
         mp.setattr(search, "_build_plan", lambda *a, beat=None, **k: build(*a, **k))
-        full = plan_pipeline(profile, cluster, N, target="torchrun")
+        try:
+            full = plan_pipeline(profile, cluster, N, target="torchrun")
+        except search.InfeasibleError:
+            full = None
+    assert (pruned is None) == (full is None)
+    if full is None:
+        return
     assert full.solver.solved == full.solver.candidates
     a, b = json.loads(pruned.canonical_json()), json.loads(full.canonical_json())
     for plan in (a, b):
