@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from measure_bench import print_table  # noqa: E402
+from pipelining_bench import cli  # noqa: E402
 
 CASES = [  # (example, batch, micro-batches, schedules)
     ("transformer", 32, 8, ["zb-h1", "interleaved-1f1b", "1f1b"]),
@@ -71,14 +72,6 @@ if rank == 0:
 dist.barrier()
 dist.destroy_process_group()
 """
-
-
-def cli(*args: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    r = subprocess.run([sys.executable, str(ROOT / "cli.py"), *args], capture_output=True,
-                       text=True, env=env)  # fmt: skip
-    if r.returncode != 0:
-        raise SystemExit(r.stderr)
 
 
 def main() -> None:

@@ -141,16 +141,23 @@ def test_routed_schedules_always_run_where_sends_never_block(data):
     validate(lowered, rendezvous=True)
     assert not rendezvous_run(lowered).stuck
     # the timed run with blocking sends vets every lowering tried as rendezvous_run does
-    from schedules import Costs, simulate
+    from schedules import Costs
+
+    _vetted_alike(sched, Costs.uniform(sched.num_stages, transfer=[0.5] * (sched.num_stages - 1)))
+
+
+def _vetted_alike(sched, costs):
+    """Every lowering insert_comms tries: the timed run with blocking sends finishes exactly
+    where rendezvous_run says it meets (what lets _fastest vet and time in one run)."""
+    from schedules import simulate
     from schedules.simulate import blocking_makespan
 
-    costs = Costs.uniform(sched.num_stages, transfer=[0.5] * (sched.num_stages - 1))
     tl = simulate(sched, costs, memory=False)
     tried = [comm._plain(sched), comm._lockstep(sched)]
     tried += [comm._timed(sched, tl, how) for how in comm._HOW]
-    for other in tried:
-        if other is not None:
-            assert comm._meets(other) == (blocking_makespan(other, costs) is not None)
+    for lowered in tried:
+        if lowered is not None:
+            assert comm._meets(lowered) == (blocking_makespan(lowered, costs) is not None)
 
 
 def test_skips_are_posted_one_message_per_action_in_the_step_that_made_them(monkeypatch):
@@ -723,15 +730,7 @@ def test_the_lowering_chosen_by_time_meets_and_is_the_fastest_tried(data):
     for other in (insert_comms(sched), comm._lockstep(sched)):
         if other is not None and comm._meets(other):
             assert best <= simulate(other, costs, memory=False, rendezvous=True).makespan + 1e-9
-    # the timed run with blocking sends vets a lowering as the untimed rendezvous check does
-    from schedules.simulate import blocking_makespan
-
-    tl = simulate(sched, costs, memory=False)
-    tried = [comm._plain(sched), comm._lockstep(sched)]
-    tried += [comm._timed(sched, tl, how) for how in comm._HOW]
-    for lowered in tried:
-        if lowered is not None:
-            assert comm._meets(lowered) == (blocking_makespan(lowered, costs) is not None)
+    _vetted_alike(sched, costs)
 
 
 def test_zero_bubble_takes_each_gradient_before_its_next_forward():
