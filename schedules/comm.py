@@ -165,13 +165,11 @@ def _fastest(schedule: Schedule, costs: Costs) -> Schedule:
     on the order of their messages and the timed run with blocking sends gets every rank to
     its end (`rendezvous_run` decides the same, untimed: tests/test_rendezvous.py), so each
     distinct lowering is simulated once, and that run both vets and times it."""
-    from .simulate import blocking_makespan
+    from .simulate import blocking_makespan, simulate
 
     plain = _plain(schedule)
     if all(a.kind.is_compute for acts in plain.ranks.values() for a in acts):
         return plain  # nothing crosses ranks
-    from .simulate import simulate
-
     compute = schedule.compute_only()
     tl = simulate(compute, costs, memory=False)
     best: tuple[float, Schedule] | None = None
