@@ -176,14 +176,7 @@ def _kahn(pred: np.ndarray, sentinel: int, ranks: int) -> list[np.ndarray] | Non
     if ranks <= 24:
         return _kahn_python(pred, sentinel)
     N = len(pred)
-    dst = np.repeat(np.arange(N), 3)
-    src = pred.reshape(-1)
-    real = src != sentinel
-    src, dst = src[real], dst[real]
-    indeg = np.bincount(dst, minlength=N)
-    by_src = np.argsort(src, kind="stable")
-    succ = dst[by_src]
-    ptr = np.searchsorted(src[by_src], np.arange(N + 1))
+    indeg, succ, ptr = _successors(pred, sentinel)
     frontier = np.nonzero(indeg == 0)[0]
     waves, done = [], 0
     while len(frontier):
@@ -207,15 +200,23 @@ def _kahn(pred: np.ndarray, sentinel: int, ranks: int) -> list[np.ndarray] | Non
     return waves if done == N else None
 
 
+def _successors(pred: np.ndarray, sentinel: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each node's in-degree, and its successors: flat[ptr[q] : ptr[q + 1]] for node q."""
+    N = len(pred)
+    dst = np.repeat(np.arange(N), 3)
+    src = pred.reshape(-1)
+    real = src != sentinel
+    src, dst = src[real], dst[real]
+    by_src = np.argsort(src, kind="stable")
+    ptr = np.searchsorted(src[by_src], np.arange(N + 1))
+    return np.bincount(dst, minlength=N), dst[by_src], ptr
+
+
 def _kahn_python(pred: np.ndarray, sentinel: int) -> list[np.ndarray] | None:
     N = len(pred)
-    indeg = [0] * N
-    succ: list[list[int]] = [[] for _ in range(N)]
-    for n, ps in enumerate(pred.tolist()):
-        for q in ps:
-            if q != sentinel:
-                succ[q].append(n)
-                indeg[n] += 1
+    # (numpy builds the successor lists; Python walks them)
+    arrays = _successors(pred, sentinel)
+    indeg, flat, ptr = (a.tolist() for a in arrays)
     level = [0] * N
     frontier = [n for n in range(N) if indeg[n] == 0]
     done = 0
@@ -224,7 +225,7 @@ def _kahn_python(pred: np.ndarray, sentinel: int) -> list[np.ndarray] | None:
         nxt = []
         for q in frontier:
             up = level[q] + 1
-            for n in succ[q]:
+            for n in flat[ptr[q] : ptr[q + 1]]:
                 indeg[n] -= 1
                 if indeg[n] == 0:
                     level[n] = up
