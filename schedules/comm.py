@@ -43,7 +43,7 @@ def insert_comms(schedule: Schedule, costs: Costs | None = None) -> Schedule:
     `_timed`'s from the compute-only timeline) is simulated as the torchrun program runs it,
     and the fastest is returned (the first of equals, in that order)."""
     if costs is not None:
-        return _fastest(schedule, costs)
+        return fastest_lowering(schedule, costs)[0]
     lowered = _plain(schedule)
     if _meets(lowered):
         return lowered
@@ -160,16 +160,18 @@ def _lockstep(schedule: Schedule) -> Schedule | None:
     )  # fmt: skip
 
 
-def _fastest(schedule: Schedule, costs: Costs) -> Schedule:
-    """insert_comms with costs. A lowering meets where sends block exactly when its ranks agree
-    on the order of their messages and the timed run with blocking sends gets every rank to
-    its end (`rendezvous_run` decides the same, untimed: tests/test_rendezvous.py), so each
-    distinct lowering is simulated once, and that run both vets and times it."""
+def fastest_lowering(schedule: Schedule, costs: Costs) -> tuple[Schedule, float | None]:
+    """insert_comms with costs, and that program's makespan as it runs (None where no lowering
+    meets where sends block: the plain one is returned, to run as gloo does). A lowering meets
+    there exactly when its ranks agree on the order of their messages and the timed run with
+    blocking sends gets every rank to its end (`rendezvous_run` decides the same, untimed:
+    tests/test_rendezvous.py), so each distinct lowering is simulated once, and that run both
+    vets and times it."""
     from .simulate import blocking_makespan, simulate
 
     plain = _plain(schedule)
     if all(a.kind.is_compute for acts in plain.ranks.values() for a in acts):
-        return plain  # nothing crosses ranks
+        return plain, None  # nothing crosses ranks
     compute = schedule.compute_only()
     tl = simulate(compute, costs, memory=False)
     best: tuple[float, Schedule] | None = None
@@ -189,7 +191,7 @@ def _fastest(schedule: Schedule, costs: Costs) -> Schedule:
         t = blocking_makespan(lowered, costs)
         if t is not None and (best is None or t < best[0]):
             best = (t, lowered)
-    return best[1] if best is not None else insert_comms(schedule)
+    return (best[1], best[0]) if best is not None else (insert_comms(schedule), None)
 
 
 _HOW = ("early", "late", "nearest")

@@ -148,7 +148,7 @@ def test_routed_schedules_always_run_where_sends_never_block(data):
 
 def _vetted_alike(sched, costs):
     """Every lowering insert_comms tries: the timed run with blocking sends finishes exactly
-    where rendezvous_run says it meets (what lets _fastest vet and time in one run)."""
+    where rendezvous_run says it meets (what lets fastest_lowering vet and time in one run)."""
     from schedules import simulate
     from schedules.simulate import blocking_makespan
 
@@ -725,6 +725,9 @@ def test_the_lowering_chosen_by_time_meets_and_is_the_fastest_tried(data):
     for r, acts in sched.ranks.items():
         assert [a for a in chosen.ranks[r] if a.kind.is_compute] == acts
     best = simulate(chosen, costs, memory=False, rendezvous=True).makespan
+    chose_by = comm.fastest_lowering(sched, costs)[1]  # the time it chose it by
+    crosses = any(not a.kind.is_compute for acts in chosen.ranks.values() for a in acts)
+    assert chose_by == best if crosses else chose_by is None
     floor = simulate(sched, costs, memory=False).makespan
     assert best >= floor - 1e-9
     for other in (insert_comms(sched), comm._lockstep(sched)):
