@@ -35,6 +35,8 @@ def check_output(
     """The file `path` resolves to, once it is known that writing there destroys nothing and
     can succeed. `flag` names the output in messages; `inputs` are the files the command reads."""
     shown = f"{flag} {path}" if flag else str(path)
+    if not os.fspath(path):  # os.stat("") fails as if missing, realpath("") is the directory
+        raise InputError(f"{flag or 'the output'}: an empty path; name a file to write")
     target = Path(os.path.realpath(path))
     try:
         st = os.stat(path)  # what the path names, through any links (/dev/stdout: a pipe)

@@ -164,6 +164,18 @@ def test_unwritable_output_is_refused_before_profiling(run_cli, monkeypatch):
     assert_bad_input(r, mentions="cannot write")
 
 
+def test_an_empty_output_path_is_refused_before_profiling(run_cli, monkeypatch, tmp_path):
+    """Found by the CLI fuzz test: `-o ''` passed the check (os.stat says missing, realpath
+    says the current directory), so the model was profiled before the write failed."""
+    import profiler.measure
+
+    monkeypatch.setattr(profiler.measure, "profile_model", _must_not_run)
+    monkeypatch.chdir(tmp_path)
+    r = run_cli("profile", "example:mlp", "-o", "")
+    assert_bad_input(r, mentions="empty path")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_two_outputs_of_one_command_must_differ(run_cli, plan_file, tmp_path):
     out = tmp_path / "same.json"
     r = run_cli("simulate", plan_file, "--chrome-trace", out, "--png", out)
