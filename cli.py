@@ -139,9 +139,17 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(
         f"profiled {len(profile.layers)} layers of {args.model}{loss} on {profile.device_name} "
         f"at batch sizes {profile.batch_sizes} (forward {fwd:.2f} ms at "
-        f"{profile.batch_sizes[-1]}) -> {out}"
+        f"{profile.batch_sizes[-1]}{_runtime_note(profile.runtime)}) -> {out}"
     )
     return EXIT_OK
+
+
+def _runtime_note(runtime: Any) -> str:
+    if runtime is None:
+        return ""
+    return (
+        f"; the runtime adds {runtime.action_ms:.3f} ms per action, {runtime.step_ms:.2f} per step"
+    )
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

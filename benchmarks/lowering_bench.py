@@ -99,7 +99,7 @@ def main() -> None:
                 str(batch), "--microbatches", str(M), "--schedule", schedule, "--recompute",
                 "never", "-o", str(path))  # fmt: skip
             plan = Plan.load(path)
-            costs, sched = stage_costs(plan.stages), schedule_of(plan)
+            costs, sched = stage_costs(plan.stages, plan.runtime), schedule_of(plan)
             plain = insert_comms(sched)
             timed = insert_comms(sched, costs)
             predicted = {

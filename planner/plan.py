@@ -9,6 +9,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from profiler.artifact import Artifact
 from profiler.limits import MAX_BATCH, MAX_BYTES, MAX_MICROBATCHES, DType, Text
+from profiler.types import RuntimeOverhead
 
 from .cluster import Cluster
 
@@ -214,6 +215,11 @@ class Plan(Artifact):
         "message in it has gone)",
     )
     loss: Text = Field(default="", description="the profiled loss the last stage includes, if any")
+    runtime: RuntimeOverhead | None = Field(
+        default=None,
+        description="the profile's runtime overhead, which the predicted times include: per "
+        "compute action and per step (absent: not measured, counted as none)",
+    )
     captured: bool = Field(
         default=False, description="the model's graph was captured: layers are runs of its graph"
     )

@@ -40,7 +40,7 @@ from profiler.limits import (
     real,
     whole,
 )
-from profiler.types import PER_SIZE, Profile
+from profiler.types import PER_SIZE, Profile, RuntimeOverhead
 from schedules import (
     SCHEDULE_NAMES,
     Costs,
@@ -951,8 +951,9 @@ def _build_plan(
             )
         )
     timeline = simulate_stages(
-        cand.schedule, K, cand.microbatches, stages, levels=False, routes=routes
-    )
+        cand.schedule, K, cand.microbatches, stages, levels=False, routes=routes,
+        runtime=profile.runtime,
+    )  # fmt: skip
     devices = [
         DeviceUse(
             name=d.name,
@@ -969,7 +970,7 @@ def _build_plan(
     lost = beat is not None and v == 1 and not routes and total_ms > beat * (1 + 1e-12)
     lost = lost and all(d.total <= d.budget for d in devices)
     if problem.target == "torchrun" and K > 1 and not lost:
-        costs = stage_costs(stages)
+        costs = stage_costs(stages, profile.runtime)
         sched = plan_schedule(cand.schedule, K, cand.microbatches, routes)
         lowered, ran = fastest_lowering(sched, costs)  # timed as it runs, where it meets
         if ran is None:  # as gloo runs a program not proven to meet
@@ -1031,6 +1032,7 @@ def _build_plan(
         optimizer=problem.optimizer,  # type: ignore[arg-type]
         target=problem.target,  # type: ignore[arg-type]
         loss=profile.loss.type if profile.loss is not None else "",
+        runtime=profile.runtime,
         stages=stages,
         devices=devices,
         predicted=Prediction(
@@ -1058,8 +1060,9 @@ def stage_bytes(stage: StagePlan) -> StageBytes:
     return StageBytes(**stage.state_bytes.model_dump())
 
 
-def stage_costs(stages: list[StagePlan]) -> Costs:
-    """What the simulator charges each of the plan's stages (per micro-batch) and cuts."""
+def stage_costs(stages: list[StagePlan], runtime: RuntimeOverhead | None = None) -> Costs:
+    """What the simulator charges each of the plan's stages (per micro-batch) and cuts, and
+    what the runtime adds per action and per step (the profile's `runtime`)."""
     return Costs(
         forward=[st.forward_ms for st in stages],
         backward=[st.backward_ms for st in stages],
@@ -1068,6 +1071,8 @@ def stage_costs(stages: list[StagePlan]) -> Costs:
         recompute=[st.recompute for st in stages],
         transfer=[st.send_ms for st in stages[:-1]],
         memory=[stage_bytes(st) for st in stages],
+        action_overhead=runtime.action_ms if runtime is not None else 0.0,
+        step_overhead=runtime.step_ms if runtime is not None else 0.0,
     )
 
 
@@ -1079,11 +1084,12 @@ def simulate_stages(
     *,
     levels: bool = True,
     routes: tuple[tuple[int, int], ...] = (),
+    runtime: RuntimeOverhead | None = None,
 ) -> Timeline:
     """Run the plan's schedule through the simulator with the plan's own stage costs
     (`levels=False`: peaks only, not each device's memory over time)."""
     sched = plan_schedule(schedule, num_devices, microbatches, routes)
-    return simulate(sched, stage_costs(stages), levels=levels)
+    return simulate(sched, stage_costs(stages, runtime), levels=levels)
 
 
 def simulate_plan(plan: Plan, *, levels: bool = True, rendezvous: bool | None = None) -> Timeline:
@@ -1095,10 +1101,13 @@ def simulate_plan(plan: Plan, *, levels: bool = True, rendezvous: bool | None = 
     if not rendezvous or len(plan.devices) == 1:
         return simulate_stages(
             plan.schedule, len(plan.devices), plan.microbatches, plan.stages, levels=levels,
-            routes=_routes(plan),
+            routes=_routes(plan), runtime=plan.runtime,
         )  # fmt: skip
     return simulate(
-        torchrun_schedule(plan), stage_costs(plan.stages), levels=levels, rendezvous=True
+        torchrun_schedule(plan),
+        stage_costs(plan.stages, plan.runtime),
+        levels=levels,
+        rendezvous=True,
     )
 
 
@@ -1106,7 +1115,7 @@ def torchrun_schedule(plan: Plan, schedule: Schedule | None = None) -> Schedule:
     """`schedule` (by default the plan's own) with the communication the torchrun target
     posts: of the lowerings that meet where sends block, the one the simulator finds fastest
     under the plan's costs (insert_comms)."""
-    return insert_comms(schedule or schedule_of(plan), stage_costs(plan.stages))
+    return insert_comms(schedule or schedule_of(plan), stage_costs(plan.stages, plan.runtime))
 
 
 def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleError:

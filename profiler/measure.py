@@ -26,6 +26,7 @@ from .limits import MAX_BATCH, MAX_LAYERS, ArgumentError, real, whole
 from .losses import LossFn, LossLayer, resolve_loss
 from .memtrack import owned_by, trace_allocations
 from .models import as_layers, check_allocation, model_digest
+from .overhead import runtime_overhead
 from .timing import _tensors, time_layers
 from .types import PER_SIZE, LayerProfile, OptimizerStep, Profile, ProfileMeta, TiedParameter
 
@@ -47,12 +48,15 @@ def profile_model(
     progress: bool | None = None,
     loss_fn: str | LossFn | None = None,
     threads: int | None = None,
+    overhead: bool = True,
 ) -> Profile:
     """Measure every layer of `model` at each micro-batch size (default: powers of two up to the
     sample's batch). The model is moved to `device`; `sample` is batch-first. `loss_fn`: "mse",
     "cross_entropy", "pkg.mod:fn" or a callable(output, target); None takes the model's own
     `example_loss` if it has one. `threads`: intra-op threads while measuring (as the pipeline
-    will run: one per rank under torchrun on CPU)."""
+    will run: one per rank under torchrun on CPU). `overhead`: also measure what the pipeline
+    runtime adds per action and per step (profiler/overhead.py; on the CPU only: on a GPU the
+    runtime's host work overlaps the kernels it queues)."""
     if not isinstance(sample, torch.Tensor) or sample.dim() < 1 or sample.shape[0] < 1:
         raise ArgumentError("sample", type(sample).__name__, "expected a tensor, batch first")
     if not isinstance(model, nn.Module):
@@ -95,6 +99,7 @@ def profile_model(
                     layers, loss, _resize(sample, b).to(dev), dev, model_storages, tick,
                     repeats, warmup, max_repeats, time_budget_s / len(sizes),
                 )  # fmt: skip
+        runtime = runtime_overhead(dev) if overhead and dev.type == "cpu" else None
     finally:
         torch.set_num_threads(saved_threads)
         model.train(was_training)
@@ -151,6 +156,7 @@ def profile_model(
         optimizer_step=_optimizer_steps(model, dev),
         captured=bool(getattr(model, "captured", False)),
         tied=_tied(layers) if getattr(model, "captured", False) else [],
+        runtime=runtime,
         meta=ProfileMeta(
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             torch_version=torch.__version__,

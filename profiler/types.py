@@ -116,6 +116,16 @@ class OptimizerStep(BaseModel):
     per_byte: float = Field(ge=0, le=1e3, allow_inf_nan=False)
 
 
+class RuntimeOverhead(BaseModel):
+    """What the pipeline runtime adds to the profiled compute (profiler/overhead.py):
+    `action_ms` to every compute action of a stage (forward, backward, I, W), `step_ms` once
+    per step."""
+
+    model_config = ConfigDict(extra="forbid")
+    action_ms: float = Field(ge=0, le=1e3, allow_inf_nan=False)
+    step_ms: float = Field(ge=0, le=1e4, allow_inf_nan=False)
+
+
 class TiedParameter(BaseModel):
     """A parameter several layers use (tied input and output embeddings): a stage holding more
     than one of them holds it once; stages on different devices each hold a copy."""
@@ -168,6 +178,11 @@ class Profile(Artifact):
         default_factory=list,
         description="a captured graph's parameters that several layers use (each layer's "
         "param_bytes counts them)",
+    )
+    runtime: RuntimeOverhead | None = Field(
+        default=None,
+        description="what the pipeline runtime adds per action and per step beyond the layers' "
+        "compute, measured on this device (profiler/overhead.py); absent: not measured",
     )
     meta: ProfileMeta = ProfileMeta()
 

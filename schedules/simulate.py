@@ -42,6 +42,10 @@ class Costs:
     recompute: Sequence[str] | None = None  # per stage: never | always | except_last
     transfer: Sequence[float] | None = None  # per cut s -> s+1, each direction
     memory: Sequence[StageBytes] | None = None  # per stage (default: count stashed micro-batches)
+    # what the runtime adds: to every compute action (F, B, I, W; a recomputation re-runs the
+    # stage's forward call, so it pays its own), and once to the step
+    action_overhead: float = 0.0
+    step_overhead: float = 0.0
 
     @classmethod
     def uniform(
@@ -157,6 +161,7 @@ def simulate(
         run_ = _event_loop(schedule, fwd, bwd, i_cost, w_cost, rec, link)
     starts, ends, transfers, busy = run_
     makespan = max([max(e, default=0.0) for e in ends] + [tr[4] for tr in transfers] + [0.0])
+    makespan += costs.step_overhead
     memory_steps: list[list[tuple[float, int]]] = [[] for _ in range(R)]
     peak = [0] * R
     if memory:
@@ -346,6 +351,11 @@ def _cost_lists(schedule: Schedule, costs: Costs) -> tuple:
     modes = list(costs.recompute) if costs.recompute is not None else ["never"] * S
     link = list(costs.transfer) if costs.transfer is not None else [0.0] * max(S - 1, 0)
     _check_costs(S, forward=fwd, backward=bwd, input_grad=i_cost, weight_grad=w_cost, transfer=link)
+    extra = costs.action_overhead
+    if not _finite_time(extra) or not _finite_time(costs.step_overhead):
+        raise ValueError("costs.action_overhead and costs.step_overhead: finite times >= 0")
+    if extra:
+        fwd, bwd, i_cost, w_cost = ([t + extra for t in ts] for ts in (fwd, bwd, i_cost, w_cost))
     if len(modes) != S or not set(modes) <= {"never", "always", "except_last"}:
         raise ValueError(f"costs.recompute {modes}: one of never, always, except_last per stage")
     rec = [[recomputes(mode, m, M) for m in range(M)] for mode in modes]
@@ -367,7 +377,8 @@ def blocking_makespan(lowered: Schedule, costs: Costs) -> float | None:
     if got is None:
         return None
     ends = got[1]
-    return max([max(e, default=0.0) for e in ends] + [tr[4] for tr in got[2]] + [0.0])
+    last = max([max(e, default=0.0) for e in ends] + [tr[4] for tr in got[2]] + [0.0])
+    return last + costs.step_overhead
 
 
 def _as_it_runs(schedule: Schedule, *times: Any) -> _Run:
