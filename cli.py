@@ -147,9 +147,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def _runtime_note(runtime: Any) -> str:
     if runtime is None:
         return ""
-    return (
-        f"; the runtime adds {runtime.action_ms:.3f} ms per action, {runtime.step_ms:.2f} per step"
-    )
+    return f"; the runtime adds {runtime.action_ms:.3f} ms per action, {runtime.step_ms:.2f} ms per step"
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -187,6 +187,7 @@ class PlanMeta(_Strict):
 
 class Plan(Artifact):
     FORMAT_VERSION: ClassVar[int] = 2
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("runtime",)
     kind: Literal["plan"] = "plan"
     format_version: int = 2
     model: Text

@@ -653,7 +653,25 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     granular, work, before = problem.granular[key]
     M = cand.microbatches
     layer = float((M * work + before).max()) / max(speeds) if cand.per_device == 1 else 0.0
-    return max(spread, M * granular, layer)
+    # The runtime's own cost: every device runs M A v compute actions (A per micro-batch and
+    # stage), each adding `action`; a layer's stage, M A of them. The fill term gets none.
+    action, step = _overhead(problem.profile)
+    A = 3 if zb else 2
+    load = M * float(chain.forward.sum() + chain.backward.sum()) / float(sum(speeds))
+    if zb:
+        load = (
+            M
+            * float((chain.forward + chain.input_grad + chain.weight_grad).sum())
+            / float(sum(speeds))
+        )
+    runtime = M * A * cand.per_device * action
+    return step + max(spread, M * granular + runtime, layer + M * A * action, load + runtime)
+
+
+def _overhead(profile: Profile) -> tuple[float, float]:
+    """What the runtime adds per compute action and per step (the profile's `runtime`)."""
+    rt = profile.runtime
+    return (rt.action_ms, rt.step_ms) if rt is not None else (0.0, 0.0)
 
 
 @contextmanager
@@ -869,24 +887,27 @@ def _lower_bound(
     # the first, transfers included
     before = {Kind.F: [0.0] * S, Kind.B: [0.0] * S, Kind.I: [0.0] * S}
     modes = _stage_modes(cand, part)
+    # the runtime's cost per compute action: A per micro-batch and stage, two on its trip
+    action, step = _overhead(problem.profile)
+    A = 3 if cand.schedule == "zb-h1" else 2
     for s, (i, j) in enumerate(part.stages):
         t = _stage_times(chain, cand, modes[s], i, j, specs[s].speed)
-        busy[s % K] += M * t["work_ms"]
-        trip += t["trip_ms"]
+        busy[s % K] += M * (t["work_ms"] + A * action)
+        trip += t["trip_ms"] + 2 * action
         if s < S - 1:  # what the next stage receives, as the plan times it
             c = _link_ms(problem.cluster, s % K, (s + 1) % K, float(received[s + 1]))
             trip += 2 * c
             link = max(link, M * c)
             for kind, ms in ((Kind.F, "forward_ms"), (Kind.B, "backward_ms"),
                              (Kind.I, "input_grad_ms")):  # fmt: skip
-                before[kind][s + 1] = before[kind][s] + t[ms] + c
+                before[kind][s + 1] = before[kind][s] + t[ms] + action + c
     framed = 0.0
     program = plan_schedule(cand.schedule, K, M).ranks
     for d in range(K):
         first, last = program[d][0], program[d][-1]
         tail = before[last.kind][last.stage] if last.kind in (Kind.B, Kind.I) else 0.0
         framed = max(framed, before[Kind.F][first.stage] + busy[d] + tail)
-    return max(max(busy), trip, link, framed)
+    return step + max(max(busy), trip, link, framed)
 
 
 def _build_plan(

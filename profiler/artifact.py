@@ -30,12 +30,22 @@ class Artifact(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     FORMAT_VERSION: ClassVar[int] = 1
+    # fields added later, left out where unset: files and digests stay as earlier versions
+    # wrote them (an older gpipe-plan still reads them, a plan still names its profile)
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ()
     kind: str
     format_version: int = 1
 
+    def _data(self) -> dict[str, Any]:
+        data = self.model_dump(mode="json")
+        for name in self.LATER_FIELDS:
+            if data.get(name) is None:
+                data.pop(name, None)
+        return data
+
     def canonical_json(self, *, with_meta: bool = True) -> str:
         """Sorted keys, fixed indentation: the same artifact always gives the same bytes."""
-        data = self.model_dump(mode="json")
+        data = self._data()
         if not with_meta:
             data.pop("meta", None)
         return json.dumps(data, sort_keys=True, indent=1) + "\n"
@@ -44,7 +54,7 @@ class Artifact(BaseModel):
         """sha256 of the content, `meta` excluded, so re-running on the same input keeps it.
         Compact sorted JSON: the same content always, and json's C encoder (indented output
         takes its pure-Python path, seconds on a 10 000-layer profile)."""
-        data = self.model_dump(mode="json")
+        data = self._data()
         data.pop("meta", None)
         text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()
@@ -68,8 +78,10 @@ class Artifact(BaseModel):
         except (ValidationError, ValueError):
             pass
         else:
-            if fast.kind == cls.model_fields["kind"].default and (
-                fast.format_version == cls.FORMAT_VERSION
+            if (
+                "kind" in fast.model_fields_set  # (the field has a default: a file must name it)
+                and fast.kind == cls.model_fields["kind"].default
+                and fast.format_version == cls.FORMAT_VERSION
             ):
                 return fast
         return cls._checked(text, source)

@@ -72,7 +72,12 @@ def runtime_overhead(
     """Fit step(M) - by_hand(M) = step_ms + 4 M action_ms over two micro-batch counts, from
     medians of `rounds` alternated runs (each pair side by side, so drift cancels)."""
     dev = torch.device(device)
-    torch.manual_seed(0)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        return _fit(dev, rounds, warmup)
+
+
+def _fit(dev: torch.device, rounds: int, warmup: int) -> RuntimeOverhead:
+    torch.manual_seed(0)  # (the caller's RNG is restored afterwards)
     layers = [nn.Linear(_WIDTH, _WIDTH).to(dev), nn.Linear(_WIDTH, _WIDTH).to(dev)]
     model = nn.Sequential(*layers)
     extra = {}
@@ -82,15 +87,20 @@ def runtime_overhead(
         pipe = _probe_class(M)(model, [dev, dev])
         diffs = []
         for k in range(warmup + rounds):
-            t0 = time.perf_counter()
-            pipe.train_step(x, y, nn.functional.mse_loss)
-            _sync(dev)
-            t1 = time.perf_counter()
-            _by_hand(pipe.stages, x, y, M)
-            _sync(dev)
-            t2 = time.perf_counter()
+            runtime, by_hand = 0.0, 0.0
+            for turn in (k % 2, 1 - k % 2):  # each goes first every other round
+                t0 = time.perf_counter()
+                if turn:
+                    pipe.train_step(x, y, nn.functional.mse_loss)
+                else:
+                    _by_hand([st[0] for st in pipe.stages], x, y, M)
+                _sync(dev)
+                if turn:
+                    runtime = time.perf_counter() - t0
+                else:
+                    by_hand = time.perf_counter() - t0
             if k >= warmup:
-                diffs.append((t1 - t0) - (t2 - t1))
+                diffs.append(runtime - by_hand)
         extra[M] = statistics.median(diffs) * 1e3
         for p in model.parameters():
             p.grad = None

@@ -148,6 +148,7 @@ class Profile(Artifact):
     """Measured per-layer costs of one model on one device, at several micro-batch sizes."""
 
     FORMAT_VERSION: ClassVar[int] = 2
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("runtime",)
     kind: Literal["profile"] = "profile"
     format_version: int = 2
     model: Text = Field(description="how the model was named: example:NAME, pkg.mod:fn, file.py:fn")

@@ -181,7 +181,7 @@ def _unit_cost_order(schedule: Schedule) -> _Order:
     waves = waves_of(sched)
     if waves is not None:  # the same simulation, a wave at a time
         n = len(waves.actions)
-        idle = np.zeros((S, schedule.num_microbatches), dtype=bool)
+        idle = np.zeros((S, schedule.num_microbatches))
         dur = durations(waves, [f] * S, [b] * S, [i] * S, [w] * S, idle, [0.0] * (S - 1))
         start = run(waves, dur)[0][:n]
         rank = np.repeat(np.arange(len(waves.offsets) - 1), np.diff(waves.offsets))

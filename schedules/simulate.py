@@ -155,8 +155,8 @@ def simulate(
             schedule = insert_comms(schedule, costs)
         run_ = _as_it_runs(schedule, fwd, bwd, i_cost, w_cost, rec, link)
     elif w is not None:
-        recomputed = np.array(rec, dtype=bool).reshape(S, M)
-        run_ = _by_waves(w, durations(w, fwd, bwd, i_cost, w_cost, recomputed, link))
+        remat = np.array(rec, dtype=np.float64).reshape(S, M)
+        run_ = _by_waves(w, durations(w, fwd, bwd, i_cost, w_cost, remat, link))
     else:
         run_ = _event_loop(schedule, fwd, bwd, i_cost, w_cost, rec, link)
     starts, ends, transfers, busy = run_
@@ -206,7 +206,7 @@ def _event_loop(
     bwd: list[float],
     i_cost: list[float],
     w_cost: list[float],
-    rec: list[list[bool]],
+    rec: list[list[float]],  # per stage and micro-batch: its re-materialisation's cost
     link: list[float],
 ) -> _Run:
     """The event-driven simulation, for any schedule (communication actions included)."""
@@ -295,9 +295,9 @@ def _event_loop(
             if c == 0:
                 dur = fwd[s]
             elif c == 1:
-                dur = bwd[s] + (fwd[s] if rec[s][m] else 0.0)
+                dur = bwd[s] + rec[s][m]
             elif c == 2:
-                dur = i_cost[s] + (fwd[s] if rec[s][m] else 0.0)
+                dur = i_cost[s] + rec[s][m]
             elif c == 3:
                 dur = w_cost[s]
             else:
@@ -354,12 +354,16 @@ def _cost_lists(schedule: Schedule, costs: Costs) -> tuple:
     extra = costs.action_overhead
     if not _finite_time(extra) or not _finite_time(costs.step_overhead):
         raise ValueError("costs.action_overhead and costs.step_overhead: finite times >= 0")
+    # a recomputation re-runs the stage's forward inside its B (or I): the compute, not
+    # another action of the runtime
+    remat = [
+        [f if recomputes(mode, m, M) else 0.0 for m in range(M)] for f, mode in zip(fwd, modes)
+    ]
     if extra:
         fwd, bwd, i_cost, w_cost = ([t + extra for t in ts] for ts in (fwd, bwd, i_cost, w_cost))
     if len(modes) != S or not set(modes) <= {"never", "always", "except_last"}:
         raise ValueError(f"costs.recompute {modes}: one of never, always, except_last per stage")
-    rec = [[recomputes(mode, m, M) for m in range(M)] for mode in modes]
-    return fwd, bwd, i_cost, w_cost, rec, link
+    return fwd, bwd, i_cost, w_cost, remat, link
 
 
 def blocking_makespan(lowered: Schedule, costs: Costs) -> float | None:
@@ -406,7 +410,7 @@ def _rendezvous_loop(
     bwd: list[float],
     i_cost: list[float],
     w_cost: list[float],
-    rec: list[list[bool]],
+    rec: list[list[float]],  # per stage and micro-batch: its re-materialisation's cost
     link: list[float],
     sends_block: bool = True,
 ) -> _Run | None:
@@ -512,9 +516,9 @@ def _rendezvous_loop(
             if a.kind == Kind.F:
                 dur = fwd[s]
             elif a.kind == Kind.B:
-                dur = bwd[s] + (fwd[s] if rec[s][m] else 0.0)
+                dur = bwd[s] + rec[s][m]
             elif a.kind == Kind.I:
-                dur = i_cost[s] + (fwd[s] if rec[s][m] else 0.0)
+                dur = i_cost[s] + rec[s][m]
             else:
                 dur = w_cost[s]
             end = start + dur

@@ -244,10 +244,11 @@ def durations(
     backward: Sequence[float],
     input_grad: Sequence[float],
     weight_grad: Sequence[float],
-    recomputed: np.ndarray,
+    remat: np.ndarray,
     transfer: Sequence[float],
 ) -> np.ndarray:
-    """Each node's duration, as simulate() charges it (`recomputed[s, m]`: re-materialised)."""
+    """Each node's duration, as simulate() charges it (`remat[s, m]`: what re-materialising
+    micro-batch m's forward adds to stage s's B or I, 0 where it keeps its activations)."""
     s = w.stage
     f = np.asarray(forward, dtype=np.float64)
     per_kind = np.stack(
@@ -255,8 +256,8 @@ def durations(
          np.asarray(weight_grad, np.float64)]
     )  # fmt: skip
     d = per_kind[w.kind, s]
-    remat = ((w.kind == B_) | (w.kind == I_)) & recomputed[s, w.mb]
-    d = np.where(remat, d + f[s], d)  # (the same sum as simulate's `bwd + fwd`)
+    again = (w.kind == B_) | (w.kind == I_)
+    d = np.where(again, d + remat[s, w.mb], d)  # (the same sum as simulate's `bwd + rec`)
     link = np.asarray(list(transfer) + [0.0], dtype=np.float64)
     return np.concatenate([d, link[w.tr_cut]])
 

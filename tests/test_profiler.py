@@ -106,6 +106,9 @@ def test_profile_json_round_trips(tmp_path):
     assert again == prof
     assert again.canonical_json() == path.read_text()
     assert again.digest() == prof.digest()
+    # on the CPU the runtime's own costs are measured with the layers, and kept
+    assert prof.runtime is not None and again.runtime == prof.runtime
+    assert 0 <= prof.runtime.action_ms < 50 and 0 <= prof.runtime.step_ms < 500
 
 
 def test_transformer_profile_has_every_layer_and_size():

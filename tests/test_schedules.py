@@ -171,7 +171,7 @@ def test_wave_simulation_equals_the_event_loop_to_the_bit(sched, R, M, data):
     import numpy as np
 
     from schedules.memory import recomputes
-    from schedules.simulate import _by_waves, _event_loop
+    from schedules.simulate import _by_waves, _cost_lists, _event_loop
     from schedules.waves import durations, waves_of
 
     name, v = sched
@@ -184,7 +184,12 @@ def test_wave_simulation_equals_the_event_loop_to_the_bit(sched, R, M, data):
     link = data.draw(st.lists(t, min_size=S - 1, max_size=S - 1))
     modes = data.draw(st.lists(st.sampled_from(["never", "always", "except_last"]), min_size=S,
                                max_size=S))  # fmt: skip
-    rec = [[recomputes(mode, m, M) for m in range(M)] for mode in modes]
+    extra = data.draw(t)  # the runtime's cost per action
+    costs = Costs(f, b, input_grad=i, weight_grad=w, recompute=modes, transfer=link,
+                  action_overhead=extra)  # fmt: skip
+    f, b, i, w, rec, link = _cost_lists(s, costs)
+    assert rec == [[f0 if recomputes(mode, m, M) else 0.0 for m in range(M)]
+                   for f0, mode in zip(costs.forward, modes)]  # fmt: skip
     want = _event_loop(s, f, b, i, w, rec, link)
     waves = waves_of(s)
     assert waves is not None
@@ -215,7 +220,7 @@ def test_wide_schedules_take_numpys_waves_and_still_equal_the_event_loop(name):
     f = [0.5 + (k % 3) for k in range(S)]
     b = [1.25 * x for x in f]
     link = [0.1 * (k % 2) for k in range(S - 1)]
-    rec = [[m % 2 == 0 for m in range(M)] for _ in range(S)]
+    rec = [[f[k] if m % 2 == 0 else 0.0 for m in range(M)] for k in range(S)]
     want = _event_loop(s, f, b, f, b, rec, link)
     got = _by_waves(waves, durations(waves, f, b, f, b, np.array(rec), link))
     assert got[0] == want[0] and got[1] == want[1] and got[3] == want[3]

@@ -17,6 +17,7 @@ from planner.bounds import least_bottleneck, prior_bound
 from planner.cluster import Device, Link
 from planner.memory import RECOMPUTE_MODES
 from planner.partition import Partition
+from profiler.types import RuntimeOverhead
 from schedules import Costs, build_schedule, simulate
 from tests.conftest import synthetic_profile
 
@@ -63,13 +64,19 @@ def test_prior_bound_is_below_every_split_of_every_schedule(work, ratio, schedul
     speeds=st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0]), min_size=2, max_size=3),
     latency=st.sampled_from([0.0, 0.3, 4.0]),
     N=st.sampled_from([1, 2, 3, 4, 6]),
+    overhead=st.sampled_from([None, (0.25, 0.0), (2.0, 1.5)]),
 )
-def test_both_search_bounds_are_below_every_split(forward, backward_ratio, speeds, latency, N):
+def test_both_search_bounds_are_below_every_split(
+    forward, backward_ratio, speeds, latency, N, overhead
+):
     """Brute force over every split of every candidate, heterogeneous speeds and transfers: the
     prior bound (spread, granularity, each layer's framed load) and the bound after the split
-    never exceed the simulated time the plan would predict."""
+    never exceed the simulated time the plan would predict, the runtime's own costs included."""
     fwd = [round(x, 3) for x in forward]
     profile = synthetic_profile(fwd, [round(x * backward_ratio, 3) for x in fwd], sizes=(1, 2, 4))
+    if overhead is not None:
+        runtime = RuntimeOverhead(action_ms=overhead[0], step_ms=overhead[1])
+        profile = profile.model_copy(update={"runtime": runtime})
     K = len(speeds)
     cluster = Cluster(
         devices=[Device(name=f"d{k}", memory_bytes=10**9, speed=sp) for k, sp in enumerate(speeds)],
@@ -135,10 +142,14 @@ def test_prior_bound_reaches_the_full_trip_for_one_microbatch():
     K=st.integers(2, 3),
     N=st.sampled_from([3, 4, 6, 8]),
     latency=st.sampled_from([0.0, 0.5, 20.0]),
+    action=st.sampled_from([0.0, 0.0, 0.3, 3.0]),
 )
-def test_pruned_search_returns_the_exhaustive_plan(forward, backward_ratio, memory, K, N, latency):
+def test_pruned_search_returns_the_exhaustive_plan(
+    forward, backward_ratio, memory, K, N, latency, action
+):
     """Also where transfers dominate and backward dwarfs forward (zero bubble's W is then what a
-    wrong bound would count on the critical path)."""
+    wrong bound would count on the critical path), and where the runtime's cost per action
+    makes fewer micro-batches pay."""
     fwd = [round(x, 3) for x in forward]
     profile = synthetic_profile(
         fwd,
@@ -146,6 +157,9 @@ def test_pruned_search_returns_the_exhaustive_plan(forward, backward_ratio, memo
         sizes=(1, 2, 4, 8),
         loss={"forward": 0.2, "saved": 16},
     )
+    if action:
+        runtime = RuntimeOverhead(action_ms=action, step_ms=action / 2)
+        profile = profile.model_copy(update={"runtime": runtime})
     cluster = Cluster.uniform(K, memory, bandwidth=1e6, latency_ms=latency)
     try:
         pruned = plan_pipeline(profile, cluster, N)
