@@ -386,7 +386,10 @@ class DistPipelineRuntime(PipelineRuntime):
         that one message only, in program order) posted at once and waited for, so what
         was sent is let go as the batch ends. A program not proven to meet where sends block
         (RENDEZVOUS False: gloo only) waits for its receives only and lets each send go once it
-        sees it complete (here, or at the end of the step)."""
+        sees it complete, here or at the end of the step. NOTE: gloo's point-to-point work
+        says it is complete only once waited for, so there every send is held to the step's
+        end (memory the plan does not count: a program runs this way only where no placement
+        of its messages meets, as for some captured graphs' skips)."""
         ops: list[Any] = []
         done: list[Callable[[], None]] = []
         what, s, m = actions[0][:3]
