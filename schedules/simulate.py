@@ -351,6 +351,8 @@ def _cost_lists(schedule: Schedule, costs: Costs) -> tuple:
     modes = list(costs.recompute) if costs.recompute is not None else ["never"] * S
     link = list(costs.transfer) if costs.transfer is not None else [0.0] * max(S - 1, 0)
     _check_costs(S, forward=fwd, backward=bwd, input_grad=i_cost, weight_grad=w_cost, transfer=link)
+    if len(modes) != S or not set(modes) <= {"never", "always", "except_last"}:
+        raise ValueError(f"costs.recompute {modes}: one of never, always, except_last per stage")
     extra = costs.action_overhead
     if not _finite_time(extra) or not _finite_time(costs.step_overhead):
         raise ValueError("costs.action_overhead and costs.step_overhead: finite times >= 0")
@@ -361,8 +363,6 @@ def _cost_lists(schedule: Schedule, costs: Costs) -> tuple:
     ]
     if extra:
         fwd, bwd, i_cost, w_cost = ([t + extra for t in ts] for ts in (fwd, bwd, i_cost, w_cost))
-    if len(modes) != S or not set(modes) <= {"never", "always", "except_last"}:
-        raise ValueError(f"costs.recompute {modes}: one of never, always, except_last per stage")
     return fwd, bwd, i_cost, w_cost, remat, link
 
 
