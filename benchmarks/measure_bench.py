@@ -113,7 +113,7 @@ def main() -> None:
         ],
         "links": [{"bandwidth_bytes_per_s": bandwidth, "latency_ms": latency}],
     }))  # fmt: skip
-    rows = []
+    rows, serial = [], []
     for example, batch, M in CASES:
         prof = out / f"{example}.json"
         mb = batch // M
@@ -145,6 +145,18 @@ def main() -> None:
             bare = simulate_plan(
                 planned.model_copy(update={"runtime": None}), levels=False, rendezvous=torchrun
             ).makespan
+            if not cuda:  # one process on the CPU: the stages take turns, no link to wait on
+                turns = simulate_plan(planned, levels=False, rendezvous=False)
+                rt = planned.runtime
+                alone = sum(turns.busy) + (rt.step_ms if rt is not None else 0.0)
+                actions = len([sp for sp in turns.spans if sp.action.kind.is_compute])
+                alone_bare = alone - (rt.action_ms * actions + rt.step_ms if rt else 0.0)
+                got = mem["measured_step_ms"]
+                serial.append([
+                    example, schedule, f"{got:.1f}", f"{alone:.1f}",
+                    f"{100 * (got - alone) / alone:+.1f}%", f"{alone_bare:.1f}",
+                    f"{100 * (got - alone_bare) / alone_bare:+.1f}%",
+                ])  # fmt: skip
             for d, t in zip(mem["devices"], run["devices"]):
                 rows.append([
                     example, schedule, d["name"],
@@ -165,6 +177,10 @@ def main() -> None:
             "measured step ms (torchrun, median)", "step error",
             "step error without the runtime's overhead"]  # fmt: skip
     print_table(head, rows)
+    if serial:
+        print_table(["example", "schedule", "measured step ms (one process)",
+                     "predicted: every action in turn", "error",
+                     "predicted without the runtime's costs", "error "], serial)  # fmt: skip
 
 
 def print_table(head: list[str], rows: list[list[str]]) -> None:

@@ -67,7 +67,7 @@ def _by_hand(layers: list[nn.Module], x: torch.Tensor, y: torch.Tensor, M: int) 
 
 
 def runtime_overhead(
-    device: torch.device | str = "cpu", *, rounds: int = 15, warmup: int = 3
+    device: torch.device | str = "cpu", *, rounds: int = 9, warmup: int = 2
 ) -> RuntimeOverhead:
     """Fit step(M) - by_hand(M) = step_ms + 4 M action_ms over two micro-batch counts, from
     medians of `rounds` alternated runs (each pair side by side, so drift cancels)."""
