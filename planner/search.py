@@ -655,8 +655,8 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     layer = float((M * work + before).max()) / max(speeds) if cand.per_device == 1 else 0.0
     # The runtime's own cost: every device runs M A v compute actions (A per micro-batch and
     # stage), each adding `action`; a layer's stage, M A of them. The fill term gets none.
-    action, step = _overhead(problem.profile)
-    A = 3 if zb else 2
+    action, call, step = _overhead(problem.profile)
+    per_mb = (3 if zb else 2) * action + call  # per micro-batch and stage
     load = M * float(chain.forward.sum() + chain.backward.sum()) / float(sum(speeds))
     if zb:
         load = (
@@ -664,14 +664,15 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
             * float((chain.forward + chain.input_grad + chain.weight_grad).sum())
             / float(sum(speeds))
         )
-    runtime = M * A * cand.per_device * action
-    return step + max(spread, M * granular + runtime, layer + M * A * action, load + runtime)
+    runtime = M * cand.per_device * per_mb
+    return step + max(spread, M * granular + runtime, layer + M * per_mb, load + runtime)
 
 
-def _overhead(profile: Profile) -> tuple[float, float]:
-    """What the runtime adds per compute action and per step (the profile's `runtime`)."""
+def _overhead(profile: Profile) -> tuple[float, float, float]:
+    """What the runtime adds per compute action, per B or I (its autograd call) and per step
+    (the profile's `runtime`)."""
     rt = profile.runtime
-    return (rt.action_ms, rt.step_ms) if rt is not None else (0.0, 0.0)
+    return (rt.action_ms, rt.call_ms, rt.step_ms) if rt is not None else (0.0, 0.0, 0.0)
 
 
 @contextmanager
@@ -887,20 +888,22 @@ def _lower_bound(
     # the first, transfers included
     before = {Kind.F: [0.0] * S, Kind.B: [0.0] * S, Kind.I: [0.0] * S}
     modes = _stage_modes(cand, part)
-    # the runtime's cost per compute action: A per micro-batch and stage, two on its trip
-    action, step = _overhead(problem.profile)
+    # the runtime's cost per compute action (A per micro-batch and stage, two on its trip),
+    # and per B or I, its autograd call
+    action, call, step = _overhead(problem.profile)
     A = 3 if cand.schedule == "zb-h1" else 2
+    paid = {Kind.F: action, Kind.B: action + call, Kind.I: action + call}
     for s, (i, j) in enumerate(part.stages):
         t = _stage_times(chain, cand, modes[s], i, j, specs[s].speed)
-        busy[s % K] += M * (t["work_ms"] + A * action)
-        trip += t["trip_ms"] + 2 * action
+        busy[s % K] += M * (t["work_ms"] + A * action + call)
+        trip += t["trip_ms"] + 2 * action + call
         if s < S - 1:  # what the next stage receives, as the plan times it
             c = _link_ms(problem.cluster, s % K, (s + 1) % K, float(received[s + 1]))
             trip += 2 * c
             link = max(link, M * c)
             for kind, ms in ((Kind.F, "forward_ms"), (Kind.B, "backward_ms"),
                              (Kind.I, "input_grad_ms")):  # fmt: skip
-                before[kind][s + 1] = before[kind][s] + t[ms] + action + c
+                before[kind][s + 1] = before[kind][s] + t[ms] + paid[kind] + c
     framed = 0.0
     program = plan_schedule(cand.schedule, K, M).ranks
     for d in range(K):
@@ -1094,6 +1097,7 @@ def stage_costs(stages: list[StagePlan], runtime: RuntimeOverhead | None = None)
         memory=[stage_bytes(st) for st in stages],
         action_overhead=runtime.action_ms if runtime is not None else 0.0,
         step_overhead=runtime.step_ms if runtime is not None else 0.0,
+        call_overhead=runtime.call_ms if runtime is not None else 0.0,
     )
 
 

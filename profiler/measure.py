@@ -26,7 +26,7 @@ from .limits import MAX_BATCH, MAX_LAYERS, ArgumentError, real, whole
 from .losses import LossFn, LossLayer, resolve_loss
 from .memtrack import owned_by, trace_allocations
 from .models import as_layers, check_allocation, model_digest
-from .overhead import runtime_overhead
+from .overhead import autograd_call_ms, runtime_overhead
 from .timing import _tensors, time_layers
 from .types import PER_SIZE, LayerProfile, OptimizerStep, Profile, ProfileMeta, TiedParameter
 
@@ -93,13 +93,16 @@ def profile_model(
     per_size: dict[int, list[dict[str, Any]]] = {}
     show = sys.stderr.isatty() if progress is None else progress
     try:
+        # what one autograd call costs whatever it computes: a stage makes one for all its
+        # layers, so each layer's backward is measured without it (the runtime's cost adds it)
+        call_ms = autograd_call_ms(dev) if overhead and dev.type == "cpu" else 0.0
         with _progress(len(sizes) * (len(layers) + 1), show) as tick:
             for b in sizes:
                 per_size[b] = _measure_size(
                     layers, loss, _resize(sample, b).to(dev), dev, model_storages, tick,
-                    repeats, warmup, max_repeats, time_budget_s / len(sizes),
+                    repeats, warmup, max_repeats, time_budget_s / len(sizes), call_ms,
                 )  # fmt: skip
-        runtime = runtime_overhead(dev) if overhead and dev.type == "cpu" else None
+        runtime = runtime_overhead(dev, call_ms=call_ms) if overhead and dev.type == "cpu" else None
     finally:
         torch.set_num_threads(saved_threads)
         model.train(was_training)
@@ -178,6 +181,7 @@ def _measure_size(
     warmup: int,
     max_repeats: int,
     budget_s: float,
+    call_ms: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Every layer (and the loss) at one micro-batch size: memory first, one layer at a time,
     then all the timings together."""
@@ -218,7 +222,7 @@ def _measure_size(
     try:
         timings = time_layers(
             measured, inputs, dev, warmup=warmup, min_repeats=repeats, max_repeats=max_repeats,
-            time_budget_s=budget_s,
+            time_budget_s=budget_s, call_ms=call_ms,
         )  # fmt: skip
     except InputError:
         raise

@@ -66,14 +66,35 @@ def _by_hand(layers: list[nn.Module], x: torch.Tensor, y: torch.Tensor, M: int) 
         h0.backward(h.grad)
 
 
+def autograd_call_ms(device: torch.device | str = "cpu", *, calls: int = 200) -> float:
+    """The median time of one autograd backward call on a one-element graph: what every call
+    costs whatever it computes. The profile times each layer's backward as its own call, while a
+    stage makes one call for all its layers."""
+    dev = torch.device(device)
+    a = torch.ones(1, device=dev, requires_grad=True)
+    g = torch.ones(1, device=dev)
+    times = []
+    for _ in range(calls + calls // 4):
+        y = a * 2
+        _sync(dev)
+        t0 = time.perf_counter()
+        torch.autograd.backward([y], [g])
+        _sync(dev)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[calls // 4 :]) * 1e3
+
+
 def runtime_overhead(
-    device: torch.device | str = "cpu", *, rounds: int = 9, warmup: int = 2
+    device: torch.device | str = "cpu", *, rounds: int = 9, warmup: int = 2, call_ms: float = 0.0
 ) -> RuntimeOverhead:
     """Fit step(M) - by_hand(M) = step_ms + 4 M action_ms over two micro-batch counts, from
-    medians of `rounds` alternated runs (each pair side by side, so drift cancels)."""
+    medians of `rounds` alternated runs (each pair side by side, so drift cancels). `call_ms`
+    (autograd_call_ms) is passed through: by hand and in the runtime each stage makes one
+    autograd call, so the fit does not see it."""
     dev = torch.device(device)
     with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        return _fit(dev, rounds, warmup)
+        got = _fit(dev, rounds, warmup)
+    return got.model_copy(update={"call_ms": call_ms})
 
 
 def _fit(dev: torch.device, rounds: int, warmup: int) -> RuntimeOverhead:

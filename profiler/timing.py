@@ -68,12 +68,16 @@ def time_layers(
     target_rse: float = 0.02,
     time_budget_s: float = 10.0,
     clock: Callable[[], float] | None = None,
+    call_ms: float = 0.0,
 ) -> list[LayerTiming]:
     """Time each layer on its input (`inputs[i]`, detached, requires_grad where it is a stage
     boundary), identical layers together. The warm-up and `min_repeats` rounds are always taken;
     further rounds stop once the call has used `time_budget_s` seconds of `clock` (default
     perf_counter), shared between groups as `sample_groups` says. Parameters' gradients are left
-    None."""
+    None. `call_ms`: what one autograd call costs whatever it computes, taken off each layer's
+    backward and I: a stage makes one such call for all its layers (the runtime's cost per
+    action adds it back, profiler/overhead.py); W stays as measured, one call per layer as the
+    runtime makes it."""
     if len(layers) != len(inputs):
         raise ValueError(f"{len(layers)} layers but {len(inputs)} inputs; pass one input per layer")
     if warmup < 0:
@@ -83,7 +87,9 @@ def time_layers(
     for i, (layer, inp) in enumerate(zip(layers, inputs)):
         groups.setdefault(structure_key(layer, inp), []).append(i)
     members = list(groups.values())
-    samplers = [_LayerGroup([(layers[i], inputs[i]) for i in m], dev, warmup) for m in members]
+    samplers = [
+        _LayerGroup([(layers[i], inputs[i]) for i in m], dev, warmup, call_ms) for m in members
+    ]
     try:
         pools = sample_groups(samplers, rule, time_budget_s, clock or time.perf_counter)
     finally:
@@ -234,8 +240,14 @@ def sample_groups(
 class _LayerGroup:
     """Sampler over real layers: one sample of each figure per member per round, rotating."""
 
-    def __init__(self, members: list[tuple[nn.Module, Value]], dev: torch.device, warmup: int):
-        self._members = [_Member(layer, inp) for layer, inp in members]
+    def __init__(
+        self,
+        members: list[tuple[nn.Module, Value]],
+        dev: torch.device,
+        warmup: int,
+        call_ms: float = 0.0,
+    ) -> None:
+        self._members = [_Member(layer, inp, call_ms) for layer, inp in members]
         self._dev = dev
         self._warmup = warmup
         self._round = 0
@@ -255,15 +267,19 @@ class _LayerGroup:
 class _Member:
     """One layer on its input; measures the four figures exactly as the pipe runs them."""
 
-    def __init__(self, layer: nn.Module, inp: Value) -> None:
+    def __init__(self, layer: nn.Module, inp: Value, call_ms: float = 0.0) -> None:
         self.layer = layer
         self.inp = inp
         self.wrt = [t for t in _tensors(inp) if t.requires_grad]
         self.params = [p for p in layer.parameters() if p.requires_grad]
+        self.call_ms = call_ms
 
     def sample(self, dev: torch.device) -> Sample:
         forward = _elapsed(lambda: self.layer(self.inp), dev)
         full, wrt_input, wrt_weight = (self._backward(dev, p) for p in ("full", "input", "weight"))
+        if self.call_ms:  # (0 stays 0: no call was made)
+            full = max(full - self.call_ms, 0.0) if full else 0.0
+            wrt_input = max(wrt_input - self.call_ms, 0.0) if wrt_input else 0.0
         return forward, full, wrt_input, wrt_weight
 
     def _backward(self, dev: torch.device, part: str) -> float:

@@ -118,12 +118,14 @@ class OptimizerStep(BaseModel):
 
 class RuntimeOverhead(BaseModel):
     """What the pipeline runtime adds to the profiled compute (profiler/overhead.py):
-    `action_ms` to every compute action of a stage (forward, backward, I, W), `step_ms` once
-    per step."""
+    `action_ms` to every compute action of a stage (forward, backward, I, W), `call_ms` to each
+    backward and I (the stage's one autograd call, which the layers' figures leave out), and
+    `step_ms` once per step."""
 
     model_config = ConfigDict(extra="forbid")
     action_ms: float = Field(ge=0, le=1e3, allow_inf_nan=False)
     step_ms: float = Field(ge=0, le=1e4, allow_inf_nan=False)
+    call_ms: float = Field(default=0.0, ge=0, le=1e3, allow_inf_nan=False)
 
 
 class TiedParameter(BaseModel):

@@ -46,6 +46,8 @@ class Costs:
     # stage's forward call, so it pays its own), and once to the step
     action_overhead: float = 0.0
     step_overhead: float = 0.0
+    # and to every B and I: the stage's one autograd call, which per-layer figures leave out
+    call_overhead: float = 0.0
 
     @classmethod
     def uniform(
@@ -353,16 +355,19 @@ def _cost_lists(schedule: Schedule, costs: Costs) -> tuple:
     _check_costs(S, forward=fwd, backward=bwd, input_grad=i_cost, weight_grad=w_cost, transfer=link)
     if len(modes) != S or not set(modes) <= {"never", "always", "except_last"}:
         raise ValueError(f"costs.recompute {modes}: one of never, always, except_last per stage")
-    extra = costs.action_overhead
-    if not _finite_time(extra) or not _finite_time(costs.step_overhead):
-        raise ValueError("costs.action_overhead and costs.step_overhead: finite times >= 0")
+    extra, call = costs.action_overhead, costs.call_overhead
+    if not all(_finite_time(t) for t in (extra, call, costs.step_overhead)):
+        raise ValueError(
+            "costs.action_overhead, call_overhead and step_overhead: finite times >= 0"
+        )
     # a recomputation re-runs the stage's forward inside its B (or I): the compute, not
     # another action of the runtime
     remat = [
         [f if recomputes(mode, m, M) else 0.0 for m in range(M)] for f, mode in zip(fwd, modes)
     ]
-    if extra:
-        fwd, bwd, i_cost, w_cost = ([t + extra for t in ts] for ts in (fwd, bwd, i_cost, w_cost))
+    if extra or call:
+        fwd, w_cost = ([t + extra for t in ts] for ts in (fwd, w_cost))
+        bwd, i_cost = ([t + (extra + call) for t in ts] for ts in (bwd, i_cost))
     return fwd, bwd, i_cost, w_cost, remat, link
 
 

@@ -34,6 +34,15 @@ def test_every_compute_action_pays_the_overhead_and_the_step_pays_once():
     tl = simulate(sched, again)
     b0 = [sp for sp in tl.spans if sp.action.stage == 0 and sp.action.kind.value == "B"]
     assert [sp.end - sp.start for sp in b0] == [3.5, 3.5]  # 2 + 0.5, then the forward's 1
+    # the stage's one autograd call: on B (and I), not on F or W
+    called = Costs.uniform(2, 1.0, 2.0, action_overhead=0.5, call_overhead=0.25)
+    tl = simulate(sched, called)
+    b_spans = [sp.end - sp.start for sp in tl.spans if sp.action.kind.value == "B"]
+    f_spans = [sp.end - sp.start for sp in tl.spans if sp.action.kind.value == "F"]
+    assert b_spans == [2.75] * 4 and f_spans == [1.5] * 4
+    zb = simulate(build_schedule("zb-h1", 2, 2), Costs.uniform(2, 1.0, 2.0, call_overhead=0.25))
+    got = {sp.action.kind.value: sp.end - sp.start for sp in zb.spans}
+    assert got == {"F": 1.0, "I": 1.25, "W": 1.0}
     with pytest.raises(ValueError, match="action_overhead"):
         simulate(sched, Costs.uniform(2, action_overhead=float("nan")))
 
@@ -127,3 +136,26 @@ def test_a_file_must_say_what_it_is():
         Cluster.from_json_text('{"devices": [{"name": "a", "memory_bytes": "1GiB"}]}')
     ok = '{"kind": "cluster", "devices": [{"name": "a", "memory_bytes": "1GiB"}]}'
     assert Cluster.from_json_text(ok).devices[0].memory_bytes == 2**30
+
+
+def test_each_layers_backward_is_timed_without_the_call_a_stage_makes_once():
+    """A call cost larger than any backward leaves B and I at 0 and W as measured."""
+    from torch import nn
+
+    from profiler.timing import _Member
+
+    layer = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    plain = _Member(layer, x).sample(torch.device("cpu"))
+    called = _Member(layer, x, call_ms=1e6).sample(torch.device("cpu"))
+    assert all(t > 0 for t in plain)
+    assert called[1] == 0.0 and called[2] == 0.0 and called[3] > 0 and called[0] > 0
+
+
+def test_an_autograd_call_costs_something_and_the_profile_keeps_it():
+    from profiler.overhead import autograd_call_ms
+
+    call = autograd_call_ms(calls=50)
+    assert 0 < call < 50
+    got = runtime_overhead(rounds=1, warmup=0, call_ms=call)
+    assert got.call_ms == call

@@ -64,7 +64,7 @@ def test_prior_bound_is_below_every_split_of_every_schedule(work, ratio, schedul
     speeds=st.lists(st.sampled_from([0.5, 1.0, 2.0, 3.0]), min_size=2, max_size=3),
     latency=st.sampled_from([0.0, 0.3, 4.0]),
     N=st.sampled_from([1, 2, 3, 4, 6]),
-    overhead=st.sampled_from([None, (0.25, 0.0), (2.0, 1.5)]),
+    overhead=st.sampled_from([None, (0.25, 0.0, 0.05), (2.0, 1.5, 0.0), (0.0, 0.0, 1.0)]),
 )
 def test_both_search_bounds_are_below_every_split(
     forward, backward_ratio, speeds, latency, N, overhead
@@ -75,7 +75,7 @@ def test_both_search_bounds_are_below_every_split(
     fwd = [round(x, 3) for x in forward]
     profile = synthetic_profile(fwd, [round(x * backward_ratio, 3) for x in fwd], sizes=(1, 2, 4))
     if overhead is not None:
-        runtime = RuntimeOverhead(action_ms=overhead[0], step_ms=overhead[1])
+        runtime = RuntimeOverhead(action_ms=overhead[0], step_ms=overhead[1], call_ms=overhead[2])
         profile = profile.model_copy(update={"runtime": runtime})
     K = len(speeds)
     cluster = Cluster(
@@ -158,7 +158,7 @@ def test_pruned_search_returns_the_exhaustive_plan(
         loss={"forward": 0.2, "saved": 16},
     )
     if action:
-        runtime = RuntimeOverhead(action_ms=action, step_ms=action / 2)
+        runtime = RuntimeOverhead(action_ms=action, step_ms=action / 2, call_ms=action / 3)
         profile = profile.model_copy(update={"runtime": runtime})
     cluster = Cluster.uniform(K, memory, bandwidth=1e6, latency_ms=latency)
     try:
