@@ -42,8 +42,8 @@ class Costs:
     recompute: Sequence[str] | None = None  # per stage: never | always | except_last
     transfer: Sequence[float] | None = None  # per cut s -> s+1, each direction
     memory: Sequence[StageBytes] | None = None  # per stage (default: count stashed micro-batches)
-    # what the runtime adds: to every compute action (F, B, I, W; a recomputation re-runs the
-    # stage's forward call, so it pays its own), and once to the step
+    # what the runtime adds: to every compute action (F, B, I, W; a recomputation inside B or
+    # I adds its forward's compute only), and once to the step
     action_overhead: float = 0.0
     step_overhead: float = 0.0
     # and to every B and I: the stage's one autograd call, which per-layer figures leave out

@@ -138,24 +138,76 @@ def test_a_file_must_say_what_it_is():
     assert Cluster.from_json_text(ok).devices[0].memory_bytes == 2**30
 
 
-def test_each_layers_backward_is_timed_without_the_call_a_stage_makes_once():
-    """A call cost larger than any backward leaves B and I at 0 and W as measured."""
+def test_each_layers_backward_is_timed_without_the_call_a_stage_makes_once(monkeypatch):
+    """On a clock where every timed call takes 1 ms: B and I lose exactly the call's cost, F and
+    W keep theirs; a call cost past the time leaves 0, and 0 (no call made) stays 0."""
     from torch import nn
 
-    from profiler.timing import _Member
+    import profiler.timing as timing
 
-    layer = nn.Linear(8, 8)
+    monkeypatch.setattr(timing, "_elapsed", lambda fn, dev: (fn(), 1.0)[1])
+    cpu = torch.device("cpu")
     x = torch.randn(4, 8, requires_grad=True)
-    plain = _Member(layer, x).sample(torch.device("cpu"))
-    called = _Member(layer, x, call_ms=1e6).sample(torch.device("cpu"))
-    assert all(t > 0 for t in plain)
-    assert called[1] == 0.0 and called[2] == 0.0 and called[3] > 0 and called[0] > 0
+    assert timing._Member(nn.Linear(8, 8), x, call_ms=0.25).sample(cpu) == (1.0, 0.75, 0.75, 1.0)
+    assert timing._Member(nn.Linear(8, 8), x, call_ms=5.0).sample(cpu) == (1.0, 0.0, 0.0, 1.0)
+    relu = timing._Member(nn.ReLU(), x.detach(), call_ms=0.25).sample(cpu)  # no grads at all
+    assert relu == (1.0, 0.0, 0.0, 0.0)
 
 
-def test_an_autograd_call_costs_something_and_the_profile_keeps_it():
+def test_the_runtime_makes_one_autograd_call_per_b_and_i_and_one_per_layer_in_w(monkeypatch):
+    """The premise of the profile's call cost: a stage's B or I is one autograd call whatever
+    its layers (recomputation included), its W one per layer with weights."""
+    import collections
+
+    import torch.autograd as autograd
+    from torch import nn
+
+    calls: collections.Counter = collections.Counter()
+    now = [None]
+    engine = autograd._engine_run_backward
+
+    def counted(*args, **kwargs):
+        calls[now[0]] += 1
+        return engine(*args, **kwargs)
+
+    monkeypatch.setattr(autograd, "_engine_run_backward", counted)
+    monkeypatch.setattr(torch.autograd.graph, "_engine_run_backward", counted, raising=False)
+    for schedule in ("gpipe", "zb-h1"):
+        for mode in ("never", "always"):
+
+            class Probe(PipelineRuntime):
+                SCHEDULE, MICROBATCHES = schedule, 2
+                STAGES, RANKS, RECOMPUTE = [(0, 3), (3, 6)], [0, 0], [mode, mode]
+
+            torch.manual_seed(0)
+            model = nn.Sequential(*[nn.Linear(4, 4) if k % 2 == 0 else nn.ReLU() for k in range(6)])
+            pipe = Probe(model, ["cpu", "cpu"])
+            calls.clear()
+            pipe.begin(torch.randn(2, 4), torch.randn(2, 4), nn.functional.mse_loss)
+            for m in range(2):
+                for s in range(2):
+                    now[0] = ("F", s)
+                    pipe.forward(s, m)
+            for m in range(2):
+                for s in (1, 0):
+                    if schedule == "zb-h1":
+                        now[0] = ("I", s)
+                        pipe.backward_input(s, m)
+                        now[0] = ("W", s)
+                        pipe.backward_weight(s, m)
+                    else:
+                        now[0] = ("B", s)
+                        pipe.backward(s, m)
+            pipe.finish()
+            per = {key: n // 2 for key, n in calls.items()}
+            if schedule == "zb-h1":  # Linear, ReLU, Linear | ReLU, Linear, ReLU
+                assert per == {("I", 0): 1, ("I", 1): 1, ("W", 0): 2, ("W", 1): 1}, (mode, per)
+            else:
+                assert per == {("B", 0): 1, ("B", 1): 1}, (mode, per)
+
+
+def test_an_autograd_call_costs_something():
     from profiler.overhead import autograd_call_ms
 
     call = autograd_call_ms(calls=50)
     assert 0 < call < 50
-    got = runtime_overhead(rounds=1, warmup=0, call_ms=call)
-    assert got.call_ms == call
