@@ -2,9 +2,11 @@
 
 Every action of a compiled program (a stage's forward, backward, I or W on one micro-batch)
 goes through the runtime's bookkeeping: the program's call, taking and handing on the
-activation, the stage's seed per layer, the autograd call that starts its backward. A step
-also begins and ends (splitting the batch, the caller's RNG, the loss). The layer profile
-measures none of it. On a model whose actions take a millisecond that work is a tenth of the
+activation, the stage's seed per layer. A step also begins and ends (splitting the batch, the
+caller's RNG, the loss). The layer profile measures none of it. And each layer's backward is
+profiled as its own autograd call, while a stage's B or I makes one call for all its layers:
+`autograd_call_ms` measures what a call costs whatever it computes, the profile takes it off
+every layer's backward and I, and the runtime's cost per B and I adds it back once. On a model whose actions take a millisecond that work is a tenth of the
 step, and it is what makes many small micro-batches slower than a few large ones.
 
 `runtime_overhead` measures both figures with the runtime that codegen emits, on a probe of
