@@ -657,13 +657,7 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     # stage), each adding `action`; a layer's stage, M A of them. The fill term gets none.
     action, call, step = _overhead(problem.profile)
     per_mb = (3 if zb else 2) * action + call  # per micro-batch and stage
-    load = M * float(chain.forward.sum() + chain.backward.sum()) / float(sum(speeds))
-    if zb:
-        load = (
-            M
-            * float((chain.forward + chain.input_grad + chain.weight_grad).sum())
-            / float(sum(speeds))
-        )
+    load = M * float(least.sum()) / float(sum(speeds))  # (the cheapest mode's work)
     runtime = M * cand.per_device * per_mb
     return step + max(spread, M * granular + runtime, layer + M * per_mb, load + runtime)
 
