@@ -95,6 +95,10 @@ class Artifact(BaseModel):
             raise InputError(
                 f"{source}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})"
             ) from None
+        except RecursionError:
+            raise InputError(
+                f"{source}: not a gpipe-plan {expected} file (nested too deeply)"
+            ) from None
         if not isinstance(data, dict) or "kind" not in data:
             raise InputError(f"{source}: not a gpipe-plan {expected} file (no 'kind' field)")
         if data["kind"] != expected:

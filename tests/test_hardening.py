@@ -681,3 +681,11 @@ def test_a_module_that_raises_on_import_is_one_line_not_a_traceback(run_cli, tmp
     (tmp_path / "badpkg" / "__init__.py").write_text("raise RuntimeError('boom at import')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert_bad_input(run_cli("profile", "badpkg.mod:f", "-o", tmp_path / "o.json"), mentions="boom")
+
+
+def test_json_nested_past_the_parsers_depth_is_refused_in_one_line(run_cli, tmp_path):
+    """Found in review: 200 000 nested brackets took the checked path to a RecursionError."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000 + "]" * 200_000)
+    r = run_cli("show", str(deep))
+    assert r.code == 2 and "nested too deeply" in r.err and "Traceback" not in r.err
