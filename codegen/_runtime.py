@@ -328,7 +328,10 @@ class PipelineRuntime:
                     self.roots[(s, m)] = _edges(out)
                 del out
             roots, grads = self._backward_roots(s, m)
-            self.kept[(s, m)] = (roots, grads)
+            last = s == len(self.stages) - 1
+            # The last stage's W starts from its last layer's output gradient, taken here, not
+            # from the loss: then the loss's backward runs once, and its graph goes with I.
+            self.kept[(s, m)] = ([], None) if last else (roots, grads)
             inputs = _tensors(self.inputs.pop((s, m)))
             wrt = [t for t in inputs if t.requires_grad]
             # Without recomputation, also ask for the gradient of every layer's output: the same
@@ -341,6 +344,7 @@ class PipelineRuntime:
                         roots, wrt + hidden, grads, retain_graph=True, allow_unused=True
                     )
                 )
+            del roots, grads
             self.inner_grads[(s, m)] = got[len(wrt) :]
             if s > 0:
                 it = iter(got[: len(wrt)] if got else [None] * len(wrt))
@@ -354,8 +358,9 @@ class PipelineRuntime:
             # layer by layer, from each layer's output and the gradient I left for it
             hidden = iter(self.inner_grads.pop((s, m)))
             layers = list(self.stages[s])
+            last = s == len(self.stages) - 1
             for k, layer in enumerate(layers):
-                if k == len(layers) - 1:  # the stage's own roots (the loss on the last stage)
+                if k == len(layers) - 1 and not last:  # the stage's own roots: its output's
                     outs, gs = roots, grads
                 else:
                     pairs = [(e, next(hidden)) for e in inner[k]]
@@ -490,9 +495,10 @@ class PipelineRuntime:
         def seeded(k: int, layer: nn.Module, x: Value) -> Value:
             seed_layer(self.devices[s], self.seed, first + k, m)
             out = layer(x)
-            if keep and k < len(layers) - 1:
+            if keep and (k < len(layers) - 1 or s == len(self.stages) - 1):
                 # the layer's own outputs: what it hands on unchanged is not its output, and
-                # its gradient is kept where it was made (or is the stage's input gradient)
+                # its gradient is kept where it was made (or is the stage's input gradient);
+                # on the last stage also the last layer's, which the loss takes
                 handed = {id(t) for t in _tensors(x) if t is not None}
                 inner.append([e for k2, e in _edges(out) if id(_tensors(out)[k2]) not in handed])
             return out

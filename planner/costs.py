@@ -136,17 +136,19 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
     boundary = -(-boundary // unit) * unit  # rounded up to the allocator's blocks
     n = len(layers)
     # Zero bubble keeps, from I to W, the gradient of every layer output inside a stage and of
-    # the stage's own output; the last model layer's output gradient comes from the loss, which
-    # W runs again, so it is not kept (nor is the loss's).
+    # the stage's own output; on the last stage that of the last model layer's output too (W
+    # starts there, and the loss's graph goes with I). Without a profiled loss, the loss is
+    # not the last stage's final layer here and that gradient is not counted.
     # A skip handed on unchanged is one tensor, and so is its gradient: kept where it is made.
     passed = table.fixed("passed_bytes") * mb
     zgrad = np.maximum(boundary[1 : n + 1] - (-(-passed // unit) * unit), 0)
-    zgrad[L - 1 :] = 0
+    zgrad[L if n > L else L - 1 :] = 0
     grad_in = boundary[:n].copy()
     grad_in[0] = 0  # the model's input needs no gradient
+    shared = np.minimum(sizes("shared_bytes"), saved)
     loss_saved = np.zeros(n, dtype=np.int64)
-    if n > L:
-        loss_saved[L] = saved[L]
+    if n > L:  # what the loss function alone saves (a tensor a layer saves too is that layer's)
+        loss_saved[L] = saved[L] - shared[L]
     return Chain(
         mb=mb,
         forward=times("forward_ms"),
@@ -157,7 +159,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         largest_param=table.fixed("largest_param_bytes"),
         buffers=table.fixed("buffer_bytes"),
         saved=saved,
-        shared=np.minimum(sizes("shared_bytes"), saved),
+        shared=shared,
         input_saved=sizes("input_saved_bytes"),
         loss_saved=loss_saved,
         forward_transient=sizes("forward_transient_bytes"),

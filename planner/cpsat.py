@@ -87,7 +87,9 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
 
     pulled = largest(c.zgrad, c.zgrad, "pulled")
     # (early and late: 0, a chain has no routes past the next stage)
-    states = [X, X + S - Xs, X + S - Xs + Z + G, S + Z + over(unsaved, first), G, pulled, 0, 0]
+    loss = over(c.loss_saved, x)
+    states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + over(unsaved, first), G, pulled,
+              0, 0]  # fmt: skip
 
     transients = [
         _live(m, c, x, first, s, L),

@@ -27,7 +27,8 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
                                        one layer's working memory and, inside the stage, its input
 
     state bytes  input X, early E, late E's gradient, activations X + S - Xs,
-                 during_i X + S - Xs + Z + G, between_iw S + Z (+ X - Xs where G > 0: W's graph holds the input), grad G,
+                 during_i X + S - Xs + Z + G, between_iw S - loss + Z (+ X - Xs where G > 0: W's
+                 graph holds the input; the loss's own saved tensors go with I), grad G,
                  pulled P
 
 and the stage's memory is
@@ -170,6 +171,7 @@ class MemoryModel:
         xs = np.minimum(c.input_saved[i].astype(np.int64), x)
         saved = self._saved[j] - self._saved[i] - (self._shared[j] - self._shared[i + 1])
         z = self._zgrad[j] - self._zgrad[i]
+        loss = self._loss[j] - self._loss[i]
         inner = self._inner(self._inner_forward, i, j)
         remat = np.maximum(self._first_remat[i], self._inner(self._inner_remat, i, j))
         return {
@@ -177,7 +179,8 @@ class MemoryModel:
             "activations": x + saved - xs,
             "during_i": x + saved - xs + z + g,
             # the graph kept for W holds the input too, when it needs a gradient
-            "between_iw": saved + z + np.where(g > 0, x - xs, 0),
+            # (the loss's graph goes with I: W starts from the last layer's output gradient)
+            "between_iw": saved - loss + z + np.where(g > 0, x - xs, 0),
             "grad": g,
             "pulled": self._pulled(i, j),
             "early": early,
@@ -188,7 +191,7 @@ class MemoryModel:
             "weight_live": self._weight_live(i, j),
             "forward_live": np.maximum(self._forward_peak[i], inner),
             "saved": saved,
-            "loss": self._loss[j] - self._loss[i],
+            "loss": loss,
             "input_saved": xs,
         }
 
@@ -231,18 +234,18 @@ class MemoryModel:
         best = np.full(i.shape, -1, dtype=np.int64)
         parts = {k: np.zeros(i.shape, dtype=np.int64) for k in ("stash", "grad", "live", "loss")}
         z = b["during_i"] - b["activations"] - b["grad"]
-        kept_in = b["between_iw"] - b["saved"] - z
+        kept_in = b["between_iw"] - b["saved"] + b["loss"] - z
         for t in shape.occupancy:
             n_in, n_act, n_di, n_iw, n_grad, n_pulled, n_early, n_late = t[: len(STATES)]
             stash = n_in * b["input"] + (n_act + n_di) * b["activations"] + n_early * b["early"]
-            stash = stash + n_iw * (b["saved"] + kept_in)
+            stash = stash + n_iw * (b["saved"] - b["loss"] + kept_in)
             grads = (n_di + n_iw) * z + n_di * b["grad"] + n_grad * b["grad"]
             grads = grads + n_pulled * b["pulled"] + n_late * b["late"]
             live = sum(on * b[name] for on, name in zip(t[len(STATES) :], TRANSIENTS))
             total = stash + grads + live
             better = total > best
             best = np.where(better, total, best)
-            loss = (n_act + n_di + n_iw) * b["loss"]
+            loss = (n_act + n_di) * b["loss"]
             for key, value in (("stash", stash), ("grad", grads), ("live", live), ("loss", loss)):
                 parts[key] = np.where(better, value, parts[key])
         step = self.optimizer_step(i, j, shape)

@@ -656,7 +656,8 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     # The runtime's own cost: every device runs M A v compute actions (A per micro-batch and
     # stage), each adding `action`; a layer's stage, M A of them. The fill term gets none.
     action, call, step = _overhead(problem.profile)
-    per_mb = (3 if zb else 2) * action + call  # per micro-batch and stage
+    # per micro-batch and stage (zero bubble's I may make no call: a first stage of one layer)
+    per_mb = 3 * action if zb else 2 * action + call
     load = M * float(least.sum()) / float(sum(speeds))  # (the cheapest mode's work)
     runtime = M * cand.per_device * per_mb
     return step + max(spread, M * granular + runtime, layer + M * per_mb, load + runtime)
@@ -885,12 +886,15 @@ def _lower_bound(
     # the runtime's cost per compute action (A per micro-batch and stage, two on its trip),
     # and per B or I, its autograd call
     action, call, step = _overhead(problem.profile)
-    A = 3 if cand.schedule == "zb-h1" else 2
-    paid = {Kind.F: action, Kind.B: action + call, Kind.I: action + call}
+    zb = cand.schedule == "zb-h1"
+    A = 3 if zb else 2
     for s, (i, j) in enumerate(part.stages):
+        # a zero-bubble first stage of one layer makes no call at I
+        called = call * input_calls(s, (i, j), S) if zb else call
+        paid = {Kind.F: action, Kind.B: action + call, Kind.I: action + called}
         t = _stage_times(chain, cand, modes[s], i, j, specs[s].speed)
-        busy[s % K] += M * (t["work_ms"] + A * action + call)
-        trip += t["trip_ms"] + 2 * action + call
+        busy[s % K] += M * (t["work_ms"] + A * action + called)
+        trip += t["trip_ms"] + 2 * action + called
         if s < S - 1:  # what the next stage receives, as the plan times it
             c = _link_ms(problem.cluster, s % K, (s + 1) % K, float(received[s + 1]))
             trip += 2 * c
@@ -1092,7 +1096,15 @@ def stage_costs(stages: list[StagePlan], runtime: RuntimeOverhead | None = None)
         action_overhead=runtime.action_ms if runtime is not None else 0.0,
         step_overhead=runtime.step_ms if runtime is not None else 0.0,
         call_overhead=runtime.call_ms if runtime is not None else 0.0,
+        input_calls=[input_calls(st.index, st.layers, len(stages)) for st in stages],
     )
+
+
+def input_calls(s: int, layers: tuple[int, int], num_stages: int) -> int:
+    """The autograd calls stage s's I makes (codegen/_runtime.py): one, but none on a first
+    stage of one layer that hands on to another stage (its input needs no gradient, and its
+    layer's output gradient is what W starts from)."""
+    return 0 if s == 0 and num_stages > 1 and layers[1] - layers[0] == 1 else 1
 
 
 def simulate_stages(

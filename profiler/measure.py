@@ -192,9 +192,9 @@ def _measure_size(
     saved_before: set[int] = set()
     for i, layer in enumerate(layers):
         inp = _detach(x, requires_grad=i > 0)  # the model's own input needs no gradient
-        # zero bubble keeps each layer's output gradient from I to W, but not the last one's:
-        # that comes from the loss, which W runs again
-        kept = "both" if i < len(layers) - 1 else "input"
+        # zero bubble keeps each layer's output gradient from I to W; the last one's comes from
+        # the loss, and is counted where the loss is profiled (the last stage's W starts there)
+        kept = "both" if i < len(layers) - 1 or loss is not None else "input"
         row, x, saved = _memory(i, layer, inp, dev, model_storages, prev_saved, kept, saved_before)
         saved_before = {
             ptr for ptr in map(_storage, _tensors(x)) if ptr in saved_before or ptr in saved
@@ -214,7 +214,7 @@ def _measure_size(
         loss_layer = LossLayer(loss, target)
         inp = _detach(x, requires_grad=True)
         row, _, _ = _memory(
-            len(layers), loss_layer, inp, dev, model_storages, prev_saved, "loss", saved_before
+            len(layers), loss_layer, inp, dev, model_storages, prev_saved, "input", saved_before
         )
         rows.append(row)
         inputs.append(inp)
@@ -349,8 +349,8 @@ def _transient(layer: nn.Module, inp: Value, dev: torch.device, kept: str) -> di
     gradients). Every weight's .grad is there beforehand, so the temporary gradient added into
     it is counted, as it is in every micro-batch but the first. Gradients zero bubble keeps from
     I to W are counted by the planner and left out here (`kept`: "both" the output's and the
-    input's, "input" only for the last layer, whose output gradient comes from the loss, and
-    none for the loss, whose backward W runs again)."""
+    input's; "input" only the input's: the loss's, and the last layer's where no loss is
+    profiled, whose output gradient then comes from outside the model)."""
     params = [p for p in layer.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -393,7 +393,7 @@ def _transient(layer: nn.Module, inp: Value, dev: torch.device, kept: str) -> di
     out_kept = sum(_alloc(shape.numel() * dtype.itemsize, dev) for shape, dtype in like)
     out_kept *= kept == "both"
     passed_grad = sum(_alloc(t.numel() * t.element_size(), dev) for t in passed)
-    in_kept = sum(_alloc(t.numel() * t.element_size(), dev) for t in used) * (kept != "loss")
+    in_kept = sum(_alloc(t.numel() * t.element_size(), dev) for t in used)
     where = _device_key(dev)
     steps = trace.levels(lambda owner, device: "all" if device == where else None).get("all", [])
     span = {name: (start, end) for start, end, name in trace.ranges}
@@ -411,11 +411,7 @@ def _transient(layer: nn.Module, inp: Value, dev: torch.device, kept: str) -> di
         "backward": max(peak("backward") - kept_bytes, 0) + passed_grad,
         "no_grad": max(peak("no_grad") - before("no_grad"), 0),
         "input": max(peak("input") - before("input") - out_kept - in_kept, 0) if used else 0,
-        "weight": (
-            max(peak("weight") - before("weight") - out_kept, 0)
-            if params
-            else max(peak("backward") - kept_bytes, 0) * (kept == "loss")
-        ),
+        "weight": max(peak("weight") - before("weight") - out_kept, 0) if params else 0,
     }
 
 

@@ -48,6 +48,9 @@ class Costs:
     step_overhead: float = 0.0
     # and to every B and I: the stage's one autograd call, which per-layer figures leave out
     call_overhead: float = 0.0
+    # per stage, the autograd calls its I makes (default one each): none on a first stage of
+    # one layer, whose input needs no gradient and whose layer's output gradient W takes
+    input_calls: Sequence[int] | None = None
 
     @classmethod
     def uniform(
@@ -365,9 +368,13 @@ def _cost_lists(schedule: Schedule, costs: Costs) -> tuple:
     remat = [
         [f if recomputes(mode, m, M) else 0.0 for m in range(M)] for f, mode in zip(fwd, modes)
     ]
+    calls = list(costs.input_calls) if costs.input_calls is not None else [1] * S
+    if len(calls) != S or not all(isinstance(n, int) and n >= 0 for n in calls):
+        raise ValueError(f"costs.input_calls {calls}: a count >= 0 per stage")
     if extra or call:
         fwd, w_cost = ([t + extra for t in ts] for ts in (fwd, w_cost))
-        bwd, i_cost = ([t + (extra + call) for t in ts] for ts in (bwd, i_cost))
+        bwd = [t + (extra + call) for t in bwd]
+        i_cost = [t + (extra + call * n) for t, n in zip(i_cost, calls)]
     return fwd, bwd, i_cost, w_cost, remat, link
 
 

@@ -58,7 +58,14 @@ def profiles():
     for kind, build in (("mlp", small_mlp), ("transformer", small_transformer)):
         model = build()
         out[kind] = profile_model(
-            model, model.example_input, batch_sizes=[1, 2, 8], repeats=1, warmup=0, progress=False
+            model,
+            model.example_input,
+            batch_sizes=[1, 2, 8],
+            repeats=1,
+            warmup=0,
+            max_repeats=1,
+            overhead=False,
+            progress=False,
         )
     return out
 
@@ -157,7 +164,14 @@ def bn_model() -> nn.Sequential:
 def test_deferred_batch_norm_running_stats_equal_unpipelined(mode):
     reference, piped = bn_model(), bn_model()
     prof = profile_model(
-        bn_model(), torch.randn(8, 6), batch_sizes=[2, 8], repeats=1, warmup=0, progress=False
+        bn_model(),
+        torch.randn(8, 6),
+        batch_sizes=[2, 8],
+        repeats=1,
+        warmup=0,
+        max_repeats=1,
+        overhead=False,
+        progress=False,
     )
     plan = plan_pipeline(
         prof, Cluster.uniform(3, "1GiB"), 8, microbatches=4, schedule="gpipe", recompute=mode
@@ -180,7 +194,14 @@ def test_deferred_batch_norm_running_stats_equal_unpipelined(mode):
 def test_default_batch_norm_uses_each_microbatch_once_even_when_recomputing(schedule, mode):
     piped, manual, plain = bn_model(), bn_model(), bn_model()
     prof = profile_model(
-        bn_model(), torch.randn(8, 6), batch_sizes=[2, 8], repeats=1, warmup=0, progress=False
+        bn_model(),
+        torch.randn(8, 6),
+        batch_sizes=[2, 8],
+        repeats=1,
+        warmup=0,
+        max_repeats=1,
+        overhead=False,
+        progress=False,
     )
     x, y = torch.randn(8, 6), torch.randn(8, 2)
 

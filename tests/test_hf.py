@@ -72,7 +72,16 @@ def test_library_model_pipeline_gradients_equal_the_model(build, schedule):
     model.train()
     layers = capture(model, x)
     assert len(layers) >= 4  # the library's body is opened into its blocks
-    prof = profile_model(layers, x, batch_sizes=[2], repeats=1, warmup=0, progress=False)
+    prof = profile_model(
+        layers,
+        x,
+        batch_sizes=[2],
+        repeats=1,
+        warmup=0,
+        max_repeats=1,
+        overhead=False,
+        progress=False,
+    )
     plan = plan_pipeline(
         prof, Cluster.uniform(2, "1GiB"), 8, microbatches=4, schedule=schedule, recompute="never"
     )

@@ -211,3 +211,107 @@ def test_an_autograd_call_costs_something():
 
     call = autograd_call_ms(calls=50)
     assert 0 < call < 50
+
+
+def test_the_loss_backward_runs_once_per_microbatch_and_zero_bubble_keeps_its_gradients():
+    """Zero bubble's W on the last stage starts from the last layer's output gradient, which I
+    took: the loss's backward runs once per micro-batch (as the plan charges it), and the
+    gradients are those of the whole model's step."""
+    from torch import nn
+
+    runs = [0]
+
+    class CountedMSE(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out, target):
+            ctx.save_for_backward(out, target)
+            return ((out - target) ** 2).mean()
+
+        @staticmethod
+        def backward(ctx, g):
+            runs[0] += 1
+            out, target = ctx.saved_tensors
+            return g * 2 * (out - target) / out.numel(), None
+
+    def loss_fn(out, target):
+        return CountedMSE.apply(out, target)
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(4, 4) if k % 2 == 0 else nn.Tanh() for k in range(6)])
+
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    whole = model()
+    loss_fn(whole(x), y).backward()
+    M = 4
+    for schedule, mode in [("gpipe", "never"), ("zb-h1", "never"), ("zb-h1", "always")]:
+
+        class Probe(PipelineRuntime):
+            SCHEDULE, MICROBATCHES = schedule, M
+            STAGES, RANKS, RECOMPUTE = [(0, 3), (3, 6)], [0, 0], [mode, mode]
+
+        net = model()
+        pipe = Probe(net, ["cpu", "cpu"])
+        runs[0] = 0
+        pipe.begin(x, y, loss_fn)
+        for m in range(M):
+            for s in range(2):
+                pipe.forward(s, m)
+        for m in range(M):
+            for s in (1, 0):
+                if schedule == "zb-h1":
+                    pipe.backward_input(s, m)
+                    assert not pipe.kept[(s, m)][0] or s < 1  # the last stage keeps no loss
+                    pipe.backward_weight(s, m)
+                else:
+                    pipe.backward(s, m)
+        pipe.finish()
+        assert runs[0] == M, (schedule, mode, runs[0])
+        for (name, p), q in zip(net.named_parameters(), whole.parameters()):
+            assert torch.allclose(p.grad, q.grad, atol=1e-6), (schedule, mode, name)
+
+
+@pytest.mark.parametrize(
+    "stages", [[(0, 1), (1, 3)], [(0, 2), (2, 3)], [(0, 1), (1, 2), (2, 3)], [(0, 3)]]
+)
+def test_zero_bubble_i_makes_the_calls_the_plan_charges(monkeypatch, stages):
+    """A first stage of one layer makes no autograd call at I (its input needs no gradient,
+    and W takes its output's); every other stage makes one: what `input_calls` tells the
+    simulator."""
+    import torch.autograd as autograd
+    from torch import nn
+
+    calls: dict[int, int] = {}
+    now = [0]
+    engine = autograd._engine_run_backward
+
+    def counted(*args, **kwargs):
+        calls[now[0]] = calls.get(now[0], 0) + 1
+        return engine(*args, **kwargs)
+
+    monkeypatch.setattr(autograd, "_engine_run_backward", counted)
+    monkeypatch.setattr(torch.autograd.graph, "_engine_run_backward", counted, raising=False)
+    S = len(stages)
+
+    class Probe(PipelineRuntime):
+        SCHEDULE, MICROBATCHES = "zb-h1", 1
+        STAGES, RANKS, RECOMPUTE = stages, [0] * S, ["never"] * S
+
+    torch.manual_seed(0)
+    pipe = Probe(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)), ["cpu"] * S)
+    pipe.begin(torch.randn(2, 4), torch.randn(2, 4), nn.functional.mse_loss)
+    for s in range(S):
+        pipe.forward(s, 0)
+    for s in reversed(range(S)):
+        now[0] = s
+        pipe.backward_input(s, 0)
+        pipe.kept.pop((s, 0))  # (W not run: its calls are not I's)
+    made = [calls.get(s, 0) for s in range(S)]
+    assert made == [search.input_calls(s, st, S) for s, st in enumerate(stages)]
+    # ... and the simulator charges exactly those
+    one = simulate(
+        build_schedule("zb-h1", S, 1),
+        Costs.uniform(S, 0.0, 0.0, input_grad=[0.0] * S, weight_grad=[0.0] * S,
+                      call_overhead=1.0, input_calls=made),
+    )  # fmt: skip
+    assert one.makespan == sum(made)

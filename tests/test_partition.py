@@ -34,7 +34,8 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
         [int(c.forward_peak[i])] + [int(c.forward_peak[k] + c.boundary[k]) for k in inner]
     )
     P = int(c.zgrad[i:j].max())
-    states = [X, X + S - Xs, X + S - Xs + Z + G, S + Z + (X - Xs if G else 0), G, P, 0, 0]
+    loss = int(c.loss_saved[i:j].sum())  # the loss's own: it goes with I, before W
+    states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + (X - Xs if G else 0), G, P, 0, 0]
     transients = [live, remat, forward, int(c.input_grad_transient[i:j].max()),
                   int(c.weight_grad_transient[i:j].max())]  # fmt: skip
     held = max(sum(n * b for n, b in zip(t, states + transients)) for t in shape.occupancy)

@@ -364,7 +364,14 @@ def mlp_profile():
 
     model = mlp(width=32, depth=4, batch=8)
     return profile_model(
-        model, model.example_input, batch_sizes=[1, 2, 4], repeats=1, warmup=0, progress=False
+        model,
+        model.example_input,
+        batch_sizes=[1, 2, 4],
+        repeats=1,
+        warmup=0,
+        max_repeats=1,
+        overhead=False,
+        progress=False,
     )
 
 
@@ -437,7 +444,7 @@ def test_a_captured_unets_skips_meet_on_a_blocking_transport(schedule, K, M):
     model = unet(size=8)
     x = model.example_input
     prof = profile_model(capture(model, x), x, batch_sizes=[2], repeats=1, warmup=0,
-                         progress=False)  # fmt: skip
+                         max_repeats=1, overhead=False, progress=False)  # fmt: skip
     plan = plan_pipeline(prof, Cluster.uniform(K, "1GiB"), x.shape[0], microbatches=M,
                          schedule=schedule)  # fmt: skip
     assert any(t > s + 1 for s, t in plan.routes)  # a skip past the next stage
