@@ -60,6 +60,65 @@ def prior_bound(
     return max(load, fill)
 
 
+def interleaved_bound(
+    work: np.ndarray, counted: np.ndarray, microbatches: int, num_devices: int,
+    speeds: list[float],
+) -> float:  # fmt: skip
+    """A lower bound (ms) on the makespan of any split of layers of per-micro-batch `work` into
+    2 K stages, device d running stages d and d + K (interleaved 1F1B's looped placement).
+
+    Device d's actions lie between its first, a forward of stage d, and its last, a backward
+    of stage d: with a_d, b_d the work of stages d and d + K, for every d
+
+        Q_d  = rho sum_{s < d} a_s + M (a_d + b_d)             <= makespan
+        Q'_d = rho (sum_s a_s + sum_{s < d} b_s) + M b_d        <= makespan
+
+    (Q'_d: stage d + K's own actions lie between a forward and a backward of it, which wait
+    for a micro-batch's way through every stage before it). The least makespan any split
+    allows is at least W / c, c the most total work that keeps every Q_d, Q'_d <= 1; by LP
+    duality c <= sum y + sum z for any y, z >= 0 whose columns reach 1:
+
+        a_s:  M y_s + rho sum_{d > s} y_d + rho sum_d z_d >= 1
+        b_s:  M y_s + M z_s + rho sum_{d > s} z_d >= 1
+
+    Taken with every column exactly 1 (solved from the last device back, linear in sum z),
+    then scaled by the least column where rounding left one short; where that system has a
+    negative entry, y = 1 / M (the load, M W / K). At M ~ K this is about 1.2x the load; it
+    tends to the load as M grows."""
+    W = float(work.sum())
+    K, M = num_devices, float(microbatches)
+    if W <= 0 or K < 1:
+        return 0.0
+    busy = work > 0
+    rho = min(1.0, float((counted[busy] / work[busy]).min()))
+    top = float(max(speeds))
+
+    def tight(Z: float) -> tuple[list[float], list[float]]:
+        y, z = [0.0] * K, [0.0] * K
+        ys = zs = 0.0  # sums over the devices after s
+        for s in reversed(range(K)):
+            y[s] = (1 - rho * ys - rho * Z) / M
+            z[s] = (1 - rho * zs) / M - y[s]
+            ys, zs = ys + y[s], zs + z[s]
+        return y, z
+
+    g0, g1 = sum(tight(0.0)[1]), sum(tight(1.0)[1])
+    slope = g1 - g0
+    y, z = tight(g0 / (1 - slope)) if slope < 1 else ([1 / M] * K, [0.0] * K)
+    if min(y) < 0 or min(z) < 0:
+        y, z = [1 / M] * K, [0.0] * K
+    Z = sum(z)
+    cols = []
+    ys = zs = 0.0
+    for s in reversed(range(K)):
+        cols += [M * y[s] + rho * ys + rho * Z, M * y[s] + M * z[s] + rho * zs]
+        ys, zs = ys + y[s], zs + z[s]
+    least = min(cols)
+    if least <= 0:
+        return 0.0
+    return W * least / (sum(y) + Z) / top
+
+
 def least_bottleneck(work: np.ndarray, speeds: list[float] | np.ndarray, rounds: int = 2) -> float:
     """A lower bound on min over contiguous splits of `work` into len(speeds) stages (in that
     order, empty stages allowed: a relaxation) of max_s work_s / speeds[s]; each round shrinks

@@ -55,7 +55,7 @@ from schedules.comm import fastest_lowering
 from schedules.memory import StageBytes, occupancy
 from schedules.order import freeze
 
-from .bounds import least_bottleneck, prior_bound
+from .bounds import interleaved_bound, least_bottleneck, prior_bound
 from .cluster import Cluster
 from .costs import OPTIMIZER_SLOTS, Chain, ProfileTable, chain_at
 from .dp import solve_partition_dp
@@ -660,6 +660,8 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     per_mb = 3 * action if zb else 2 * action + call
     load = M * float(least.sum()) / float(sum(speeds))  # (the cheapest mode's work)
     runtime = M * cand.per_device * per_mb
+    if cand.per_device == INTERLEAVE == 2:  # each device's two stages framed (bounds.py)
+        spread = max(spread, interleaved_bound(least, counted, M, len(speeds), speeds))
     return step + max(spread, M * granular + runtime, layer + M * per_mb, load + runtime)
 
 
@@ -882,6 +884,7 @@ def _lower_bound(
     # before[kind][s]: one micro-batch's forward (F), backward (B) or I from stage s back to
     # the first, transfers included
     before = {Kind.F: [0.0] * S, Kind.B: [0.0] * S, Kind.I: [0.0] * S}
+    own = [0.0] * S  # each stage's own load
     modes = _stage_modes(cand, part)
     # the runtime's cost per compute action (A per micro-batch and stage, two on its trip),
     # and per B or I, its autograd call
@@ -893,7 +896,8 @@ def _lower_bound(
         called = call * input_calls(s, (i, j), S) if zb else call
         paid = {Kind.F: action, Kind.B: action + call, Kind.I: action + called}
         t = _stage_times(chain, cand, modes[s], i, j, specs[s].speed)
-        busy[s % K] += M * (t["work_ms"] + A * action + called)
+        own[s] = M * (t["work_ms"] + A * action + called)
+        busy[s % K] += own[s]
         trip += t["trip_ms"] + 2 * action + called
         if s < S - 1:  # what the next stage receives, as the plan times it
             c = _link_ms(problem.cluster, s % K, (s + 1) % K, float(received[s + 1]))
@@ -908,7 +912,24 @@ def _lower_bound(
         first, last = program[d][0], program[d][-1]
         tail = before[last.kind][last.stage] if last.kind in (Kind.B, Kind.I) else 0.0
         framed = max(framed, before[Kind.F][first.stage] + busy[d] + tail)
+    # ... and so is each stage's own load, between its first action (a forward, waiting for
+    # a micro-batch's way there) and its last (after a B or I, that way back): an interleaved
+    # device's later stage waits for every stage before it
+    for s, last_kind in enumerate(_last_kinds(cand.schedule, K, M)):
+        tail = before[last_kind][s] if last_kind in (Kind.B, Kind.I) else 0.0
+        framed = max(framed, before[Kind.F][s] + own[s] + tail)
     return step + max(max(busy), trip, link, framed)
+
+
+@lru_cache(maxsize=256)
+def _last_kinds(name: str, num_devices: int, microbatches: int) -> tuple[Kind, ...]:
+    """Per stage of the schedule, the kind of its last action."""
+    sched = plan_schedule(name, num_devices, microbatches)
+    last: dict[int, Kind] = {}
+    for acts in sched.ranks.values():
+        for a in acts:
+            last[a.stage] = a.kind
+    return tuple(last[s] for s in range(sched.num_stages))
 
 
 def _build_plan(

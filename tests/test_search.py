@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import planner.search as search
 from planner import Cluster, format_size, plan_pipeline
-from planner.bounds import least_bottleneck, prior_bound
+from planner.bounds import interleaved_bound, least_bottleneck, prior_bound
 from planner.cluster import Device, Link
 from planner.memory import RECOMPUTE_MODES
 from planner.partition import Partition
@@ -55,6 +55,58 @@ def test_prior_bound_is_below_every_split_of_every_schedule(work, ratio, schedul
         ws = [bb - ii for bb, ii in zip(bs, iss)]
         tl = simulate(sched, Costs(fs, bs, input_grad=iss, weight_grad=ws), memory=False)
         assert bound <= tl.makespan * (1 + 1e-9) + 1e-12, (bounds, bound, tl.makespan)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    work=st.lists(st.floats(0.0, 5.0), min_size=2, max_size=8),
+    ratio=st.lists(st.floats(0.0, 1.0), min_size=8, max_size=8),
+    M=st.integers(1, 8),
+    K=st.integers(1, 3),
+    speeds=st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=3, max_size=3),
+)
+def test_interleaved_bound_is_below_every_split(work, ratio, M, K, speeds):
+    """Brute force: interleaved 1F1B simulated on every split of the layers into 2 K stages,
+    on devices of mixed speeds, never beats the bound."""
+    L, S = len(work), 2 * K
+    if S > L or (M > K and M % K):
+        return
+    speeds = speeds[:K]
+    f = np.array([w * r for w, r in zip(work, ratio)])
+    b = np.array(work) - f
+    bound = interleaved_bound(np.array(work), f + b, M, K, speeds)
+    sched = build_schedule("interleaved-1f1b", S, M, stages_per_rank=2)
+    for bounds in _splits(L, S):
+        sp = [speeds[s % K] for s in range(S)]
+        fs = [float(f[x:y].sum()) / v for (x, y), v in zip(itertools.pairwise(bounds), sp)]
+        bs = [float(b[x:y].sum()) / v for (x, y), v in zip(itertools.pairwise(bounds), sp)]
+        tl = simulate(sched, Costs(fs, bs), memory=False)
+        assert bound <= tl.makespan * (1 + 1e-9) + 1e-12, (bounds, bound, tl.makespan)
+
+
+@pytest.mark.parametrize(("K", "M", "rho"), [(2, 2, 1.0), (4, 4, 1.0), (4, 8, 0.7), (8, 8, 0.5),
+                                            (16, 32, 1.0), (3, 90, 1.0)])  # fmt: skip
+def test_interleaved_bound_is_the_lps_optimum(K, M, rho):
+    """The closed form is the LP it stands for, solved by OR-tools' GLOP: the most work that
+    keeps every device's frames within 1. Where M is about K that is well above the load (no
+    split escapes the fill and drain); it falls to the load as M grows."""
+    from ortools.linear_solver import pywraplp
+
+    lp = pywraplp.Solver.CreateSolver("GLOP")
+    a = [lp.NumVar(0, lp.infinity(), f"a{d}") for d in range(K)]
+    b = [lp.NumVar(0, lp.infinity(), f"b{d}") for d in range(K)]
+    for d in range(K):
+        lp.Add(rho * sum(a[:d]) + M * (a[d] + b[d]) <= 1)
+        lp.Add(rho * (sum(a) + sum(b[:d])) + M * b[d] <= 1)
+    lp.Maximize(sum(a) + sum(b))
+    assert lp.Solve() == pywraplp.Solver.OPTIMAL
+    W = 40.0
+    work = np.full(40, 1.0)
+    bound = interleaved_bound(work, rho * work, M, K, [1.0] * K)
+    assert bound == pytest.approx(W / lp.Objective().Value(), rel=1e-6)
+    assert bound >= M * W / K * (1 - 1e-9)  # never below the load
+    if M == K and rho == 1:
+        assert bound > 1.1 * M * W / K
 
 
 @settings(max_examples=12, deadline=None)
