@@ -29,6 +29,7 @@ average, decides (100 layers on 64 devices: one stage holds the heaviest layer a
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import numpy as np
 
@@ -86,12 +87,17 @@ def interleaved_bound(
     negative entry, y = 1 / M (the load, M W / K). At M ~ K this is about 1.2x the load; it
     tends to the load as M grows."""
     W = float(work.sum())
-    K, M = num_devices, float(microbatches)
-    if W <= 0 or K < 1:
+    if W <= 0 or num_devices < 1:
         return 0.0
     busy = work > 0
     rho = min(1.0, float((counted[busy] / work[busy]).min()))
-    top = float(max(speeds))
+    return W * _framed_share(num_devices, microbatches, rho) / float(max(speeds))
+
+
+@lru_cache(maxsize=4096)
+def _framed_share(K: int, microbatches: int, rho: float) -> float:
+    """1 / c for interleaved_bound (per unit of work, at speed 1)."""
+    M = float(microbatches)
 
     def tight(Z: float) -> tuple[list[float], list[float]]:
         y, z = [0.0] * K, [0.0] * K
@@ -114,9 +120,7 @@ def interleaved_bound(
         cols += [M * y[s] + rho * ys + rho * Z, M * y[s] + M * z[s] + rho * zs]
         ys, zs = ys + y[s], zs + z[s]
     least = min(cols)
-    if least <= 0:
-        return 0.0
-    return W * least / (sum(y) + Z) / top
+    return least / (sum(y) + Z) if least > 0 else 0.0
 
 
 def least_bottleneck(work: np.ndarray, speeds: list[float] | np.ndarray, rounds: int = 2) -> float:

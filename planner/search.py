@@ -459,8 +459,9 @@ def _search(
             if part is None:
                 outcomes[k] = _Outcome("nofit", math.inf)
                 continue
-            free = cand.recompute == "never" and cand.per_device == 1
-            free = free and part.extra.get("memory_free") == 1.0
+            # memory bound no end of the never split: the per-stage twin would find it again
+            # (an interleaved one, only where that split's devices then fit: see below)
+            free = cand.recompute == "never" and part.extra.get("memory_free") == 1.0
             bound = _lower_bound(problem, cand, specs, part)
             if beaten(bound):  # it cannot beat the best so far: no simulation
                 outcomes[k] = _Outcome("bound", bound)
@@ -480,6 +481,8 @@ def _search(
                     settled[pair] = (outcomes[k], None)
                 continue
             if not plan.fits and cand.per_device > 1:
+                # the per-stage twin may fall back differently (every stage recomputing)
+                free = False
                 plan = _interleaved_fallback(problem, cand, times, specs, part, solve, method)
             t = plan.predicted.iteration_ms
             peak = max(plan.predicted.peak_memory)
