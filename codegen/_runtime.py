@@ -291,7 +291,7 @@ class PipelineRuntime:
 
     def forward(self, s: int, m: int) -> None:
         with self._action("forward", s, m):
-            x = self.batch[m].to(self.devices[s], copy=True) if s == 0 else self._take(s, m)
+            x = self.batch[m].to(self.devices[s]) if s == 0 else self._take(s, m)
             inp = _like_leaf(x, grad=s > 0)
             if isinstance(inp, dict) and self.input_name in inp:  # the model's input, sent on:
                 inp[self.input_name].requires_grad_(False)  # no gradient goes back for it

@@ -67,6 +67,9 @@ class Chain:
     num_model_layers: int = -1
     flow: Flow | None = None  # a captured graph: which stage receives which value (routing.py)
     tied: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (bytes, layers using it) per shared
+    # Stage 0 works on the caller's micro-batch where it already lives on the stage's device
+    # (a CPU run: the runtime copies it only from another device), so holds none of it.
+    borrowed_input: bool = False
 
     @property
     def num_layers(self) -> int:
@@ -174,4 +177,5 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         num_model_layers=L,
         flow=Flow.of(profile.layers, n > L, mb, unit) if profile.captured else None,
         tied=tuple((t.bytes, tuple(t.layers)) for t in profile.tied) if profile.captured else (),
+        borrowed_input=profile.device.split(":")[0] == "cpu",
     )

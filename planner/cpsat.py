@@ -69,8 +69,12 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
     inner = [[x[k][s] - first[k][s]] for k in range(L)]  # k in the stage, not its first layer
     p = over(c.params, x)
     weights = (2 + shape.optimizer_slots) * p + over(c.buffers, x)
-    X = over(c.boundary[:L], first)
+    held = c.boundary[:L].copy()
+    if c.borrowed_input:  # stage 0 on the caller's micro-batch: none of it is the stage's
+        held[0] = 0
+    X = over(held, first)
     Xs = sum(int(min(c.input_saved[k], c.boundary[k])) * first[k][s] for k in range(L))
+    lent = int(min(c.input_saved[0], c.boundary[0])) * first[0][s] if c.borrowed_input else 0
     S = over(c.saved, x) - sum(int(c.shared[k]) * inner[k][0] for k in range(L) if c.shared[k])
     Z = over(c.zgrad, x)
     G = over(c.grad_in, first)
@@ -88,8 +92,8 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
     pulled = largest(c.zgrad, c.zgrad, "pulled")
     # (early and late: 0, a chain has no routes past the next stage)
     loss = over(c.loss_saved, x)
-    states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + over(unsaved, first), G, pulled,
-              0, 0]  # fmt: skip
+    states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + over(unsaved, first) - lent, G,
+              pulled, 0, 0]  # fmt: skip
 
     transients = [
         _live(m, c, x, first, s, L),

@@ -4,7 +4,9 @@ A device holds its stage's weights all the time, and its micro-batches' tensors 
 as the schedule's issue order moves them (schedules/memory.py). Per micro-batch, for the stage
 [i, j) (the loss, when profiled, is the last stage's final layer):
 
-    X   = boundary[i]                  its input (pushed by the previous stage, or our own copy);
+    X   = boundary[i]                  its input (pushed by the previous stage, or our own copy;
+                                       0 for stage 0 where it works on the caller's micro-batch,
+                                       which then also leaves Xs out of between_iw);
                                        a captured graph's stage receives only the values its
                                        layers read, each from the stage that made it (routing.py)
     E   = the part of X sent by a stage before the previous one: it arrives earlier (`early`),
@@ -169,6 +171,10 @@ class MemoryModel:
         c = self.chain
         x, g, early, late = self.inputs(i, j, None if start is None else np.atleast_1d(start))
         xs = np.minimum(c.input_saved[i].astype(np.int64), x)
+        # stage 0 on the caller's own micro-batch (Chain.borrowed_input): not the pipeline's
+        # to hold, nor the part of it the first layer saves
+        lent = (i == 0) & c.borrowed_input
+        x = np.where(lent, 0, x)
         saved = self._saved[j] - self._saved[i] - (self._shared[j] - self._shared[i + 1])
         z = self._zgrad[j] - self._zgrad[i]
         loss = self._loss[j] - self._loss[i]
@@ -180,7 +186,7 @@ class MemoryModel:
             "during_i": x + saved - xs + z + g,
             # the graph kept for W holds the input too, when it needs a gradient
             # (the loss's graph goes with I: W starts from the last layer's output gradient)
-            "between_iw": saved - loss + z + np.where(g > 0, x - xs, 0),
+            "between_iw": saved - loss + z + np.where(g > 0, x - xs, 0) - np.where(lent, xs, 0),
             "grad": g,
             "pulled": self._pulled(i, j),
             "early": early,

@@ -22,6 +22,8 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     """The memory model of DESIGN.md, written out plainly."""
     p = int(c.params[i:j].sum())
     X, Xs = int(c.boundary[i]), min(int(c.input_saved[i]), int(c.boundary[i]))
+    lent = Xs if i == 0 and c.borrowed_input else 0  # the caller's micro-batch, not the stage's
+    X = 0 if i == 0 and c.borrowed_input else X
     S = int(c.saved[i:j].sum()) - int(c.shared[i + 1 : j].sum())
     Z, G = int(c.zgrad[i:j].sum()), int(c.grad_in[i])
     inner = range(i + 1, j)
@@ -35,7 +37,8 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     )
     P = int(c.zgrad[i:j].max())
     loss = int(c.loss_saved[i:j].sum())  # the loss's own: it goes with I, before W
-    states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + (X - Xs if G else 0), G, P, 0, 0]
+    states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + (X - Xs if G else 0) - lent, G, P,
+              0, 0]  # fmt: skip
     transients = [live, remat, forward, int(c.input_grad_transient[i:j].max()),
                   int(c.weight_grad_transient[i:j].max())]  # fmt: skip
     held = max(sum(n * b for n, b in zip(t, states + transients)) for t in shape.occupancy)
@@ -113,6 +116,11 @@ def problems(draw):
     )
     boundary = ints(1, 25, L + 1)
     params = ints(0, 60, L)
+    # the last entry may be a loss (what it saves goes with I) and stage 0 may work on the
+    # caller's micro-batch (a CPU run)
+    loss_saved = np.zeros(L, dtype=np.int64)
+    if L > 1 and draw(st.booleans()):
+        loss_saved[-1] = saved[-1] - shared[-1]
     chain = make_chain(
         L,
         forward=ints(1, 9, L).astype(float),
@@ -132,6 +140,8 @@ def problems(draw):
         zgrad=ints(0, 20, L),
         grad_in=np.where(np.arange(L) > 0, boundary[:L], 0),
         boundary=boundary,
+        loss_saved=loss_saved,
+        borrowed_input=draw(st.booleans()),
     )
     tuples = st.lists(
         st.builds(

@@ -34,8 +34,9 @@ MODES = ["never", "except_last", "always"]
 
 
 def by_hand(i: int, j: int, mb: int, *, saved, shared, out, inp, input_saved, transient, L):
-    """A stage's bytes per state, written out from DESIGN.md's model (no loss here)."""
-    X = mb * (inp if i == 0 else out[i - 1])
+    """A stage's bytes per state, written out from DESIGN.md's model (no loss here; a CPU
+    profile: stage 0 works on the caller's micro-batch, so holds none of its input)."""
+    X = mb * (0 if i == 0 else out[i - 1])
     S = mb * (sum(saved[i:j]) - sum(shared[i + 1 : j]))
     Xs = mb * input_saved[i]
     Z = mb * sum(out[k] for k in range(i, j) if k != L - 1)
@@ -44,7 +45,7 @@ def by_hand(i: int, j: int, mb: int, *, saved, shared, out, inp, input_saved, tr
         input=X,
         activations=X + S - Xs,
         during_i=X + S - Xs + Z + G,
-        between_iw=S + Z + (X - Xs if G else 0),
+        between_iw=S + Z + (X - Xs if G else 0) - (Xs if i == 0 else 0),
         grad=G,
         pulled=max(mb * out[k] if k != L - 1 else 0 for k in range(i, j)),
         # synthetic transients (conftest): forward t, backward t + 1, unsaved input 2,
