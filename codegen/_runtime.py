@@ -8,8 +8,9 @@
 #     backward_weight(s, m)  zero-bubble W: the weight gradients, then free the graph
 #
 # What a stage holds, and for how long, is what the planner counts (schedules/memory.py):
-#   - its input, from the moment the previous stage pushes a copy of it (stage 0 copies its own
-#     micro-batch at forward) until its backward (or I) has made the input gradient;
+#   - its input, from the moment the previous stage pushes a copy of it until its backward (or
+#     I) has made the input gradient (stage 0 copies its micro-batch only from another device;
+#     on its own device it works on the caller's, through an alias of its own: see _own);
 #   - what autograd saves; never the stage's output itself: once pushed, the output is dropped
 #     and backward starts from its gradient edge, so its memory goes unless autograd saved it;
 #   - the input gradient, until the previous stage pulls a copy at its own backward (or I);
@@ -291,7 +292,7 @@ class PipelineRuntime:
 
     def forward(self, s: int, m: int) -> None:
         with self._action("forward", s, m):
-            x = self.batch[m].to(self.devices[s]) if s == 0 else self._take(s, m)
+            x = _own(self.batch[m], self.devices[s]) if s == 0 else self._take(s, m)
             inp = _like_leaf(x, grad=s > 0)
             if isinstance(inp, dict) and self.input_name in inp:  # the model's input, sent on:
                 inp[self.input_name].requires_grad_(False)  # no gradient goes back for it
@@ -660,6 +661,21 @@ def _indexed(d: torch.device) -> torch.device:
     if d.type == "cuda" and d.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return d
+
+
+def _own(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A micro-batch of the caller's input for stage 0: copied from another device; on its own,
+    the caller's memory through an alias that is no view (set_ on a fresh tensor), so that an
+    in-place first layer bumps only this micro-batch's version counter, not every other's."""
+    if _indexed(t.device) != _indexed(device):
+        return t.to(device, copy=True)
+    try:
+        with torch.no_grad():
+            return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                t.untyped_storage(), t.storage_offset(), t.size(), t.stride()
+            )
+    except (RuntimeError, TypeError, NotImplementedError):  # a layout set_ cannot take
+        return t.clone()
 
 
 def _like_leaf(v: Value, grad: bool) -> Value:

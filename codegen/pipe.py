@@ -184,6 +184,13 @@ def compile_pipe(
         return _distributed_pipe(model, plan, devices, deferred_batch_norm)
     K = len(plan.devices)
     devs = _resolve_devices(devices, K, plan)
+    if plan.device_type.split(":")[0] == "cpu" and devs[0].type != "cpu":
+        warnings.warn(
+            f"the plan was made from a CPU profile but runs on {devs[0]}: its times are the CPU's, "
+            "and its memory counts no copy of the input batch on the first stage (the CPU works "
+            "on the caller's own); profile on the GPU to plan for it",
+            stacklevel=2,
+        )
     source = emit_program(plan)
     namespace = types.ModuleType("gpipe_plan_program")
     exec(compile(source, f"<gpipe-plan program {plan.digest()[:12]}>", "exec"), namespace.__dict__)

@@ -147,7 +147,7 @@ class MemoryModel:
         (G), and of each the part sent from before `start`, the previous stage's first layer
         (early E, late: unknown start: i - 1, which counts at least as much). A chain receives
         boundary[i]; a captured graph only the values its layers read (routing.py); stage 0
-        copies the input."""
+        the model's input (its own copy, or the caller's: Chain.borrowed_input)."""
         c = self.chain
         if c.flow is None:
             x = c.boundary[i].astype(np.int64)

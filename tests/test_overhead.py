@@ -315,3 +315,70 @@ def test_zero_bubble_i_makes_the_calls_the_plan_charges(monkeypatch, stages):
                       call_overhead=1.0, input_calls=made),
     )  # fmt: skip
     assert one.makespan == sum(made)
+
+
+# (recomputing, an in-place first layer changes the input its re-run starts from: torch's own
+# checkpoint refuses that too, copy or not)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_an_in_place_first_layer_works_on_the_callers_batch(schedule):
+    """Stage 0 works on the caller's micro-batch (no copy on its own device): an in-place first
+    layer changes only its own micro-batch, and the gradients are the whole model's."""
+    from torch import nn
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    whole = model()
+    nn.functional.mse_loss(whole(x.clone()), y).backward()
+    M = 2
+
+    class Probe(PipelineRuntime):
+        SCHEDULE, MICROBATCHES = schedule, M
+        STAGES, RANKS, RECOMPUTE = [(0, 2), (2, 4)], [0, 0], ["never", "never"]
+
+    net = model()
+    pipe = Probe(net, ["cpu", "cpu"])
+    given = x.clone()
+    pipe.begin(given, y, nn.functional.mse_loss)
+    for m in range(M):
+        for s in range(2):
+            pipe.forward(s, m)
+    for m in range(M):
+        for s in (1, 0):
+            if schedule == "zb-h1":
+                pipe.backward_input(s, m)
+                pipe.backward_weight(s, m)
+            else:
+                pipe.backward(s, m)
+    pipe.finish()
+    for p, q in zip(net.parameters(), whole.parameters()):
+        assert torch.allclose(p.grad, q.grad, atol=1e-6), schedule
+    assert torch.equal(given, x.relu())  # as the model alone would leave it
+
+
+def test_a_cpu_plan_run_on_a_gpu_says_what_its_memory_left_out(monkeypatch):
+    """The model holds none of the input on stage 0 for a CPU profile (the CPU works on the
+    caller's batch); on a GPU the batch is copied there, so compile_pipe says so."""
+    import warnings
+
+    from torch import nn
+
+    import codegen.pipe as pipe_mod
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    plan = plan_pipeline(synthetic_profile([1.0, 1.0, 1.0]), Cluster.uniform(2, "1GiB"), 4)
+    monkeypatch.setattr(
+        pipe_mod, "_resolve_devices", lambda devices, K, plan: [torch.device("cuda:0")] * K
+    )
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with contextlib.suppress(Exception):  # no GPU here: the program itself may not start
+            pipe_mod.compile_pipe(model, plan, check_model=False)
+    assert any("made from a CPU profile" in str(w.message) for w in seen)
+    monkeypatch.undo()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pipe_mod.compile_pipe(model, plan, ["cpu", "cpu"], check_model=False)
+    assert not any("made from a CPU profile" in str(w.message) for w in seen)

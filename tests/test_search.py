@@ -64,23 +64,26 @@ def test_prior_bound_is_below_every_split_of_every_schedule(work, ratio, schedul
     M=st.integers(1, 8),
     K=st.integers(1, 3),
     speeds=st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=3, max_size=3),
+    remat=st.booleans(),
 )
-def test_interleaved_bound_is_below_every_split(work, ratio, M, K, speeds):
+def test_interleaved_bound_is_below_every_split(work, ratio, M, K, speeds, remat):
     """Brute force: interleaved 1F1B simulated on every split of the layers into 2 K stages,
-    on devices of mixed speeds, never beats the bound."""
+    on devices of mixed speeds, with and without recomputation (then the frames count less
+    than the work: rho < 1), never beats the bound."""
     L, S = len(work), 2 * K
     if S > L or (M > K and M % K):
         return
     speeds = speeds[:K]
     f = np.array([w * r for w, r in zip(work, ratio)])
     b = np.array(work) - f
-    bound = interleaved_bound(np.array(work), f + b, M, K, speeds)
+    bound = interleaved_bound(np.array(work) + f * remat, f + b, M, K, speeds)
     sched = build_schedule("interleaved-1f1b", S, M, stages_per_rank=2)
     for bounds in _splits(L, S):
         sp = [speeds[s % K] for s in range(S)]
         fs = [float(f[x:y].sum()) / v for (x, y), v in zip(itertools.pairwise(bounds), sp)]
         bs = [float(b[x:y].sum()) / v for (x, y), v in zip(itertools.pairwise(bounds), sp)]
-        tl = simulate(sched, Costs(fs, bs), memory=False)
+        costs = Costs(fs, bs, recompute=["always" if remat else "never"] * S)
+        tl = simulate(sched, costs, memory=False)
         assert bound <= tl.makespan * (1 + 1e-9) + 1e-12, (bounds, bound, tl.makespan)
 
 
