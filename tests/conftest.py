@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 
@@ -162,3 +163,12 @@ def mixed_plan(profile: Profile, cluster, batch: int, microbatches: int, schedul
     assert part is not None
     part.choices = [(s + 1) % 3 for s in range(len(specs))]
     return search._build_plan(problem, cand, specs, part, "test")
+
+
+def quick_profile(model: Any, sample: Any, **kw: Any) -> Any:
+    """profile_model for tests that need a profile's layers, shapes and sizes, not steady
+    timings: one round, no warm-up, no probe of the runtime's own costs."""
+    from profiler import profile_model
+
+    opts = {"repeats": 1, "warmup": 0, "max_repeats": 1, "overhead": False, "progress": False}
+    return profile_model(model, sample, **{**opts, **kw})

@@ -20,10 +20,10 @@ from torch import nn
 from codegen import compile_pipe, emit_program
 from codegen._runtime import StageError
 from planner import Cluster, plan_pipeline
-from profiler import InputError, model_digest, profile_model
+from profiler import InputError, model_digest
 from profiler.examples import EXAMPLES, mlp, transformer
 from profiler.limits import ArgumentError
-from tests.conftest import mixed_plan
+from tests.conftest import mixed_plan, quick_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
@@ -57,16 +57,7 @@ def profiles():
     out = {}
     for kind, build in (("mlp", small_mlp), ("transformer", small_transformer)):
         model = build()
-        out[kind] = profile_model(
-            model,
-            model.example_input,
-            batch_sizes=[1, 2, 8],
-            repeats=1,
-            warmup=0,
-            max_repeats=1,
-            overhead=False,
-            progress=False,
-        )
+        out[kind] = quick_profile(model, model.example_input, batch_sizes=[1, 2, 8])
     return out
 
 
@@ -163,16 +154,7 @@ def bn_model() -> nn.Sequential:
 @pytest.mark.parametrize("mode", ["never", "always"])
 def test_deferred_batch_norm_running_stats_equal_unpipelined(mode):
     reference, piped = bn_model(), bn_model()
-    prof = profile_model(
-        bn_model(),
-        torch.randn(8, 6),
-        batch_sizes=[2, 8],
-        repeats=1,
-        warmup=0,
-        max_repeats=1,
-        overhead=False,
-        progress=False,
-    )
+    prof = quick_profile(bn_model(), torch.randn(8, 6), batch_sizes=[2, 8])
     plan = plan_pipeline(
         prof, Cluster.uniform(3, "1GiB"), 8, microbatches=4, schedule="gpipe", recompute=mode
     )
@@ -193,16 +175,7 @@ def test_deferred_batch_norm_running_stats_equal_unpipelined(mode):
 )
 def test_default_batch_norm_uses_each_microbatch_once_even_when_recomputing(schedule, mode):
     piped, manual, plain = bn_model(), bn_model(), bn_model()
-    prof = profile_model(
-        bn_model(),
-        torch.randn(8, 6),
-        batch_sizes=[2, 8],
-        repeats=1,
-        warmup=0,
-        max_repeats=1,
-        overhead=False,
-        progress=False,
-    )
+    prof = quick_profile(bn_model(), torch.randn(8, 6), batch_sizes=[2, 8])
     x, y = torch.randn(8, 6), torch.randn(8, 2)
 
     def run(model, schedule, mode):

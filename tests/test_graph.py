@@ -21,8 +21,8 @@ from profiler.artifact import InputError
 from profiler.examples import gpt, resnet, unet
 from profiler.graph import CapturedModel, capture
 from profiler.limits import ArgumentError
-from profiler.measure import profile_model
 from profiler.models import as_layers
+from tests.conftest import quick_profile
 
 F32 = 4
 
@@ -107,8 +107,7 @@ def test_unet_crossing_bytes_equal_a_hand_count(captured_unet):
     skip0 = 4 * 8 * 8 * F32  # down.0's output: 4 channels on 8 x 8
     skip1 = 8 * 4 * 4 * F32  # down.1's output: 8 channels on 4 x 4
 
-    prof = profile_model(model, model.example_input, batch_sizes=[1], repeats=1, warmup=0,
-                         max_repeats=1, overhead=False, progress=False)  # fmt: skip
+    prof = quick_profile(model, model.example_input, batch_sizes=[1])  # fmt: skip
     per = {x.name: x.output_bytes for x in prof.layers}
     assert per["down.0.0"] == 4 * 8 * 8 * F32  # the conv's output only: nothing else is live
     assert per["down.0.3"] == skip0 + 4 * 4 * 4 * F32  # the skip and its pooled copy
@@ -135,16 +134,7 @@ def test_a_size_no_tensor_carries_crosses_as_a_tensor_and_the_pipeline_runs():
     assert len(layers) == 2 and len(layers[0].crossing) == 2  # the mean and the batch size
     for n in (2, 5):
         torch.testing.assert_close(layers(x[:n]), model(x[:n]), rtol=0, atol=0)
-    prof = profile_model(
-        layers,
-        x,
-        batch_sizes=[2],
-        repeats=1,
-        warmup=0,
-        max_repeats=1,
-        overhead=False,
-        progress=False,
-    )
+    prof = quick_profile(layers, x, batch_sizes=[2])
     plan = _plan(prof, "1f1b", "never")
     _assert_step_parity(model, layers, plan, x, torch.randn(8, 6), nn.functional.mse_loss)
 
@@ -154,16 +144,7 @@ def test_in_place_at_a_layer_boundary_runs_out_of_place_with_parity():
     x = torch.randn(8, 3, 8, 8)
     layers = capture(model, x)
     assert [layer.unit for layer in layers] == ["conv", "relu", "conv2", "relu", "fc"]
-    prof = profile_model(
-        layers,
-        x,
-        batch_sizes=[2],
-        repeats=1,
-        warmup=0,
-        max_repeats=1,
-        overhead=False,
-        progress=False,
-    )
+    prof = quick_profile(layers, x, batch_sizes=[2])
     plan = _plan(prof, "1f1b", "never", K=4)  # 5 layers on 4 stages: a ReLU starts one
     assert any(layers[st.layers[0]].unit == "relu" for st in plan.stages)
     y = torch.randint(0, 3, (8,))
@@ -174,16 +155,7 @@ def test_pipelined_inference_of_a_captured_model_in_eval_mode():
     model = resnet(widths=(4, 8), blocks=1, size=8)
     x = model.example_input
     layers = capture(model, x)
-    prof = profile_model(
-        layers,
-        x,
-        batch_sizes=[2],
-        repeats=1,
-        warmup=0,
-        max_repeats=1,
-        overhead=False,
-        progress=False,
-    )
+    prof = quick_profile(layers, x, batch_sizes=[2])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pipe = compile_pipe(layers, _plan(prof, "gpipe", "never"))
@@ -245,16 +217,7 @@ def test_graph_pipeline_gradients_equal_the_model(make, schedule, recompute):
     model = make(size=8) if make is unet else make(widths=(4, 8), blocks=1, size=8)
     x = model.example_input
     layers = capture(model, x)
-    prof = profile_model(
-        layers,
-        x,
-        batch_sizes=[2],
-        repeats=1,
-        warmup=0,
-        max_repeats=1,
-        overhead=False,
-        progress=False,
-    )
+    prof = quick_profile(layers, x, batch_sizes=[2])
     K = 3 if schedule == "gpipe" else 2
     plan = _plan(prof, schedule, recompute, K=K)
     if make is resnet:
@@ -266,8 +229,7 @@ def test_graph_pipeline_gradients_equal_the_model(make, schedule, recompute):
 
 def test_compile_pipe_captures_the_users_own_model(captured_unet):
     model, layers = captured_unet
-    prof = profile_model(layers, model.example_input, batch_sizes=[2], repeats=1, warmup=0,
-                         max_repeats=1, overhead=False, progress=False)  # fmt: skip
+    prof = quick_profile(layers, model.example_input, batch_sizes=[2])  # fmt: skip
     plan = _plan(prof, "1f1b", "never")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -280,8 +242,7 @@ def test_compile_pipe_captures_the_users_own_model(captured_unet):
 
 def test_emitted_program_captures_and_runs(tmp_path):
     model = unet()  # as the program builds it: example:unet
-    prof = profile_model(model, model.example_input, batch_sizes=[2], repeats=1, warmup=0,
-                         max_repeats=1, overhead=False, progress=False, model_spec="example:unet")  # fmt: skip
+    prof = quick_profile(model, model.example_input, batch_sizes=[2], model_spec="example:unet")  # fmt: skip
     plan = _plan(prof, "1f1b", "always")
     assert plan.captured
     src = emit_program(plan, model="example:unet")
@@ -323,8 +284,7 @@ def _lm_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 def gpt_profile():
     model = gpt(**GPT_SMALL)
     layers = capture(model, model.example_input)
-    prof = profile_model(layers, model.example_input, batch_sizes=[2], repeats=1, warmup=0,
-                         max_repeats=1, overhead=False, progress=False)  # fmt: skip
+    prof = quick_profile(layers, model.example_input, batch_sizes=[2])  # fmt: skip
     return model, layers, prof
 
 
@@ -423,8 +383,7 @@ def unet_routes():
     this machine ran the profile."""
     model = unet(size=8)
     layers = capture(model, model.example_input)
-    prof = profile_model(layers, model.example_input, batch_sizes=[2], repeats=1, warmup=0,
-                         max_repeats=1, overhead=False, progress=False)  # fmt: skip
+    prof = quick_profile(layers, model.example_input, batch_sizes=[2])  # fmt: skip
     return model, layers, _even(prof)
 
 
@@ -555,8 +514,7 @@ def test_skips_across_ranks_under_torchrun(unet_routes, tmp_path):
     (tmp_path / "unet.py").write_text(emit_program(plan, target="torchrun"))
     far = FarReader()
     layers = capture(far, far.example_input[:2])
-    fprof = _even(profile_model(layers, far.example_input[:2], batch_sizes=[2], repeats=1,
-                                warmup=0, max_repeats=1, overhead=False, progress=False))  # fmt: skip
+    fprof = _even(quick_profile(layers, far.example_input[:2], batch_sizes=[2]))  # fmt: skip
     fplan = plan_pipeline(fprof, Cluster.uniform(2, "1GiB"), 32, microbatches=4,
                           schedule="interleaved-1f1b", recompute="never")  # fmt: skip
     assert any(t > s + 1 for s, t in fplan.routes)
@@ -605,8 +563,7 @@ def test_routed_memory_is_not_under_predicted(schedule):
     model = FarReader()
     x = model.example_input
     layers = capture(model, x[:2])
-    prof = _even(profile_model(layers, x[:2], batch_sizes=[2, 4], repeats=1, warmup=0,
-                               max_repeats=1, overhead=False, progress=False))  # fmt: skip
+    prof = _even(quick_profile(layers, x[:2], batch_sizes=[2, 4]))  # fmt: skip
     plan = plan_pipeline(prof, Cluster.uniform(4, "1GiB"), 32, microbatches=4, schedule=schedule,
                          recompute="never")  # fmt: skip
     sent = carried(chain_at(prof, plan.microbatch_size).flow, _bounds(plan, prof))
@@ -659,18 +616,7 @@ def test_a_stage_that_receives_nothing_runs(schedule):
     layers = capture(model, x)
     assert [layer.unit for layer in layers] == ["a", "pos", "b", "c"]
     assert layers[1].reads == []
-    prof = _even(
-        profile_model(
-            layers,
-            x,
-            batch_sizes=[2],
-            repeats=1,
-            warmup=0,
-            max_repeats=1,
-            overhead=False,
-            progress=False,
-        )
-    )
+    prof = _even(quick_profile(layers, x, batch_sizes=[2]))
     plan = _plan(prof, schedule, "never", K=4, M=4)
     assert plan.stages[1].input_bytes == 0 and (0, 2) in [tuple(r) for r in plan.routes]
     _assert_step_parity(model, layers, plan, x, torch.randn(8, 4, 8), nn.functional.mse_loss)

@@ -14,7 +14,7 @@ from torch import nn
 from codegen.pipe import compile_pipe
 from planner import Cluster, plan_pipeline
 from profiler.graph import capture
-from profiler.measure import profile_model
+from tests.conftest import quick_profile
 
 transformers = pytest.importorskip("transformers")
 transformers.logging.set_verbosity_error()
@@ -72,16 +72,7 @@ def test_library_model_pipeline_gradients_equal_the_model(build, schedule):
     model.train()
     layers = capture(model, x)
     assert len(layers) >= 4  # the library's body is opened into its blocks
-    prof = profile_model(
-        layers,
-        x,
-        batch_sizes=[2],
-        repeats=1,
-        warmup=0,
-        max_repeats=1,
-        overhead=False,
-        progress=False,
-    )
+    prof = quick_profile(layers, x, batch_sizes=[2])
     plan = plan_pipeline(
         prof, Cluster.uniform(2, "1GiB"), 8, microbatches=4, schedule=schedule, recompute="never"
     )

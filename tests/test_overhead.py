@@ -253,19 +253,11 @@ def test_the_loss_backward_runs_once_per_microbatch_and_zero_bubble_keeps_its_gr
         net = model()
         pipe = Probe(net, ["cpu", "cpu"])
         runs[0] = 0
-        pipe.begin(x, y, loss_fn)
-        for m in range(M):
-            for s in range(2):
-                pipe.forward(s, m)
-        for m in range(M):
-            for s in (1, 0):
-                if schedule == "zb-h1":
-                    pipe.backward_input(s, m)
-                    assert not pipe.kept[(s, m)][0] or s < 1  # the last stage keeps no loss
-                    pipe.backward_weight(s, m)
-                else:
-                    pipe.backward(s, m)
-        pipe.finish()
+
+        def after_i(s: int, m: int, pipe: PipelineRuntime = pipe) -> None:
+            assert not pipe.kept[(s, m)][0] or s < 1  # the last stage keeps no loss for W
+
+        _all_forwards_then_backwards(pipe, x, y, loss_fn, after_i)
         assert runs[0] == M, (schedule, mode, runs[0])
         for (name, p), q in zip(net.named_parameters(), whole.parameters()):
             assert torch.allclose(p.grad, q.grad, atol=1e-6), (schedule, mode, name)
@@ -341,18 +333,7 @@ def test_an_in_place_first_layer_works_on_the_callers_batch(schedule):
     net = model()
     pipe = Probe(net, ["cpu", "cpu"])
     given = x.clone()
-    pipe.begin(given, y, nn.functional.mse_loss)
-    for m in range(M):
-        for s in range(2):
-            pipe.forward(s, m)
-    for m in range(M):
-        for s in (1, 0):
-            if schedule == "zb-h1":
-                pipe.backward_input(s, m)
-                pipe.backward_weight(s, m)
-            else:
-                pipe.backward(s, m)
-    pipe.finish()
+    _all_forwards_then_backwards(pipe, given, y, nn.functional.mse_loss)
     for p, q in zip(net.parameters(), whole.parameters()):
         assert torch.allclose(p.grad, q.grad, atol=1e-6), schedule
     assert torch.equal(given, x.relu())  # as the model alone would leave it
@@ -382,3 +363,23 @@ def test_a_cpu_plan_run_on_a_gpu_says_what_its_memory_left_out(monkeypatch):
         warnings.simplefilter("always")
         pipe_mod.compile_pipe(model, plan, ["cpu", "cpu"], check_model=False)
     assert not any("made from a CPU profile" in str(w.message) for w in seen)
+
+
+def _all_forwards_then_backwards(pipe, x, y, loss_fn, after_i=None) -> None:
+    """One step of a runtime built by hand: every forward, then every backward (I and W for
+    zero bubble, `after_i(s, m)` between them), last stage first."""
+    S, M = len(pipe.STAGES), pipe.MICROBATCHES
+    pipe.begin(x, y, loss_fn)
+    for m in range(M):
+        for s in range(S):
+            pipe.forward(s, m)
+    for m in range(M):
+        for s in reversed(range(S)):
+            if pipe.SCHEDULE == "zb-h1":
+                pipe.backward_input(s, m)
+                if after_i is not None:
+                    after_i(s, m)
+                pipe.backward_weight(s, m)
+            else:
+                pipe.backward(s, m)
+    pipe.finish()

@@ -19,6 +19,7 @@ import schedules.comm as comm
 from schedules import ScheduleError, build_schedule, insert_comms, parse_schedule, validate
 from schedules.comm import SENDS, batches
 from schedules.validate import rendezvous_run
+from tests.conftest import quick_profile
 
 # Rank 1 runs I/W (zero bubble): between its SEND_B0 and RECV_F1 sits W0, which needs nothing
 # from rank 0, and between rank 0's SEND_F1 and RECV_B0 sits F2. Each rank posts its send alone,
@@ -360,19 +361,9 @@ def _run_ranks(program: str | list[str], models: list, x, y, loss_fn, timeout: f
 @pytest.fixture(scope="module")
 def mlp_profile():
     from profiler.examples import mlp
-    from profiler.measure import profile_model
 
     model = mlp(width=32, depth=4, batch=8)
-    return profile_model(
-        model,
-        model.example_input,
-        batch_sizes=[1, 2, 4],
-        repeats=1,
-        warmup=0,
-        max_repeats=1,
-        overhead=False,
-        progress=False,
-    )
+    return quick_profile(model, model.example_input, batch_sizes=[1, 2, 4])
 
 
 CASES = [  # (schedule, recompute, devices, micro-batches)
@@ -439,12 +430,10 @@ def test_a_captured_unets_skips_meet_on_a_blocking_transport(schedule, K, M):
     from planner.search import plan_pipeline
     from profiler.examples import unet
     from profiler.graph import capture
-    from profiler.measure import profile_model
 
     model = unet(size=8)
     x = model.example_input
-    prof = profile_model(capture(model, x), x, batch_sizes=[2], repeats=1, warmup=0,
-                         max_repeats=1, overhead=False, progress=False)  # fmt: skip
+    prof = quick_profile(capture(model, x), x, batch_sizes=[2])  # fmt: skip
     plan = plan_pipeline(prof, Cluster.uniform(K, "1GiB"), x.shape[0], microbatches=M,
                          schedule=schedule)  # fmt: skip
     assert any(t > s + 1 for s, t in plan.routes)  # a skip past the next stage

@@ -17,10 +17,9 @@ from torch import nn
 from codegen import check_streams, emit_program
 from codegen._streamcheck import StreamCheck, check_pipeline
 from planner import Cluster, plan_pipeline
-from profiler import profile_model
 from profiler.examples import gpt, mlp, resnet, transformer, unet
 from profiler.graph import capture
-from tests.conftest import mixed_plan
+from tests.conftest import mixed_plan, quick_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
@@ -353,16 +352,7 @@ def profiles():
     out = {}
     for kind, build in (("mlp", small_mlp), ("transformer", small_transformer)):
         m = build()
-        out[kind] = profile_model(
-            m,
-            m.example_input,
-            batch_sizes=[1, 2, 4],
-            repeats=1,
-            warmup=0,
-            max_repeats=1,
-            overhead=False,
-            progress=False,
-        )
+        out[kind] = quick_profile(m, m.example_input, batch_sizes=[1, 2, 4])
     return out
 
 
@@ -420,16 +410,7 @@ def test_deferred_batch_norm_is_clean(schedule):
         )  # fmt: skip
 
     x = torch.randn(N, 16)
-    prof = profile_model(
-        build(),
-        x,
-        batch_sizes=[2],
-        repeats=1,
-        warmup=0,
-        max_repeats=1,
-        overhead=False,
-        progress=False,
-    )
+    prof = quick_profile(build(), x, batch_sizes=[2])
     plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), N, microbatches=4, schedule=schedule)
     y = torch.randint(0, 4, (N,))
     problems = check_streams(
@@ -460,16 +441,7 @@ def test_captured_graph_models_are_clean(name, schedule, recompute):
     model = make()
     x = model.example_input
     layers = capture(model, x)
-    prof = profile_model(
-        layers,
-        x,
-        batch_sizes=[2, 4],
-        repeats=1,
-        warmup=0,
-        max_repeats=1,
-        overhead=False,
-        progress=False,
-    )
+    prof = quick_profile(layers, x, batch_sizes=[2, 4])
     plan = plan_pipeline(
         prof, Cluster.uniform(2, "1GiB"), x.shape[0], microbatches=2, schedule=schedule,
         recompute=recompute,
@@ -579,15 +551,7 @@ def test_the_program_checks_itself_and_fails_when_broken(tmp_path):
     """`gpipe-plan codegen --check-streams` and `python program.py --check-streams`: exit 0
     with a one-line verdict when clean; a program with a wait taken out exits 1, listing it."""
     model = mlp()  # example:mlp as the program builds it
-    prof = profile_model(
-        model,
-        model.example_input[:2],
-        repeats=1,
-        warmup=0,
-        max_repeats=1,
-        overhead=False,
-        progress=False,
-    )
+    prof = quick_profile(model, model.example_input[:2])
     plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), N, microbatches=4, schedule="zb-h1")
     plan.model_copy(update={"model": "example:mlp"}).save(tmp_path / "plan.json")
     gpipe_plan = str(Path(sys.executable).parent / "gpipe-plan")
@@ -626,15 +590,7 @@ def test_a_model_the_check_cannot_run_gets_one_line_and_exit_2(program, tmp_path
 
 def test_check_streams_is_refused_for_targets_without_streams(tmp_path, run_cli):
     model = mlp()
-    prof = profile_model(
-        model,
-        model.example_input[:2],
-        repeats=1,
-        warmup=0,
-        max_repeats=1,
-        overhead=False,
-        progress=False,
-    )
+    prof = quick_profile(model, model.example_input[:2])
     plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), N, microbatches=2)
     plan.model_copy(update={"model": "example:mlp"}).save(tmp_path / "plan.json")
     out = tmp_path / "program.py"
