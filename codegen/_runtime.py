@@ -246,7 +246,7 @@ class PipelineRuntime:
         # its own seed, so dropout masks do not depend on the schedule or on recomputation.
         self.seed = int(torch.randint(0, 2**62, (1,)).item())
         self.rng = save_rng(self.devices)
-        self.batch = list(torch.tensor_split(x, M))  # views: each stage copies what it uses
+        self.batch = list(torch.tensor_split(x, M))  # views; stage 0 takes each (_own)
         self.targets = _split_target(y, M)
         self.weights = [c.shape[0] / n for c in self.batch]
         sync_tied(self.tied)
@@ -455,8 +455,17 @@ class PipelineRuntime:
         if not self._recomputes(s, m):
             return self._forward(s, m, inp, keep=self.SCHEDULE == "zb-h1")
         if self.SCHEDULE == "zb-h1":
+            given = [t for t in _tensors(inp) if isinstance(t, torch.Tensor)]
+            before = [t._version for t in given]
             with torch.no_grad():
-                return self._forward(s, m, inp)
+                out = self._forward(s, m, inp)
+            if [t._version for t in given] != before:
+                # (the checkpoint of the other schedules refuses this in backward)
+                raise RuntimeError(
+                    "the stage's layers change their input in place, so its forward cannot be "
+                    "run again from it: plan this stage without recomputation"
+                )
+            return out
         calls = [0]
 
         def run(*args: torch.Tensor) -> Value:
@@ -669,6 +678,10 @@ def _own(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     in-place first layer bumps only this micro-batch's version counter, not every other's."""
     if _indexed(t.device) != _indexed(device):
         return t.to(device, copy=True)
+    if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_conj() or t.is_neg():
+        return t.clone()  # (an alias would drop the subclass, or the lazy conjugate or sign)
+    if t.is_inference():
+        return t.clone()  # (an alias would pass for a tensor autograd may save)
     try:
         with torch.no_grad():
             return torch.empty(0, dtype=t.dtype, device=t.device).set_(

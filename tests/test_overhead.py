@@ -383,3 +383,43 @@ def _all_forwards_then_backwards(pipe, x, y, loss_fn, after_i=None) -> None:
             else:
                 pipe.backward(s, m)
     pipe.finish()
+
+
+def test_recomputing_a_stage_that_changes_its_input_in_place_is_refused():
+    """Zero bubble re-materialises at I from the stage's input: a first layer that changed it
+    in place would re-run on something else and give wrong gradients, so the step refuses
+    (the other schedules' checkpoint refuses it in backward)."""
+    from torch import nn
+
+    from codegen._runtime import StageError
+
+    class Double(nn.Module):
+        def forward(self, x):
+            return x.mul_(2)
+
+    class Probe(PipelineRuntime):
+        SCHEDULE, MICROBATCHES = "zb-h1", 2
+        STAGES, RANKS, RECOMPUTE = [(0, 2), (2, 3)], [0, 0], ["always", "never"]
+
+    torch.manual_seed(0)
+    pipe = Probe(nn.Sequential(Double(), nn.Linear(4, 4), nn.Linear(4, 4)), ["cpu", "cpu"])
+    with pytest.raises(StageError, match="change their input in place"):
+        _all_forwards_then_backwards(pipe, torch.randn(4, 4), torch.randn(4, 4),
+                                     torch.nn.functional.mse_loss)  # fmt: skip
+
+
+def test_the_first_stage_takes_the_callers_tensor_as_it_reads():
+    """The alias keeps values, dtype and strides; what an alias cannot carry (a lazy conjugate,
+    an inference tensor) is copied instead."""
+    from codegen._runtime import _own
+
+    x = torch.randn(6, 4)[::2].t()  # a strided view with an offset-free, non-contiguous layout
+    a = _own(x, torch.device("cpu"))
+    assert torch.equal(a, x) and a.stride() == x.stride() and a.data_ptr() == x.data_ptr()
+    a.add_(1)  # the caller's memory, but a version counter of its own
+    assert torch.equal(x, a) and x._version == 0
+    z = torch.randn(3, dtype=torch.cfloat).conj()
+    assert torch.equal(_own(z, torch.device("cpu")), z)
+    with torch.inference_mode():
+        frozen = torch.randn(3)
+    assert not _own(frozen, torch.device("cpu")).is_inference()
