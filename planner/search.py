@@ -663,7 +663,9 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     per_mb = 3 * action if zb else 2 * action + call
     load = M * float(least.sum()) / float(sum(speeds))  # (the cheapest mode's work)
     runtime = M * cand.per_device * per_mb
-    if cand.per_device == INTERLEAVE == 2:  # each device's two stages framed (bounds.py)
+    # each device's two stages framed (bounds.py; a chain's: a captured graph's stage may take
+    # nothing from the one before it)
+    if cand.per_device == INTERLEAVE == 2 and not problem.profile.captured:
         spread = max(spread, interleaved_bound(least, counted, M, len(speeds), speeds))
     return step + max(spread, M * granular + runtime, layer + M * per_mb, load + runtime)
 
@@ -917,8 +919,10 @@ def _lower_bound(
         framed = max(framed, before[Kind.F][first.stage] + busy[d] + tail)
     # ... and so is each stage's own load, between its first action (a forward, waiting for
     # a micro-batch's way there) and its last (after a B or I, that way back): an interleaved
-    # device's later stage waits for every stage before it
-    for s, last_kind in enumerate(_last_kinds(cand.schedule, K, M)):
+    # device's later stage waits for every stage before it. (A chain only: a captured graph's
+    # stage may take nothing from the one before it.)
+    kinds = () if problem.profile.captured else _last_kinds(cand.schedule, K, M)
+    for s, last_kind in enumerate(kinds):
         tail = before[last_kind][s] if last_kind in (Kind.B, Kind.I) else 0.0
         framed = max(framed, before[Kind.F][s] + own[s] + tail)
     return step + max(max(busy), trip, link, framed)
