@@ -22,7 +22,7 @@ from profiler.examples import gpt, resnet, unet
 from profiler.graph import CapturedModel, capture
 from profiler.limits import ArgumentError
 from profiler.models import as_layers
-from tests.conftest import quick_profile
+from tests.conftest import even_times, quick_profile
 
 F32 = 4
 
@@ -384,18 +384,7 @@ def unet_routes():
     model = unet(size=8)
     layers = capture(model, model.example_input)
     prof = quick_profile(layers, model.example_input, batch_sizes=[2])  # fmt: skip
-    return model, layers, _even(prof)
-
-
-def _even(prof):
-    one = {"median": 1.0, "min": 1.0, "max": 1.0}
-    timed = ("forward_ms", "backward_ms", "backward_input_ms", "backward_weight_ms")
-    layers = [
-        x.model_copy(update={f: {b: t.model_copy(update=one) for b, t in getattr(x, f).items()}
-                             for f in timed})
-        for x in prof.layers
-    ]  # fmt: skip
-    return prof.model_copy(update={"layers": layers})
+    return model, layers, even_times(prof)
 
 
 def test_what_a_stage_receives_per_start_and_end_equals_the_value_by_value_sum(unet_routes):
@@ -514,7 +503,7 @@ def test_skips_across_ranks_under_torchrun(unet_routes, tmp_path):
     (tmp_path / "unet.py").write_text(emit_program(plan, target="torchrun"))
     far = FarReader()
     layers = capture(far, far.example_input[:2])
-    fprof = _even(quick_profile(layers, far.example_input[:2], batch_sizes=[2]))  # fmt: skip
+    fprof = even_times(quick_profile(layers, far.example_input[:2], batch_sizes=[2]))  # fmt: skip
     fplan = plan_pipeline(fprof, Cluster.uniform(2, "1GiB"), 32, microbatches=4,
                           schedule="interleaved-1f1b", recompute="never")  # fmt: skip
     assert any(t > s + 1 for s, t in fplan.routes)
@@ -563,7 +552,7 @@ def test_routed_memory_is_not_under_predicted(schedule):
     model = FarReader()
     x = model.example_input
     layers = capture(model, x[:2])
-    prof = _even(quick_profile(layers, x[:2], batch_sizes=[2, 4]))  # fmt: skip
+    prof = even_times(quick_profile(layers, x[:2], batch_sizes=[2, 4]))  # fmt: skip
     plan = plan_pipeline(prof, Cluster.uniform(4, "1GiB"), 32, microbatches=4, schedule=schedule,
                          recompute="never")  # fmt: skip
     sent = carried(chain_at(prof, plan.microbatch_size).flow, _bounds(plan, prof))
@@ -616,7 +605,7 @@ def test_a_stage_that_receives_nothing_runs(schedule):
     layers = capture(model, x)
     assert [layer.unit for layer in layers] == ["a", "pos", "b", "c"]
     assert layers[1].reads == []
-    prof = _even(quick_profile(layers, x, batch_sizes=[2]))
+    prof = even_times(quick_profile(layers, x, batch_sizes=[2]))
     plan = _plan(prof, schedule, "never", K=4, M=4)
     assert plan.stages[1].input_bytes == 0 and (0, 2) in [tuple(r) for r in plan.routes]
     _assert_step_parity(model, layers, plan, x, torch.randn(8, 4, 8), nn.functional.mse_loss)
