@@ -335,11 +335,26 @@ def make_data(model: nn.Module, plan: Plan, seed: int = 0) -> tuple[torch.Tensor
     return x, loss.make_target(like), loss.fn
 
 
+class _StandIn(torch.autograd.Function):
+    """0, keeping nothing; its gradient is zeros as large as the output, as a real loss's is
+    (the plan counts that gradient: B's transient, zero bubble's from I to W)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.like = (t.shape, t.dtype, t.device)
+        return t.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        shape, dtype, device = ctx.like
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+
 def _stand_in_loss(out: Any, y: Any) -> torch.Tensor:
     """A loss that needs no targets and keeps nothing for backward, for plans profiled without
     one (whose memory counts no loss)."""
     outs = out if isinstance(out, tuple) else (out,)
-    return sum(t.sum() for t in outs if t.is_floating_point()) * 0.0  # type: ignore[return-value]
+    return sum(_StandIn.apply(t) for t in outs if t.is_floating_point())  # type: ignore[return-value]
 
 
 def measure_torchrun(

@@ -70,6 +70,9 @@ class Chain:
     # Stage 0 works on the caller's micro-batch where it already lives on the stage's device
     # (a CPU run: the runtime copies it only from another device), so holds none of it.
     borrowed_input: bool = False
+    # Zero bubble, a profile without its loss: the last layer's output gradient, which the last
+    # stage keeps from I to W (with the loss profiled, zgrad counts it)
+    last_grad: int = 0
 
     @property
     def num_layers(self) -> int:
@@ -140,11 +143,12 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
     n = len(layers)
     # Zero bubble keeps, from I to W, the gradient of every layer output inside a stage and of
     # the stage's own output; on the last stage that of the last model layer's output too (W
-    # starts there, and the loss's graph goes with I). Without a profiled loss, the loss is
-    # not the last stage's final layer here and that gradient is not counted.
+    # starts there, and the loss's graph goes with I). Without a profiled loss that layer ends
+    # the chain, and zgrad (also what B pulls) stays 0 there: `last_grad` counts it instead.
     # A skip handed on unchanged is one tensor, and so is its gradient: kept where it is made.
     passed = table.fixed("passed_bytes") * mb
-    zgrad = np.maximum(boundary[1 : n + 1] - (-(-passed // unit) * unit), 0)
+    kept = np.maximum(boundary[1 : n + 1] - (-(-passed // unit) * unit), 0)
+    zgrad = kept.copy()
     zgrad[L if n > L else L - 1 :] = 0
     grad_in = boundary[:n].copy()
     grad_in[0] = 0  # the model's input needs no gradient
@@ -178,4 +182,5 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         flow=Flow.of(profile.layers, n > L, mb, unit) if profile.captured else None,
         tied=tuple((t.bytes, tuple(t.layers)) for t in profile.tied) if profile.captured else (),
         borrowed_input=profile.device.split(":")[0] == "cpu",
+        last_grad=int(kept[L - 1]) if n == L else 0,
     )

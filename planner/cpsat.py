@@ -76,7 +76,7 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
     Xs = sum(int(min(c.input_saved[k], c.boundary[k])) * first[k][s] for k in range(L))
     lent = int(min(c.input_saved[0], c.boundary[0])) * first[0][s] if c.borrowed_input else 0
     S = over(c.saved, x) - sum(int(c.shared[k]) * inner[k][0] for k in range(L) if c.shared[k])
-    Z = over(c.zgrad, x)
+    Z = over(c.zgrad, x) + int(c.last_grad) * x[L - 1][s]  # (last_grad: the last stage's)
     G = over(c.grad_in, first)
     unsaved = np.where(c.grad_in > 0, c.boundary[:L] - np.minimum(c.input_saved, c.boundary[:L]), 0)
 

@@ -14,7 +14,8 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
     Xs  = input_saved[i]               the part of X that layer i saves itself
     S   = sum saved[i:j] - sum shared[i+1:j]    what its layers save, each tensor once
     Z   = sum zgrad[i:j]               zero bubble: the gradients kept from I to W (every inner
-                                       layer output's, and the stage output's)
+                                       layer output's, and the stage output's; + last_grad on
+                                       the last stage of a chain without its loss)
     G   = grad_in[i]                   its input gradient, until the stages that sent the
                                        input pull it (a captured graph: X's floating part)
     P   = max zgrad[i:j]               the output gradient B pulls and holds while it runs (the
@@ -176,7 +177,7 @@ class MemoryModel:
         lent = (i == 0) & c.borrowed_input
         x = np.where(lent, 0, x)
         saved = self._saved[j] - self._saved[i] - (self._shared[j] - self._shared[i + 1])
-        z = self._zgrad[j] - self._zgrad[i]
+        z = self._zgrad[j] - self._zgrad[i] + np.where(j == c.num_layers, c.last_grad, 0)
         loss = self._loss[j] - self._loss[i]
         inner = self._inner(self._inner_forward, i, j)
         remat = np.maximum(self._first_remat[i], self._inner(self._inner_remat, i, j))

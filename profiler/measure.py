@@ -192,9 +192,9 @@ def _measure_size(
     saved_before: set[int] = set()
     for i, layer in enumerate(layers):
         inp = _detach(x, requires_grad=i > 0)  # the model's own input needs no gradient
-        # zero bubble keeps each layer's output gradient from I to W; the last one's comes from
-        # the loss, and is counted where the loss is profiled (the last stage's W starts there)
-        kept = "both" if i < len(layers) - 1 or loss is not None else "input"
+        # zero bubble keeps each layer's output gradient from I to W (the last one's too: the
+        # last stage's W starts there)
+        kept = "both"
         row, x, saved = _memory(i, layer, inp, dev, model_storages, prev_saved, kept, saved_before)
         saved_before = {
             ptr for ptr in map(_storage, _tensors(x)) if ptr in saved_before or ptr in saved
@@ -349,8 +349,7 @@ def _transient(layer: nn.Module, inp: Value, dev: torch.device, kept: str) -> di
     gradients). Every weight's .grad is there beforehand, so the temporary gradient added into
     it is counted, as it is in every micro-batch but the first. Gradients zero bubble keeps from
     I to W are counted by the planner and left out here (`kept`: "both" the output's and the
-    input's; "input" only the input's: the loss's, and the last layer's where no loss is
-    profiled, whose output gradient then comes from outside the model)."""
+    input's, as for every layer; "input" only the input's, for the loss)."""
     params = [p for p in layer.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)

@@ -175,6 +175,29 @@ def test_the_loss_is_on_the_last_device(profiles):
     assert abs(report.devices[-1].memory_error) <= 0.05
 
 
+@pytest.mark.parametrize("K", [2, 3])
+def test_zero_bubble_without_a_profiled_loss_allocates_what_the_plan_says(K):
+    """Without its loss in the profile, the last stage still keeps the last layer's output
+    gradient from I to W (W starts there): the plan counts it (Chain.last_grad). A wide last
+    layer without weights makes it most of what that stage adds."""
+
+    class Widen(nn.Module):
+        def forward(self, x):
+            return x.repeat(1, 64)
+
+    def wide() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), Widen())
+
+    prof = profile_model(wide(), torch.randn(8, 16), batch_sizes=[2, 4], repeats=1,
+                         max_repeats=1, warmup=0, overhead=False, progress=False)  # fmt: skip
+    assert prof.loss is None
+    plan, report = measured(prof, wide, K, 4, 8, "zb-h1", "never")
+    for d in report.devices:
+        predicted = d.predicted_peak_bytes - d.static_bytes
+        assert abs(d.measured_peak_bytes - d.static_bytes - predicted) <= 0.05 * predicted, d
+
+
 def test_report_json_and_a_failing_gate(tmp_path, run_cli):
     prof, plan_path = tmp_path / "p.json", tmp_path / "plan.json"
     assert run_cli("profile", "example:mlp", "--batch-sizes", "2,4", "--repeats", "1",

@@ -39,7 +39,7 @@ def by_hand(i: int, j: int, mb: int, *, saved, shared, out, inp, input_saved, tr
     X = mb * (0 if i == 0 else out[i - 1])
     S = mb * (sum(saved[i:j]) - sum(shared[i + 1 : j]))
     Xs = mb * input_saved[i]
-    Z = mb * sum(out[k] for k in range(i, j) if k != L - 1)
+    Z = mb * sum(out[k] for k in range(i, j))  # the last layer's too: W starts there
     G = X if i > 0 else 0
     return StageBytes(
         input=X,
