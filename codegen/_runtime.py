@@ -678,10 +678,12 @@ def _own(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     in-place first layer bumps only this micro-batch's version counter, not every other's."""
     if _indexed(t.device) != _indexed(device):
         return t.to(device, copy=True)
+    # an alias would drop a subclass or a lazy conjugate or sign, and would pass an inference
+    # tensor off as one autograd may save
     if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_conj() or t.is_neg():
-        return t.clone()  # (an alias would drop the subclass, or the lazy conjugate or sign)
+        return t.clone()
     if t.is_inference():
-        return t.clone()  # (an alias would pass for a tensor autograd may save)
+        return t.clone()
     try:
         with torch.no_grad():
             return torch.empty(0, dtype=t.dtype, device=t.device).set_(

@@ -241,11 +241,10 @@ class MemoryModel:
         best = np.full(i.shape, -1, dtype=np.int64)
         parts = {k: np.zeros(i.shape, dtype=np.int64) for k in ("stash", "grad", "live", "loss")}
         z = b["during_i"] - b["activations"] - b["grad"]
-        kept_in = b["between_iw"] - b["saved"] + b["loss"] - z
         for t in shape.occupancy:
             n_in, n_act, n_di, n_iw, n_grad, n_pulled, n_early, n_late = t[: len(STATES)]
             stash = n_in * b["input"] + (n_act + n_di) * b["activations"] + n_early * b["early"]
-            stash = stash + n_iw * (b["saved"] - b["loss"] + kept_in)
+            stash = stash + n_iw * (b["between_iw"] - z)  # (its gradients are in grads)
             grads = (n_di + n_iw) * z + n_di * b["grad"] + n_grad * b["grad"]
             grads = grads + n_pulled * b["pulled"] + n_late * b["late"]
             live = sum(on * b[name] for on, name in zip(t[len(STATES) :], TRANSIENTS))
