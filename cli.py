@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 from profiler.artifact import InputError
 from profiler.files import check_distinct, check_output, write_output
-from profiler.limits import MAX_BATCH, MAX_MS, ArgumentError
+from profiler.limits import MAX_BATCH, MAX_DEVICES, MAX_MS, ArgumentError
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -60,8 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(args_list)
         if args.command is None:
             raise InputError(
-                "name a command: profile, plan, check, show, simulate, codegen, measure or "
-                "schema (see gpipe-plan --help)"
+                "name a command: profile, links, plan, check, show, simulate, codegen, measure "
+                "or schema (see gpipe-plan --help)"
             )
         return int(args.run(args))
     except InputError as e:
@@ -458,6 +458,48 @@ def cmd_show(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_links(args: argparse.Namespace) -> int:
+    out = check_output(args.output)
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from codegen.measure import _run
+    from planner import Cluster
+    from planner.units import parse_size
+
+    if args.memory is not None:
+        parse_size(args.memory, what="memory")  # refused here, before anything is launched
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InputError("--memory is required on the CPU: what a stage may use, e.g. 16GiB")
+    root = Path(__file__).resolve().parent
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    with tempfile.TemporaryDirectory(prefix="gpipe-links-") as tmp:
+        result = Path(tmp) / "cluster.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={args.nproc_per_node}", "-m", "profiler.links",
+               "--rounds", str(args.rounds), "--busy-ms", str(args.busy_ms),
+               "--max-bytes", str(args.max_bytes), "-o", str(result),
+               *(["--memory", args.memory] if args.memory is not None else [])]  # fmt: skip
+        run: subprocess.CompletedProcess = _run(cmd, env, args.timeout)
+        said = [line for line in run.stderr.splitlines() if line.startswith("links: error: ")]
+        if said:
+            raise InputError(said[0][len("links: error: ") :])
+        if run.returncode != 0 or not result.exists():
+            tail = " | ".join(run.stderr.strip().splitlines()[-3:])
+            raise InputError(f"the measuring ranks failed (exit {run.returncode}): {tail}")
+        cluster = Cluster.load(result)
+    print(run.stdout.rstrip())
+    write_output(out, cluster.model_dump_json(indent=1, exclude_none=True) + "\n")
+    print(f"wrote {args.output}: {cluster.size} devices, links measured as hand-offs after "
+          f"{args.busy_ms:g} ms of compute")  # fmt: skip
+    return EXIT_OK
+
+
 def cmd_schema(args: argparse.Namespace) -> int:
     from planner import Cluster, Plan
     from profiler.types import Profile
@@ -784,6 +826,25 @@ def _build_parser() -> argparse.ArgumentParser:
                    help="exit 1 when a device's measured peak exceeds its prediction by more")  # fmt: skip
     s.add_argument("-o", "--output", help="write the report as JSON here")
     s.set_defaults(run=cmd_measure)
+
+    s = sub.add_parser("links", help="measure the links between this host's ranks; write a "
+                       "cluster file")  # fmt: skip
+    s.add_argument("--nproc-per-node", type=_count("--nproc-per-node", MAX_DEVICES, lo=2),
+                   required=True, help="ranks to launch on this host (as torchrun's)")  # fmt: skip
+    s.add_argument("--memory", help="per device, e.g. 16GiB (on CUDA: each GPU's, by default)")
+    s.add_argument("--threads", type=_count("--threads", 1024), default=1,
+                   help="intra-op threads per rank (1, as the torchrun program runs)")  # fmt: skip
+    s.add_argument("--rounds", type=_count("--rounds", 10_000), default=20,
+                   help="hand-offs timed per message size and direction")  # fmt: skip
+    s.add_argument("--busy-ms", type=_number("--busy-ms", 0, 10_000), default=1.0,
+                   help="what the sender computes before each hand-off, while its receiver "
+                   "waits (as a pipeline's stages do)")  # fmt: skip
+    s.add_argument("--max-bytes", type=_count("--max-bytes", 2**30), default=4 * 2**20,
+                   help="the largest message timed (sizes from 1 KiB, 4x apart)")  # fmt: skip
+    s.add_argument("--timeout", type=_number("--timeout", 1, 86400), default=600.0,
+                   help="seconds before the ranks are stopped")  # fmt: skip
+    s.add_argument("-o", "--output", default="cluster.json")
+    s.set_defaults(run=cmd_links)
 
     s = sub.add_parser("schema", help="print the JSON schema of a file kind")
     s.add_argument("what", choices=["profile", "cluster", "plan"])

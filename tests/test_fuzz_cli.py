@@ -190,6 +190,11 @@ def no_heavy_work(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("codegen.pipe.compile_pipe", reached)
     monkeypatch.setattr("codegen.measure.measure_torchrun", reached)
 
+    def not_launched(*args: Any, **kwargs: Any) -> None:  # `links` with good flags launches ranks
+        raise profiler.artifact.InputError("the fuzz launches no ranks")
+
+    monkeypatch.setattr("codegen.measure._run", not_launched)
+
 
 def _entries(root: Path) -> dict[str, tuple[int, Any]]:
     """name -> (file type, content: bytes of a file, target of a link)."""
@@ -643,14 +648,14 @@ def _special(arg: str) -> bool:
     return arg.startswith("-h") or long
 
 
-COMMANDS = ("profile", "plan", "check", "show", "simulate", "codegen", "measure", "schema")
+COMMANDS = ("profile", "links", "plan", "check", "show", "simulate", "codegen", "measure", "schema")
 WORDS = (
     *COMMANDS, "plan.json", "profile.json", "cluster.json", "/dev/null", "fifo", "adir", "to-new.json",
     "missing.json", "example:nonexistent", "nope:x", "cluster", "--devices", "--memory",
     "--batch-size", "-o", "--output", "--model", "--target", "--steps", "--tolerance",
     "--memory-budget", "--max-bubble", "--chrome-trace", "--png", "--cluster", "--schedule",
     "--recompute", "--checkpoint", "--optimizer", "--solver", "--microbatches", "--bandwidth",
-    "--latency-ms", "--input-shape", "--batch-sizes", "--repeats", "--threads", "--device",
+    "--latency-ms", "--nproc-per-node", "--busy-ms", "--rounds", "--input-shape", "--batch-sizes", "--repeats", "--threads", "--device",
     "--loss", "--dtype", "--warmup", "--max-repeats", "--time-budget", "--bogus", "-x", "--",
     "2", "8", "1GiB", "0", "-1", "nan", "auto", "gpipe", "streams", "torchrun", "5%", "=",
 )  # fmt: skip
