@@ -6,8 +6,7 @@ reports per stage); time with the torchrun target, one process per device and on
 The profile is taken with one thread too, and the links between the two ranks are measured
 first with `gpipe-plan links` (gloo over loopback: hand-offs to a receiver that waited while its
 sender computed, as a pipeline's are, fitted to latency + bytes / bandwidth), so the plan's
-cluster describes the machine the step runs on. An idle ping-pong's fit is measured beside it,
-and the step each plan would be predicted under it is listed too. Each plan is made for the program whose time
+cluster describes the machine the step runs on. An idle ping-pong's fit is printed beside it. Each plan is made for the program whose time
 is compared (`--target torchrun`: its ranks wait for each other where sends meet receives); the
 time the same plan takes where sends never wait is listed beside it.
 
@@ -115,9 +114,7 @@ def main() -> None:
         for k, d in enumerate(measured["devices"]):
             d["torch_device"] = args.device if not torchrun else f"cuda:{k}"
         cluster.write_text(json.dumps(measured))
-    from planner.cluster import Link
 
-    idle = Link(bandwidth_bytes_per_s=bandwidth, latency_ms=latency)
     rows, serial = [], []
     for example, batch, M in [c for c in CASES if c[0] in args.examples.split(",")]:
         prof = out / f"{example}.json"
@@ -150,11 +147,6 @@ def main() -> None:
             bare = simulate_plan(
                 planned.model_copy(update={"runtime": None}), levels=False, rendezvous=torchrun
             ).makespan
-            # the same plan, its links as an idle ping-pong measured them
-            pinged = planned.model_copy(
-                update={"cluster": planned.cluster.model_copy(update={"links": [idle]})}
-            )
-            ping = simulate_plan(pinged, levels=False, rendezvous=torchrun).makespan
             if not cuda:  # one process on the CPU: the stages take turns, no link to wait on
                 turns = simulate_plan(planned, levels=False, rendezvous=False)
                 rt = planned.runtime
@@ -179,15 +171,13 @@ def main() -> None:
                     f"{run['measured_step_ms']:.1f}",
                     f"{100 * run['step_error']:+.1f}%",
                     f"{100 * (run['measured_step_ms'] - bare) / bare:+.1f}%",
-                    f"{100 * (run['measured_step_ms'] - ping) / ping:+.1f}%",
                 ])  # fmt: skip
             print(" | ".join(rows[-1]), flush=True)
     head = ["example", "schedule", "device", "predicted peak MiB", "measured peak MiB",
             "memory error", "memory error (torchrun)", "step ms where sends never wait",
             "predicted step ms (the program)",
             "measured step ms (torchrun, median)", "step error",
-            "step error without the runtime's overhead",
-            "step error with the ping-pong's link"]  # fmt: skip
+            "step error without the runtime's overhead"]  # fmt: skip
     print_table(head, rows)
     if serial:
         print_table(["example", "schedule", "measured step ms (one process)",

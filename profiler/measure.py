@@ -88,6 +88,10 @@ def profile_model(
 
     was_training = model.training
     model.to(dev).train()
+    # Profiling runs the model in training mode: BatchNorm's running statistics and the random
+    # streams move. The caller's model and seed are given back as they were.
+    buffers = [(t, t.detach().clone()) for t in model.buffers()]
+    rng = torch.get_rng_state(), (torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
     model_storages = {t.untyped_storage().data_ptr() for t in _state(model)}
     layers = list(model)
     per_size: dict[int, list[dict[str, Any]]] = {}
@@ -106,6 +110,12 @@ def profile_model(
     finally:
         torch.set_num_threads(saved_threads)
         model.train(was_training)
+        with torch.no_grad():
+            for t, kept in buffers:
+                t.copy_(kept)
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1], dev)
 
     first = per_size[sizes[0]]
 

@@ -96,6 +96,28 @@ def test_batchnorm_buffers_are_model_memory_not_activations():
     assert bn.saved_bytes[2] < 2 * 6 * F32 + 64  # the input (plus tiny stats), never the buffers
 
 
+def test_profiling_gives_back_the_models_buffers_and_the_random_stream():
+    """Profiling runs the model in training mode (BatchNorm's statistics move, dropout draws):
+    afterwards the caller's model holds what it held, in the mode it was in, and the random
+    stream is where it was."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), nn.Linear(6, 2))
+    model.eval()
+    with torch.no_grad():
+        model[1].running_mean.fill_(0.25)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(7)
+    quick(model, torch.randn(4, 6), [2, 4])
+    drawn = torch.rand(3)
+    torch.manual_seed(7)
+    torch.randn(4, 6)  # what the call above drew for its sample
+    assert torch.equal(drawn, torch.rand(3))
+    assert not model.training
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), [
+        k for k in before if not torch.equal(before[k], after[k])
+    ]
+
+
 def test_tuple_outputs_cross_layers():
     prof = quick(nn.Sequential(Pair(), Join()), torch.randn(2, 5), [2])
     pair, join = prof.layers
