@@ -10,6 +10,7 @@ is measured the same way as a layer after the last. Times come from profiler/tim
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import platform
 import sys
@@ -88,10 +89,7 @@ def profile_model(
 
     was_training = model.training
     model.to(dev).train()
-    # Profiling runs the model in training mode: BatchNorm's running statistics and the random
-    # streams move. The caller's model and seed are given back as they were.
-    buffers = [(t, t.detach().clone()) for t in model.buffers()]
-    rng = torch.get_rng_state(), (torch.cuda.get_rng_state(dev) if dev.type == "cuda" else None)
+    kept = _Snapshot(model, dev)
     model_storages = {t.untyped_storage().data_ptr() for t in _state(model)}
     layers = list(model)
     per_size: dict[int, list[dict[str, Any]]] = {}
@@ -107,15 +105,15 @@ def profile_model(
                     repeats, warmup, max_repeats, time_budget_s / len(sizes), call_ms,
                 )  # fmt: skip
         runtime = runtime_overhead(dev, call_ms=call_ms) if overhead and dev.type == "cpu" else None
+    except BaseException:
+        with contextlib.suppress(Exception):  # the error in flight is the one to report
+            kept.restore()
+        raise
+    else:
+        kept.restore()
     finally:
         torch.set_num_threads(saved_threads)
         model.train(was_training)
-        with torch.no_grad():
-            for t, kept in buffers:
-                t.copy_(kept)
-        torch.set_rng_state(rng[0])
-        if rng[1] is not None:
-            torch.cuda.set_rng_state(rng[1], dev)
 
     first = per_size[sizes[0]]
 
@@ -249,6 +247,46 @@ def _measure_size(
             backward_weight_ms=t.backward_weight,
         )
     return rows
+
+
+class _Snapshot:
+    """What profiling changes in the caller's model, to give back afterwards: it runs the model
+    in training mode (BatchNorm's running statistics move, a forward may even replace a buffer),
+    sets gradients aside, and draws from the random streams."""
+
+    def __init__(self, model: nn.Module, dev: torch.device) -> None:
+        self.buffers = [
+            (module, name, t, t.detach().to("cpu", copy=True))
+            for module in model.modules()
+            for name, t in module._buffers.items()
+            if t is not None
+        ]
+        self.grads = [(p, p.grad) for p in model.parameters()]
+        for p, _ in self.grads:  # set aside: the profile's backwards must not add into them
+            p.grad = None
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = (dev, torch.cuda.get_rng_state(dev)) if dev.type == "cuda" else None
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for module, name, t, was in self.buffers:
+                module._buffers[name] = t  # the tensor itself, where forward put another
+                if not _same(t.detach().cpu(), was):
+                    t.copy_(was)  # (only what changed: an inference tensor cannot be written)
+        for p, g in self.grads:
+            p.grad = g
+        torch.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state(self.cuda_rng[1], self.cuda_rng[0])
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal, NaN where NaN."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
 
 
 def _tied(layers: list[nn.Module]) -> list[TiedParameter]:

@@ -96,14 +96,30 @@ def test_batchnorm_buffers_are_model_memory_not_activations():
     assert bn.saved_bytes[2] < 2 * 6 * F32 + 64  # the input (plus tiny stats), never the buffers
 
 
-def test_profiling_gives_back_the_models_buffers_and_the_random_stream():
-    """Profiling runs the model in training mode (BatchNorm's statistics move, dropout draws):
-    afterwards the caller's model holds what it held, in the mode it was in, and the random
-    stream is where it was."""
-    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), nn.Linear(6, 2))
+class _Counting(nn.Module):
+    """Replaces its buffer on every forward (not in place), as some models count calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls = self.calls + 1
+        return x * 1.5
+
+
+def test_profiling_gives_back_the_models_buffers_gradients_and_random_stream():
+    """Profiling runs the model in training mode (BatchNorm's statistics move, dropout draws, a
+    forward may replace a buffer): afterwards the caller's model holds what it held, in the
+    mode it was in, with its gradients, and the random stream is where it was."""
+    model = nn.Sequential(
+        nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Dropout(0.5), _Counting(), nn.Linear(6, 2)
+    )
     model.eval()
     with torch.no_grad():
         model[1].running_mean.fill_(0.25)
+    model[0].weight.grad = torch.full_like(model[0].weight, 3.0)
+    calls = model[3].calls
     before = {k: v.clone() for k, v in model.state_dict().items()}
     torch.manual_seed(7)
     quick(model, torch.randn(4, 6), [2, 4])
@@ -116,6 +132,27 @@ def test_profiling_gives_back_the_models_buffers_and_the_random_stream():
     assert all(torch.equal(before[k], after[k]) for k in before), [
         k for k in before if not torch.equal(before[k], after[k])
     ]
+    assert model[3].calls is calls
+    assert torch.equal(model[0].weight.grad, torch.full_like(model[0].weight, 3.0))
+    assert model[4].weight.grad is None
+
+
+class _Boom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("bad shape")
+
+
+def test_a_failing_layer_is_reported_even_with_buffers_that_cannot_be_written():
+    """Giving the model back must not replace the error being reported (here a buffer made
+    under inference mode, which cannot be written outside it)."""
+    norm = nn.BatchNorm1d(6)
+    with torch.inference_mode():
+        norm.register_buffer("frozen", torch.ones(6))
+    model = nn.Sequential(nn.Linear(6, 6), norm, _Boom())
+    with pytest.raises(InputError, match="bad shape"):
+        quick(model, torch.randn(4, 6), [2])
+    # and one that profiles: its unchanged inference buffer is left alone
+    quick(nn.Sequential(nn.Linear(6, 6), norm), torch.randn(4, 6), [2])
 
 
 def test_tuple_outputs_cross_layers():
