@@ -464,17 +464,22 @@ def cmd_links(args: argparse.Namespace) -> int:
     import tempfile
     from pathlib import Path
 
+    import torch
+
     from codegen.measure import _run
     from planner import Cluster
     from planner.units import parse_size
 
     if args.memory is not None:
         parse_size(args.memory, what="memory")  # refused here, before anything is launched
-    else:
-        import torch
-
-        if not torch.cuda.is_available():
-            raise InputError("--memory is required on the CPU: what a stage may use, e.g. 16GiB")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and torch.cuda.device_count() < args.nproc_per_node:
+        raise InputError(
+            f"--nproc-per-node {args.nproc_per_node}: NCCL needs a GPU per rank and this host "
+            f"has {torch.cuda.device_count()}; measure fewer ranks, or --device cpu"
+        )
+    if device == "cpu" and args.memory is None:
+        raise InputError("--memory is required on the CPU: what a stage may use, e.g. 16GiB")
     root = Path(__file__).resolve().parent
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
@@ -482,6 +487,7 @@ def cmd_links(args: argparse.Namespace) -> int:
         result = Path(tmp) / "cluster.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={args.nproc_per_node}", "-m", "profiler.links",
+               "--device", device,
                "--rounds", str(args.rounds), "--busy-ms", str(args.busy_ms),
                "--max-bytes", str(args.max_bytes), "-o", str(result),
                *(["--memory", args.memory] if args.memory is not None else [])]  # fmt: skip
@@ -495,8 +501,8 @@ def cmd_links(args: argparse.Namespace) -> int:
         cluster = Cluster.load(result)
     print(run.stdout.rstrip())
     write_output(out, cluster.model_dump_json(indent=1, exclude_none=True) + "\n")
-    print(f"wrote {args.output}: {cluster.size} devices, links measured as hand-offs after "
-          f"{args.busy_ms:g} ms of compute")  # fmt: skip
+    print(f"wrote {args.output}: {cluster.size} devices ({device}), links measured as "
+          f"hand-offs after {args.busy_ms:g} ms of compute")  # fmt: skip
     return EXIT_OK
 
 
@@ -698,6 +704,16 @@ def _number(flag: str, lo: float, hi: float) -> Callable[[str], float]:
     return parse
 
 
+def _message_size(text: str) -> int:
+    """`--max-bytes`: a size as people write it (4MiB), at most 1 GiB."""
+    from planner.units import parse_size
+
+    value = parse_size(text, what="--max-bytes")
+    if value > 2**30:
+        raise InputError(f"--max-bytes {text}: more than 1GiB; the largest message timed")
+    return value
+
+
 def _count(flag: str, hi: int, lo: int = 1) -> Callable[[str], int]:
     """A whole-number flag in [lo, hi]."""
 
@@ -831,6 +847,8 @@ def _build_parser() -> argparse.ArgumentParser:
                        "cluster file")  # fmt: skip
     s.add_argument("--nproc-per-node", type=_count("--nproc-per-node", MAX_DEVICES, lo=2),
                    required=True, help="ranks to launch on this host (as torchrun's)")  # fmt: skip
+    s.add_argument("--device", choices=["cpu", "cuda"],
+                   help="cpu (gloo) or cuda (NCCL, a GPU per rank); default: cuda if present")  # fmt: skip
     s.add_argument("--memory", help="per device, e.g. 16GiB (on CUDA: each GPU's, by default)")
     s.add_argument("--threads", type=_count("--threads", 1024), default=1,
                    help="intra-op threads per rank (1, as the torchrun program runs)")  # fmt: skip
@@ -839,8 +857,8 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--busy-ms", type=_number("--busy-ms", 0, 10_000), default=1.0,
                    help="what the sender computes before each hand-off, while its receiver "
                    "waits (as a pipeline's stages do)")  # fmt: skip
-    s.add_argument("--max-bytes", type=_count("--max-bytes", 2**30), default=4 * 2**20,
-                   help="the largest message timed (sizes from 1 KiB, 4x apart)")  # fmt: skip
+    s.add_argument("--max-bytes", type=_message_size, default=4 * 2**20,
+                   help="the largest message timed, e.g. 4MiB (sizes from 1 KiB, 4x apart)")  # fmt: skip
     s.add_argument("--timeout", type=_number("--timeout", 1, 86400), default=600.0,
                    help="seconds before the ranks are stopped")  # fmt: skip
     s.add_argument("-o", "--output", default="cluster.json")

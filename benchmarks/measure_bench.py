@@ -106,7 +106,8 @@ def main() -> None:
     latency, bandwidth = link()
     print(f"gloo ping-pong: latency {latency:.3f} ms, bandwidth {bandwidth / 1e9:.2f} GB/s")
     cluster = out / "cluster.json"
-    r = cli("links", "--nproc-per-node", "2", "--memory", "4GiB", "-o", str(cluster))
+    r = cli("links", "--nproc-per-node", "2", "--memory", "4GiB", "--device", "cuda" if
+            torchrun and cuda else "cpu", "-o", str(cluster))  # fmt: skip
     assert r.returncode == 0, r.stderr
     print(r.stdout.strip(), flush=True)
     measured = json.loads(cluster.read_text())

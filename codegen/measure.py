@@ -426,4 +426,8 @@ def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> Any:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
         raise InputError(f"the torchrun program ran past {timeout_s:g} s and was stopped") from None
+    except BaseException:  # Ctrl-C: its own session does not get it; take every rank down too
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)

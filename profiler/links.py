@@ -5,9 +5,9 @@ while the sender computed, and the message must wake it. On a shared machine tha
 from nothing to milliseconds, which a ping-pong between two ranks that do nothing else never
 sees. So each neighbouring pair (r, r + 1) is timed this way, in both directions: after a
 barrier, the sender computes for `busy_ms` (matrix products) and sends; the receiver, blocked
-since the barrier, stamps the message's arrival. The hand-off is arrival minus post on the
-host's clock (across hosts, corrected by the clock offset the fastest of a few ping-pongs
-gives). Per size the mean is kept, not the median: a step pays every hand-off, slow ones
+since the barrier, stamps the message's arrival. The hand-off is arrival minus post (across
+hosts the clocks differ, and the two directions' errors cancel: see measure_hand_offs). Per
+size the mean is kept, not the median: a step pays every hand-off, slow ones
 included. Each link is then fitted to latency + bytes / bandwidth, the model the planner
 charges.
 
@@ -18,7 +18,6 @@ charges.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import socket
 import statistics
@@ -33,21 +32,25 @@ SIZES = tuple(1024 * 4**k for k in range(7))  # 1 KiB .. 4 MiB per message
 
 
 def fit_link(sizes: Sequence[float], ms: Sequence[float]) -> tuple[float, float]:
-    """(latency ms, bandwidth bytes/s) by least squares of ms = latency + bytes / bandwidth.
-    A negative intercept is fitted through zero instead; a flat or falling line (latency
-    alone) gets the largest bandwidth a cluster may state."""
+    """(latency ms, bandwidth bytes/s) fitted to ms = latency + bytes / bandwidth, each point
+    weighed by its relative error (1 KiB and 4 MiB count alike, so the latency is not a
+    leftover of the largest messages). A negative intercept is fitted through zero instead;
+    a flat or falling line (latency alone) gets the largest bandwidth a cluster may state."""
     if len(sizes) != len(ms) or not sizes:
         raise ValueError("one time per size, at least one")
-    n = len(sizes)
-    mx, my = sum(sizes) / n, sum(ms) / n
-    sxx = sum((x - mx) ** 2 for x in sizes)
-    slope = sum((x - mx) * (y - my) for x, y in zip(sizes, ms)) / sxx if sxx else 0.0
-    latency = my - slope * mx
+    w = [1 / max(y, 1e-9) ** 2 for y in ms]
+    sw = sum(w)
+    swx = sum(a * x for a, x in zip(w, sizes))
+    swy = sum(a * y for a, y in zip(w, ms))
+    swxx = sum(a * x * x for a, x in zip(w, sizes))
+    swxy = sum(a * x * y for a, x, y in zip(w, sizes, ms))
+    det = sw * swxx - swx * swx
+    slope = (sw * swxy - swx * swy) / det if det > 0 else 0.0
+    latency = (swy - slope * swx) / sw
     if latency < 0:  # through the origin
-        latency = 0.0
-        slope = sum(x * y for x, y in zip(sizes, ms)) / sum(x * x for x in sizes)
+        latency, slope = 0.0, swxy / swxx
     if slope <= 0:
-        return min(max(my, 0.0), MAX_MS), MAX_BANDWIDTH
+        return min(max(swy / sw, 0.0), MAX_MS), MAX_BANDWIDTH
     return min(latency, MAX_MS), min(max(1e3 / slope, MIN_BANDWIDTH), MAX_BANDWIDTH)
 
 
@@ -72,43 +75,18 @@ def _stamp(device: Any) -> float:
     return time.perf_counter()
 
 
-def _offsets(hosts: list[str], device: Any, tries: int = 15) -> list[float]:
-    """Per rank, its clock minus rank 0's: 0 on rank 0's host (one clock), else from the
-    ping-pong with rank 0 that took least time (its midpoint against the remote stamp)."""
-    import torch
-    import torch.distributed as dist
-
-    rank, world = dist.get_rank(), dist.get_world_size()
-    out = torch.zeros(world, dtype=torch.float64, device=device)
-    buf = torch.zeros(1, dtype=torch.float64, device=device)
-    for r in range(1, world):
-        if hosts[r] == hosts[0]:
-            continue
-        best = (math.inf, 0.0)
-        for _ in range(tries):
-            if rank == 0:
-                t0 = _stamp(device)
-                dist.send(buf, r)
-                dist.recv(buf, r)
-                t3 = _stamp(device)
-                remote = float(buf.item())
-                best = min(best, (t3 - t0, remote - (t0 + t3) / 2))
-            elif rank == r:
-                dist.recv(buf, 0)
-                buf.fill_(_stamp(device))
-                dist.send(buf, 0)
-        if rank == 0:
-            out[r] = best[1]
-    dist.broadcast(out, 0)
-    return out.tolist()
-
-
 def measure_hand_offs(
     *, rounds: int = 20, busy_ms: float = 1.0, sizes: Sequence[int] = SIZES, warmup: int = 2
 ) -> tuple[list[str], list[dict[int, float]]]:
     """Run on every rank of an initialised process group (each on its own device: the CPU, or
-    on CUDA the current GPU). Returns the ranks' hosts and, per link r -> r + 1, the mean
-    hand-off in ms per message size, both directions together. Every rank gets the result."""
+    on NCCL the current GPU). Returns the ranks' hosts and, per link r -> r + 1, the mean
+    hand-off in ms per message size, both directions together. Every rank gets the result.
+
+    The directions take turns, hand-off by hand-off, and each one-way time is the receiver's
+    stamp less the sender's. Across hosts the two stamps come from different clocks, but
+    what one direction gains from their offset the other loses: the mean of the pairs is the
+    hand-off itself, however far apart the clocks are (and however they drift, but for the
+    little they drift between two turns)."""
     import torch
     import torch.distributed as dist
 
@@ -117,38 +95,37 @@ def measure_hand_offs(
         torch.device("cuda", torch.cuda.current_device()) if _on_cuda() else torch.device("cpu")
     )
     hosts: list[Any] = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname())
-    offset = _offsets(hosts, device)
-    rows = [
-        (src, dst, n, i)
-        for r in range(world - 1)
-        for src, dst in ((r, r + 1), (r + 1, r))
-        for n in sizes
-        for i in range(warmup + rounds)
-    ]
-    post = torch.zeros(len(rows), dtype=torch.float64)
-    arrive = torch.zeros(len(rows), dtype=torch.float64)
+    dist.all_gather_object(hosts, socket.gethostname(), group=_cpu_group())
     bufs = {n: torch.zeros(max(n // 4, 1), device=device) for n in sizes}
-    for k, (src, dst, n, _) in enumerate(rows):
+    rows = [
+        (r, r + 1, n, k)
+        for r in range(world - 1)
+        for n in sizes
+        for k in range(2 * (warmup + rounds))
+    ]
+    stamps = torch.zeros(2, len(rows), dtype=torch.float64)  # the post, then the arrival
+    for j, (a, b, n, k) in enumerate(rows):
+        src, dst = (a, b) if k % 2 == 0 else (b, a)
         dist.barrier()
         if rank == src:
             _busy(busy_ms, device)
-            post[k] = _stamp(device) - offset[rank]
+            stamps[0, j] = _stamp(device)
             dist.send(bufs[n], dst)
         elif rank == dst:
             dist.recv(bufs[n], src)
-            arrive[k] = _stamp(device) - offset[rank]
-    stamps = torch.stack([post, arrive]).to(device)
+            stamps[1, j] = _stamp(device)
+    stamps = stamps.to(device)
     dist.all_reduce(stamps)  # each entry was written on one rank only
-    post, arrive = stamps.cpu()
-    per_link: list[dict[int, list[float]]] = [{n: [] for n in sizes} for _ in range(world - 1)]
-    for k, (src, dst, n, i) in enumerate(rows):
-        if i >= warmup:
-            per_link[min(src, dst)][n].append(max(float(arrive[k] - post[k]) * 1e3, 0.0))
-    return hosts, [{n: statistics.fmean(v) for n, v in link.items()} for link in per_link]
+    post, arrive = stamps.cpu().tolist()
+    got: list[dict[int, list[float]]] = [{n: [] for n in sizes} for _ in range(world - 1)]
+    for j, (a, _, n, k) in enumerate(rows):
+        if k >= 2 * warmup:
+            got[a][n].append((arrive[j] - post[j]) * 1e3)
+    return hosts, [{n: statistics.fmean(v) for n, v in link.items()} for link in got]
 
 
 def _on_cuda() -> bool:
+    """Whether the process group moves CUDA tensors (NCCL): then each rank uses its GPU."""
     import torch
     import torch.distributed as dist
 
@@ -182,8 +159,11 @@ def build_cluster(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Each rank of a torchrun launch: measure, and rank 0 writes the cluster file."""
+    """Each rank of a torchrun launch: measure, and rank 0 writes the cluster file. A problem
+    on any rank (a bad flag, no GPU of its own) stops every rank, rank 0 saying why."""
     ap = argparse.ArgumentParser(prog="python -m profiler.links")
+    ap.add_argument("--device", choices=["cpu", "cuda"],
+                    help="cpu (gloo) or cuda (NCCL, a GPU per rank); default: cuda if present")  # fmt: skip
     ap.add_argument("--memory", help="per device, e.g. 16GiB (on CUDA: the GPU's, by default)")
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--busy-ms", type=float, default=1.0)
@@ -197,50 +177,77 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from .files import check_output, write_output
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group()
+    cuda = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) == "cuda"
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    problem = ""
+    if cuda and local >= torch.cuda.device_count():
+        problem = (
+            f"rank {os.environ.get('RANK', '?')} has no GPU of its own ({local} of "
+            f"{torch.cuda.device_count()}): launch at most one rank per GPU, or --device cpu"
+        )
+    elif cuda:
+        torch.cuda.set_device(local)
+    # the ranks agree over gloo first, so that one without a GPU cannot hang NCCL's start
+    dist.init_process_group(backend="cpu:gloo,cuda:nccl" if cuda else "gloo")
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        problem = ""
+        memory = 0
         try:
-            if world < 2:
-                raise ValueError("one rank has no link to measure: launch two or more")
-            if rank == 0:
-                check_output(args.output)
-            sizes = [n for n in SIZES if n <= args.max_bytes] or [SIZES[0]]
-            if args.memory is not None:
-                memory = parse_size(args.memory, what="memory")
-            elif _on_cuda():
-                memory = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            if problem:
+                pass
+            elif world < 2:
+                problem = "one rank has no link to measure: launch two or more"
+            elif args.rounds < 1 or not 0 <= args.busy_ms <= 1e4 or args.max_bytes < 1:
+                problem = "--rounds and --max-bytes must be at least 1, --busy-ms 0 to 10000"
             else:
-                raise ValueError("--memory is required on the CPU (what a stage may use)")
+                if rank == 0:
+                    check_output(args.output)
+                if args.memory is not None:
+                    memory = parse_size(args.memory, what="memory")
+                elif cuda:
+                    memory = torch.cuda.get_device_properties(local).total_memory
+                else:
+                    problem = "--memory is required on the CPU (what a stage may use)"
         except Exception as e:
             problem = str(e).splitlines()[0] if str(e) else type(e).__name__
-        failed = [None] * world
-        dist.all_gather_object(failed, problem)
-        if any(failed):
+        said: list[Any] = [None] * world
+        dist.all_gather_object(said, problem, group=_cpu_group())
+        if any(said):
             if rank == 0:
-                print(f"links: error: {next(p for p in failed if p)}", file=sys.stderr)
+                print(f"links: error: {next(p for p in said if p)}", file=sys.stderr)
             return 2
+        sizes = [n for n in SIZES if n <= args.max_bytes] or [SIZES[0]]
         hosts, means = measure_hand_offs(rounds=args.rounds, busy_ms=args.busy_ms, sizes=sizes)
         mems: list[Any] = [None] * world
         names: list[Any] = [None] * world
-        mine = f"cuda:{torch.cuda.current_device()}" if _on_cuda() else ""
-        dist.all_gather_object(mems, memory)
-        dist.all_gather_object(names, mine)
+        dist.all_gather_object(mems, memory, group=_cpu_group())
+        dist.all_gather_object(names, f"cuda:{local}" if cuda else "", group=_cpu_group())
         if rank == 0:
             cluster = build_cluster(hosts, means, mems, names)
             write_output(args.output, cluster.model_dump_json(indent=1, exclude_none=True) + "\n")
             for r, (m, link) in enumerate(zip(means, cluster.links)):
                 shown = ", ".join(f"{n // 1024} KiB {ms:.3f}" for n, ms in m.items())
+                bw = link.bandwidth_bytes_per_s or MAX_BANDWIDTH
+                speed = "too fast to tell" if bw >= MAX_BANDWIDTH else f"{bw / 1e9:.2f} GB/s"
                 print(
                     f"rank{r} -> rank{r + 1}: latency {link.latency_ms:.3f} ms, bandwidth "
-                    f"{link.bandwidth_bytes_per_s / 1e9:.2f} GB/s (mean hand-off ms: {shown})"
+                    f"{speed} (mean hand-off ms: {shown})"
                 )
         return 0
     finally:
         dist.destroy_process_group()
+
+
+_GROUP: list[Any] = []
+
+
+def _cpu_group() -> Any:
+    """A gloo group of every rank, for the objects the ranks tell each other (made once)."""
+    import torch.distributed as dist
+
+    if not _GROUP:
+        _GROUP.append(dist.new_group(backend="gloo"))
+    return _GROUP[0]
 
 
 if __name__ == "__main__":

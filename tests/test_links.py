@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -23,18 +24,33 @@ def test_fit_link_recovers_an_exact_line():
     assert bandwidth == pytest.approx(2.5e9, rel=1e-9)
 
 
+def test_fit_link_weighs_each_size_by_its_relative_error():
+    """Noise of a tenth on every point: the latency of 1 KiB messages stays within a tenth,
+    where a plain least-squares fit, led by the largest messages, would miss it."""
+    sizes = list(SIZES)
+    exact = [0.05 + n / 1e9 * 1e3 for n in sizes]
+    noisy = [y * (1.1 if k % 2 else 0.9) for k, y in enumerate(exact)]
+    latency, bandwidth = fit_link(sizes, noisy)
+    assert latency == pytest.approx(0.05, rel=0.1)
+    assert bandwidth == pytest.approx(1e9, rel=0.1)
+
+
 def test_fit_link_never_states_a_negative_latency():
     sizes = [1000.0, 2000.0, 4000.0]
     ms = [0.5, 1.5, 3.5]  # the line through them crosses zero at 500 bytes: -0.5 ms intercept
     latency, bandwidth = fit_link(sizes, ms)
-    slope = (1000 * 0.5 + 2000 * 1.5 + 4000 * 3.5) / (1000**2 + 2000**2 + 4000**2)
+    w = [1 / y**2 for y in ms]  # through zero, each point weighed by its relative error
+    slope = sum(a * x * y for a, x, y in zip(w, sizes, ms)) / sum(
+        a * x * x for a, x in zip(w, sizes)
+    )
     assert latency == 0.0
     assert bandwidth == pytest.approx(1e3 / slope, rel=1e-12)
 
 
 def test_fit_link_of_latency_alone():
     assert fit_link([1024, 4096, 16384], [0.3, 0.3, 0.3]) == (pytest.approx(0.3), MAX_BANDWIDTH)
-    assert fit_link([1024, 4096], [0.4, 0.2]) == (pytest.approx(0.3), MAX_BANDWIDTH)
+    # falling: the mean, each point weighed by its relative error (1/0.16 and 1/0.04)
+    assert fit_link([1024, 4096], [0.4, 0.2]) == (pytest.approx(7.5 / 31.25), MAX_BANDWIDTH)
     with pytest.raises(ValueError):
         fit_link([1024], [])
 
@@ -51,31 +67,47 @@ def test_links_measures_two_gloo_ranks_and_plans_with_them(tmp_path, run_cli):
     assert all(d.memory_bytes == 2**30 and d.host is None for d in cluster.devices)
     (link,) = cluster.links
     # a hand-off takes some time, and not the sender's compute before it
-    assert 0 < link.transfer_ms(4096) < busy
+    assert 0 < link.latency_ms < busy and link.transfer_ms(4096) < busy
 
 
-def test_links_across_hosts_corrects_the_clocks(tmp_path):
-    """Ranks that say they are on different hosts take their clock offset from a ping-pong:
-    on one host it must come out near zero, and the hand-offs stay as short."""
-    out = tmp_path / "cluster.json"
+DRIVER = """
+import json, os, sys, time
+import torch.distributed as dist
+import profiler.links as links
+
+rank = int(os.environ["RANK"])
+links.socket.gethostname = lambda: f"host{rank}"
+if rank == 1:  # another host's clock: 1000 s ahead, and running 0.1% fast
+    real = time.perf_counter
+    start = real()
+    time.perf_counter = lambda: 1000.0 + start + (real() - start) * 1.001
+dist.init_process_group("gloo")
+hosts, means = links.measure_hand_offs(rounds=2, busy_ms=20.0, sizes=[1024, 4096])
+if rank == 0:
+    with open(sys.argv[1], "w") as f:
+        json.dump({"hosts": hosts, "means": [list(m.values()) for m in means]}, f)
+dist.destroy_process_group()
+"""
+
+
+def test_links_across_hosts_matches_the_clocks(tmp_path):
+    """Ranks on different hosts read different clocks: here rank 1's is 1000 s ahead and
+    drifts. The two directions' errors cancel: the hand-offs still come out as short as on one
+    clock (not 1000 s, and not the sender's 20 ms of compute)."""
+    out = tmp_path / "means.json"
     driver = tmp_path / "hosts.py"
-    driver.write_text(
-        "import os, sys\n"
-        "import profiler.links as links\n"
-        "links.socket.gethostname = lambda: 'host' + os.environ['RANK']\n"
-        "sys.exit(links.main(sys.argv[1:]))\n"
-    )
+    driver.write_text(DRIVER)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     run = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         str(driver), "--memory", "1GiB", "--rounds", "2", "--max-bytes", "4096",
-         "--busy-ms", "20", "-o", str(out)],
+         str(driver), str(out)],
         capture_output=True, text=True, env=env, timeout=300,
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-2000:]
-    cluster = Cluster.load(out)
-    assert [d.host for d in cluster.devices] == ["host0", "host1"]
-    assert 0 < cluster.links[0].transfer_ms(4096) < 20
+    got = json.loads(out.read_text())
+    assert got["hosts"] == ["host0", "host1"]
+    ((small, large),) = got["means"]
+    assert 0.001 < small < 20 and 0.001 < large < 20, got
 
 
 @pytest.mark.parametrize(
@@ -91,6 +123,17 @@ def test_links_refuses_bad_input_before_launching(tmp_path, run_cli, args, said)
     r = run_cli("links", *args, "-o", out)
     assert r.code == 2 and said in r.err and len(r.err.strip().splitlines()) == 1, r.err
     assert not out.exists()
+
+
+def test_links_on_cuda_needs_a_gpu_per_rank(tmp_path, run_cli):
+    import torch
+
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this host has a GPU for each of two ranks")
+    out = tmp_path / "cluster.json"
+    r = run_cli("links", "--nproc-per-node", "2", "--device", "cuda", "-o", out)
+    assert r.code == 2 and "NCCL needs a GPU per rank" in r.err, r.err
+    assert len(r.err.strip().splitlines()) == 1 and not out.exists()
 
 
 def test_links_needs_memory_on_the_cpu(tmp_path, run_cli):
