@@ -57,6 +57,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args_list
     try:
+        try:
+            os.getcwd()
+        except FileNotFoundError:
+            raise InputError(
+                "the current directory no longer exists; cd somewhere that does"
+            ) from None
         args = parser.parse_args(args_list)
         if args.command is None:
             raise InputError(
@@ -466,7 +472,7 @@ def cmd_links(args: argparse.Namespace) -> int:
 
     import torch
 
-    from codegen.measure import _run
+    from codegen.measure import _run, rank_error
     from planner import Cluster
     from planner.units import parse_size
 
@@ -496,13 +502,13 @@ def cmd_links(args: argparse.Namespace) -> int:
         if said:
             raise InputError(said[0][len("links: error: ") :])
         if run.returncode != 0 or not result.exists():
-            tail = " | ".join(run.stderr.strip().splitlines()[-3:])
-            raise InputError(f"the measuring ranks failed (exit {run.returncode}): {tail}")
+            why = rank_error(run.stderr) or " | ".join(run.stderr.strip().splitlines()[-3:])
+            raise InputError(f"the measuring ranks failed (exit {run.returncode}): {why}")
         cluster = Cluster.load(result)
     print(run.stdout.rstrip())
     write_output(out, cluster.model_dump_json(indent=1, exclude_none=True) + "\n")
     print(f"wrote {args.output}: {cluster.size} devices ({device}), links measured as "
-          f"hand-offs after {args.busy_ms:g} ms of compute")  # fmt: skip
+          f"hand-offs after {args.busy_ms + 0.0:g} ms of compute")  # fmt: skip
     return EXIT_OK
 
 
@@ -705,12 +711,15 @@ def _number(flag: str, lo: float, hi: float) -> Callable[[str], float]:
 
 
 def _message_size(text: str) -> int:
-    """`--max-bytes`: a size as people write it (4MiB), at most 1 GiB."""
+    """`--max-bytes`: a size as people write it (4MiB), 4 KiB to 1 GiB (a line needs two)."""
     from planner.units import parse_size
 
     value = parse_size(text, what="--max-bytes")
-    if value > 2**30:
-        raise InputError(f"--max-bytes {text}: more than 1GiB; the largest message timed")
+    if not 4096 <= value <= 2**30:
+        raise InputError(
+            f"--max-bytes {text}: must be from 4KiB (two sizes, 1 and 4 KiB, to fit a line "
+            "through) to 1GiB"
+        )
     return value
 
 

@@ -397,8 +397,8 @@ def measure_torchrun(
                 break
         ranks = [Path(tmp) / f"rank{r}.json" for r in range(K)]
         if run.returncode != 0 or not all(p.exists() for p in ranks):
-            tail = " | ".join(run.stderr.strip().splitlines()[-3:])
-            raise InputError(f"the torchrun program failed (exit {run.returncode}): {tail}")
+            why = rank_error(run.stderr) or " | ".join(run.stderr.strip().splitlines()[-3:])
+            raise InputError(f"the torchrun program failed (exit {run.returncode}): {why}")
         results = [json.loads(p.read_text()) for p in ranks]
     by_rank = {res["rank"]: res for res in results}
     walls = [max(by_rank[r]["walls"][k] for r in range(K)) for k in range(steps)]
@@ -411,9 +411,8 @@ def measure_torchrun(
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> Any:
-    """Run torchrun in its own process group, so a timeout takes every worker down with it."""
-    import os
-    import signal
+    """Run torchrun in its own session; past `timeout_s`, or on Ctrl-C, torchrun and every
+    rank it started (each in a session of its own) are killed before this returns."""
     import subprocess
 
     proc = subprocess.Popen(
@@ -423,11 +422,70 @@ def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> Any:
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        _kill_tree(proc)
         raise InputError(f"the torchrun program ran past {timeout_s:g} s and was stopped") from None
-    except BaseException:  # Ctrl-C: its own session does not get it; take every rank down too
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+    except BaseException:
+        _kill_tree(proc)
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _kill_tree(proc: Any) -> None:
+    """SIGKILL a process started in its own session, its session, and every process under it
+    with theirs (torchrun starts each rank in a new session), then reap it."""
+    import contextlib
+    import os
+    import signal
+
+    pids = [proc.pid, *_descendants(proc.pid)]
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    for pipe in (proc.stdout, proc.stderr):  # a survivor may still hold the other end
+        with contextlib.suppress(OSError):
+            pipe.close()
+    proc.wait()
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below `root`, read from /proc (none where there is no /proc)."""
+    import os
+
+    parent: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                # pid (comm) state ppid ...: comm may hold spaces and parentheses
+                fields = f.read().rsplit(b")", 1)[1].split()
+            parent[int(name)] = int(fields[1])
+        except (OSError, IndexError, ValueError):
+            continue
+    found, frontier = [], [root]
+    while frontier:
+        kids = [pid for pid, pp in parent.items() if pp in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def rank_error(stderr: str) -> str:
+    """The failing rank's own last error line in torchrun's output (its traceback's last
+    line), not torchrun's summary of the failure; "" if none is there."""
+    import re
+
+    said = ""
+    for line in stderr.splitlines():
+        line = re.sub(r"^\[(default)?\d+\]:", "", line).strip()  # torchrun's --tee prefix
+        if re.match(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b.*", line) and not re.search(
+            r"ChildFailedError|elastic", line
+        ):
+            said = line
+    return said

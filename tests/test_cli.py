@@ -433,3 +433,24 @@ def test_plan_each_schedule(run_cli, transformer_profile_path, tmp_path, schedul
     assert plan["schedule"] == schedule
     assert run_cli("check", out).code == 0
     assert run_cli("simulate", out).code == 0
+
+
+def test_a_working_directory_that_is_gone_is_one_line(tmp_path):
+    """Every command resolves its paths against the working directory: when that has been
+    removed, say so (it was a traceback from os.path.realpath)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    run = subprocess.run(
+        ["sh", "-c", f'cd "{gone}" && rmdir "{gone}" && exec "{sys.executable}" '
+         f'"{root / "cli.py"}" show plan.json'],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert run.returncode == 2, run.stderr
+    assert run.stderr.strip() == (
+        "gpipe-plan: error: the current directory no longer exists; cd somewhere that does"
+    )

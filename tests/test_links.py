@@ -146,3 +146,46 @@ def test_links_needs_memory_on_the_cpu(tmp_path, run_cli):
     r = run_cli("links", "--nproc-per-node", "2", "-o", out)
     assert r.code == 2 and "--memory is required" in r.err
     assert out.read_text() == "kept"
+
+
+def _running(marker: str) -> list[str]:
+    """Command lines of the processes alive now that hold `marker`."""
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                line = (Path("/proc") / name / "cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if marker.encode() in line and b"profiler.links" in line:
+                found.append(line.decode(errors="replace"))
+    return found
+
+
+def test_links_past_its_timeout_stops_every_rank(tmp_path, run_cli):
+    """torchrun starts each rank in a session of its own: killing torchrun's alone left them
+    running, and the command waiting for them."""
+    out = tmp_path / "cluster.json"
+    r = run_cli("links", "--nproc-per-node", "2", "--memory", "1GiB", "--rounds", "2",
+                "--max-bytes", "4KiB", "--busy-ms", "4321", "--timeout", "4", "-o", out)  # fmt: skip
+    assert r.code == 2 and "ran past 4 s and was stopped" in r.err, r.err
+    assert not out.exists()
+    assert _running("4321.0") == []
+
+
+def test_a_failing_rank_is_reported_by_its_own_error():
+    from codegen.measure import rank_error
+
+    said = """\
+Traceback (most recent call last):
+  File "/x/profiler/links.py", line 9, in main
+RuntimeError: Gloo connectFullMesh failed with no device found
+E1201 15:02:11 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: 1)
+Traceback (most recent call last):
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
+============================================================
+  error_file: <N/A>
+"""
+    assert rank_error(said) == "RuntimeError: Gloo connectFullMesh failed with no device found"
+    assert rank_error("[1]:ValueError: bad\n") == "ValueError: bad"
+    assert rank_error("nothing to see\n") == ""
