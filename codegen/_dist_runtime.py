@@ -59,6 +59,7 @@ class DistPipelineRuntime(PipelineRuntime):
     RENDEZVOUS = True  # the program meets when sends block (validate(..., rendezvous=True))
     DEVICES: list[str] = []  # per rank: the cluster's torch_device ("": this host's choice)
     PLAN = "0" * 16  # the plan and each rank's actions, hashed: the same on every rank
+    PROFILED_ON = "cpu"  # the device type the plan's profile was measured on
 
     def __init__(self, model: nn.Sequential, *, deferred_batch_norm: bool = False) -> None:
         if not dist.is_initialized():
@@ -91,6 +92,16 @@ class DistPipelineRuntime(PipelineRuntime):
                 "under gloo"
             )
         self._agree(problem)
+        if self.rank == 0 and self.PROFILED_ON == "cpu" and self.device.type != "cpu":
+            import warnings
+
+            warnings.warn(
+                f"the plan was made from a CPU profile but runs on {self.device.type}: its "
+                "times are the CPU's, and its memory counts no copy of the input batch on the "
+                "first stage (the CPU works on the caller's own); profile on the GPU to plan "
+                "for it",
+                stacklevel=2,
+            )
         self.local = {s for s, r in enumerate(self.RANKS) if r == self.rank}
         self.layers = layers
         self.spec_cache: dict[Any, dict[Any, list[Spec]]] = {}

@@ -252,6 +252,7 @@ class Pipeline(DistPipelineRuntime):
 
 {_constants(plan)}{rendezvous}
     {devices}
+    PROFILED_ON = {json.dumps(plan.device_type.split(":")[0])}  # the plan's times and bytes are this device's
     PLAN = "{_program_id(plan, lowered)}"
 
     def train_step(

@@ -236,6 +236,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     finally:
         dist.destroy_process_group()
+        _GROUP.clear()
 
 
 _GROUP: list[Any] = []
