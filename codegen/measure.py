@@ -414,78 +414,95 @@ def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> Any:
     """Run torchrun in its own session; past `timeout_s`, or on Ctrl-C, torchrun and every
     rank it started (each in a session of its own) are killed before this returns."""
     import subprocess
+    import uuid
 
+    token = uuid.uuid4().hex  # every process of this launch inherits it: how they are found
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-        start_new_session=True,
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**env, _RUN_TOKEN: token}, start_new_session=True,
     )  # fmt: skip
     try:
         out, err = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _kill_tree(proc)
+        _kill_all(proc, token)
         raise InputError(f"the torchrun program ran past {timeout_s:g} s and was stopped") from None
     except BaseException:
-        _kill_tree(proc)
+        _kill_all(proc, token)
         raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
-def _kill_tree(proc: Any) -> None:
-    """SIGKILL a process started in its own session, its session, and every process under it
-    with theirs (torchrun starts each rank in a new session), then reap it."""
+_RUN_TOKEN = "GPIPE_PLAN_RUN"
+
+
+def _kill_all(proc: Any, token: str) -> None:
+    """SIGKILL every process of the launch (torchrun, and its ranks, each in a session of its
+    own), again until none is left (torchrun may be starting one as this runs), then reap."""
     import contextlib
     import os
     import signal
+    import time
 
-    pids = [proc.pid, *_descendants(proc.pid)]
-    for pid in pids:
-        with contextlib.suppress(OSError):
-            os.killpg(pid, signal.SIGKILL)
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    for _ in range(100):
+        left = _holding(token)
+        if not left:
+            break
+        for pid in left:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.02)
     for pipe in (proc.stdout, proc.stderr):  # a survivor may still hold the other end
         with contextlib.suppress(OSError):
             pipe.close()
     proc.wait()
 
 
-def _descendants(root: int) -> list[int]:
-    """Every process below `root`, read from /proc (none where there is no /proc)."""
+def _holding(token: str) -> list[int]:
+    """The live processes whose environment carries this launch's token (/proc; none where
+    there is no /proc)."""
     import os
 
-    parent: dict[int, int] = {}
+    mark = f"{_RUN_TOKEN}={token}".encode()
+    found = []
     try:
         entries = os.listdir("/proc")
     except OSError:
         return []
     for name in entries:
-        if not name.isdigit():
+        if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                # pid (comm) state ppid ...: comm may hold spaces and parentheses
-                fields = f.read().rsplit(b")", 1)[1].split()
-            parent[int(name)] = int(fields[1])
-        except (OSError, IndexError, ValueError):
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    with open(f"/proc/{name}/stat", "rb") as g:
+                        if g.read().rsplit(b")", 1)[1].split()[0] != b"Z":  # not a zombie
+                            found.append(int(name))
+        except (OSError, IndexError):
             continue
-    found, frontier = [], [root]
-    while frontier:
-        kids = [pid for pid, pp in parent.items() if pp in frontier]
-        found += kids
-        frontier = kids
     return found
 
 
 def rank_error(stderr: str) -> str:
-    """The failing rank's own last error line in torchrun's output (its traceback's last
-    line), not torchrun's summary of the failure; "" if none is there."""
+    """The failing rank's own last error line in torchrun's output (its traceback's last line,
+    which torch prefixes with `[rankN]:`), not the knock-on errors of the others nor torchrun's
+    summary: the rank torchrun names as the root cause, else the first to report an error;
+    "" if none did."""
     import re
 
-    said = ""
+    by_rank: dict[str, str] = {}
     for line in stderr.splitlines():
-        line = re.sub(r"^\[(default)?\d+\]:", "", line).strip()  # torchrun's --tee prefix
-        if re.match(r"^[\w.]*(Error|Exception|Interrupt|Exit)\b.*", line) and not re.search(
-            r"ChildFailedError|elastic", line
+        m = re.match(r"^\[(?:rank|default)?(\d+)\]:\s?(.*)$", line)
+        who, text = (m.group(1), m.group(2).strip()) if m else ("", line.strip())
+        if (
+            re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", text)
+            and not text.startswith("Exception ignored")
+            and not re.search(r"ChildFailedError|torch\.distributed\.elastic", text)
         ):
-            said = line
-    return said
+            by_rank.setdefault(who, text)
+            by_rank[who] = text  # the last one (keeps the first-seen order of ranks)
+    cause = re.search(r"Root Cause.*?\brank\s*:\s*(\d+)", stderr, re.S)
+    if cause and cause.group(1) in by_rank:
+        return by_rank[cause.group(1)]
+    return next(iter(by_rank.values()), "")

@@ -89,12 +89,13 @@ def profile_model(
 
     was_training = model.training
     model.to(dev).train()
-    kept = _Snapshot(model, dev)
+    kept: _Snapshot | None = None
     model_storages = {t.untyped_storage().data_ptr() for t in _state(model)}
     layers = list(model)
     per_size: dict[int, list[dict[str, Any]]] = {}
     show = sys.stderr.isatty() if progress is None else progress
     try:
+        kept = _Snapshot(model, dev)
         # what one autograd call costs whatever it computes: a stage makes one for all its
         # layers, so each layer's backward is measured without it (the runtime's cost adds it)
         call_ms = autograd_call_ms(dev) if overhead and dev.type == "cpu" else 0.0
@@ -106,8 +107,9 @@ def profile_model(
                 )  # fmt: skip
         runtime = runtime_overhead(dev, call_ms=call_ms) if overhead and dev.type == "cpu" else None
     except BaseException:
-        with contextlib.suppress(Exception):  # the error in flight is the one to report
-            kept.restore()
+        if kept is not None:
+            with contextlib.suppress(Exception):  # the error in flight is the one to report
+                kept.restore()
         raise
     else:
         kept.restore()
@@ -251,28 +253,35 @@ def _measure_size(
 
 class _Snapshot:
     """What profiling changes in the caller's model, to give back afterwards: it runs the model
-    in training mode (BatchNorm's running statistics move, a forward may even replace a buffer),
-    sets gradients aside, and draws from the random streams."""
+    in training mode (BatchNorm's running statistics move, a forward may replace, fill or add a
+    buffer), sets the gradients aside (they stay where they are while the profile makes its
+    own), and draws from the random streams."""
 
     def __init__(self, model: nn.Module, dev: torch.device) -> None:
         self.buffers = [
-            (module, name, t, t.detach().to("cpu", copy=True))
+            (module, dict(module._buffers), {
+                name: t.detach().to("cpu", copy=True)
+                for name, t in module._buffers.items()
+                if t is not None
+            })
             for module in model.modules()
-            for name, t in module._buffers.items()
-            if t is not None
-        ]
+        ]  # fmt: skip
         self.grads = [(p, p.grad) for p in model.parameters()]
-        for p, _ in self.grads:  # set aside: the profile's backwards must not add into them
-            p.grad = None
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = (dev, torch.cuda.get_rng_state(dev)) if dev.type == "cuda" else None
+        for p, _ in self.grads:  # the profile's backwards must not add into them
+            p.grad = None
 
     def restore(self) -> None:
         with torch.no_grad():
-            for module, name, t, was in self.buffers:
-                module._buffers[name] = t  # the tensor itself, where forward put another
-                if not _same(t.detach().cpu(), was):
-                    t.copy_(was)  # (only what changed: an inference tensor cannot be written)
+            for module, held, values in self.buffers:
+                for name in [n for n in module._buffers if n not in held]:
+                    del module._buffers[name]  # added by a forward
+                for name, t in held.items():
+                    module._buffers[name] = t  # the tensor itself, where forward put another
+                    if t is not None and not _same(t.detach().cpu(), values[name]):
+                        t.copy_(values[name])  # (only what changed: an inference tensor
+                        # cannot be written)
         for p, g in self.grads:
             p.grad = g
         torch.set_rng_state(self.cpu_rng)

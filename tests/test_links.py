@@ -149,7 +149,7 @@ def test_links_needs_memory_on_the_cpu(tmp_path, run_cli):
 
 
 def _running(marker: str) -> list[str]:
-    """Command lines of the processes alive now that hold `marker`."""
+    """Command lines of the measuring ranks alive now that hold `marker` (not torchrun's)."""
     found = []
     for name in os.listdir("/proc"):
         if name.isdigit():
@@ -157,35 +157,80 @@ def _running(marker: str) -> list[str]:
                 line = (Path("/proc") / name / "cmdline").read_bytes().replace(b"\0", b" ")
             except OSError:
                 continue
-            if marker.encode() in line and b"profiler.links" in line:
+            rank = b"profiler.links" in line and b"torch.distributed.run" not in line
+            if marker.encode() in line and rank:
                 found.append(line.decode(errors="replace"))
     return found
 
 
 def test_links_past_its_timeout_stops_every_rank(tmp_path, run_cli):
     """torchrun starts each rank in a session of its own: killing torchrun's alone left them
-    running, and the command waiting for them."""
+    running, and the command waiting for them. Here the ranks are seen running first."""
+    import threading
+    import time
+
     out = tmp_path / "cluster.json"
-    r = run_cli("links", "--nproc-per-node", "2", "--memory", "1GiB", "--rounds", "2",
-                "--max-bytes", "4KiB", "--busy-ms", "4321", "--timeout", "4", "-o", out)  # fmt: skip
-    assert r.code == 2 and "ran past 4 s and was stopped" in r.err, r.err
+    done: dict = {}
+
+    def launch() -> None:
+        done["r"] = run_cli("links", "--nproc-per-node", "2", "--memory", "1GiB", "--rounds",
+                            "2", "--max-bytes", "4KiB", "--busy-ms", "4321", "--timeout", "25",
+                            "-o", out)  # fmt: skip
+
+    worker = threading.Thread(target=launch)
+    worker.start()
+    deadline = time.monotonic() + 25
+    while len(_running("4321.0")) < 2 and time.monotonic() < deadline and worker.is_alive():
+        time.sleep(0.2)
+    seen = len(_running("4321.0"))
+    worker.join()
+    r = done["r"]
+    assert seen == 2, r.err
+    assert r.code == 2 and "ran past 25 s and was stopped" in r.err, r.err
     assert not out.exists()
+    deadline = time.monotonic() + 10  # SIGKILLed, perhaps not yet gone
+    while _running("4321.0") and time.monotonic() < deadline:
+        time.sleep(0.1)
     assert _running("4321.0") == []
 
 
-def test_a_failing_rank_is_reported_by_its_own_error():
-    from codegen.measure import rank_error
-
-    said = """\
-Traceback (most recent call last):
-  File "/x/profiler/links.py", line 9, in main
-RuntimeError: Gloo connectFullMesh failed with no device found
-E1201 15:02:11 torch/distributed/elastic/multiprocessing/api.py:882] failed (exitcode: 1)
+TORCHRUN_FAILURE = """\
+[rank1]: Traceback (most recent call last):
+[rank1]:   File "/tmp/re/boom.py", line 4, in <module>
+[rank1]:     raise RuntimeError("rank one broke")
+[rank1]: RuntimeError: rank one broke
+[rank0]: Traceback (most recent call last):
+[rank0]:   File "/tmp/re/boom.py", line 5, in <module>
+[rank0]:     dist.barrier()
+[rank0]: RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer
+W1201 15:22:53.980000 27068 torch/distributed/elastic/multiprocessing/api.py:1028] Sending \
+process 27072 closing signal SIGTERM
 Traceback (most recent call last):
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
-  error_file: <N/A>
+Failures:
+[1]:
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 27072)  (SIGTERM)
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  rank      : 1 (local_rank: 1)
+  exitcode  : 1 (pid: 27073)
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
 """
-    assert rank_error(said) == "RuntimeError: Gloo connectFullMesh failed with no device found"
+
+
+def test_a_failing_rank_is_reported_by_its_own_error():
+    """torchrun's output as torch 2.13 writes it when rank 1 raises and rank 0 then loses its
+    peer: the root cause's own line, not rank 0's knock-on error nor torchrun's summary."""
+    from codegen.measure import rank_error
+
+    assert rank_error(TORCHRUN_FAILURE) == "RuntimeError: rank one broke"
+    # no root cause named: the first rank to report an error
+    first = TORCHRUN_FAILURE.split("Root Cause")[0]
+    assert rank_error(first) == "RuntimeError: rank one broke"
     assert rank_error("[1]:ValueError: bad\n") == "ValueError: bad"
+    assert rank_error("Exception ignored in: <function f>\nExit code 3\n") == ""
     assert rank_error("nothing to see\n") == ""
