@@ -456,7 +456,8 @@ def _kill_all(proc: Any, token: str) -> None:
     for pipe in (proc.stdout, proc.stderr):  # a survivor may still hold the other end
         with contextlib.suppress(OSError):
             pipe.close()
-    proc.wait()
+    with contextlib.suppress(Exception):  # SIGKILLed: reaped at once, unless the kernel holds it
+        proc.wait(timeout=10)
 
 
 def _holding(token: str) -> list[int]:
@@ -502,7 +503,8 @@ def rank_error(stderr: str) -> str:
         ):
             by_rank.setdefault(who, text)
             by_rank[who] = text  # the last one (keeps the first-seen order of ranks)
-    cause = re.search(r"Root Cause.*?\brank\s*:\s*(\d+)", stderr, re.S)
-    if cause and cause.group(1) in by_rank:
-        return by_rank[cause.group(1)]
+    cause = re.search(r"Root Cause.*?\brank\s*:\s*(\d+).*?\bexitcode\s*:\s*(-?\d+)", stderr, re.S)
+    if cause:  # a rank killed by a signal leaves no line of its own: say how it ended
+        rank, code = cause.groups()
+        return by_rank.get(rank, f"rank {rank} ended with exit code {code}")
     return next(iter(by_rank.values()), "")

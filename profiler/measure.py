@@ -259,7 +259,7 @@ class _Snapshot:
 
     def __init__(self, model: nn.Module, dev: torch.device) -> None:
         self.buffers = [
-            (module, dict(module._buffers), {
+            (module, dict(module._buffers), set(module._non_persistent_buffers_set), {
                 name: t.detach().to("cpu", copy=True)
                 for name, t in module._buffers.items()
                 if t is not None
@@ -274,11 +274,13 @@ class _Snapshot:
 
     def restore(self) -> None:
         with torch.no_grad():
-            for module, held, values in self.buffers:
-                for name in [n for n in module._buffers if n not in held]:
-                    del module._buffers[name]  # added by a forward
+            for module, held, transient, values in self.buffers:
+                # the tensors themselves, in their order (state_dict's), none added since
+                module._buffers.clear()
+                module._buffers.update(held)
+                module._non_persistent_buffers_set.clear()
+                module._non_persistent_buffers_set.update(transient)
                 for name, t in held.items():
-                    module._buffers[name] = t  # the tensor itself, where forward put another
                     if t is not None and not _same(t.detach().cpu(), values[name]):
                         t.copy_(values[name])  # (only what changed: an inference tensor
                         # cannot be written)

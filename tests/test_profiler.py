@@ -101,14 +101,18 @@ class _Counting(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
+        self.register_buffer("first", torch.zeros(()))
         self.register_buffer("calls", torch.zeros(()))
         self.register_buffer("last", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.calls = self.calls + 1
-        if self.training:  # a cache: fills a None buffer, registers a new one
+        if self.training:  # a cache: fills a None buffer, registers new ones, moves one
             self.last = x.detach().mean()
             self.register_buffer("seen", torch.ones(()))
+            self.register_buffer("scratch", torch.ones(()), persistent=False)
+            first = self._buffers.pop("first")
+            self.register_buffer("first", first)
         return x * 1.5
 
 
@@ -137,7 +141,9 @@ def test_profiling_gives_back_the_models_buffers_gradients_and_random_stream():
         k for k in before if not torch.equal(before[k], after[k])
     ]
     assert model[3].calls is calls
-    assert model[3].last is None and "seen" not in model[3]._buffers
+    assert model[3].last is None and list(model[3]._buffers) == ["first", "calls", "last"]
+    assert not model[3]._non_persistent_buffers_set
+    assert list(model.state_dict()) == list(before)
     assert torch.equal(model[0].weight.grad, torch.full_like(model[0].weight, 3.0))
     assert model[4].weight.grad is None
 
