@@ -6,9 +6,10 @@ reports per stage); time with the torchrun target, one process per device and on
 The profile is taken with one thread too, and the links between the two ranks are measured
 first with `gpipe-plan links` (gloo over loopback: hand-offs to a receiver that waited while its
 sender computed, as a pipeline's are, fitted to latency + bytes / bandwidth), so the plan's
-cluster describes the machine the step runs on. An idle ping-pong's fit is printed beside it. Each plan is made for the program whose time
-is compared (`--target torchrun`: its ranks wait for each other where sends meet receives); the
-time the same plan takes where sends never wait is listed beside it.
+cluster describes the machine the step runs on (an idle ping-pong's fit is printed beside it).
+Each plan is made for the program whose time is compared (`--target torchrun`: its ranks wait
+for each other where sends meet receives); the time the same plan takes where sends never wait
+is listed beside it.
 
     OMP_NUM_THREADS=1 python benchmarks/measure_bench.py [--steps 5] [--out bench-out]
 

@@ -501,8 +501,7 @@ def rank_error(stderr: str) -> str:
             and not text.startswith("Exception ignored")
             and not re.search(r"ChildFailedError|torch\.distributed\.elastic", text)
         ):
-            by_rank.setdefault(who, text)
-            by_rank[who] = text  # the last one (keeps the first-seen order of ranks)
+            by_rank[who] = text  # its last one (a dict keeps the ranks in first-seen order)
     cause = re.search(r"Root Cause.*?\brank\s*:\s*(\d+).*?\bexitcode\s*:\s*(-?\d+)", stderr, re.S)
     if cause:  # a rank killed by a signal leaves no line of its own: say how it ended
         rank, code = cause.groups()
