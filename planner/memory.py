@@ -71,6 +71,10 @@ class StageShape:
     reserved: int = 0
     optimizer_step: float = 0.0  # temporaries per byte of parameters (see the module doc)
     foreach: bool = False
+    # `occupancy` is one tuple at least every real one in every entry (occupancy_bound): then
+    # a state whose bytes come out negative counts as none, and total() bounds the stage's
+    # memory from above (what the search solves with before it knows the issue order)
+    bound: bool = False
 
     @property
     def inflight(self) -> int:
@@ -234,6 +238,8 @@ class MemoryModel:
     ) -> dict[str, np.ndarray]:
         """The breakdown for stages [i, j) (j > i) at the stage's worst moment, in bytes
         (`states`: their state_bytes, where the caller has them)."""
+        if shape.bound:
+            raise ValueError("a bound on the occupancy has no breakdown; use the occupancy")
         i = np.atleast_1d(np.asarray(i, dtype=np.int64))
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
         p = self.params(i, j)
@@ -303,7 +309,8 @@ class MemoryModel:
             if lo == hi:
                 continue
             occ = np.asarray(shape.occupancy, dtype=np.int64)
-            held = (occ @ values[:, lo:hi]).max(axis=0)
+            mine = np.maximum(values[:, lo:hi], 0) if shape.bound else values[:, lo:hi]
+            held = (occ @ mine).max(axis=0)
             size = p[lo:hi] if shape.foreach else largest[lo:hi]  # type: ignore[index]
             step = np.ceil(shape.optimizer_step * size).astype(np.int64)  # optimizer_step()
             weights = (2 + shape.optimizer_slots) * p[lo:hi]

@@ -52,7 +52,7 @@ from schedules import (
     simulate,
 )
 from schedules.comm import fastest_lowering
-from schedules.memory import StageBytes, occupancy
+from schedules.memory import StageBytes, occupancy, occupancy_bound
 from schedules.order import freeze
 
 from .bounds import interleaved_bound, least_bottleneck, prior_bound
@@ -451,10 +451,9 @@ def _search(
             # Interleaved: each stage may first use its whole device (a relaxation: a device
             # holds at least either of its stages); the plan then checks each device's stages
             # together, along the issue order.
-            specs = _stage_specs(problem, cand, halve=False)
             cuts = _cut_costs(problem.cluster, cand, chain)
             times = _balance_times(chain, cand)
-            part = solve(times, memory, specs, cuts=cuts)
+            part = _solve(problem, cand, solve, method, times, memory, cuts)
             visited.solved += 1
             if part is None:
                 outcomes[k] = _Outcome("nofit", math.inf)
@@ -462,7 +461,8 @@ def _search(
             # memory bound no end of the never split: the per-stage twin would find it again
             # (an interleaved one, only where that split's devices then fit: see below)
             free = cand.recompute == "never" and part.extra.get("memory_free") == 1.0
-            bound = _lower_bound(problem, cand, specs, part)
+            # (the bound reads the stages' speeds; the occupancy is made only for a plan)
+            bound = _lower_bound(problem, cand, _stage_specs(problem, cand, bound=True), part)
             if beaten(bound):  # it cannot beat the best so far: no simulation
                 outcomes[k] = _Outcome("bound", bound)
                 if free:
@@ -471,6 +471,7 @@ def _search(
             # a per-stage split that chose what a single-mode candidate's did is that plan
             same = (cand.microbatches, cand.schedule, tuple(part.bounds),
                     tuple(_stage_modes(cand, part)), part.bottleneck, tuple(part.extra.items()))  # fmt: skip
+            specs = _stage_specs(problem, cand, halve=False)
             plan = built.get(same) or _build_plan(
                 problem, cand, specs, part, method, beat=best[0] if best else None
             )
@@ -497,6 +498,32 @@ def _search(
     if best is None:
         return None, None, visited
     return best[2], best[3], visited
+
+
+BOUND_FIRST = True  # solve with occupancy_bound first (False: the exact occupancy at once)
+
+
+def _solve(
+    problem: _Problem,
+    cand: Candidate,
+    solve: Callable[..., Partition | None],
+    method: str,
+    times: np.ndarray,
+    memory: MemoryModel,
+    cuts: list[np.ndarray] | None,
+) -> Partition | None:
+    """The candidate's split. The probe first solves with a bound on each stage's occupancy
+    from the program alone (occupancy_bound), which needs no issue order. Where memory then
+    lowered no end (`memory_free`), the exact occupancy, never larger, lowers none either:
+    every probe of the proof and of the split reaches the same ends, so the split, its
+    bottleneck and its choices are the exact solve's (a test holds them equal). Else, or
+    with another solver, the exact occupancy is solved with."""
+    if method == "probe-bisection" and BOUND_FIRST:
+        bounded = solve(times, memory, _stage_specs(problem, cand, halve=False, bound=True),
+                        cuts=cuts)  # fmt: skip
+        if bounded is not None and bounded.extra.get("memory_free") == 1.0:
+            return bounded
+    return solve(times, memory, _stage_specs(problem, cand, halve=False), cuts=cuts)
 
 
 def _interleaved_fallback(
@@ -749,8 +776,10 @@ def _occupancy(
     microbatches: int,
     recompute: str,
     routes: tuple[tuple[int, int], ...] = (),
+    bound: bool = False,
 ) -> list:
-    return occupancy(plan_schedule(name, num_devices, microbatches, routes), recompute)
+    schedule = plan_schedule(name, num_devices, microbatches, routes)
+    return occupancy_bound(schedule, recompute) if bound else occupancy(schedule, recompute)
 
 
 def _any_routes(stages: int) -> tuple[tuple[int, int], ...]:
@@ -806,16 +835,24 @@ ROUTED_LINKS = 1000  # entries past which a captured graph's links are costed pe
 
 
 def _stage_specs(
-    problem: _Problem, cand: Candidate, budget: int | None = None, *, halve: bool = True
+    problem: _Problem,
+    cand: Candidate,
+    budget: int | None = None,
+    *,
+    halve: bool = True,
+    bound: bool = False,
 ) -> list[StageSpec]:
     """One spec per stage; `budget` replaces every device's memory (the infeasibility search).
     With v stages per device each gets 1/v of its device's memory (`halve`), or all of it (a
     relaxation, for plans whose devices are then checked with both stages together); its
-    share of the reserved memory is 1/v either way."""
+    share of the reserved memory is 1/v either way. `bound`: each stage's occupancy as one
+    tuple that bounds it (occupancy_bound; StageShape.bound)."""
     cluster, optimizer = problem.cluster, problem.optimizer
     K, v = cluster.size, cand.per_device
     routes = _any_routes(K * v) if problem.profile.captured else ()
-    occ = [_occupancy(cand.schedule, K, cand.microbatches, mode, routes) for mode in cand.modes]
+    occ = [
+        _occupancy(cand.schedule, K, cand.microbatches, mode, routes, bound) for mode in cand.modes
+    ]
     step = problem.profile.optimizer_step.get(optimizer)
     specs = []
     for s in range(K * v):
@@ -827,6 +864,7 @@ def _stage_specs(
                 reserved=d.reserved_bytes // v,
                 optimizer_step=step.per_byte if step else 0.0,
                 foreach=step.foreach if step else False,
+                bound=bound,
             )
             for o in occ
         ]

@@ -50,7 +50,7 @@ from typing import Any
 import numpy as np
 
 from .ir import Action, Kind, Schedule
-from .order import canonical_order, issue_arrays, schedule_key
+from .order import canonical_order, issue_arrays, program_arrays, schedule_key
 
 STATES = ("input", "activations", "during_i", "between_iw", "grad", "pulled", "early", "late")
 IN, ACT, DURING_I, IW, GRAD, PULLED, EARLY, LATE = range(len(STATES))
@@ -341,10 +341,63 @@ def _events(schedule: Schedule, modes: Sequence[str]) -> _Events:
     return _once(_EVENTS, _build_events, schedule, modes)
 
 
-def _build_events(schedule: Schedule, modes: Sequence[str]) -> _Events:
-    """The same transitions as _build_steps (the module doc), rule by rule over all actions."""
+def occupancy_bound(schedule: Schedule, recompute: str | Sequence[str]) -> list[Occupancy]:
+    """Per stage, one tuple at least every tuple of `occupancy` in every entry, found without
+    the issue order, from the program alone: what the planner solves with first, where memory
+    may not bind (planner/search.py).
+
+    Actions are issued one at a time and a look follows a whole phase of one (_Events), so a
+    state's count at any look is what the actions done so far changed it by, each its net,
+    plus the running action's phases so far: at most the sum of every action's net gain
+    (losses left out), plus the most any one action's phases reach beyond its own net gain (a
+    state entered and left within one action, as `pulled`, counts once). A transient counts
+    where one of the stage's actions runs it."""
+    S, NS = schedule.num_stages, len(STATES)
+    modes = [recompute] * S if isinstance(recompute, str) else list(recompute)
+    key = schedule_key(schedule, tuple(modes))
+    hit = _BOUNDS.get(key)
+    if hit is None:
+        if len(_BOUNDS) > 256:
+            _BOUNDS.clear()
+        ev = _build_events(schedule, modes, program_arrays(schedule))
+        cell = ev.change_stage * NS + ev.change_state
+        # one group per action, cell and phase, in that order (seq = 4 k + phase)
+        per_phase = (ev.change_seq // 4 * (S * NS) + cell) * 4 + ev.change_seq % 4
+        phases, at = np.unique(per_phase, return_inverse=True)
+        net = np.bincount(at, weights=ev.change_delta).astype(np.int64)
+        action = phases // 4  # (action, cell)
+        first = np.flatnonzero(np.concatenate([[True], action[1:] != action[:-1]]))
+        run = np.cumsum(net)
+        run -= np.repeat(
+            np.concatenate([[0], run[first[1:] - 1]]), np.diff(np.append(first, len(net)))
+        )
+        reach = np.maximum.reduceat(run, first)  # the most its phases reach
+        whole = np.add.reduceat(net, first)
+        where = action[first] % (S * NS)
+        beyond = np.zeros(S * NS, dtype=np.int64)
+        np.maximum.at(beyond, where, reach - np.maximum(whole, 0))
+        gained = np.bincount(where, weights=np.maximum(whole, 0), minlength=S * NS)
+        counts = gained.astype(np.int64) + beyond
+        flags = np.zeros((S, len(TRANSIENTS)), dtype=np.int64)
+        on = ev.snap_running >= 0
+        flags[ev.snap_stage[on], ev.snap_running[on] - LIVE] = 1
+        rows = np.concatenate([counts.reshape(S, NS), flags], axis=1)
+        hit = _BOUNDS[key] = [(tuple(int(n) for n in row),) for row in rows]
+    return hit
+
+
+_BOUNDS: dict[tuple, list[Occupancy]] = {}
+
+
+def _build_events(
+    schedule: Schedule,
+    modes: Sequence[str],
+    arrays: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+) -> _Events:
+    """The same transitions as _build_steps (the module doc), rule by rule over all actions,
+    in the issue order, or in the order of `arrays` (kind, stage and micro-batch per action)."""
     S, M = schedule.num_stages, schedule.num_microbatches
-    kind, s, m = issue_arrays(schedule)
+    kind, s, m = issue_arrays(schedule) if arrays is None else arrays
     mode_code = np.array([("never", "except_last", "always").index(x) for x in modes])
     rec = np.where(mode_code[s] == 2, True, np.where(mode_code[s] == 1, m < M - 1, False))
     k = np.arange(len(kind), dtype=np.int64)

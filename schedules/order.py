@@ -80,6 +80,20 @@ def issue_arrays(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return _canonical(schedule, ())[1]
 
 
+def program_arrays(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The compute actions rank after rank, each in program order, as issue_arrays has them
+    (no issue order is made)."""
+    from .waves import KIND_CODE
+
+    acts = [a for _, acts in sorted(schedule.ranks.items()) for a in acts if a.kind.is_compute]
+    n = len(acts)
+    return (
+        np.fromiter(map(KIND_CODE.__getitem__, map(attrgetter("kind"), acts)), np.int64, n),
+        np.fromiter(map(attrgetter("stage"), acts), np.int64, n),
+        np.fromiter(map(attrgetter("microbatch"), acts), np.int64, n),
+    )
+
+
 def schedule_key(schedule: Schedule, modes: tuple[str, ...]) -> tuple:
     """What an issue order (and anything derived from it alone) depends on: the compute actions
     and how they are placed and routed, hashed once per schedule object."""

@@ -202,20 +202,20 @@ def test_wave_simulation_equals_the_event_loop_to_the_bit(sched, R, M, data):
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
 def test_wide_schedules_take_numpys_waves_and_still_equal_the_event_loop(name):
-    """Past 24 ranks the waves come from numpy's frontier loop instead of Python's: the same
-    waves, and the same simulation to the bit."""
+    """Past 8 ranks the waves come from numpy, lane by lane, instead of Python's successor
+    lists: the same waves, and the same simulation to the bit."""
     import numpy as np
 
     from schedules.simulate import _by_waves, _event_loop
-    from schedules.waves import _kahn, durations, waves_of
+    from schedules.waves import _kahn, _kahn_python, durations, waves_of
 
     s = build_schedule(name, 64 if name == "interleaved-1f1b" else 32, 8)
     waves = waves_of(s)
-    assert s.num_ranks > 24 and waves is not None
-    by_numpy = _kahn(waves.pred, waves.nodes, s.num_ranks)
-    by_python = _kahn(waves.pred, waves.nodes, 1)
-    assert len(by_numpy) == len(by_python)
-    assert all(np.array_equal(a, b) for a, b in zip(by_numpy, by_python))
+    assert s.num_ranks > 8 and waves is not None
+    by_lanes = _kahn(waves.pred, waves.nodes, s.num_ranks, waves.lanes, waves.lane_starts)
+    by_python = _kahn_python(waves.pred, waves.nodes)
+    assert len(by_lanes) == len(by_python) == len(waves.waves)
+    assert all(np.array_equal(a, b) for a, b in zip(by_lanes, by_python))
     S, M = s.num_stages, s.num_microbatches
     f = [0.5 + (k % 3) for k in range(S)]
     b = [1.25 * x for x in f]
@@ -224,6 +224,20 @@ def test_wide_schedules_take_numpys_waves_and_still_equal_the_event_loop(name):
     want = _event_loop(s, f, b, f, b, rec, link)
     got = _by_waves(waves, durations(waves, f, b, f, b, np.array(rec), link))
     assert got[0] == want[0] and got[1] == want[1] and got[3] == want[3]
+
+
+def test_a_cycle_on_many_ranks_is_reported_by_the_event_loop():
+    """The lanes find no wave to take where two ranks wait on each other (past 8 ranks, where
+    they run): no waves, and simulate's event loop names the deadlock."""
+    s = build_schedule("1f1b", 12, 4)
+    acts = s.ranks[5]
+    i, j = acts.index(Action(5, Kind.F, 0)), acts.index(Action(5, Kind.B, 0))
+    acts[i], acts[j] = acts[j], acts[i]  # B before its own F: nothing runs on rank 5
+    from schedules.waves import _build
+
+    assert _build(s) is None
+    with pytest.raises(ScheduleError):
+        simulate(s, Costs.uniform(12))
 
 
 def test_a_schedule_edited_in_place_after_a_simulation_is_simulated_afresh():

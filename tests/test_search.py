@@ -256,6 +256,51 @@ def test_pruned_search_returns_the_exhaustive_plan(
             assert alt.at_least_ms <= t * (1 + 1e-9)
 
 
+@settings(max_examples=15, deadline=None)
+@given(
+    forward=st.lists(st.floats(0.1, 4.0), min_size=4, max_size=8),
+    saved=st.lists(st.integers(0, 400), min_size=8, max_size=8),
+    memory=st.integers(1_200, 20_000),
+    K=st.integers(2, 4),
+    N=st.sampled_from([4, 6, 8]),
+)
+def test_solving_with_the_occupancy_bound_first_changes_no_plan(forward, saved, memory, K, N):
+    """Each candidate is first solved with occupancy_bound (no issue order); where memory then
+    bounds no end, that split is taken as the exact one. The same plan, runners-up and counts
+    as solving with the exact occupancy at once, from budgets where memory binds everywhere to
+    ones where it binds nowhere."""
+    profile = synthetic_profile(
+        [round(x, 3) for x in forward], saved=saved[: len(forward)], sizes=(1, 2, 4, 8),
+        loss={"forward": 0.2, "saved": 16},
+    )  # fmt: skip
+    cluster = Cluster.uniform(K, memory)
+
+    def run(first: bool):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(search, "BOUND_FIRST", first)
+            try:
+                return json.loads(plan_pipeline(profile, cluster, N).canonical_json())
+            except search.InfeasibleError as e:
+                return str(e)
+
+    assert run(True) == run(False)
+
+
+def test_the_occupancy_bound_spares_the_issue_order_of_candidates_that_lose():
+    """With memory to spare, only the plans built need their schedules' issue order: fewer
+    exact occupancies than candidates solved (the saving the bound exists for)."""
+    profile = synthetic_profile([1.0, 2.0, 1.5, 1.0, 3.0, 0.5, 2.0, 1.0], sizes=(1, 2, 4, 8))
+    made = []
+    exact = search.occupancy
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(search, "occupancy", lambda *a: made.append(a) or exact(*a))
+        search._occupancy.cache_clear()
+        plan = plan_pipeline(profile, Cluster.uniform(4, 1 << 30), 8)
+    search._occupancy.cache_clear()
+    assert len({(a[0].name, a[0].num_microbatches, a[1]) for a in made}) == len(made)
+    assert 0 < len(made) < plan.solver.solved
+
+
 def test_zero_bubble_trip_does_not_count_w_on_the_critical_path():
     """Found by review: a fast forward, a slow backward and a high latency, where zb-h1 at M=1
     (105.2 ms) beats everything else; counting W in the trip bound skipped it."""
