@@ -395,6 +395,8 @@ class _Visited:
     pruned: int = 0
     timed_out: bool = False
     outcomes: dict[int, _Outcome] = field(default_factory=dict)
+    later: dict[int, _Later] = field(default_factory=dict)  # "plan" outcomes not made yet
+    build: Callable[[_Later], Plan] = lambda later: later.plan  # (set by _search)
 
 
 def _search(
@@ -442,10 +444,10 @@ def _search(
                 # that split with every stage choosing never, which is this candidate's answer.
                 visited.solved += 1
                 outcomes[k], twin = settled[pair]
-                if twin is not None and (
-                    best is None or _better(twin.predicted.iteration_ms, k, best[0], best[1])
-                ):
-                    best = (twin.predicted.iteration_ms, k, twin, cand)
+                if isinstance(twin, _Later):
+                    visited.later[k] = twin
+                if twin is not None and (best is None or _better(_ms(twin), k, best[0], best[1])):
+                    best = (_ms(twin), k, twin, cand)
                 continue
             chain, memory = problem.chain(cand)
             # Interleaved: each stage may first use its whole device (a relaxation: a device
@@ -453,7 +455,7 @@ def _search(
             # together, along the issue order.
             cuts = _cut_costs(problem.cluster, cand, chain)
             times = _balance_times(chain, cand)
-            part = _solve(problem, cand, solve, method, times, memory, cuts)
+            part, fits = _solve(problem, cand, solve, method, times, memory, cuts)
             visited.solved += 1
             if part is None:
                 outcomes[k] = _Outcome("nofit", math.inf)
@@ -471,6 +473,27 @@ def _search(
             # a per-stage split that chose what a single-mode candidate's did is that plan
             same = (cand.microbatches, cand.schedule, tuple(part.bounds),
                     tuple(_stage_modes(cand, part)), part.bottleneck, tuple(part.extra.items()))  # fmt: skip
+            if (
+                fits
+                and cand.per_device == 1
+                and chain.flow is None
+                and problem.target != "torchrun"
+            ):
+                # It fits by the bound: time it alone, and make the plan (its issue order, its
+                # memory) only if it wins or is listed as a runner-up (_alternatives)
+                later = built.get(same)
+                if later is None:
+                    modes = _stage_modes(cand, part)
+                    label = modes[0] if len(set(modes)) == 1 else PER_STAGE
+                    later = built[same] = _Later(cand, part, _plan_time(problem, cand, part), label)
+                t = _ms(later)
+                outcomes[k] = _Outcome("plan", t, recompute=_recompute(later))
+                visited.later[k] = later
+                if free:
+                    settled[pair] = (outcomes[k], later)
+                if best is None or _better(t, k, best[0], best[1]):
+                    best = (t, k, later, cand)
+                continue
             specs = _stage_specs(problem, cand, halve=False)
             plan = built.get(same) or _build_plan(
                 problem, cand, specs, part, method, beat=best[0] if best else None
@@ -497,7 +520,66 @@ def _search(
                 best = (t, k, plan, cand)
     if best is None:
         return None, None, visited
-    return best[2], best[3], visited
+    visited.build = lambda later: later.make(problem, method)
+    won = best[2]
+    return (won.make(problem, method) if isinstance(won, _Later) else won), best[3], visited
+
+
+@dataclass
+class _Later:
+    """A solved candidate whose split fits its devices by the occupancy bound alone, timed but
+    not yet made into a plan (made on demand: only the winner and the runners-up listed)."""
+
+    cand: Candidate
+    part: Partition
+    ms: float  # its predicted time: _plan_time, which the plan's own simulation equals
+    recompute: str
+    plan: Plan | None = None
+
+    def make(self, problem: _Problem, method: str) -> Plan:
+        if self.plan is None:
+            specs = _stage_specs(problem, self.cand, halve=False)
+            self.plan = _build_plan(problem, self.cand, specs, self.part, method)
+        return self.plan
+
+
+def _ms(plan: Plan | _Later) -> float:
+    return plan.ms if isinstance(plan, _Later) else plan.predicted.iteration_ms
+
+
+def _recompute(plan: Plan | _Later) -> str:
+    return plan.recompute
+
+
+def _plan_time(problem: _Problem, cand: Candidate, part: Partition) -> float:
+    """The predicted time of a chain's split on one stage per device, streams target: what
+    _build_plan's simulation finds, from the same stage costs (stage_costs), without the
+    memory (which needs the schedule's issue order)."""
+    profile, cluster = problem.profile, problem.cluster
+    chain, memory = problem.chain(cand)
+    K, L = cluster.size, chain.num_model_layers
+    modes = _stage_modes(cand, part)
+    received = _received(memory, part)
+    speeds = [d.speed for d in cluster.devices]
+    times = [
+        _stage_times(chain, cand, modes[s], i, j, speeds[s]) for s, (i, j) in enumerate(part.stages)
+    ]
+    rt = profile.runtime
+    costs = Costs(
+        forward=[t["forward_ms"] for t in times],
+        backward=[t["backward_ms"] for t in times],
+        input_grad=[t["input_grad_ms"] for t in times],
+        weight_grad=[t["weight_grad_ms"] for t in times],
+        recompute=modes,
+        transfer=[_link_ms(cluster, s, s + 1, received[s + 1]) for s in range(K - 1)],
+        action_overhead=rt.action_ms if rt is not None else 0.0,
+        step_overhead=rt.step_ms if rt is not None else 0.0,
+        call_overhead=rt.call_ms if rt is not None else 0.0,
+        input_calls=[input_calls(s, (i, min(j, L)), K) for s, (i, j) in enumerate(part.stages)],
+    )
+    return simulate(
+        plan_schedule(cand.schedule, K, cand.microbatches), costs, memory=False
+    ).makespan
 
 
 BOUND_FIRST = True  # solve with occupancy_bound first (False: the exact occupancy at once)
@@ -511,8 +593,9 @@ def _solve(
     times: np.ndarray,
     memory: MemoryModel,
     cuts: list[np.ndarray] | None,
-) -> Partition | None:
-    """The candidate's split. The probe first solves with a bound on each stage's occupancy
+) -> tuple[Partition | None, bool]:
+    """The candidate's split, and whether it fits by the bound (then every stage fits its
+    device by the exact occupancy too, which is never larger: StageShape.bound). The probe first solves with a bound on each stage's occupancy
     from the program alone (occupancy_bound), which needs no issue order. Where memory then
     lowered no end (`memory_free`), the exact occupancy, never larger, lowers none either:
     every probe of the proof and of the split reaches the same ends, so the split, its
@@ -522,8 +605,8 @@ def _solve(
         bounded = solve(times, memory, _stage_specs(problem, cand, halve=False, bound=True),
                         cuts=cuts)  # fmt: skip
         if bounded is not None and bounded.extra.get("memory_free") == 1.0:
-            return bounded
-    return solve(times, memory, _stage_specs(problem, cand, halve=False), cuts=cuts)
+            return bounded, True
+    return solve(times, memory, _stage_specs(problem, cand, halve=False), cuts=cuts), False
 
 
 def _interleaved_fallback(
@@ -603,6 +686,8 @@ def _alternatives(
     out = []
     for k in picks:
         c, o = candidates[k], visited.outcomes[k]
+        if o.kind == "plan" and o.peak is None and k in visited.later:  # made only now
+            o.peak = max(visited.build(visited.later[k]).predicted.peak_memory)
         slower = (o.ms / best_ms - 1) * 100 if best_ms > 0 else 0.0
         if o.kind == "plan":
             reason = (

@@ -286,6 +286,37 @@ def test_solving_with_the_occupancy_bound_first_changes_no_plan(forward, saved, 
     assert run(True) == run(False)
 
 
+@settings(max_examples=12, deadline=None)
+@given(
+    forward=st.lists(st.floats(0.1, 4.0), min_size=4, max_size=8),
+    K=st.integers(1, 4),
+    latency=st.sampled_from([0.0, 0.5, 20.0]),
+    action=st.sampled_from([0.0, 0.3, 3.0]),
+    speeds=st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=4, max_size=4),
+)
+def test_a_candidate_timed_alone_takes_its_plans_time(forward, K, latency, action, speeds):
+    """A split that fits by the bound is timed without its memory (_plan_time) and made into
+    a plan only if it wins or is listed: the plan's own simulation gives the same time, to the
+    bit, for every candidate timed so (runtime costs per action, links, mixed speeds)."""
+    profile = synthetic_profile([round(x, 3) for x in forward], sizes=(1, 2, 4, 8),
+                                loss={"forward": 0.2, "saved": 16})  # fmt: skip
+    if action:
+        runtime = RuntimeOverhead(action_ms=action, step_ms=action / 2, call_ms=action / 3)
+        profile = profile.model_copy(update={"runtime": runtime})
+    devices = [Device(name=f"d{k}", memory_bytes=1 << 30, speed=speeds[k]) for k in range(K)]
+    links = [Link(bandwidth_bytes_per_s=1e6, latency_ms=latency) for _ in range(K - 1)]
+    timed = []
+    alone = search._plan_time
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(search, "_plan_time", lambda *a: timed.append(a) or alone(*a))
+        plan_pipeline(profile, Cluster(devices=devices, links=links), 8)
+    assert timed
+    for problem, cand, part in timed:
+        specs = search._stage_specs(problem, cand, halve=False)
+        made = search._build_plan(problem, cand, specs, part, "probe-bisection")
+        assert made.predicted.iteration_ms == alone(problem, cand, part)
+
+
 def test_the_occupancy_bound_spares_the_issue_order_of_candidates_that_lose():
     """With memory to spare, only the plans built need their schedules' issue order: fewer
     exact occupancies than candidates solved (the saving the bound exists for)."""
