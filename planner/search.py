@@ -559,7 +559,7 @@ def _plan_time(problem: _Problem, cand: Candidate, part: Partition) -> float:
     chain, memory = problem.chain(cand)
     K, L = cluster.size, chain.num_model_layers
     modes = _stage_modes(cand, part)
-    received = _received(memory, part)
+    received, grads = _received(memory, part), _received(memory, part, grad=True)
     speeds = [d.speed for d in cluster.devices]
     times = [
         _stage_times(chain, cand, modes[s], i, j, speeds[s]) for s, (i, j) in enumerate(part.stages)
@@ -575,7 +575,10 @@ def _plan_time(problem: _Problem, cand: Candidate, part: Partition) -> float:
         action_overhead=rt.action_ms if rt is not None else 0.0,
         step_overhead=rt.step_ms if rt is not None else 0.0,
         call_overhead=rt.call_ms if rt is not None else 0.0,
-        input_calls=[input_calls(s, (i, min(j, L)), K) for s, (i, j) in enumerate(part.stages)],
+        input_calls=[
+            input_calls(s, (i, min(j, L)), K, g)
+            for s, ((i, j), g) in enumerate(zip(part.stages, grads))
+        ],
     )
     return simulate(
         plan_schedule(cand.schedule, K, cand.microbatches), costs, memory=False
@@ -771,7 +774,8 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     # The runtime's own cost: every device runs M A v compute actions (A per micro-batch and
     # stage), each adding `action`; a layer's stage, M A of them. The fill term gets none.
     action, call, step = _overhead(problem.profile)
-    # per micro-batch and stage (zero bubble's I may make no call: a first stage of one layer)
+    # per micro-batch and stage (zero bubble's I may make no call: a stage of one layer that
+    # receives no gradient)
     per_mb = 3 * action if zb else 2 * action + call
     load = M * float(least.sum()) / float(sum(speeds))  # (the cheapest mode's work)
     runtime = M * cand.per_device * per_mb
@@ -849,9 +853,11 @@ def schedule_of(plan: Plan) -> Schedule:
     return plan_schedule(plan.schedule, len(plan.devices), plan.microbatches, _routes(plan))
 
 
-def _received(memory: MemoryModel, part: Partition) -> list[int]:
-    """What each stage of a split receives per micro-batch (routing.py)."""
-    return [int(memory.inputs(np.array([i]), np.array([j]))[0][0]) for i, j in part.stages]
+def _received(memory: MemoryModel, part: Partition, grad: bool = False) -> list[int]:
+    """What each stage of a split receives per micro-batch (routing.py); `grad`: the part
+    of it that needs a gradient (what the stage sends back)."""
+    at = 1 if grad else 0
+    return [int(memory.inputs(np.array([i]), np.array([j]))[at][0]) for i, j in part.stages]
 
 
 @lru_cache(maxsize=2048)
@@ -1004,7 +1010,7 @@ def _lower_bound(
     stages before s (a W or F: nothing follows). Interleaved devices included."""
     chain, memory = problem.chain(cand)
     K, M = problem.cluster.size, cand.microbatches
-    received = _received(memory, part)
+    received, grads = _received(memory, part), _received(memory, part, grad=True)
     busy = [0.0] * K
     trip = 0.0
     link = 0.0
@@ -1021,7 +1027,7 @@ def _lower_bound(
     A = 3 if zb else 2
     for s, (i, j) in enumerate(part.stages):
         # a zero-bubble first stage of one layer makes no call at I
-        called = call * input_calls(s, (i, j), S) if zb else call
+        called = call * input_calls(s, (i, j), S, grads[s]) if zb else call
         paid = {Kind.F: action, Kind.B: action + call, Kind.I: action + called}
         t = _stage_times(chain, cand, modes[s], i, j, specs[s].speed)
         own[s] = M * (t["work_ms"] + A * action + called)
@@ -1247,15 +1253,20 @@ def stage_costs(stages: list[StagePlan], runtime: RuntimeOverhead | None = None)
         action_overhead=runtime.action_ms if runtime is not None else 0.0,
         step_overhead=runtime.step_ms if runtime is not None else 0.0,
         call_overhead=runtime.call_ms if runtime is not None else 0.0,
-        input_calls=[input_calls(st.index, st.layers, len(stages)) for st in stages],
+        input_calls=[
+            input_calls(st.index, st.layers, len(stages), st.state_bytes.grad) for st in stages
+        ],
     )
 
 
-def input_calls(s: int, layers: tuple[int, int], num_stages: int) -> int:
-    """The autograd calls stage s's I makes (codegen/_runtime.py): one, but none on a first
-    stage of one layer that hands on to another stage (its input needs no gradient, and its
-    layer's output gradient is what W starts from)."""
-    return 0 if s == 0 and num_stages > 1 and layers[1] - layers[0] == 1 else 1
+def input_calls(s: int, layers: tuple[int, int], num_stages: int, grad_bytes: int) -> int:
+    """The autograd calls stage s's I makes (codegen/_runtime.py): one, but none on a stage of
+    one layer that hands on to another stage and receives nothing that needs a gradient
+    (`grad_bytes`, the gradient it sends back per micro-batch, is 0: the first stage, or a
+    captured graph's stage that reads only the model's input or nothing): W then starts from
+    its layer's output gradient, and nothing asks for another."""
+    one = layers[1] - layers[0] == 1
+    return 0 if one and s < num_stages - 1 and grad_bytes == 0 else 1
 
 
 def simulate_stages(

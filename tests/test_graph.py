@@ -611,6 +611,47 @@ def test_a_stage_that_receives_nothing_runs(schedule):
     _assert_step_parity(model, layers, plan, x, torch.randn(8, 4, 8), nn.functional.mse_loss)
 
 
+def test_zero_bubble_charges_the_calls_a_stage_that_receives_nothing_makes(monkeypatch):
+    """A captured graph's stage of one layer that receives nothing needing a gradient makes no
+    autograd call at I (nothing asks for one; its W starts from its output's gradient): the
+    plan charges each stage the calls the runtime makes, and the stage of `pos` none."""
+    import torch.autograd as autograd
+
+    from planner.search import stage_costs
+
+    model = ReadsNothing()
+    x = model.example_input
+    layers = capture(model, x)
+    prof = even_times(quick_profile(layers, x, batch_sizes=[2]))
+    plan = _plan(prof, "zb-h1", "never", K=4, M=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(layers, plan)
+    calls, now = {}, [-1]
+    engine = autograd._engine_run_backward
+
+    def counted(*args, **kwargs):
+        calls[now[0]] = calls.get(now[0], 0) + 1
+        return engine(*args, **kwargs)
+
+    monkeypatch.setattr(autograd, "_engine_run_backward", counted)
+    monkeypatch.setattr(torch.autograd.graph, "_engine_run_backward", counted, raising=False)
+    runtime = pipe.program
+    i_of = runtime.backward_input
+
+    def backward_input(s, m):
+        now[0] = s
+        try:
+            i_of(s, m)
+        finally:
+            now[0] = -1
+
+    monkeypatch.setattr(runtime, "backward_input", backward_input)
+    pipe.train_step(x, torch.randn(8, 4, 8), nn.functional.mse_loss)
+    made = [calls.get(s, 0) for s in range(len(plan.stages))]
+    assert made == stage_costs(plan.stages).input_calls == [0, 0, 1, 1], (made, stage_costs(plan.stages).input_calls)
+
+
 def test_a_captured_graph_makes_its_tensors_on_the_device_its_layer_runs_on():
     """torch.arange(n, device=ids.device) in a model: the capture ran on the CPU, but on a GPU
     the layer must make it there (found by the stream checker: the GPT's position ids stayed

@@ -299,7 +299,7 @@ def test_zero_bubble_i_makes_the_calls_the_plan_charges(monkeypatch, stages):
         pipe.backward_input(s, 0)
         pipe.kept.pop((s, 0))  # (W not run: its calls are not I's)
     made = [calls.get(s, 0) for s in range(S)]
-    assert made == [search.input_calls(s, st, S) for s, st in enumerate(stages)]
+    assert made == [search.input_calls(s, st, S, 16 * (s > 0)) for s, st in enumerate(stages)]
     # ... and the simulator charges exactly those
     one = simulate(
         build_schedule("zb-h1", S, 1),
