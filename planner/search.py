@@ -132,6 +132,7 @@ class _Problem:
     chains: dict[int, Chain] = field(default_factory=dict)
     memories: dict[int, MemoryModel] = field(default_factory=dict)
     granular: dict[tuple[int, bool, int], tuple] = field(default_factory=dict)
+    bound_record: list[int] = field(default_factory=lambda: [0, 0])  # _solve: fits, misses
 
     def __post_init__(self) -> None:
         self.table = ProfileTable(self.profile)
@@ -418,6 +419,7 @@ def _search(
     visited = _Visited()
     outcomes = visited.outcomes
     built: dict[tuple, Plan] = {}
+    timed: dict[tuple, _Later] = {}  # splits that fit by the bound, timed, not made yet
     settled: dict[tuple[int, str], tuple[_Outcome, Plan | None]] = {}  # see PER_STAGE below
 
     def beaten(bound: float) -> bool:
@@ -481,11 +483,11 @@ def _search(
             ):
                 # It fits by the bound: time it alone, and make the plan (its issue order, its
                 # memory) only if it wins or is listed as a runner-up (_alternatives)
-                later = built.get(same)
+                later = timed.get(same)
                 if later is None:
                     modes = _stage_modes(cand, part)
                     label = modes[0] if len(set(modes)) == 1 else PER_STAGE
-                    later = built[same] = _Later(cand, part, _plan_time(problem, cand, part), label)
+                    later = timed[same] = _Later(cand, part, _plan_time(problem, cand, part), label)
                 t = _ms(later)
                 outcomes[k] = _Outcome("plan", t, recompute=_recompute(later))
                 visited.later[k] = later
@@ -598,17 +600,25 @@ def _solve(
     cuts: list[np.ndarray] | None,
 ) -> tuple[Partition | None, bool]:
     """The candidate's split, and whether it fits by the bound (then every stage fits its
-    device by the exact occupancy too, which is never larger: StageShape.bound). The probe first solves with a bound on each stage's occupancy
-    from the program alone (occupancy_bound), which needs no issue order. Where memory then
-    lowered no end (`memory_free`), the exact occupancy, never larger, lowers none either:
-    every probe of the proof and of the split reaches the same ends, so the split, its
-    bottleneck and its choices are the exact solve's (a test holds them equal). Else, or
-    with another solver, the exact occupancy is solved with."""
-    if method == "probe-bisection" and BOUND_FIRST:
+    device by the exact occupancy too, which is never larger: StageShape.bound).
+
+    The probe first solves with a bound on each stage's occupancy from the program alone
+    (occupancy_bound), which needs no issue order. Where memory then lowered no end
+    (`memory_free`), the exact occupancy, never larger, lowers none either: every probe of the
+    proof and of the split reaches the same ends, so the split, its bottleneck and its
+    choices are the exact solve's (a test holds them equal). Else, or with another solver,
+    the exact occupancy is solved with. The bound holds about the whole batch in flight, so it
+    lets memory go free for most candidates of a search or for almost none: once it has
+    failed twice and more often than not, it is not tried again (then it would only double
+    each solve)."""
+    record = problem.bound_record  # [fits, misses]
+    if method == "probe-bisection" and BOUND_FIRST and (record[1] < 2 or record[0] >= record[1]):
         bounded = solve(times, memory, _stage_specs(problem, cand, halve=False, bound=True),
                         cuts=cuts)  # fmt: skip
         if bounded is not None and bounded.extra.get("memory_free") == 1.0:
+            record[0] += 1
             return bounded, True
+        record[1] += 1
     return solve(times, memory, _stage_specs(problem, cand, halve=False), cuts=cuts), False
 
 

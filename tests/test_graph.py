@@ -649,7 +649,10 @@ def test_zero_bubble_charges_the_calls_a_stage_that_receives_nothing_makes(monke
     monkeypatch.setattr(runtime, "backward_input", backward_input)
     pipe.train_step(x, torch.randn(8, 4, 8), nn.functional.mse_loss)
     made = [calls.get(s, 0) for s in range(len(plan.stages))]
-    assert made == stage_costs(plan.stages).input_calls == [0, 0, 1, 1], (made, stage_costs(plan.stages).input_calls)
+    assert made == stage_costs(plan.stages).input_calls == [0, 0, 1, 1], (
+        made,
+        stage_costs(plan.stages).input_calls,
+    )
 
 
 def test_a_captured_graph_makes_its_tensors_on_the_device_its_layer_runs_on():

@@ -263,8 +263,12 @@ def test_pruned_search_returns_the_exhaustive_plan(
     memory=st.integers(1_200, 20_000),
     K=st.integers(2, 4),
     N=st.sampled_from([4, 6, 8]),
+    latency=st.sampled_from([0.0, 0.5, 20.0]),
+    action=st.sampled_from([0.0, 0.3]),
 )
-def test_solving_with_the_occupancy_bound_first_changes_no_plan(forward, saved, memory, K, N):
+def test_solving_with_the_occupancy_bound_first_changes_no_plan(
+    forward, saved, memory, K, N, latency, action
+):
     """Each candidate is first solved with occupancy_bound (no issue order); where memory then
     bounds no end, that split is taken as the exact one. The same plan, runners-up and counts
     as solving with the exact occupancy at once, from budgets where memory binds everywhere to
@@ -273,7 +277,10 @@ def test_solving_with_the_occupancy_bound_first_changes_no_plan(forward, saved, 
         [round(x, 3) for x in forward], saved=saved[: len(forward)], sizes=(1, 2, 4, 8),
         loss={"forward": 0.2, "saved": 16},
     )  # fmt: skip
-    cluster = Cluster.uniform(K, memory)
+    if action:
+        runtime = RuntimeOverhead(action_ms=action, step_ms=action / 2, call_ms=action / 3)
+        profile = profile.model_copy(update={"runtime": runtime})
+    cluster = Cluster.uniform(K, memory, bandwidth=1e6, latency_ms=latency)
 
     def run(first: bool):
         with pytest.MonkeyPatch.context() as mp:
@@ -330,6 +337,31 @@ def test_the_occupancy_bound_spares_the_issue_order_of_candidates_that_lose():
     search._occupancy.cache_clear()
     assert len({(a[0].name, a[0].num_microbatches, a[1]) for a in made}) == len(made)
     assert 0 < len(made) < plan.solver.solved
+
+
+def test_where_memory_binds_the_bound_is_soon_given_up():
+    """The bound counts about the whole batch as held: where memory binds, hardly any
+    candidate fits by it, and each try would double a solve. After two misses outnumbering
+    its fits it is not tried again; the plan is the same either way."""
+    fwd = [1.0, 2.0, 1.5, 1.0, 3.0, 0.5, 2.0, 1.0]
+    profile = synthetic_profile(fwd, saved=[300] * 8, sizes=(1, 2, 4, 8))
+    cluster = Cluster.uniform(4, 8_000)
+    tries = []
+    solve = search.solve_partition
+
+    def counted(times, memory, specs, **kw):
+        part = solve(times, memory, specs, **kw)
+        if specs[0].shape.bound:
+            tries.append(part is not None and part.extra.get("memory_free") == 1.0)
+        return part
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(search, "solve_partition", counted)
+        plan = plan_pipeline(profile, cluster, 8)
+        misses = tries.count(False)
+        assert misses >= 2 and misses <= max(2, tries.count(True) + 1)
+        mp.setattr(search, "BOUND_FIRST", False)
+        assert plan_pipeline(profile, cluster, 8).canonical_json() == plan.canonical_json()
 
 
 def test_zero_bubble_trip_does_not_count_w_on_the_critical_path():
