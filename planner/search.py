@@ -842,12 +842,19 @@ def _possible(c: Candidate, K: int, L: int) -> bool:
     return K * INTERLEAVE <= L and (c.microbatches <= K or c.microbatches % K == 0)
 
 
-@lru_cache(maxsize=512)
 def plan_schedule(
     name: str, num_devices: int, microbatches: int, routes: tuple[tuple[int, int], ...] = ()
 ) -> Schedule:
     """The schedule a plan runs: `name` over num_devices x v stages, activations going along
-    `routes` (a chain when empty)."""
+    `routes` (a chain when empty). Made once per distinct arguments, however they are passed
+    (a cache keyed on the call itself took routes=() and no routes for two schedules)."""
+    return _plan_schedule(name, num_devices, microbatches, tuple(routes))
+
+
+@lru_cache(maxsize=512)
+def _plan_schedule(
+    name: str, num_devices: int, microbatches: int, routes: tuple[tuple[int, int], ...]
+) -> Schedule:
     v = INTERLEAVE if name == "interleaved-1f1b" else 1
     sched = build_schedule(name, num_devices * v, microbatches, stages_per_rank=v)
     # checked as it is made; kept by the cache above, so never edited: its key is kept on it

@@ -339,6 +339,14 @@ def test_the_occupancy_bound_spares_the_issue_order_of_candidates_that_lose():
     assert 0 < len(made) < plan.solver.solved
 
 
+def test_a_plans_schedule_is_made_once_however_its_routes_are_passed():
+    """Found profiling 1 000 layers on 64 devices: every schedule was built twice (the bound
+    after a split asked without routes, the occupancy with routes=()), 0.13 s of 3."""
+    a = search.plan_schedule("zb-h1", 3, 5)
+    assert search.plan_schedule("zb-h1", 3, 5, ()) is a
+    assert search.plan_schedule("zb-h1", 3, 5, routes=[]) is a
+
+
 def test_where_memory_binds_the_bound_is_soon_given_up():
     """The bound counts about the whole batch as held: where memory binds, hardly any
     candidate fits by it, and each try would double a solve. After two misses outnumbering
