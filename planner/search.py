@@ -509,7 +509,13 @@ def _search(
             if not plan.fits and cand.per_device > 1:
                 # the per-stage twin may fall back differently (every stage recomputing)
                 free = False
-                plan = _interleaved_fallback(problem, cand, times, specs, part, solve, method)
+                beat = best[0] if best else None
+                plan, at_least = _interleaved_fallback(
+                    problem, cand, times, specs, part, solve, method, plan, beat
+                )
+                if not plan.fits and at_least is not None:  # what might fit cannot win
+                    outcomes[k] = _Outcome("bound", at_least)
+                    continue
             t = plan.predicted.iteration_ms
             peak = max(plan.predicted.peak_memory)
             if not plan.fits:
@@ -630,12 +636,16 @@ def _interleaved_fallback(
     relaxed: Partition,
     solve: Callable[..., Partition | None],
     method: str,
-) -> Plan:
-    """The relaxed split overran a device once both its stages were counted. Try what is
-    sufficient instead: each stage on half its device, and (per-stage candidates) every stage
-    recomputing alike, each free to use its whole device and checked jointly. The fastest
-    that fits, marked not proven (the relaxed bottleneck bounds it from below); else the
-    relaxed plan, which does not fit."""
+    relaxed_plan: Plan,
+    beat: float | None = None,
+) -> tuple[Plan, float | None]:
+    """The relaxed split (its plan: `relaxed_plan`) overran a device once both its stages were
+    counted. Try what is sufficient instead: each stage on half its device, and (per-stage
+    candidates) every stage recomputing alike, each free to use its whole device and checked
+    jointly. The fastest that fits, marked not proven (the relaxed bottleneck bounds it from
+    below); else the relaxed plan, which does not fit. A try whose split's lower bound cannot
+    beat `beat` (the best time so far) is not made into a plan; with the relaxed plan comes
+    then the least such bound (else None)."""
     chain, memory = problem.chain(cand)
     cuts = _cut_costs(problem.cluster, cand, chain)
     tries: list[tuple[list[StageSpec], np.ndarray, list[int] | None]] = [
@@ -645,7 +655,7 @@ def _interleaved_fallback(
         for x in range(len(cand.modes)):
             alike = [StageSpec(sp.speed, sp.budget, sp.shapes[x]) for sp in specs]
             tries.append((alike, times[x : x + 1], [x] * len(specs)))
-    best = _build_plan(problem, cand, specs, relaxed, method)
+    best, at_least = relaxed_plan, math.inf
     for try_specs, try_times, choices in tries:
         part = solve(try_times, memory, try_specs, cuts=cuts)
         if part is None:
@@ -653,10 +663,14 @@ def _interleaved_fallback(
         if choices is not None:  # solved as one option: say which, on the full specs
             part.choices = choices
             try_specs = specs
+        bound = _lower_bound(problem, cand, try_specs, part)
+        if beat is not None and bound > beat * (1 + 1e-12):
+            at_least = min(at_least, bound)
+            continue
         plan = _build_plan(problem, cand, try_specs, part, method, relaxed=relaxed)
         if plan.fits and (not best.fits or _faster(plan, best)):
             best = plan
-    return best
+    return best, (at_least if math.isfinite(at_least) else None)
 
 
 def _faster(a: Plan, b: Plan) -> bool:

@@ -518,6 +518,40 @@ def test_interleaved_split_that_overruns_a_device_falls_back_to_halves_and_says_
         assert all(st.memory.budget == 3_400 // 2 for st in plan.stages)
 
 
+def test_an_interleaved_fallback_that_cannot_win_is_not_made_and_changes_no_plan():
+    """Interleaved 1F1B's fallback (each stage on half its device, or every stage recomputing
+    alike) makes a plan of each try only where its split's lower bound could beat the best so
+    far; where none it made fits, the candidate is ruled out by that bound. The same plan as
+    making every try (found by search: a split of 8 layers on 2 devices)."""
+    profile = synthetic_profile(
+        [0.95, 2.43, 0.72, 1.01, 0.67, 0.91, 2.87, 2.04],
+        saved=[351, 515, 379, 558, 535, 166, 74, 369],
+        sizes=(1, 2, 4, 8),
+        loss={"forward": 0.2, "saved": 16},
+    )
+    cluster = Cluster.uniform(2, 4666)
+    ruled_out = []
+    fallback = search._interleaved_fallback
+
+    def spy(*a):
+        plan, at_least = fallback(*a)
+        ruled_out.append(at_least is not None)
+        return plan, at_least
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(search, "_interleaved_fallback", spy)
+        pruned = json.loads(plan_pipeline(profile, cluster, 8).canonical_json())
+        assert any(ruled_out)
+        mp.setattr(search, "_prior_bound", lambda *a: 0.0)
+        mp.setattr(search, "_lower_bound", lambda *a: 0.0)  # every try made into a plan
+        ruled_out.clear()
+        full = json.loads(plan_pipeline(profile, cluster, 8).canonical_json())
+        assert not any(ruled_out)
+    for plan in (pruned, full):
+        plan["solver"].pop("solved"), plan["solver"].pop("pruned"), plan.pop("alternatives")
+    assert pruned == full
+
+
 def test_planned_for_torchrun_the_plan_is_the_fastest_there():
     """Interleaved 1F1B is the fastest where a transfer never holds its sender (streams: 123
     ms), but its ranks send both ways at once and wait for each other where sends meet their
