@@ -52,7 +52,7 @@ from schedules import (
     simulate,
 )
 from schedules.comm import fastest_lowering
-from schedules.memory import StageBytes, occupancy, occupancy_bound
+from schedules.memory import StageBytes, occupancy, occupancy_bound, occupancy_floor
 from schedules.order import freeze
 
 from .bounds import interleaved_bound, least_bottleneck, prior_bound
@@ -132,7 +132,8 @@ class _Problem:
     chains: dict[int, Chain] = field(default_factory=dict)
     memories: dict[int, MemoryModel] = field(default_factory=dict)
     granular: dict[tuple[int, bool, int], tuple] = field(default_factory=dict)
-    bound_record: list[int] = field(default_factory=lambda: [0, 0])  # _solve: fits, misses
+    # _solve's shortcuts, per shortcut, schedule and recompute: [successes, misses]
+    records: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.table = ProfileTable(self.profile)
@@ -466,7 +467,7 @@ def _search(
             # (an interleaved one, only where that split's devices then fit: see below)
             free = cand.recompute == "never" and part.extra.get("memory_free") == 1.0
             # (the bound reads the stages' speeds; the occupancy is made only for a plan)
-            bound = _lower_bound(problem, cand, _stage_specs(problem, cand, bound=True), part)
+            bound = _lower_bound(problem, cand, _stage_specs(problem, cand, which="bound"), part)
             if beaten(bound):  # it cannot beat the best so far: no simulation
                 outcomes[k] = _Outcome("bound", bound)
                 if free:
@@ -617,15 +618,33 @@ def _solve(
     lets memory go free for most candidates of a search or for almost none: once it has
     failed twice and more often than not, it is not tried again (then it would only double
     each solve)."""
-    record = problem.bound_record  # [fits, misses]
-    if method == "probe-bisection" and BOUND_FIRST and (record[1] < 2 or record[0] >= record[1]):
-        bounded = solve(times, memory, _stage_specs(problem, cand, halve=False, bound=True),
+    if method != "probe-bisection" or not BOUND_FIRST:
+        return solve(times, memory, _stage_specs(problem, cand, halve=False), cuts=cuts), False
+    kind = (cand.schedule, cand.recompute)
+    record = problem.records.setdefault(("bound", *kind), [0, 0])  # [fits, misses]
+    if _worth(record):
+        bounded = solve(times, memory, _stage_specs(problem, cand, halve=False, which="bound"),
                         cuts=cuts)  # fmt: skip
         if bounded is not None and bounded.extra.get("memory_free") == 1.0:
             record[0] += 1
             return bounded, True
         record[1] += 1
+    # Where even occupancy_floor, never more than the exact occupancy, lets no split fit, none
+    # fits (the search's "nofit"), and no issue order is needed.
+    record = problem.records.setdefault(("floor", *kind), [0, 0])  # [proofs, misses]
+    if _worth(record):
+        floor = _stage_specs(problem, cand, halve=False, which="floor")
+        if not feasible_split(times, memory, floor, cuts):
+            record[0] += 1
+            return None, False
+        record[1] += 1
     return solve(times, memory, _stage_specs(problem, cand, halve=False), cuts=cuts), False
+
+
+def _worth(record: list[int]) -> bool:
+    """Whether a shortcut that succeeded record[0] times and missed record[1] times is worth
+    another try: until it has missed twice and more often than not."""
+    return record[1] < 2 or record[0] >= record[1]
 
 
 def _interleaved_fallback(
@@ -898,10 +917,13 @@ def _occupancy(
     microbatches: int,
     recompute: str,
     routes: tuple[tuple[int, int], ...] = (),
-    bound: bool = False,
+    which: str = "exact",
 ) -> list:
+    """The exact occupancy of a plan's schedule, or the bound above it or the floor below it
+    (schedules/memory.py)."""
     schedule = plan_schedule(name, num_devices, microbatches, routes)
-    return occupancy_bound(schedule, recompute) if bound else occupancy(schedule, recompute)
+    made = {"exact": occupancy, "bound": occupancy_bound, "floor": occupancy_floor}[which]
+    return made(schedule, recompute)
 
 
 def _any_routes(stages: int) -> tuple[tuple[int, int], ...]:
@@ -962,18 +984,19 @@ def _stage_specs(
     budget: int | None = None,
     *,
     halve: bool = True,
-    bound: bool = False,
+    which: str = "exact",
 ) -> list[StageSpec]:
     """One spec per stage; `budget` replaces every device's memory (the infeasibility search).
     With v stages per device each gets 1/v of its device's memory (`halve`), or all of it (a
     relaxation, for plans whose devices are then checked with both stages together); its
-    share of the reserved memory is 1/v either way. `bound`: each stage's occupancy as one
-    tuple that bounds it (occupancy_bound; StageShape.bound)."""
+    share of the reserved memory is 1/v either way. `which`: "exact", "bound" (each stage's
+    occupancy as one tuple above it: occupancy_bound, StageShape.bound) or "floor" (tuples
+    below it: occupancy_floor)."""
     cluster, optimizer = problem.cluster, problem.optimizer
     K, v = cluster.size, cand.per_device
     routes = _any_routes(K * v) if problem.profile.captured else ()
     occ = [
-        _occupancy(cand.schedule, K, cand.microbatches, mode, routes, bound) for mode in cand.modes
+        _occupancy(cand.schedule, K, cand.microbatches, mode, routes, which) for mode in cand.modes
     ]
     step = problem.profile.optimizer_step.get(optimizer)
     specs = []
@@ -986,7 +1009,7 @@ def _stage_specs(
                 reserved=d.reserved_bytes // v,
                 optimizer_step=step.per_byte if step else 0.0,
                 foreach=step.foreach if step else False,
-                bound=bound,
+                bound=which == "bound",
             )
             for o in occ
         ]

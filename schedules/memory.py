@@ -43,6 +43,7 @@ the optimizer step runs on every device: its temporaries come on top of the weig
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -387,6 +388,50 @@ def occupancy_bound(schedule: Schedule, recompute: str | Sequence[str]) -> list[
 
 
 _BOUNDS: dict[tuple, list[Occupancy]] = {}
+
+
+def occupancy_floor(schedule: Schedule, recompute: str | Sequence[str]) -> list[Occupancy]:
+    """Per stage, tuples each at most some tuple of `occupancy` in every entry, found from the
+    program alone: a stage's peak for any StageBytes is at least the largest of their held
+    bytes (what proves, without the issue order, that no split fits: planner/search.py).
+
+    Activations, during_i, between_iw and pulled change only by the stage's own actions, which
+    the issue order takes in program order: at each look at a stage after a phase of its own
+    action, their counts and the transient running are the issue order's. The states another
+    stage's actions change too (input, grad, early, late: bytes that arrive, never negative)
+    count none."""
+    S = schedule.num_stages
+    modes = [recompute] * S if isinstance(recompute, str) else list(recompute)
+    key = schedule_key(schedule, tuple(modes))
+    hit = _FLOORS.get(key)
+    if hit is None:
+        if len(_FLOORS) > 256:
+            _FLOORS.clear()
+        arrays = program_arrays(schedule)
+        ev = _build_events(schedule, modes, arrays)
+        acting = arrays[1]
+        # the own states' changes (each made by its stage's own action), and the looks at the
+        # acting stage: counted in program order, they are the issue order's
+        kept = (ev.change_stage == acting[ev.change_seq // 4]) & np.isin(
+            ev.change_state, [ACT, DURING_I, IW, PULLED]
+        )
+        ev = dataclasses.replace(
+            ev, change_seq=ev.change_seq[kept], change_stage=ev.change_stage[kept],
+            change_state=ev.change_state[kept], change_delta=ev.change_delta[kept],
+        )  # fmt: skip
+        own = ev.snap_stage == acting[ev.snap_seq // 4]
+        counts = ev.counts(ev.change_stage, ev.snap_stage)[own]
+        stage, running = ev.snap_stage[own], ev.snap_running[own]
+        flags = np.zeros((len(stage), len(TRANSIENTS)), dtype=np.int64)
+        on = running >= 0
+        flags[np.nonzero(on)[0], running[on] - LIVE] = 1
+        rows = _distinct(np.concatenate([stage[:, None], counts, flags], axis=1))
+        cut = np.searchsorted(rows[:, 0], np.arange(S + 1))
+        hit = _FLOORS[key] = [_pareto_array(rows[cut[s] : cut[s + 1], 1:]) for s in range(S)]
+    return hit
+
+
+_FLOORS: dict[tuple, list[Occupancy]] = {}
 
 
 def _build_events(
