@@ -132,8 +132,8 @@ class _Problem:
     chains: dict[int, Chain] = field(default_factory=dict)
     memories: dict[int, MemoryModel] = field(default_factory=dict)
     granular: dict[tuple[int, bool, int], tuple] = field(default_factory=dict)
-    # _solve's shortcuts, per shortcut, schedule and recompute: [successes, misses]
-    records: dict[tuple[str, str, str], list[int]] = field(default_factory=dict)
+    # _solve's shortcuts, per shortcut (and schedule and recompute): [successes, misses]
+    records: dict[tuple, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.table = ProfileTable(self.profile)
@@ -621,30 +621,37 @@ def _solve(
     if method != "probe-bisection" or not BOUND_FIRST:
         return solve(times, memory, _stage_specs(problem, cand, halve=False), cuts=cuts), False
     kind = (cand.schedule, cand.recompute)
-    record = problem.records.setdefault(("bound", *kind), [0, 0])  # [fits, misses]
-    if _worth(record):
+    records = problem.records
+    if _worth(records, "bound", kind):
         bounded = solve(times, memory, _stage_specs(problem, cand, halve=False, which="bound"),
                         cuts=cuts)  # fmt: skip
-        if bounded is not None and bounded.extra.get("memory_free") == 1.0:
-            record[0] += 1
+        fits = bounded is not None and bounded.extra.get("memory_free") == 1.0
+        _count(records, "bound", kind, fits)
+        if fits:
             return bounded, True
-        record[1] += 1
     # Where even occupancy_floor, never more than the exact occupancy, lets no split fit, none
     # fits (the search's "nofit"), and no issue order is needed.
-    record = problem.records.setdefault(("floor", *kind), [0, 0])  # [proofs, misses]
-    if _worth(record):
+    if _worth(records, "floor", kind):
         floor = _stage_specs(problem, cand, halve=False, which="floor")
-        if not feasible_split(times, memory, floor, cuts):
-            record[0] += 1
+        proved = not feasible_split(times, memory, floor, cuts)
+        _count(records, "floor", kind, proved)
+        if proved:
             return None, False
-        record[1] += 1
     return solve(times, memory, _stage_specs(problem, cand, halve=False), cuts=cuts), False
 
 
-def _worth(record: list[int]) -> bool:
-    """Whether a shortcut that succeeded record[0] times and missed record[1] times is worth
-    another try: until it has missed twice and more often than not."""
-    return record[1] < 2 or record[0] >= record[1]
+def _worth(records: dict[tuple, list[int]], shortcut: str, kind: tuple[str, str]) -> bool:
+    """Whether a shortcut is worth another try for a candidate of this schedule and
+    recomputation: until it has missed there more often than not. (Per schedule: where memory
+    binds, zero bubble often fits nowhere while 1F1B fits; a miss costs about a solve.)"""
+    hits, misses = records.get((shortcut, *kind), (0, 0))
+    return hits >= misses
+
+
+def _count(
+    records: dict[tuple, list[int]], shortcut: str, kind: tuple[str, str], hit: bool
+) -> None:
+    records.setdefault((shortcut, *kind), [0, 0])[0 if hit else 1] += 1
 
 
 def _interleaved_fallback(
