@@ -613,11 +613,12 @@ def _solve(
     (occupancy_bound), which needs no issue order. Where memory then lowered no end
     (`memory_free`), the exact occupancy, never larger, lowers none either: every probe of the
     proof and of the split reaches the same ends, so the split, its bottleneck and its
-    choices are the exact solve's (a test holds them equal). Else, or with another solver,
-    the exact occupancy is solved with. The bound holds about the whole batch in flight, so it
-    lets memory go free for most candidates of a search or for almost none: once it has
-    failed twice and more often than not, it is not tried again (then it would only double
-    each solve)."""
+    choices are the exact solve's (a test holds them equal). Then, where memory binds, a floor
+    on the occupancy (occupancy_floor) may prove that no split fits. Else, or with another
+    solver, the exact occupancy is solved with. The bound holds about the whole batch in
+    flight, so it lets memory go free for most candidates of a search or for almost none:
+    each shortcut is tried for a schedule and recomputation while it has succeeded at least
+    as often as it missed there (`_worth`; a miss costs about a solve)."""
     if method != "probe-bisection" or not BOUND_FIRST:
         return solve(times, memory, _stage_specs(problem, cand, halve=False), cuts=cuts), False
     kind = (cand.schedule, cand.recompute)

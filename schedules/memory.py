@@ -353,38 +353,35 @@ def occupancy_bound(schedule: Schedule, recompute: str | Sequence[str]) -> list[
     (losses left out), plus the most any one action's phases reach beyond its own net gain (a
     state entered and left within one action, as `pulled`, counts once). A transient counts
     where one of the stage's actions runs it."""
-    S, NS = schedule.num_stages, len(STATES)
+    S = schedule.num_stages
     modes = [recompute] * S if isinstance(recompute, str) else list(recompute)
-    key = schedule_key(schedule, tuple(modes))
-    hit = _BOUNDS.get(key)
-    if hit is None:
-        if len(_BOUNDS) > 256:
-            _BOUNDS.clear()
-        ev = _build_events(schedule, modes, program_arrays(schedule))
-        cell = ev.change_stage * NS + ev.change_state
-        # one group per action, cell and phase, in that order (seq = 4 k + phase)
-        per_phase = (ev.change_seq // 4 * (S * NS) + cell) * 4 + ev.change_seq % 4
-        phases, at = np.unique(per_phase, return_inverse=True)
-        net = np.bincount(at, weights=ev.change_delta).astype(np.int64)
-        action = phases // 4  # (action, cell)
-        first = np.flatnonzero(np.concatenate([[True], action[1:] != action[:-1]]))
-        run = np.cumsum(net)
-        run -= np.repeat(
-            np.concatenate([[0], run[first[1:] - 1]]), np.diff(np.append(first, len(net)))
-        )
-        reach = np.maximum.reduceat(run, first)  # the most its phases reach
-        whole = np.add.reduceat(net, first)
-        where = action[first] % (S * NS)
-        beyond = np.zeros(S * NS, dtype=np.int64)
-        np.maximum.at(beyond, where, reach - np.maximum(whole, 0))
-        gained = np.bincount(where, weights=np.maximum(whole, 0), minlength=S * NS)
-        counts = gained.astype(np.int64) + beyond
-        flags = np.zeros((S, len(TRANSIENTS)), dtype=np.int64)
-        on = ev.snap_running >= 0
-        flags[ev.snap_stage[on], ev.snap_running[on] - LIVE] = 1
-        rows = np.concatenate([counts.reshape(S, NS), flags], axis=1)
-        hit = _BOUNDS[key] = [(tuple(int(n) for n in row),) for row in rows]
-    return hit
+    return _once(_BOUNDS, _bound_of, schedule, modes)
+
+
+def _bound_of(schedule: Schedule, modes: Sequence[str]) -> list[Occupancy]:
+    S, NS = schedule.num_stages, len(STATES)
+    ev = _build_events(schedule, modes, program_arrays(schedule))
+    cell = ev.change_stage * NS + ev.change_state
+    # one group per action, cell and phase, in that order (seq = 4 k + phase)
+    per_phase = (ev.change_seq // 4 * (S * NS) + cell) * 4 + ev.change_seq % 4
+    phases, at = np.unique(per_phase, return_inverse=True)
+    net = np.bincount(at, weights=ev.change_delta).astype(np.int64)
+    action = phases // 4  # (action, cell)
+    first = np.flatnonzero(np.concatenate([[True], action[1:] != action[:-1]]))
+    run = np.cumsum(net)
+    run -= np.repeat(np.concatenate([[0], run[first[1:] - 1]]), np.diff(np.append(first, len(net))))
+    reach = np.maximum.reduceat(run, first)  # the most its phases reach
+    whole = np.add.reduceat(net, first)
+    where = action[first] % (S * NS)
+    beyond = np.zeros(S * NS, dtype=np.int64)
+    np.maximum.at(beyond, where, reach - np.maximum(whole, 0))
+    gained = np.bincount(where, weights=np.maximum(whole, 0), minlength=S * NS)
+    counts = gained.astype(np.int64) + beyond
+    flags = np.zeros((S, len(TRANSIENTS)), dtype=np.int64)
+    on = ev.snap_running >= 0
+    flags[ev.snap_stage[on], ev.snap_running[on] - LIVE] = 1
+    rows = np.concatenate([counts.reshape(S, NS), flags], axis=1)
+    return [(tuple(int(n) for n in row),) for row in rows]
 
 
 _BOUNDS: dict[tuple, list[Occupancy]] = {}
@@ -402,33 +399,32 @@ def occupancy_floor(schedule: Schedule, recompute: str | Sequence[str]) -> list[
     count none."""
     S = schedule.num_stages
     modes = [recompute] * S if isinstance(recompute, str) else list(recompute)
-    key = schedule_key(schedule, tuple(modes))
-    hit = _FLOORS.get(key)
-    if hit is None:
-        if len(_FLOORS) > 256:
-            _FLOORS.clear()
-        arrays = program_arrays(schedule)
-        ev = _build_events(schedule, modes, arrays)
-        acting = arrays[1]
-        # the own states' changes (each made by its stage's own action), and the looks at the
-        # acting stage: counted in program order, they are the issue order's
-        kept = (ev.change_stage == acting[ev.change_seq // 4]) & np.isin(
-            ev.change_state, [ACT, DURING_I, IW, PULLED]
-        )
-        ev = dataclasses.replace(
-            ev, change_seq=ev.change_seq[kept], change_stage=ev.change_stage[kept],
-            change_state=ev.change_state[kept], change_delta=ev.change_delta[kept],
-        )  # fmt: skip
-        own = ev.snap_stage == acting[ev.snap_seq // 4]
-        counts = ev.counts(ev.change_stage, ev.snap_stage)[own]
-        stage, running = ev.snap_stage[own], ev.snap_running[own]
-        flags = np.zeros((len(stage), len(TRANSIENTS)), dtype=np.int64)
-        on = running >= 0
-        flags[np.nonzero(on)[0], running[on] - LIVE] = 1
-        rows = _distinct(np.concatenate([stage[:, None], counts, flags], axis=1))
-        cut = np.searchsorted(rows[:, 0], np.arange(S + 1))
-        hit = _FLOORS[key] = [_pareto_array(rows[cut[s] : cut[s + 1], 1:]) for s in range(S)]
-    return hit
+    return _once(_FLOORS, _floor_of, schedule, modes)
+
+
+def _floor_of(schedule: Schedule, modes: Sequence[str]) -> list[Occupancy]:
+    S = schedule.num_stages
+    arrays = program_arrays(schedule)
+    ev = _build_events(schedule, modes, arrays)
+    acting = arrays[1]
+    # the own states' changes (each made by its stage's own action), and the looks at the
+    # acting stage: counted in program order, they are the issue order's
+    kept = (ev.change_stage == acting[ev.change_seq // 4]) & np.isin(
+        ev.change_state, [ACT, DURING_I, IW, PULLED]
+    )
+    ev = dataclasses.replace(
+        ev, change_seq=ev.change_seq[kept], change_stage=ev.change_stage[kept],
+        change_state=ev.change_state[kept], change_delta=ev.change_delta[kept],
+    )  # fmt: skip
+    own = ev.snap_stage == acting[ev.snap_seq // 4]
+    counts = ev.counts(ev.change_stage, ev.snap_stage)[own]
+    stage, running = ev.snap_stage[own], ev.snap_running[own]
+    flags = np.zeros((len(stage), len(TRANSIENTS)), dtype=np.int64)
+    on = running >= 0
+    flags[np.nonzero(on)[0], running[on] - LIVE] = 1
+    rows = _distinct(np.concatenate([stage[:, None], counts, flags], axis=1))
+    cut = np.searchsorted(rows[:, 0], np.arange(S + 1))
+    return [_pareto_array(rows[cut[s] : cut[s + 1], 1:]) for s in range(S)]
 
 
 _FLOORS: dict[tuple, list[Occupancy]] = {}
