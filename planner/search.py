@@ -466,8 +466,7 @@ def _search(
             # memory bound no end of the never split: the per-stage twin would find it again
             # (an interleaved one, only where that split's devices then fit: see below)
             free = cand.recompute == "never" and part.extra.get("memory_free") == 1.0
-            # (the bound reads the stages' speeds; the occupancy is made only for a plan)
-            bound = _lower_bound(problem, cand, _stage_specs(problem, cand, which="bound"), part)
+            bound = _lower_bound(problem, cand, _stage_speeds(problem, cand), part)
             if beaten(bound):  # it cannot beat the best so far: no simulation
                 outcomes[k] = _Outcome("bound", bound)
                 if free:
@@ -490,7 +489,7 @@ def _search(
                     label = modes[0] if len(set(modes)) == 1 else PER_STAGE
                     later = timed[same] = _Later(cand, part, _plan_time(problem, cand, part), label)
                 t = _ms(later)
-                outcomes[k] = _Outcome("plan", t, recompute=_recompute(later))
+                outcomes[k] = _Outcome("plan", t, recompute=later.recompute)
                 visited.later[k] = later
                 if free:
                     settled[pair] = (outcomes[k], later)
@@ -554,10 +553,6 @@ class _Later:
 
 def _ms(plan: Plan | _Later) -> float:
     return plan.ms if isinstance(plan, _Later) else plan.predicted.iteration_ms
-
-
-def _recompute(plan: Plan | _Later) -> str:
-    return plan.recompute
 
 
 def _plan_time(problem: _Problem, cand: Candidate, part: Partition) -> float:
@@ -690,7 +685,7 @@ def _interleaved_fallback(
         if choices is not None:  # solved as one option: say which, on the full specs
             part.choices = choices
             try_specs = specs
-        bound = _lower_bound(problem, cand, try_specs, part)
+        bound = _lower_bound(problem, cand, [sp.speed for sp in try_specs], part)
         if beat is not None and bound > beat * (1 + 1e-12):
             at_least = min(at_least, bound)
             continue
@@ -1032,6 +1027,12 @@ def _stage_specs(
     return specs
 
 
+def _stage_speeds(problem: _Problem, cand: Candidate) -> list[float]:
+    """Each stage's device speed (stage s runs on device s mod K)."""
+    devices = problem.cluster.devices
+    return [devices[s % len(devices)].speed for s in range(len(devices) * cand.per_device)]
+
+
 def _stage_modes(cand: Candidate, part: Partition) -> list[str]:
     """Each stage's recomputation in a solved split."""
     choices = part.choices or [0] * (len(part.bounds) - 1)
@@ -1061,9 +1062,7 @@ def _stage_times(
     return times
 
 
-def _lower_bound(
-    problem: _Problem, cand: Candidate, specs: list[StageSpec], part: Partition
-) -> float:
+def _lower_bound(problem: _Problem, cand: Candidate, speeds: list[float], part: Partition) -> float:
     """No schedule beats the busiest device's or link's load, nor one micro-batch's trip there
     and back (every stage's forward and backward, and every transfer twice). And each device's
     load is framed: its first action, an F of micro-batch m on its first stage s, waits for m's
@@ -1076,7 +1075,7 @@ def _lower_bound(
     busy = [0.0] * K
     trip = 0.0
     link = 0.0
-    S = len(specs)
+    S = len(speeds)
     # before[kind][s]: one micro-batch's forward (F), backward (B) or I from stage s back to
     # the first, transfers included
     before = {Kind.F: [0.0] * S, Kind.B: [0.0] * S, Kind.I: [0.0] * S}
@@ -1091,7 +1090,7 @@ def _lower_bound(
         # a zero-bubble first stage of one layer makes no call at I
         called = call * input_calls(s, (i, j), S, grads[s]) if zb else call
         paid = {Kind.F: action, Kind.B: action + call, Kind.I: action + called}
-        t = _stage_times(chain, cand, modes[s], i, j, specs[s].speed)
+        t = _stage_times(chain, cand, modes[s], i, j, speeds[s])
         own[s] = M * (t["work_ms"] + A * action + called)
         busy[s % K] += own[s]
         trip += t["trip_ms"] + 2 * action + called

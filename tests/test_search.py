@@ -157,7 +157,7 @@ def test_both_search_bounds_are_below_every_split(
                         continue
                     for choices in mixes:
                         part = Partition(bounds, 0.0, choices=choices)
-                        after = search._lower_bound(problem, cand, specs, part)
+                        after = search._lower_bound(problem, cand, [sp.speed for sp in specs], part)
                         t = search._build_plan(problem, cand, specs, part, "test")
                         ms = t.predicted.iteration_ms
                         assert prior <= ms * (1 + 1e-9), (cand, bounds, choices, prior, ms)
