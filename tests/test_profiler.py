@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
@@ -9,6 +11,7 @@ from torch import nn
 from planner import Plan
 from profiler import InputError, Profile, profile_model
 from profiler.examples import mlp, transformer
+from tests.conftest import synthetic_profile
 
 F32 = 4
 
@@ -186,6 +189,36 @@ def test_profile_json_round_trips(tmp_path):
     assert prof.runtime is not None and again.runtime == prof.runtime
     assert 0 <= prof.runtime.action_ms < 50 and 0 <= prof.runtime.step_ms < 500
     assert 0 < prof.runtime.call_ms < 50
+
+
+def test_a_file_in_any_key_order_is_the_same_profile_with_the_same_digest():
+    """json's sorted keys put size 16 before 2: the profile keeps each per-size map by
+    increasing size whatever the file's order, so its digest and canonical bytes are the ones
+    made in memory (pydantic's serializer writes maps in their order)."""
+    prof = synthetic_profile([1.0, 2.0, 3.0], sizes=[1, 2, 16])
+    data = json.loads(prof.canonical_json())
+    assert list(data["layers"][0]["forward_ms"]) == ["1", "2", "16"]
+    data["optimizer_step"] = {
+        "sgd": {"foreach": True, "per_byte": 0.0},
+        "adam": {"foreach": False, "per_byte": 2.0},
+    }
+    shuffled = json.dumps(data, sort_keys=True)  # "1", "16", "2"; adam before sgd
+    assert '"16": {' in shuffled and shuffled.index('"16"') < shuffled.index('"2"')
+    again = Profile.from_json_text(shuffled)
+    back = Profile.from_json_text(json.dumps({**data, "optimizer_step": dict(
+        reversed(list(data["optimizer_step"].items())))}))  # fmt: skip
+    assert list(again.layers[0].forward_ms) == [1, 2, 16]
+    assert list(again.optimizer_step) == ["adam", "sgd"] == list(back.optimizer_step)
+    assert again == back and again.digest() == back.digest()
+    assert again.canonical_json() == back.canonical_json()
+    assert json.loads(again.canonical_json()) == json.loads(shuffled)
+    # the same content under another digest where anything changes
+    data["layers"][1]["saved_bytes"]["16"] += 1
+    assert Profile.from_json_text(json.dumps(data)).digest() != again.digest()
+    # a map missing a size is still refused, in any order
+    del data["layers"][1]["saved_bytes"]["2"]
+    with pytest.raises(InputError, match="saved_bytes is not given for every batch size"):
+        Profile.from_json_text(json.dumps(data))
 
 
 def test_transformer_profile_has_every_layer_and_size():
