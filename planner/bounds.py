@@ -44,12 +44,26 @@ def prior_bound(
     """A lower bound (ms) on the makespan of any split of layers of per-micro-batch `work` into
     `num_stages` stages, where `counted` is the part of each layer's work on the fill and drain
     path (module docstring)."""
+    return prior_bound_of(*work_summary(work, counted), microbatches, num_stages, speeds)
+
+
+def work_summary(work: np.ndarray, counted: np.ndarray) -> tuple[float, float]:
+    """All the bounds below read of the layers: the total work W, and rho, the least share of
+    a layer's work that its fill and drain path counts (1 where there is no work)."""
     W = float(work.sum())
+    busy = work > 0
+    if W <= 0 or not busy.any():
+        return 0.0, 1.0
+    return W, min(1.0, float((counted[busy] / work[busy]).min()))
+
+
+def prior_bound_of(
+    W: float, rho: float, microbatches: int, num_stages: int, speeds: list[float]
+) -> float:
+    """prior_bound from the layers' work_summary (the same for every M, S and speeds)."""
     if W <= 0:
         return 0.0
     load = microbatches * W / float(sum(speeds))
-    busy = work > 0
-    rho = min(1.0, float((counted[busy] / work[busy]).min()))
     if rho <= 1e-9:  # (a vanishing fill term; subnormal rho once rounded it above the truth)
         return load
     # 1 - (1 - rho / M)^S, accurate also where rho / M is tiny
@@ -86,11 +100,15 @@ def interleaved_bound(
     then scaled by the least column where rounding left one short; where that system has a
     negative entry, y = 1 / M (the load, M W / K). At M ~ K this is about 1.2x the load; it
     tends to the load as M grows."""
-    W = float(work.sum())
+    return interleaved_bound_of(*work_summary(work, counted), microbatches, num_devices, speeds)
+
+
+def interleaved_bound_of(
+    W: float, rho: float, microbatches: int, num_devices: int, speeds: list[float]
+) -> float:
+    """interleaved_bound from the layers' work_summary."""
     if W <= 0 or num_devices < 1:
         return 0.0
-    busy = work > 0
-    rho = min(1.0, float((counted[busy] / work[busy]).min()))
     return W * _framed_share(num_devices, microbatches, rho) / float(max(speeds))
 
 

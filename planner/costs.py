@@ -99,10 +99,20 @@ class ProfileTable:
     def _table(self, attr: str, timing: bool) -> np.ndarray:
         if attr not in self._tables:
             rows = [getattr(x, attr) for x in self.layers]
-            self._tables[attr] = np.array(
-                [[(r[b].median if timing else r[b]) for b in self.sizes] for r in rows],
-                dtype=np.float64,
-            ).reshape(len(rows), len(self.sizes))
+            shape = (len(rows), len(self.sizes))
+            if all(list(r) == self.sizes for r in rows):  # as the validator orders them
+                values = (v for r in rows for v in r.values())
+                flat = np.fromiter(
+                    (v.median for v in values) if timing else values,
+                    dtype=np.float64,
+                    count=shape[0] * shape[1],
+                )
+                self._tables[attr] = flat.reshape(shape)
+            else:  # a map edited since: by key (4x slower on 10 000 layers)
+                self._tables[attr] = np.array(
+                    [[(r[b].median if timing else r[b]) for b in self.sizes] for r in rows],
+                    dtype=np.float64,
+                ).reshape(shape)
         return self._tables[attr]
 
     def fixed(self, attr: str) -> np.ndarray:

@@ -55,7 +55,7 @@ from schedules.comm import fastest_lowering
 from schedules.memory import StageBytes, occupancy, occupancy_bound, occupancy_floor
 from schedules.order import freeze
 
-from .bounds import interleaved_bound, least_bottleneck, prior_bound
+from .bounds import interleaved_bound_of, least_bottleneck, prior_bound_of, work_summary
 from .cluster import Cluster
 from .costs import OPTIMIZER_SLOTS, Chain, ProfileTable, chain_at
 from .dp import solve_partition_dp
@@ -132,6 +132,7 @@ class _Problem:
     chains: dict[int, Chain] = field(default_factory=dict)
     memories: dict[int, MemoryModel] = field(default_factory=dict)
     granular: dict[tuple[int, bool, int], tuple] = field(default_factory=dict)
+    summaries: dict[tuple[int, bool, float], tuple[float, float]] = field(default_factory=dict)
     # _solve's shortcuts, per shortcut (and schedule and recompute): [successes, misses]
     records: dict[tuple, list[int]] = field(default_factory=dict)
 
@@ -800,22 +801,28 @@ def _better(t: float, k: int, best_t: float, best_k: int) -> bool:
 def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> float:
     chain = problem.costs(cand)
     zb = cand.schedule == "zb-h1"
-    counted = chain.forward if zb else chain.forward + chain.backward
     S = problem.cluster.size * cand.per_device
-    least = _balance_times(chain, cand)[0]  # per-stage: every stage's cheapest, never
-    spread = prior_bound(least, counted, cand.microbatches, S, speeds)
+    M = cand.microbatches
+    # what the bounds read of the layers, once per size, cost and cheapest mode (per-stage:
+    # every stage's cheapest, never)
+    share = recomputed_share(cand.modes[0], M)
+    summary = (chain.mb, zb, share)
+    counted = chain.forward if zb else chain.forward + chain.backward
+    back = chain.input_grad + chain.weight_grad if zb else chain.backward
+    if summary not in problem.summaries:
+        problem.summaries[summary] = work_summary(chain.forward * (1 + share) + back, counted)
+    W, rho = problem.summaries[summary]
+    spread = prior_bound_of(W, rho, M, S, speeds)
     # The split's granularity, without recomputation (which only adds work): once per size.
     # And each layer l: the stage holding it runs l M times, after micro-batch 0's forward (and
     # backward, after its last) through every layer before the stage, so at least before l.
     key = (chain.mb, zb, cand.per_device)
     if key not in problem.granular:
-        back = chain.input_grad + chain.weight_grad if zb else chain.backward
         work = chain.forward + back
         per_stage = [speeds[s % len(speeds)] for s in range(S)]
         before = np.concatenate([[0.0], np.cumsum(counted)[:-1]])
         problem.granular[key] = (least_bottleneck(work, per_stage), work, before)
     granular, work, before = problem.granular[key]
-    M = cand.microbatches
     layer = float((M * work + before).max()) / max(speeds) if cand.per_device == 1 else 0.0
     # The runtime's own cost: every device runs M A v compute actions (A per micro-batch and
     # stage), each adding `action`; a layer's stage, M A of them. The fill term gets none.
@@ -823,12 +830,12 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     # per micro-batch and stage (zero bubble's I may make no call: a stage of one layer that
     # receives no gradient)
     per_mb = 3 * action if zb else 2 * action + call
-    load = M * float(least.sum()) / float(sum(speeds))  # (the cheapest mode's work)
+    load = M * W / float(sum(speeds))  # (the cheapest mode's work)
     runtime = M * cand.per_device * per_mb
     # each device's two stages framed (bounds.py; a chain's: a captured graph's stage may take
     # nothing from the one before it)
     if cand.per_device == INTERLEAVE == 2 and not problem.profile.captured:
-        spread = max(spread, interleaved_bound(least, counted, M, len(speeds), speeds))
+        spread = max(spread, interleaved_bound_of(W, rho, M, len(speeds), speeds))
     return step + max(spread, M * granular + runtime, layer + M * per_mb, load + runtime)
 
 
