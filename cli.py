@@ -11,11 +11,15 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from profiler.artifact import InputError
 from profiler.files import check_distinct, check_output, write_output
 from profiler.limits import MAX_BATCH, MAX_DEVICES, MAX_MS, ArgumentError
+
+if TYPE_CHECKING:
+    from profiler.types import Profile
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -161,14 +165,22 @@ def cmd_plan(args: argparse.Namespace) -> int:
     out = check_output(
         args.output, inputs=[args.profile, *([args.cluster] if args.cluster else [])]
     )
-    from planner import InfeasibleError, plan_pipeline
     from profiler.types import Profile
 
     profile = Profile.load(args.profile)
-    # The profile lives until the process ends (on 10 000 layers about a million objects, no
+    # The profile lives until the plan is made (on 10 000 layers about a million objects, no
     # cycles among them): the collector need not rescan them each time the search's own
-    # objects trigger it.
+    # objects trigger it. Given back after, for a caller that goes on in this process.
     gc.freeze()
+    try:
+        return _plan(args, out, profile)
+    finally:
+        gc.unfreeze()
+
+
+def _plan(args: argparse.Namespace, out: Path, profile: Profile) -> int:
+    from planner import InfeasibleError, plan_pipeline
+
     cluster = _cluster(args, len(profile.layers))
     microbatches: int | str = "auto"
     if args.microbatches != "auto":
@@ -473,7 +485,6 @@ def cmd_links(args: argparse.Namespace) -> int:
     out = check_output(args.output)
     import subprocess
     import tempfile
-    from pathlib import Path
 
     import torch
 

@@ -33,8 +33,8 @@ class Artifact(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     FORMAT_VERSION: ClassVar[int] = 1
-    # fields added later, left out where unset: files and digests stay as earlier versions
-    # wrote them (an older gpipe-plan still reads them, a plan still names its profile)
+    # fields added later, left out where unset: such a file stays readable by an older
+    # gpipe-plan of the same format version, and its digest does not move with the field
     LATER_FIELDS: ClassVar[tuple[str, ...]] = ()
     kind: str
     format_version: int = 1

@@ -107,6 +107,17 @@ PER_SIZE = tuple(
 """The LayerProfile fields measured at every micro-batch size."""
 
 
+def _by_size(layer: LayerProfile, sizes: list[int] | None = None) -> bool:
+    """Whether each of the layer's per-size maps lists exactly `sizes`, in that order (None: its
+    own sizes in increasing order)."""
+    kept = layer.__dict__
+    for field in PER_SIZE:
+        keys = list(kept[field])
+        if keys != sizes if sizes is not None else any(a >= b for a, b in zip(keys, keys[1:])):
+            return False
+    return True
+
+
 class OptimizerStep(BaseModel):
     """What one optimizer step allocates for its temporaries on the profiled device: `per_byte`
     bytes per byte of parameters, over all of a device's parameters at once when `foreach`
@@ -191,17 +202,38 @@ class Profile(Artifact):
     meta: ProfileMeta = ProfileMeta()
 
     def canonical_json(self, *, with_meta: bool = True) -> str:
-        """Fields in their declared order, each per-size map by increasing size (the validator
-        keeps them so): the same profile always gives the same bytes. Written by pydantic's own
+        """Fields in their declared order, each per-size map by increasing size, optimizers by
+        name: the same profile always gives the same bytes. Written by pydantic's own
         serializer: json's indented output is pure Python, seconds on 10 000 layers."""
         drop = self._unset_later() | (set() if with_meta else {"meta"})
-        return self.model_dump_json(indent=1, exclude=drop) + "\n"
+        return self._ordered().model_dump_json(indent=1, exclude=drop) + "\n"
 
     def digest(self) -> str:
         """sha256 of the compact canonical content, `meta` excluded (re-profiling the same model
         the same way keeps it); pydantic's serializer, 5x json's on a large profile."""
-        text = self.model_dump_json(exclude=self._unset_later() | {"meta"})
+        text = self._ordered().model_dump_json(exclude=self._unset_later() | {"meta"})
         return hashlib.sha256(text.encode()).hexdigest()
+
+    def _ordered(self) -> Profile:
+        """This profile with every per-size map by increasing size and its optimizers by name:
+        itself, as the validator leaves it, or a sorted copy where a map was put in since
+        (model_copy and assignment skip the validator)."""
+        entries = self.layers + ([self.loss] if self.loss else [])
+        if all(_by_size(x) for x in entries) and list(self.optimizer_step) == sorted(
+            self.optimizer_step
+        ):
+            return self
+
+        def fix(x: LayerProfile) -> LayerProfile:
+            return x.model_copy(update={f: dict(sorted(getattr(x, f).items())) for f in PER_SIZE})
+
+        return self.model_copy(
+            update={
+                "layers": [fix(x) for x in self.layers],
+                "loss": fix(self.loss) if self.loss else None,
+                "optimizer_step": dict(sorted(self.optimizer_step.items())),
+            }
+        )
 
     @model_validator(mode="after")
     def _sizes_consistent(self) -> Profile:
@@ -210,17 +242,18 @@ class Profile(Artifact):
         if sorted(sizes) != order or min(sizes) < 1:
             raise ValueError("batch_sizes must be distinct positive integers in increasing order")
         for layer in self.layers + ([self.loss] if self.loss else []):
+            if _by_size(layer, order):
+                continue
             kept = layer.__dict__
             for field in PER_SIZE:
                 have = kept[field]
-                if list(have) == order:
-                    continue
                 if set(have) != sizes:
                     raise ValueError(
                         f"layer {layer.index}: {field} is not given for every batch size"
                     )
-                # by increasing size, whatever order the file had: what digest and canonical
-                # JSON write (a plain assignment; the values were validated)
+                # By increasing size, whatever order the file had (json's sorted keys put 16
+                # before 2): what the tables read and canonical JSON writes. The values were
+                # validated; a layer the caller passed in is reordered in place (equal still).
                 kept[field] = {b: have[b] for b in order}
         if list(self.optimizer_step) != sorted(self.optimizer_step):
             self.__dict__["optimizer_step"] = dict(sorted(self.optimizer_step.items()))

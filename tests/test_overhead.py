@@ -114,8 +114,8 @@ def test_the_probe_leaves_the_callers_rng_alone():
 
 
 def test_a_profile_without_the_overhead_is_written_and_digested_as_before():
-    """Files that never measured it keep their bytes and digests (an older gpipe-plan reads
-    them, and plans made from them still name them); one that did keeps it through a save."""
+    """A profile that never measured it is written and digested without it (an older
+    gpipe-plan of the same format reads the file); one that did keeps it through a save."""
     from profiler.types import Profile
 
     plain = synthetic_profile([1.0, 2.0])

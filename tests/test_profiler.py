@@ -191,34 +191,46 @@ def test_profile_json_round_trips(tmp_path):
     assert 0 < prof.runtime.call_ms < 50
 
 
-def test_a_file_in_any_key_order_is_the_same_profile_with_the_same_digest():
-    """json's sorted keys put size 16 before 2: the profile keeps each per-size map by
-    increasing size whatever the file's order, so its digest and canonical bytes are the ones
-    made in memory (pydantic's serializer writes maps in their order)."""
-    prof = synthetic_profile([1.0, 2.0, 3.0], sizes=[1, 2, 16])
+def test_a_profile_in_any_key_order_has_the_digest_and_bytes_made_in_memory(tmp_path):
+    """json's sorted keys put size 16 before 2, and pydantic's serializer writes a map in its
+    own order: a profile whose maps or optimizers come in any order (from a file, or put in by
+    model_copy, which skips the validator) has the digest and canonical bytes of the one made
+    in memory, and reads its maps by increasing size."""
+    prof = synthetic_profile([1.0, 2.0, 3.0], sizes=[1, 2, 16], loss={"forward": 0.5})
+    prof = Profile.from_json_text(
+        prof.canonical_json().replace('"optimizer_step": {}', '"optimizer_step": {"sgd": '
+        '{"foreach": true, "per_byte": 0.0}, "adam": {"foreach": false, "per_byte": 2.0}}')
+    )  # fmt: skip
     data = json.loads(prof.canonical_json())
     assert list(data["layers"][0]["forward_ms"]) == ["1", "2", "16"]
-    data["optimizer_step"] = {
-        "sgd": {"foreach": True, "per_byte": 0.0},
-        "adam": {"foreach": False, "per_byte": 2.0},
-    }
-    shuffled = json.dumps(data, sort_keys=True)  # "1", "16", "2"; adam before sgd
-    assert '"16": {' in shuffled and shuffled.index('"16"') < shuffled.index('"2"')
-    again = Profile.from_json_text(shuffled)
-    back = Profile.from_json_text(json.dumps({**data, "optimizer_step": dict(
-        reversed(list(data["optimizer_step"].items())))}))  # fmt: skip
-    assert list(again.layers[0].forward_ms) == [1, 2, 16]
-    assert list(again.optimizer_step) == ["adam", "sgd"] == list(back.optimizer_step)
-    assert again == back and again.digest() == back.digest()
-    assert again.canonical_json() == back.canonical_json()
-    assert json.loads(again.canonical_json()) == json.loads(shuffled)
-    # the same content under another digest where anything changes
+    assert list(data["loss"]["saved_bytes"]) == ["1", "2", "16"]
+    assert list(data["optimizer_step"]) == ["adam", "sgd"]
+    path = tmp_path / "sorted.json"
+    path.write_text(json.dumps(data, sort_keys=True))  # "1", "16", "2"
+    assert path.read_text().index('"16"') < path.read_text().index('"2"')
+    again = Profile.load(path)
+    assert list(again.layers[0].forward_ms) == [1, 2, 16] == list(again.loss.backward_ms)
+    assert again.digest() == prof.digest() and again.canonical_json() == prof.canonical_json()
+    # put in out of order past the validator: the same digest and bytes all the same
+    edited = prof.model_copy(update={
+        "layers": [x.model_copy(update={"forward_ms": dict(reversed(x.forward_ms.items()))})
+                   for x in prof.layers],
+        "optimizer_step": dict(reversed(prof.optimizer_step.items())),
+    })  # fmt: skip
+    assert list(edited.layers[0].forward_ms) == [16, 2, 1]
+    assert edited.digest() == prof.digest() and edited.canonical_json() == prof.canonical_json()
+    # another value is another digest
     data["layers"][1]["saved_bytes"]["16"] += 1
-    assert Profile.from_json_text(json.dumps(data)).digest() != again.digest()
-    # a map missing a size is still refused, in any order
-    del data["layers"][1]["saved_bytes"]["2"]
-    with pytest.raises(InputError, match="saved_bytes is not given for every batch size"):
-        Profile.from_json_text(json.dumps(data))
+    assert Profile.from_json_text(json.dumps(data, sort_keys=True)).digest() != prof.digest()
+    # a map missing a size, or with one more, is still refused in any order
+    for edit in ("del", "add"):
+        bad = json.loads(json.dumps(data))
+        if edit == "del":
+            del bad["layers"][1]["saved_bytes"]["2"]
+        else:
+            bad["layers"][1]["saved_bytes"]["4"] = 1
+        with pytest.raises(InputError, match="saved_bytes is not given for every batch size"):
+            Profile.from_json_text(json.dumps(bad, sort_keys=True))
 
 
 def test_transformer_profile_has_every_layer_and_size():
