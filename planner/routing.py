@@ -81,6 +81,19 @@ class Flow:
             readers=[sorted(readers[x]) for x in names],
         )
 
+    def chain_only(self) -> bool:
+        """Whether the stages of every split exchange as a chain: each value is read by the
+        layer right after the one that makes it and no other, and each layer after the first
+        reads a value the one before it made (so no stage may start before the one before)."""
+        n = self.nxt.shape[1] - 1
+        fed = set()
+        for made, readers in zip(self.born.tolist(), self.readers):
+            if any(r != made + 1 for r in readers):
+                return False
+            if readers:
+                fed.add(made + 1)
+        return all(k in fed for k in range(1, n))
+
     def received(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """(values, len(i)): whether stage [i, j) receives the value (it crosses cut i and a
         layer of the stage reads it)."""

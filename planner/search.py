@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
@@ -145,6 +145,17 @@ class _Problem:
         if mb not in self.chains:
             self.chains[mb] = chain_at(self.table, mb)
         return self.chains[mb]
+
+    @cached_property
+    def chain_order(self) -> bool:
+        """Whether no stage starts before the one ahead of it has handed it something, as the
+        bounds' fill and drain terms and the exact split take it. Not so for the torchrun
+        program of a captured graph with skips or a stage that reads nothing of the stage
+        before: it runs such branches side by side (the default program keeps chain order)."""
+        if self.target != "torchrun" or not self.profile.captured:
+            return True
+        flow = chain_at(self.table, self.profile.batch_sizes[0]).flow
+        return flow is None or flow.chain_only()
 
     def chain(self, cand: Candidate) -> tuple[Chain, MemoryModel]:
         """The costs and the memory model built on them (once per size)."""
@@ -832,6 +843,8 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     per_mb = 3 * action if zb else 2 * action + call
     load = M * W / float(sum(speeds))  # (the cheapest mode's work)
     runtime = M * cand.per_device * per_mb
+    if not problem.chain_order:  # the devices' loads alone: no way through the stages holds
+        return step + max(M * granular + runtime, load + runtime)
     # each device's two stages framed (bounds.py; a chain's: a captured graph's stage may take
     # nothing from the one before it)
     if cand.per_device == INTERLEAVE == 2 and not problem.profile.captured:
@@ -1108,6 +1121,8 @@ def _lower_bound(problem: _Problem, cand: Candidate, speeds: list[float], part: 
             for kind, ms in ((Kind.F, "forward_ms"), (Kind.B, "backward_ms"),
                              (Kind.I, "input_grad_ms")):  # fmt: skip
                 before[kind][s + 1] = before[kind][s] + t[ms] + paid[kind] + c
+    if not problem.chain_order:  # (and links: a skip may go its own way)
+        return step + max(busy)
     framed = 0.0
     program = plan_schedule(cand.schedule, K, M).ranks
     for d in range(K):
@@ -1237,6 +1252,12 @@ def _build_plan(
                 f"({total_ms - ran:.3g} ms under the chain-order model the split and "
                 "the search's bounds use)"
             )
+        if not problem.chain_order and "side by side" not in waits:
+            side = (
+                "the torchrun program may run this captured graph's branches side by side, "
+                "which the exact split (stages in chain order) does not see"
+            )
+            waits = f"{waits}; {side}" if waits else side
         # the same compute, over a longer (or shorter) step
         total_ms, bubble = ran, 1 - sum(timeline.busy) / (K * ran) if ran else 0.0
     solved = part.extra.get("optimal", 1.0) == 1.0

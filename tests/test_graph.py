@@ -4,6 +4,7 @@ whose gradients equal the un-pipelined model's."""
 from __future__ import annotations
 
 import copy
+import itertools
 import subprocess
 import sys
 import warnings
@@ -653,6 +654,74 @@ def test_zero_bubble_charges_the_calls_a_stage_that_receives_nothing_makes(monke
         made,
         stage_costs(plan.stages).input_calls,
     )
+
+
+def _timed(prof, k, ms):
+    """The profile with layer k's four timings set to `ms`."""
+    timed = ("forward_ms", "backward_ms", "backward_input_ms", "backward_weight_ms")
+    one = {"median": ms, "min": ms, "max": ms}
+    layers = [
+        x.model_copy(update={f: {b: t.model_copy(update=one) for b, t in getattr(x, f).items()}
+                             for f in timed}) if x.index == k else x
+        for x in prof.layers
+    ]  # fmt: skip
+    return prof.model_copy(update={"layers": layers})
+
+
+@pytest.mark.parametrize("target", ["streams", "torchrun"])
+def test_the_search_bounds_hold_for_a_captured_graph_whose_stages_need_not_wait(target):
+    """Brute force over every split: both bounds that prune candidates stay below the time the
+    plan predicts, where `pos` (reading only parameters) may run beside the layer before it.
+    The torchrun program runs it so: its bounds were above its time (119 of 1 056 splits) when
+    they took the stages in chain order; now only the devices' loads bound it there, and its
+    plans say the split is not proven."""
+    from planner import search
+    from planner.partition import Partition
+
+    model = ReadsNothing()
+    x = model.example_input
+    base = even_times(quick_profile(capture(model, x), x, batch_sizes=[2]))
+    checked = 0
+    for k, ms in ((0, 0.1), (1, 10.0)):
+        prof = _timed(base, k, ms)
+        for K in (3, 4):
+            cluster = Cluster.uniform(K, "1GiB", latency_ms=0.5)
+            problem = search._Problem(prof, cluster, 8, "adam", target=target)
+            assert problem.chain_order == (target == "streams")
+            L = problem.costs(search.Candidate(1, "gpipe", "never")).num_layers
+            for M in (1, 4):
+                for schedule in ("gpipe", "1f1b", "zb-h1"):
+                    cand = search.Candidate(M, schedule, "never")
+                    specs = search._stage_specs(problem, cand)
+                    prior = search._prior_bound(problem, cand, [1.0] * K)
+                    for cuts in itertools.combinations(range(1, 4), K - 1):  # (4 layers)
+                        part = Partition([0, *cuts, L], 0.0, choices=[0] * K)
+                        after = search._lower_bound(problem, cand, [1.0] * K, part)
+                        plan = search._build_plan(problem, cand, specs, part, "test")
+                        got = plan.predicted.iteration_ms
+                        assert prior <= got * (1 + 1e-9), (k, K, M, schedule, cuts, prior, got)
+                        assert after <= got * (1 + 1e-9), (k, K, M, schedule, cuts, after, got)
+                        if target == "torchrun":
+                            assert not plan.solver.optimal
+                            assert "side by side" in plan.solver.unproven
+                        checked += 1
+    assert checked == 2 * (3 + 1) * 2 * 3
+
+
+def test_a_captured_chain_keeps_its_proof_under_torchrun():
+    """A captured graph whose layers only read the layer before (a wrapped Sequential): the
+    torchrun program keeps chain order, so the bounds and the split's proof stand."""
+    from planner import search
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Tanh())
+    x = torch.randn(8, 8)
+    prof = even_times(quick_profile(capture(model, x), x, batch_sizes=[2]))
+    assert prof.captured
+    problem = search._Problem(prof, Cluster.uniform(2, "1GiB"), 8, "adam", target="torchrun")
+    assert problem.chain_order
+    plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 8, microbatches=4, schedule="1f1b",
+                         target="torchrun")  # fmt: skip
+    assert plan.solver.optimal, plan.solver.unproven
 
 
 def test_a_captured_graph_makes_its_tensors_on_the_device_its_layer_runs_on():
