@@ -1106,6 +1106,7 @@ def _lower_bound(problem: _Problem, cand: Candidate, speeds: list[float], part: 
     action, call, step = _overhead(problem.profile)
     zb = cand.schedule == "zb-h1"
     A = 3 if zb else 2
+    forward, trips = [0.0] * S, [0.0] * S  # per stage: one micro-batch's forward; F then B
     for s, (i, j) in enumerate(part.stages):
         # a zero-bubble first stage of one layer makes no call at I
         called = call * input_calls(s, (i, j), S, grads[s]) if zb else call
@@ -1113,7 +1114,9 @@ def _lower_bound(problem: _Problem, cand: Candidate, speeds: list[float], part: 
         t = _stage_times(chain, cand, modes[s], i, j, speeds[s])
         own[s] = M * (t["work_ms"] + A * action + called)
         busy[s % K] += own[s]
-        trip += t["trip_ms"] + 2 * action + called
+        trips[s] = t["trip_ms"] + 2 * action + called
+        forward[s] = t["forward_ms"] + action
+        trip += trips[s]
         if s < S - 1:  # what the next stage receives, as the plan times it
             c = _link_ms(problem.cluster, s % K, (s + 1) % K, float(received[s + 1]))
             trip += 2 * c
@@ -1121,10 +1124,18 @@ def _lower_bound(problem: _Problem, cand: Candidate, speeds: list[float], part: 
             for kind, ms in ((Kind.F, "forward_ms"), (Kind.B, "backward_ms"),
                              (Kind.I, "input_grad_ms")):  # fmt: skip
                 before[kind][s + 1] = before[kind][s] + t[ms] + paid[kind] + c
-    if not problem.chain_order:  # (and links: a skip may go its own way)
-        return step + max(busy)
-    framed = 0.0
     program = plan_schedule(cand.schedule, K, M).ranks
+    if not problem.chain_order:
+        # A stage waits only for the stages it takes values from, and links may carry a skip
+        # beside everything else (counted as nothing): a micro-batch reaches stage s once the
+        # longest way of forwards to it has run. Each device's first action waits for that,
+        # and each stage's F and B of a micro-batch come after it.
+        reach = [0.0] * S
+        for a, b in sorted(route_pairs(chain.flow, part.bounds)):  # (routes go forward)
+            reach[b] = max(reach[b], reach[a] + forward[a])
+        first = [reach[program[d][0].stage] + busy[d] for d in range(K)]
+        return step + max(*first, *(reach[s] + trips[s] for s in range(S)))
+    framed = 0.0
     for d in range(K):
         first, last = program[d][0], program[d][-1]
         tail = before[last.kind][last.stage] if last.kind in (Kind.B, Kind.I) else 0.0

@@ -673,8 +673,8 @@ def test_the_search_bounds_hold_for_a_captured_graph_whose_stages_need_not_wait(
     """Brute force over every split: both bounds that prune candidates stay below the time the
     plan predicts, where `pos` (reading only parameters) may run beside the layer before it.
     The torchrun program runs it so: its bounds were above its time (119 of 1 056 splits) when
-    they took the stages in chain order; now only the devices' loads bound it there, and its
-    plans say the split is not proven."""
+    they took the stages in chain order; now the devices' loads and the longest way along the
+    split's routes bound it there, and its plans say the split is not proven."""
     from planner import search
     from planner.partition import Partition
 
