@@ -331,6 +331,9 @@ class BufferedTransport(BlockingTransport):
     def __init__(self, world: int, timeout: float = 20.0) -> None:
         super().__init__(world, timeout)
         self.mail: dict[tuple[int, int], deque] = {}  # (sender, receiver): (tag, tensor)
+        self.tags: list[int] = []  # of every send
+        # one object each, as torch's functions are: the runtime tells ops apart by identity
+        self.isend, self.irecv = self._isend, self._irecv  # type: ignore[method-assign]
 
     def get_backend(self) -> str:
         return "gloo"
@@ -338,16 +341,20 @@ class BufferedTransport(BlockingTransport):
     def batch_isend_irecv(self, ops: list[Any]) -> list[_Work]:
         raise AssertionError("under gloo the runtime posts each operation itself")
 
-    def isend(self, tensor: torch.Tensor, peer: int, group: Any = None, tag: int = 0) -> _Work:
+    def _isend(self, tensor: torch.Tensor, peer: int, group: Any = None, tag: int = 0) -> _Work:
         with self.cond:
             self.mail.setdefault((self.get_rank(), peer), deque()).append((tag, tensor.clone()))
+            self.tags.append(tag)
             self.posted += 1
             self.cond.notify_all()
-        work = _Work(self)
-        work.done = True
-        return work
 
-    def irecv(self, buf: torch.Tensor, peer: int, group: Any = None, tag: int = 0) -> _Work:
+        class Sent(_Work):  # buffered, but as gloo says it: complete once waited for
+            def wait(self) -> None:
+                self.done = True
+
+        return Sent(self)
+
+    def _irecv(self, buf: torch.Tensor, peer: int, group: Any = None, tag: int = 0) -> _Work:
         transport, me = self, self.get_rank()
 
         class Received(_Work):
@@ -536,6 +543,9 @@ def test_under_gloo_each_operation_is_posted_by_itself(mlp_profile, schedule, K,
     )
     assert not errors, errors
     assert not transport.crossed and transport.posted == 2 * 2 * (K - 1) * M
+    # each message under its own tag (the receiver matches by it), none left unsent
+    assert len(set(transport.tags)) == len(transport.tags) and 0 not in transport.tags
+    assert not any(transport.mail.values())
     torch.manual_seed(0)
     reference = mlp(width=32, depth=4, batch=8)
     expected = loss_fn(reference(x), y)
