@@ -44,11 +44,7 @@ class Artifact(BaseModel):
         return {name for name in self.LATER_FIELDS if getattr(self, name, None) is None}
 
     def _data(self) -> dict[str, Any]:
-        data = self.model_dump(mode="json")
-        for name in self.LATER_FIELDS:
-            if data.get(name) is None:
-                data.pop(name, None)
-        return data
+        return self.model_dump(mode="json", exclude=self._unset_later())
 
     def canonical_json(self, *, with_meta: bool = True) -> str:
         """Sorted keys, fixed indentation: the same artifact always gives the same bytes."""
