@@ -103,6 +103,8 @@ class Artifact(BaseModel):
             raise InputError(
                 f"{source}: not a gpipe-plan {expected} file (nested too deeply)"
             ) from None
+        except ValueError as e:  # a number past what Python reads (4300 digits)
+            raise InputError(f"{source}: not valid JSON ({str(e).split(':')[0]})") from None
         if not isinstance(data, dict) or "kind" not in data:
             raise InputError(f"{source}: not a gpipe-plan {expected} file (no 'kind' field)")
         if data["kind"] != expected:

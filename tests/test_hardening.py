@@ -689,3 +689,29 @@ def test_json_nested_past_the_parsers_depth_is_refused_in_one_line(run_cli, tmp_
     deep.write_text("[" * 200_000 + "]" * 200_000)
     r = run_cli("show", str(deep))
     assert r.code == 2 and "nested too deeply" in r.err and "Traceback" not in r.err
+
+
+@pytest.mark.parametrize("kind", ["plan", "profile", "cluster"])
+def test_a_number_longer_than_python_reads_is_refused_in_one_line(run_cli, tmp_path, kind):
+    """Found by a red team: an integer of more than 4300 digits anywhere in a file (here an
+    unknown field, so the one-pass reader refuses it first) made json raise a plain ValueError
+    past the checked path's handlers: a traceback, exit 1, for every kind of file."""
+    bad = tmp_path / "big.json"
+    bad.write_text(f'{{"kind": "{kind}", "format_version": 1, "x": {"7" * 5000}}}')
+    out = tmp_path / "out.json"
+    out.write_text("kept")
+    if kind == "plan":
+        r = run_cli("show", str(bad))
+    elif kind == "profile":
+        r = run_cli("plan", str(bad), "--devices", "2", "--memory", "1GiB", "--batch-size", "8",
+                    "-o", str(out))  # fmt: skip
+    else:
+        profile = tmp_path / "p.json"
+        synthetic_profile([1.0, 2.0]).save(profile)
+        r = run_cli("plan", str(profile), "--cluster", str(bad), "--batch-size", "8",
+                    "-o", str(out))  # fmt: skip
+    assert r.code == 2 and "Traceback" not in r.err, r.err
+    assert (
+        "not valid JSON (Exceeds the limit (4300 digits)" in r.err and len(r.err.splitlines()) == 1
+    )
+    assert out.read_text() == "kept"
