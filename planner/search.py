@@ -1446,13 +1446,13 @@ def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleErr
             built = _build_plan(problem, cand, whole, part, "probe-bisection")
             return (whole, part) if max(d.total for d in built.devices) <= budget else None
 
-        hi = need if need is not None else 1
+        hi = need - 1 if need is not None else 1
         if need is None:
             while hi < INT64_SAFE and not fits(hi):
                 hi *= 2
             if hi >= INT64_SAFE:
                 continue
-        elif not fits(hi):
+        elif hi < 1 or not fits(hi):  # no closer than the closest so far: one try, no search
             continue
         lo = 0  # nothing fits in 0 bytes
         while hi - lo > 1:
