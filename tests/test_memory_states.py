@@ -118,6 +118,20 @@ def test_occupancy_peak_is_the_replayed_peak(case):
     assert [levels[-1][1] for levels in played.levels] == [b.static for b in sizes]
 
 
+def _drawn(name, R, M, data):
+    """A schedule of `name` on R ranks and M micro-batches with drawn per-stage modes and
+    skips, and those modes; None where interleaved 1F1B cannot run M."""
+    v = 2 if name == "interleaved-1f1b" else 1
+    if v == 2 and M > R and M % R:
+        return None
+    sched = build_schedule(name, R * v, M, stages_per_rank=v)
+    S = sched.num_stages
+    modes = data.draw(st.lists(st.sampled_from(["never", "except_last", "always"]),
+                               min_size=S, max_size=S))  # fmt: skip
+    sched.routes = data.draw(_routes(S))
+    return sched, modes
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]),
@@ -133,14 +147,11 @@ def test_occupancy_bound_is_at_least_every_tuple_and_reached_where_it_is_exact(n
     first stage's input, which its forward turns into activations), not at all."""
     from schedules.memory import occupancy_bound
 
-    v = 2 if name == "interleaved-1f1b" else 1
-    if v == 2 and M > R and M % R:
+    drawn = _drawn(name, R, M, data)
+    if drawn is None:
         return
-    sched = build_schedule(name, R * v, M, stages_per_rank=v)
+    sched, modes = drawn
     S = sched.num_stages
-    modes = data.draw(st.lists(st.sampled_from(["never", "except_last", "always"]),
-                               min_size=S, max_size=S))  # fmt: skip
-    sched.routes = data.draw(_routes(S))
     exact, bound = occupancy(sched, modes), occupancy_bound(sched, modes)
     assert len(bound) == S
     for s in range(S):
@@ -168,14 +179,11 @@ def test_occupancy_floor_tuples_are_each_below_a_tuple_of_the_issue_order(name, 
     recomputation and skips included. And it is not empty: each stage's activations show."""
     from schedules.memory import occupancy_floor
 
-    v = 2 if name == "interleaved-1f1b" else 1
-    if v == 2 and M > R and M % R:
+    drawn = _drawn(name, R, M, data)
+    if drawn is None:
         return
-    sched = build_schedule(name, R * v, M, stages_per_rank=v)
+    sched, modes = drawn
     S = sched.num_stages
-    modes = data.draw(st.lists(st.sampled_from(["never", "except_last", "always"]),
-                               min_size=S, max_size=S))  # fmt: skip
-    sched.routes = data.draw(_routes(S))
     exact, floor = occupancy(sched, modes), occupancy_floor(sched, modes)
     assert len(floor) == S
     for s in range(S):
