@@ -74,6 +74,7 @@ from .plan import (
 )
 from .routing import routes as route_pairs
 from .units import format_size
+from .version import VERSION
 
 SOLVERS = ("auto", "probe", "dp", "cp-sat")
 TARGETS = ("streams", "torchrun")
@@ -1329,7 +1330,7 @@ def _build_plan(
             gap=gap,
             candidates=1,
         ),
-        meta=PlanMeta(tool_version=_version()),
+        meta=PlanMeta(tool_version=VERSION),
     )
     plan._untimed = problem.target == "torchrun" and K > 1 and lost
     return plan
@@ -1480,12 +1481,3 @@ def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleErr
         need,
         closest,
     )
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("gpipe-plan")
-    except Exception:
-        return "unknown"

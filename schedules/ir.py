@@ -9,9 +9,11 @@ stage 3), `3RECV_F1@0` (the same, taken by stage 3); a captured graph's skips ne
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 
 class Kind(str, Enum):
@@ -24,6 +26,10 @@ class Kind(str, Enum):
     SEND_B = "SEND_B"
     RECV_B = "RECV_B"
 
+    # str's own hash, in C (Enum's is a Python call on the name, here the same text): every
+    # action's hash reads its kind's
+    __hash__ = str.__hash__
+
     @property
     def is_compute(self) -> bool:
         return self in _COMPUTE_KINDS
@@ -34,8 +40,11 @@ _COMPUTE_KINDS = frozenset(COMPUTE)  # a set: tested once per action in hot loop
 _ACTION = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)(?:@(\d+))?$")
 
 
-@dataclass(frozen=True, order=True)
-class Action:
+class Action(NamedTuple):
+    """Immutable, hashed and ordered by (stage, kind, microbatch, peer). A tuple, not a frozen
+    dataclass: generators make about a hundred thousand per schedule at 64 ranks, and a
+    dataclass takes six times as long to make and far longer to hash."""
+
     stage: int
     kind: Kind
     microbatch: int
@@ -56,20 +65,18 @@ class Action:
         return cls(int(m.group(1)), Kind(m.group(2)), int(m.group(3)), peer)
 
 
-_MADE: dict[tuple[int, Kind, int], Action] = {}
+_MADE: dict[Action, Action] = {}
+_NEW = functools.partial(tuple.__new__, Action)  # from (stage, kind, mb, peer), all in C
 
 
 def _compute(stage: int, kind: Kind, mb: int) -> Action:
-    """One shared object per compute action: generators make tens of thousands per schedule,
-    and a frozen dataclass costs far more to make than to look up (equal ones are also
-    identical then, which makes comparing schedules cheap)."""
-    key = (stage, kind, mb)
-    a = _MADE.get(key)
-    if a is None:
-        if len(_MADE) >= 1 << 20:
-            _MADE.clear()
-        a = _MADE[key] = Action(stage, kind, mb)
-    return a
+    """One shared object per compute action (equal ones are also identical then, which makes
+    comparing schedules cheap)."""
+    a = _NEW((stage, kind, mb, -1))
+    if len(_MADE) >= 1 << 20:
+        _MADE.clear()
+        _ROWS.clear()
+    return _MADE.setdefault(a, a)
 
 
 _ROWS: dict[tuple[Kind, int], list[Action]] = {}
@@ -84,7 +91,10 @@ def row(kind: Kind, stage: int, count: int) -> list[Action]:
             _MADE.clear()
             _ROWS.clear()
             have = _ROWS.setdefault((kind, stage), [])
-        have.extend(_compute(stage, kind, m) for m in range(len(have), count))
+        intern = _MADE.setdefault
+        have.extend(
+            intern(a, a) for a in map(_NEW, ((stage, kind, m, -1) for m in range(len(have), count)))
+        )
     return have[:count]
 
 

@@ -107,7 +107,7 @@ def _build(schedule: Schedule) -> Waves | None:
         """(stage, micro-batch) -> the one node of `mask` there, -1 where none; None if two."""
         at = np.full(S * M, -1, dtype=np.int64)
         cell = stage[mask] * M + mb[mask]
-        if len(np.unique(cell)) != len(cell):
+        if len(cell) and np.bincount(cell).max() > 1:
             return None
         at[cell] = np.nonzero(mask)[0]
         return at

@@ -213,6 +213,16 @@ def test_plan_is_deterministic_apart_from_meta():
     assert a.digest() == b.digest()
 
 
+def test_plan_names_the_installed_version():
+    """The plan's tool_version is the one constant pyproject.toml reads as the package's
+    version: the installed metadata and the plan agree."""
+    from importlib.metadata import version
+
+    plan = plan_pipeline(synthetic_profile([1, 2, 3, 4]), Cluster.uniform(2, "1MiB"), 4)
+    assert plan.meta.tool_version == version("gpipe-plan")
+    assert plan.meta.tool_version.count(".") == 2
+
+
 def test_tight_memory_turns_recomputation_on():
     prof = synthetic_profile([1.0] * 8, saved=[1000] * 8, params=[10] * 8)
     roomy = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 8, schedule="gpipe")
