@@ -147,6 +147,7 @@ class _Prober:
         # Under an infinite bound a cut is allowed iff finite: compare against the largest one.
         finite = self.cuts[np.isfinite(self.cuts)] if self.cuts is not None else np.zeros(0)
         self.max_cut = float(finite.max()) if finite.size else 0.0
+        self._cut_values = np.unique(finite)  # sorted: the next one past a bound is a search
         zero = np.zeros((len(table), 1))
         self.prefixes = np.concatenate([zero, np.cumsum(table, axis=1)], axis=1)
         self.least = table.min(axis=0)  # per layer, its cheapest option (for lower bounds)
@@ -228,7 +229,8 @@ class _Prober:
         return j
 
     def probe(self, bound: float) -> list[int] | None:
-        """A split with every stage cost <= bound and every stage fitting, or None."""
+        """A split with every stage cost <= bound and every stage fitting, or None. Where None,
+        `self.next_bound` is the least bound that could give another answer."""
         self.probes += 1
         self.memory_cut = False
         L, K = self.L, self.K
@@ -236,12 +238,20 @@ class _Prober:
         reach[0] = True
         cap = min(bound, self.max_cut)  # cuts[s][j] <= cap: within the bound and finite
         steps: list[tuple[np.ndarray, np.ndarray]] = []
+        # Every bound below both the least cost of one more layer on any stage from any start
+        # it reached (by time: memory does not move with the bound) and the least link cost
+        # past this bound reaches the same ends, and fails alike.
+        past = int(np.searchsorted(self._cut_values, cap, side="right"))
+        self.next_bound = (
+            float(self._cut_values[past]) if past < len(self._cut_values) else math.inf
+        )
         for s in range(K):
             room = L - (K - s)  # a later stage needs at least one layer each
             starts = np.nonzero(reach[: room + 1])[0]
             if starts.size == 0:
                 return None
             e = np.minimum(self.ends(s, starts, bound), room + 1)
+            self.next_bound = min(self.next_bound, self._one_more(s, starts, room + 1))
             ok = e > starts
             starts, e = starts[ok], e[ok]
             if starts.size == 0:
@@ -259,6 +269,19 @@ class _Prober:
             ok = (starts < end) & (e >= end)
             bounds.append(int(starts[ok][0]))  # the earliest start: later stages as long as allowed
         return bounds[::-1]
+
+    def _one_more(self, s: int, starts: np.ndarray, last: int) -> float:
+        """The least cost, over stage s's options, of the layer after its time limit from any
+        of `starts` (the one `ends` just found under the probe's bound), among those within
+        `last`: what a larger bound would first let the stage take."""
+        least = math.inf
+        for x, P in enumerate(self.prefixes):
+            j = self._time_ends[(x, self.speeds[s])][starts]
+            more = j < last
+            if more.any():
+                i = starts[more]
+                least = min(least, float(((P[j[more] + 1] - P[i]) / self.speeds[s]).min()))
+        return least
 
     def costs(self, bounds: list[int]) -> tuple[list[float], list[int]]:
         """Per stage of a split: its cost under its fastest option that fits, and that option
@@ -335,7 +358,12 @@ def solve_partition(
         mid = (lo + hi) / 2
         found = prober.probe(mid)
         if found is None:
-            lo = mid
+            # nothing changes below the next bound that lets some stage take another layer
+            nxt = prober.next_bound
+            if nxt >= hi:  # (no split below hi then: the one in hand is optimal)
+                proven = True
+                break
+            lo = max(mid, float(np.nextafter(nxt, -math.inf)))
         else:
             bounds, hi = found, prober.bottleneck(found, mid)
     # Prove it: no split is feasible strictly below the best bottleneck found.

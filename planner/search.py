@@ -428,7 +428,11 @@ def _search(
     started = time.perf_counter()
     speeds = [d.speed for d in problem.cluster.devices]
     prior = [_prior_bound(problem, c, speeds) for c in candidates]
-    order = sorted(range(len(candidates)), key=lambda k: (prior[k], k))
+    # Equal bounds (the same total work, say) are visited likely-fastest first: more
+    # micro-batches, less bubble, less recomputation. The winner does not depend on the order
+    # (ties go to the candidate listed first); the sooner a fast plan is in hand, the more of
+    # the others its time rules out by their split's bound, before any simulation.
+    order = sorted(range(len(candidates)), key=lambda k: (prior[k], _likely(candidates[k]), k))
     best: tuple[float, int, Plan, Candidate] | None = None
     visited = _Visited()
     outcomes = visited.outcomes
@@ -544,6 +548,19 @@ def _search(
     visited.build = lambda later: later.make(problem, method)
     won = best[2]
     return (won.make(problem, method) if isinstance(won, _Later) else won), best[3], visited
+
+
+_BUBBLE_RANK = {"zb-h1": 0, "interleaved-1f1b": 1, "1f1b": 2, "gpipe": 3}
+_RECOMPUTE_RANK = {"never": 0, PER_STAGE: 1, "except_last": 2, "always": 3}
+
+
+def _likely(cand: Candidate) -> tuple[int, int, int]:
+    """Of candidates with equal bounds, which to visit first (_search)."""
+    return (
+        -cand.microbatches,
+        _BUBBLE_RANK.get(cand.schedule, 4),
+        _RECOMPUTE_RANK.get(cand.recompute, 4),
+    )
 
 
 @dataclass

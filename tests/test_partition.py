@@ -227,6 +227,28 @@ def test_probe_and_dp_match_brute_force(problem):
         assert_optimal(solve(times, memory, specs, cuts), expected, times, chain, specs, cuts)
 
 
+@settings(max_examples=300, deadline=None)
+@given(problems(), st.floats(0.0, 1.0, exclude_max=True))
+def test_a_failed_probe_fails_at_every_bound_below_its_next_bound(problem, where):
+    """The bisection jumps past a failed probe to the least bound that lets a stage take one
+    more layer or cut at one more link (`next_bound`): every bound below it fails as well, and
+    past it the probe finds the optimum where brute force does."""
+    from planner.partition import _Prober
+
+    chain, specs, cuts = problem
+    times = chain.forward + chain.backward
+    expected = brute_force(times, chain, specs, cuts)
+    assume(math.isfinite(expected) and expected > 0)
+    prober = _Prober(times, MemoryModel(chain), specs, cuts)
+    bound = expected * where  # somewhere below the optimum: the probe fails
+    assert prober.probe(bound) is None
+    nxt = prober.next_bound
+    assert bound < nxt <= expected
+    assert prober.probe(float(np.nextafter(nxt, -math.inf))) is None
+    if nxt == expected:
+        assert prober.probe(nxt) is not None
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_probe_matches_dp_on_larger_chains_with_binding_cuts(seed):
     # Float times and cut costs around the stage costs: the two solvers compute the same float
