@@ -91,14 +91,21 @@ class _RangeMax:
         while 2 ** len(levels) <= n:
             prev, half = levels[-1], 2 ** (len(levels) - 1)
             levels.append(np.maximum(prev[:-half], prev[half:]))
-        self._table = np.zeros((len(levels), max(n, 1)), dtype=np.int64)
+        width = max(n, 1)
+        table = np.zeros((len(levels), width), dtype=np.int64)
         for k, row in enumerate(levels):
-            self._table[k, : len(row)] = row
+            table[k, : len(row)] = row
+        self._flat = table.ravel()  # level k's entry i at k * width + i: one gather per end
+        # per span 1 .. n: floor(log2(span)), and the row offset and length of its level
+        log = np.zeros(width + 1, dtype=np.int64)
+        log[1:] = np.frexp(np.arange(1, width + 1))[1] - 1
+        self._row = log * width
+        self._reach = 1 << log
 
     def __call__(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         span = np.maximum(j - i, 1)
-        k = np.frexp(span)[1] - 1  # floor(log2(span)), exactly
-        return np.maximum(self._table[k, i], self._table[k, j - (1 << k)])
+        row = self._row[span]
+        return np.maximum(self._flat[row + i], self._flat[row + j - self._reach[span]])
 
 
 def _prefix(values: np.ndarray) -> np.ndarray:

@@ -229,8 +229,8 @@ class _Prober:
         return j
 
     def probe(self, bound: float) -> list[int] | None:
-        """A split with every stage cost <= bound and every stage fitting, or None. Where None,
-        `self.next_bound` is the least bound that could give another answer."""
+        """A split with every stage cost <= bound and every stage fitting, or None (then
+        `next_bound()` says how far the bound must rise to change that)."""
         self.probes += 1
         self.memory_cut = False
         L, K = self.L, self.K
@@ -238,20 +238,15 @@ class _Prober:
         reach[0] = True
         cap = min(bound, self.max_cut)  # cuts[s][j] <= cap: within the bound and finite
         steps: list[tuple[np.ndarray, np.ndarray]] = []
-        # Every bound below both the least cost of one more layer on any stage from any start
-        # it reached (by time: memory does not move with the bound) and the least link cost
-        # past this bound reaches the same ends, and fails alike.
-        past = int(np.searchsorted(self._cut_values, cap, side="right"))
-        self.next_bound = (
-            float(self._cut_values[past]) if past < len(self._cut_values) else math.inf
-        )
+        self._seen: list[tuple[int, np.ndarray, int]] = []  # what next_bound reads
+        self._seen_cap = cap
         for s in range(K):
             room = L - (K - s)  # a later stage needs at least one layer each
             starts = np.nonzero(reach[: room + 1])[0]
             if starts.size == 0:
                 return None
             e = np.minimum(self.ends(s, starts, bound), room + 1)
-            self.next_bound = min(self.next_bound, self._one_more(s, starts, room + 1))
+            self._seen.append((s, starts, room + 1))
             ok = e > starts
             starts, e = starts[ok], e[ok]
             if starts.size == 0:
@@ -270,9 +265,22 @@ class _Prober:
             bounds.append(int(starts[ok][0]))  # the earliest start: later stages as long as allowed
         return bounds[::-1]
 
+    def next_bound(self) -> float:
+        """After a probe that found nothing: the least bound that could find something.
+
+        Every bound below both the least cost of one more layer on any stage, from any start it
+        reached (by time: memory does not move with the bound), and the least link cost past
+        the probe's bound reaches the same ends, and fails alike."""
+        values = self._cut_values
+        past = int(np.searchsorted(values, self._seen_cap, side="right"))
+        least = float(values[past]) if past < len(values) else math.inf
+        for s, starts, last in self._seen:
+            least = min(least, self._one_more(s, starts, last))
+        return least
+
     def _one_more(self, s: int, starts: np.ndarray, last: int) -> float:
         """The least cost, over stage s's options, of the layer after its time limit from any
-        of `starts` (the one `ends` just found under the probe's bound), among those within
+        of `starts` (the one `ends` found under the last probe's bound), among those within
         `last`: what a larger bound would first let the stage take."""
         least = math.inf
         for x, P in enumerate(self.prefixes):
@@ -359,7 +367,7 @@ def solve_partition(
         found = prober.probe(mid)
         if found is None:
             # nothing changes below the next bound that lets some stage take another layer
-            nxt = prober.next_bound
+            nxt = prober.next_bound()
             if nxt >= hi:  # (no split below hi then: the one in hand is optimal)
                 proven = True
                 break

@@ -231,7 +231,7 @@ def test_probe_and_dp_match_brute_force(problem):
 @given(problems(), st.floats(0.0, 1.0, exclude_max=True))
 def test_a_failed_probe_fails_at_every_bound_below_its_next_bound(problem, where):
     """The bisection jumps past a failed probe to the least bound that lets a stage take one
-    more layer or cut at one more link (`next_bound`): every bound below it fails as well, and
+    more layer or cut at one more link (`next_bound()`): every bound below it fails as well, and
     past it the probe finds the optimum where brute force does."""
     from planner.partition import _Prober
 
@@ -242,7 +242,7 @@ def test_a_failed_probe_fails_at_every_bound_below_its_next_bound(problem, where
     prober = _Prober(times, MemoryModel(chain), specs, cuts)
     bound = expected * where  # somewhere below the optimum: the probe fails
     assert prober.probe(bound) is None
-    nxt = prober.next_bound
+    nxt = prober.next_bound()
     assert bound < nxt <= expected
     assert prober.probe(float(np.nextafter(nxt, -math.inf))) is None
     if nxt == expected:
@@ -297,6 +297,21 @@ def test_runs_of_zero_time_layers_keep_the_probe_exact(seed):
         dp = solve_partition_dp(times, memory, specs, links)
         assert probe is not None and dp is not None
         assert probe.bottleneck == dp.bottleneck
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 10**12), min_size=1, max_size=70), st.data())
+def test_range_maxima_are_the_slices_maxima(values, data):
+    """The sparse table behind every transient and largest-parameter term: the maximum of
+    values[i:j] for any 0 <= i < j <= n, at every length (each power of two and between)."""
+    from planner.memory import _RangeMax
+
+    n = len(values)
+    pairs = data.draw(st.lists(st.tuples(st.integers(0, n - 1), st.integers(1, n)), min_size=1))
+    i = np.array([min(a, b - 1) for a, b in pairs], dtype=np.int64)
+    j = np.array([max(a + 1, b) for a, b in pairs], dtype=np.int64)
+    got = _RangeMax(np.array(values))(i, j)
+    assert got.tolist() == [max(values[a:b]) for a, b in zip(i.tolist(), j.tolist())]
 
 
 @settings(max_examples=200, deadline=None)
