@@ -40,6 +40,9 @@ def main(argv: list[str]) -> None:
         torch.manual_seed(0)  # the same model and batch on every rank
         model = load_model(model_spec)
         x, y, loss_fn = make_data(model, plan)
+        if plan.captured:  # the program runs the graph its own loader captures (same seed)
+            torch.manual_seed(0)
+            model = namespace["load_model"]()
         pipe = namespace["Pipeline"](model)
         params = list(pipe.parameters())
         optimizer = make_optimizer(plan.optimizer, params)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 import subprocess
 import sys
 import warnings
@@ -375,6 +376,27 @@ def test_cli_profiles_plans_and_compiles_a_graph_example(run_cli, tmp_path):
     # a plan of one model is refused for another graph model
     r = run_cli("codegen", plan, "--model", "example:unet", "-o", tmp_path / "other.py")
     assert r.code == 2 and "different model" in r.err
+
+
+def test_measure_runs_a_captured_graph_under_torchrun(run_cli, tmp_path):
+    """Found by a user trial: each rank built the model uncaptured for the program's Pipeline
+    ("'ResNet' object is not iterable"). It takes the graph the program's own loader captures."""
+    pytest.importorskip("torch.distributed.run")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    prof, plan, out = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "m.json"
+    r = run_cli("profile", "example:resnet", "--batch-sizes", "2", "--repeats", "1",
+                "--warmup", "0", "-o", prof)  # fmt: skip
+    assert r.code == 0, r.err
+    r = run_cli("plan", prof, "--devices", "2", "--memory", "256MiB", "--batch-size", "4",
+                "--microbatches", "2", "--target", "torchrun", "-o", plan)  # fmt: skip
+    assert r.code == 0, r.err
+    r = run_cli("measure", plan, "--model", "example:resnet", "--target", "torchrun",
+                "--steps", "1", "--tolerance", "50%", "-o", out)  # fmt: skip
+    assert r.code == 0, r.err
+    report = json.loads(out.read_text())
+    assert report["target"] == "torchrun" and len(report["devices"]) == 2
+    assert all(d["measured_peak_bytes"] > 0 for d in report["devices"])
 
 
 @pytest.fixture(scope="module")
