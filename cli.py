@@ -304,9 +304,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
 def _planned_model(spec: str, plan: Any) -> Any:
     """MODEL as the plan's layers: an nn.Sequential, or its graph captured as the profile did."""
-    from profiler.models import as_layers, capture_sample, load_model
+    from profiler.models import as_layers, capture_sample, in_dtype, load_model
 
-    model = load_model(spec)
+    model = in_dtype(load_model(spec), plan.dtype)
     return as_layers(model, capture_sample(model, plan.input_shape, plan.input_dtype))
 
 
@@ -324,6 +324,7 @@ def cmd_codegen(args: argparse.Namespace) -> int:
             f"{args.model} first"
         )
     check_output(args.output, inputs=[args.plan, *_sources(args.model)])
+    args.target = args.target or plan.target
     if args.target == "torch-pipelining":
         from codegen.emit import pipelining_refusal
 
@@ -384,7 +385,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
             f"{args.plan} was made for a different model ({plan.model}); profile and plan "
             f"{args.model} first"
         )
-    if args.target == "torchrun":
+    if (args.target or plan.target) == "torchrun":
         report = measure_torchrun(plan, args.model, steps=args.steps, tolerance=tolerance)
     else:
         import warnings
@@ -844,8 +845,8 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("plan")
     s.add_argument("--model", required=True, help="the model the plan was made for")
     s.add_argument("--target", choices=["streams", "torchrun", "torch-pipelining"],
-                   default="streams",
-                   help="streams: one process, a CUDA stream per stage (CPU without CUDA); "
+                   help="default: the plan's own target. "
+                   "streams: one process, a CUDA stream per stage (CPU without CUDA); "
                    "torchrun: one process per device, over torch.distributed (gloo or NCCL); "
                    "torch-pipelining: the same on torch.distributed.pipelining's runtime")  # fmt: skip
     s.add_argument("-o", "--output", default="program.py")
@@ -859,9 +860,10 @@ def _build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("measure", help="run a plan and compare its predictions with the run")
     s.add_argument("plan")
     s.add_argument("--model", required=True, help="the model the plan was made for")
-    s.add_argument("--target", choices=["streams", "torchrun"], default="streams",
-                   help="streams: in this process (on CPU, stages in turn: memory and per-action "
-                   "times compare); torchrun: one process per device on this host")  # fmt: skip
+    s.add_argument("--target", choices=["streams", "torchrun"],
+                   help="default: the plan's own target. streams: in this process (on CPU, "
+                   "stages in turn: memory and per-action times compare); torchrun: one "
+                   "process per device on this host")  # fmt: skip
     s.add_argument("--steps", type=_count("--steps", 10_000), default=3)
     s.add_argument("--tolerance", default="5%",
                    help="exit 1 when a device's measured peak exceeds its prediction by more")  # fmt: skip

@@ -46,12 +46,24 @@ def rank_device(named: str | None, rank: int) -> torch.device:
     host's LOCAL_RANK, else the CPU."""
     if named:
         try:
-            return torch.device(named)
+            device = torch.device(named)
         except RuntimeError as e:
             raise RuntimeError(f"device {named!r}: {e}") from None
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if device.type == "cuda" and (device.index or 0) >= have:
+            raise RuntimeError(
+                f"the cluster gives this rank {named}, which this host does not have "
+                f"({have} CUDA devices)"
+            )
+        return device
     if torch.cuda.is_available():
         return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}")
     return torch.device("cpu")
+
+
+class ProgramRefused(RuntimeError):
+    """A rank will not run this program (world size, model, device, another rank's refusal):
+    every rank raises it before anything else crosses ranks."""
 
 
 class DistPipelineRuntime(PipelineRuntime):
@@ -150,13 +162,13 @@ class DistPipelineRuntime(PipelineRuntime):
         dist.all_reduce(lo, op=dist.ReduceOp.MIN)
         dist.all_reduce(hi, op=dist.ReduceOp.MAX)
         if problem:
-            raise RuntimeError(f"rank {self.rank}: {problem}")
+            raise ProgramRefused(f"rank {self.rank}: {problem}")
         if int(hi[1]):
-            raise RuntimeError(
+            raise ProgramRefused(
                 f"rank {self.rank}: another rank refused this program; see its message"
             )
         if int(lo[0]) != int(hi[0]):
-            raise RuntimeError(
+            raise ProgramRefused(
                 f"rank {self.rank} runs program {self.PLAN}, and some rank another: give every "
                 "rank the same program"
             )

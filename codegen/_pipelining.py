@@ -14,6 +14,21 @@ import torch
 from torch import nn
 
 
+class Chained(nn.Module):
+    """A stage's layers in turn. torch's runtime hands a stage what the one before returned as
+    separate positional tensors; the first layer takes them back as the tuple it was."""
+
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, *args: Any) -> Any:
+        value = args[0] if len(args) == 1 else args
+        for layer in self.layers:
+            value = layer(value)
+        return value
+
+
 class Recomputed(nn.Module):
     """A stage that keeps only its input for backward and runs again inside it."""
 
@@ -47,7 +62,7 @@ def torch_pipeline(
     for s, (a, b) in enumerate(stages):
         if ranks[s] != rank:
             continue
-        module: nn.Module = nn.Sequential(*layers[a:b]).to(device)
+        module: nn.Module = Chained(layers[a:b]).to(device)
         if recompute[s] == "always":
             module = Recomputed(module)
         built.append(PipelineStage(module, s, len(stages), device))

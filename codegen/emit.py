@@ -80,6 +80,8 @@ def emit_program(
         main = _TORCHRUN_MAIN
     constants = _program_constants(plan)
     loader = _model_loader(model if model is not None else plan.model)
+    if plan.dtype != "float32":
+        loader += _DTYPE_LOADER.replace("DTYPE", json.dumps(plan.dtype))
     if plan.captured:
         runtime += "\n\n" + _without_dropped_lines(GRAPH.read_text())
         loader += _CAPTURED_LOADER
@@ -104,6 +106,12 @@ def pipelining_refusal(plan: Plan) -> str | None:
         return (
             "torch.distributed.pipelining's stages hand each other positional tensors, and "
             "this plan's captured graph sends named values past stages: use --target torchrun"
+        )
+    if plan.batch_size % plan.microbatches:
+        return (
+            f"torch.distributed.pipelining's stages take micro-batches of one size, and this "
+            f"plan splits {plan.batch_size} samples into {plan.microbatches} uneven ones: plan "
+            "with --microbatches dividing the batch, or use --target torchrun"
         )
     modes = {st.recompute for st in plan.stages} - {"never", "always"}
     if modes:
@@ -136,6 +144,8 @@ SCHEDULE_CSV = (
 """
     )
     loader = _model_loader(model if model is not None else plan.model)
+    if plan.dtype != "float32":
+        loader += _DTYPE_LOADER.replace("DTYPE", json.dumps(plan.dtype))
     return (
         _header(plan, "torch-pipelining") + runtime + constants + loader + _COMMON_MAIN
         + _PIPELINING_MAIN
@@ -359,6 +369,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if args.check_streams:
         sys.exit(check_streams())
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(f"{MODEL}: --device cuda, but this host has no CUDA device", file=sys.stderr)
+        sys.exit(2)
     n_gpu = torch.cuda.device_count() if args.device == "cuda" else 0
     devices = [f"cuda:{k % n_gpu}" if n_gpu else "cpu" for k in range(NUM_DEVICES)]
     model = load_model()
@@ -383,6 +396,7 @@ _TORCHRUN_MAIN = """
 
 def main() -> None:
     \"\"\"One timed training step on random data of the planned shapes, on every rank.\"\"\"
+    import sys
     import time
 
     cuda = torch.cuda.is_available()
@@ -393,7 +407,11 @@ def main() -> None:
         torch.manual_seed(0)  # the same model and batch on every rank
         model = load_model()
         x = random_batch(model)
-        pipe = Pipeline(model)
+        try:
+            pipe = Pipeline(model)
+        except ProgramRefused as e:  # every rank says why in one line, and stops
+            print(f"{MODEL}: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
         pipe.train_step(x, None, stand_in_loss)  # warm-up
         dist.barrier()
         t0 = time.perf_counter()
@@ -525,6 +543,21 @@ def load_model() -> nn.Module:
             "importable, e.g. with the directory that holds it on PYTHONPATH"
         ) from None
     return module.{name}()
+'''
+
+
+_DTYPE_LOADER = '''
+
+_load_float32 = load_model
+
+
+def load_model() -> nn.Module:
+    """The planned model in the dtype it was profiled in (gpipe-plan profile --dtype)."""
+    model = _load_float32()
+    module = model[0] if isinstance(model, tuple) else model  # (module, keyword inputs)
+    if any(p.is_floating_point() for p in module.parameters()):
+        module.to(getattr(torch, DTYPE))
+    return model
 '''
 
 

@@ -317,7 +317,13 @@ def make_data(model: nn.Module, plan: Plan, seed: int = 0) -> tuple[torch.Tensor
         return x, None, _stand_in_loss
     try:
         loss = resolve_loss(plan.loss)
-    except InputError:
+    except InputError as e:
+        where, sep, _ = plan.loss.rpartition(":")
+        if sep and where:  # named as package.module:fn or file.py:fn, and not found from here
+            raise InputError(
+                f"the plan's loss {plan.loss!r} cannot be loaded from here ({e}); run measure "
+                "where it was profiled, or measure from Python: pipe.measure(x, y, loss_fn)"
+            ) from None
         raise InputError(
             f"the plan's loss {plan.loss!r} was a Python function, which measure cannot name; "
             "measure from Python instead: pipe.measure(x, y, loss_fn)"

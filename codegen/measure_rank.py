@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from planner.plan import Plan
 from profiler.memtrack import trace_allocations
-from profiler.models import load_model
+from profiler.models import in_dtype, load_model
 
 from .measure import (
     device_levels,
@@ -38,7 +38,7 @@ def main(argv: list[str]) -> None:
         namespace: dict = {}
         exec(compile(Path(program).read_text(), program, "exec"), namespace)
         torch.manual_seed(0)  # the same model and batch on every rank
-        model = load_model(model_spec)
+        model = in_dtype(load_model(model_spec), plan.dtype)
         x, y, loss_fn = make_data(model, plan)
         if plan.captured:  # the program runs the graph its own loader captures (same seed)
             torch.manual_seed(0)

@@ -83,7 +83,8 @@ INTERLEAVE = 2  # stages per device for interleaved-1f1b
 
 class InfeasibleError(Exception):
     """No split fits the memory budgets. `needed_bytes`: the smallest memory per device that
-    some split (with some micro-batch count, schedule and recomputation tried) would need."""
+    some split (with some micro-batch count, schedule and recomputation tried) would need; on
+    devices of mixed memory, what each device with less would need, the others unchanged."""
 
     def __init__(self, message: str, needed_bytes: int, closest: Plan | None) -> None:
         super().__init__(message)
@@ -1027,7 +1028,8 @@ def _stage_specs(
     halve: bool = True,
     which: str = "exact",
 ) -> list[StageSpec]:
-    """One spec per stage; `budget` replaces every device's memory (the infeasibility search).
+    """One spec per stage; `budget` raises every device with less memory to it (the
+    infeasibility search: on equal devices, their memory replaced).
     With v stages per device each gets 1/v of its device's memory (`halve`), or all of it (a
     relaxation, for plans whose devices are then checked with both stages together); its
     share of the reserved memory is 1/v either way. `which`: "exact", "bound" (each stage's
@@ -1057,7 +1059,7 @@ def _stage_specs(
         specs.append(
             StageSpec(
                 speed=d.speed,
-                budget=(d.memory_bytes if budget is None else budget) // (v if halve else 1),
+                budget=max(d.memory_bytes, budget or 0) // (v if halve else 1),
                 shape=shapes[0],
                 more=tuple(shapes[1:]),
             )
@@ -1431,7 +1433,9 @@ def torchrun_schedule(plan: Plan, schedule: Schedule | None = None) -> Schedule:
 
 def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleError:
     """Find the least memory per device that any candidate split needs (a min-max partition on
-    memory, by bisection on a uniform budget), and say how far each device falls short."""
+    memory, by bisection on a budget that every device with less is raised to: on equal devices
+    the memory each needs, on mixed ones what the small ones need while the large keep theirs),
+    and say how far each device falls short."""
     cluster = problem.cluster
     need: int | None = None
     closest: Plan | None = None
@@ -1462,7 +1466,8 @@ def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleErr
             if part is None:
                 return None
             built = _build_plan(problem, cand, whole, part, "probe-bisection")
-            return (whole, part) if max(d.total for d in built.devices) <= budget else None
+            fit = all(d.total <= max(d.budget, budget) for d in built.devices)
+            return (whole, part) if fit else None
 
         hi = need - 1 if need is not None else 1
         if need is None:
@@ -1490,10 +1495,17 @@ def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleErr
     if need is None or closest is None:
         return InfeasibleError("no split fits at any memory size", INT64_SAFE, None)
     worst = max(closest.devices, key=lambda d: d.total - d.budget)
+    mixed = len({d.memory_bytes for d in cluster.devices}) > 1
+    where = (
+        f"on every device with less ({', '.join(d.name for d in cluster.devices if d.memory_bytes < need)}; "
+        "the others as they are)"
+        if mixed
+        else "per device"
+    )
     return InfeasibleError(
         f"no split fits: the best one (M={closest.microbatches}, {closest.schedule}, "
-        f"recompute {closest.recompute}) needs {format_size(need, up=True)} ({need} bytes) per "
-        f"device; {worst.name} would need {format_size(worst.total, up=True)} of "
+        f"recompute {closest.recompute}) needs {format_size(need, up=True)} ({need} bytes) "
+        f"{where}; {worst.name} would need {format_size(worst.total, up=True)} of "
         f"{format_size(worst.budget)} (over by {format_size(worst.total - worst.budget, up=True)})",
         need,
         closest,

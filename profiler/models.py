@@ -9,6 +9,7 @@ import math
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -116,6 +117,15 @@ def sample_input(
         high = int(example.max().item()) + 1
         return torch.randint(0, max(high, 1), tuple(input_shape), dtype=example.dtype)
     return torch.randn(*input_shape, dtype=dtype)
+
+
+def in_dtype(model: Any, dtype: str) -> Any:
+    """The model (or the module of a (module, keyword inputs) pair) with its floating-point
+    parameters and buffers in `dtype`, as `gpipe-plan profile --dtype` measured it."""
+    module = model[0] if isinstance(model, tuple) else model
+    if dtype != "float32" and any(p.is_floating_point() for p in module.parameters()):
+        module.to(DTYPES[dtype])
+    return model
 
 
 def as_layers(model: nn.Module, sample: torch.Tensor) -> nn.Sequential:

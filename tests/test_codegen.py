@@ -298,6 +298,21 @@ def test_emitted_source_is_deterministic_and_compiles(profiles):
     }
 
 
+def test_the_streams_program_asked_for_cuda_without_one_says_so(profiles, capsys):
+    """Found by a user trial: `--device cuda` on a host without CUDA ran on the CPU and exited
+    0. It exits 2 with one line."""
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    ns: dict = {}
+    exec(compile(emit_program(plan_for(profiles["mlp"], "1f1b", "never", 4)), "p.py", "exec"), ns)
+    with pytest.raises(SystemExit) as e:
+        ns["main"](["--device", "cuda"])
+    assert e.value.code == 2
+    assert (
+        capsys.readouterr().err.strip().endswith("--device cuda, but this host has no CUDA device")
+    )
+
+
 # A model of small_mlp's layers, for `file.py:factory` and `package.module:factory` programs.
 NET = """
 import torch
@@ -422,6 +437,49 @@ def mlp_plan_path(tmp_path, run_cli):
     )
     assert r.code == 0, r.err
     return plan_path
+
+
+def test_codegen_emits_the_plans_own_target_unless_told(tmp_path, run_cli):
+    """Found by a user trial: a plan made for torchrun got a streams program unless --target
+    was given again (and measure compared a streams run with a torchrun prediction)."""
+    prof, plan_path = tmp_path / "p.json", tmp_path / "plan.json"
+    r = run_cli("profile", "example:mlp", "--batch-sizes", "2,4", "--repeats", "1", "-o", prof)
+    assert r.code == 0, r.err
+    r = run_cli("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 8,
+                "--target", "torchrun", "-o", plan_path)  # fmt: skip
+    assert r.code == 0, r.err
+    program = tmp_path / "program.py"
+    r = run_cli("codegen", plan_path, "--model", "example:mlp", "-o", program)
+    assert r.code == 0 and "torchrun --nproc-per-node 2" in r.out
+    assert "class Pipeline(DistPipelineRuntime)" in program.read_text()
+    r = run_cli("codegen", plan_path, "--model", "example:mlp", "--target", "streams", "-o",
+                program)  # fmt: skip
+    assert r.code == 0 and f"python {program}" in r.out
+    assert "DistPipelineRuntime" not in program.read_text()
+
+
+def test_a_profile_in_another_dtype_plans_compiles_and_runs(tmp_path, run_cli, capsys):
+    """Found by a user trial: a plan of `profile --dtype bfloat16` was refused by codegen and
+    measure as made "for a different model" (the model was loaded in float32). The model is
+    now taken in the plan's dtype, by the CLI and by the program it emits."""
+    prof, plan_path = tmp_path / "p.json", tmp_path / "plan.json"
+    r = run_cli("profile", "example:mlp", "--dtype", "bfloat16", "--batch-sizes", "2",
+                "--repeats", "1", "-o", prof)  # fmt: skip
+    assert r.code == 0, r.err
+    r = run_cli("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 4, "-o",
+                plan_path)  # fmt: skip
+    assert r.code == 0, r.err
+    program = tmp_path / "program.py"
+    r = run_cli("codegen", plan_path, "--model", "example:mlp", "-o", program)
+    assert r.code == 0, r.err
+    ns: dict = {}
+    exec(compile(program.read_text(), str(program), "exec"), ns)
+    model = ns["load_model"]()
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    ns["main"](["--device", "cpu"])
+    assert "example:mlp: one" in capsys.readouterr().out
+    r = run_cli("measure", plan_path, "--model", "example:mlp", "--steps", 1)
+    assert r.code == 0, r.err
 
 
 def test_running_the_program_from_another_directory(
@@ -600,6 +658,34 @@ def test_torchrun_program_runs_from_another_directory(
     assert "example:mlp: one" in done.stdout and "on 3 ranks" in done.stdout
 
 
+def test_a_launch_of_the_wrong_size_stops_every_rank_with_one_line(
+    profiles, tmp_path, torchrun_available
+):
+    """Found by a user trial: the refusal was there, inside a traceback on every rank. Each
+    rank now prints it as one line of its own and exits 2 (torchrun adds its summary)."""
+    plan = plan_pipeline(profiles["mlp"], Cluster.uniform(2, "1GiB"), N, microbatches=2,
+                         schedule="1f1b")  # fmt: skip
+    path = tmp_path / "program.py"
+    path.write_text(emit_program(plan, target="torchrun", model="example:mlp"))
+    r = torchrun(3, str(path), timeout=120)
+    assert r.returncode != 0
+    # (the ranks write at once: their lines may run into each other)
+    assert r.stderr.count("runs on 2 processes, not 3") == 3, r.stderr[-3000:]
+    assert 'program.py", line' not in r.stderr  # no rank's own traceback
+    assert "exitcode: 2" in r.stderr
+
+
+def test_a_cluster_device_this_host_lacks_is_refused_in_words():
+    """Found by a user trial: a cluster naming cuda:N on a host without it failed inside
+    torch (`_cuda_setDevice`); the rank now refuses, and says which device is missing."""
+    from codegen._dist_runtime import rank_device
+
+    missing = f"cuda:{torch.cuda.device_count() if torch.cuda.is_available() else 0}"
+    with pytest.raises(RuntimeError, match=f"gives this rank {missing}, which this host does not"):
+        rank_device(missing, 0)
+    assert rank_device("cpu", 1) == torch.device("cpu")
+
+
 def test_torchrun_rank_that_raises_does_not_hang_the_others(profiles, tmp_path, torchrun_available):
     plan = plan_pipeline(
         profiles["mlp"],
@@ -691,3 +777,66 @@ def test_torch_pipelining_target_runs_on_torchs_runtime(profiles, tmp_path, torc
                           schedule="1f1b", recompute="except_last")  # fmt: skip
     with pytest.raises(ValueError, match="cannot recompute except_last"):
         emit_program(mixed, target="torch-pipelining")
+
+
+TUPLES = """
+import torch
+from torch import nn
+
+
+class Split(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x), x
+
+
+class Pass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, pair):
+        h, x = pair
+        return torch.relu(self.lin(h)), x
+
+
+class Merge(nn.Module):
+    def forward(self, pair):
+        h, x = pair
+        return h + x
+
+
+def build():
+    model = nn.Sequential(Split(), Pass(), Pass(), Merge(), nn.Linear(16, 4))
+    model.example_input = torch.randn(8, 16)
+    return model
+"""
+
+
+def test_torch_pipelining_hands_tuples_on_and_refuses_uneven_micro_batches(
+    tmp_path, torchrun_available
+):
+    """Found by a user trial: a stage whose input is the tuple the stage before returned
+    got it from torch's runtime as separate tensors (Sequential.forward took one), and a
+    plan of uneven micro-batches failed inside torch's runtime on a shape mismatch."""
+    from tests.conftest import quick_profile
+
+    model_file = tmp_path / "tuples.py"
+    model_file.write_text(TUPLES)
+    namespace: dict = {}
+    exec(compile(TUPLES, str(model_file), "exec"), namespace)
+    model = namespace["build"]()
+    prof = quick_profile(model, model.example_input, batch_sizes=[1, 2, 4])
+    plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 8, microbatches=2, schedule="1f1b")
+    assert plan.stages[1].layers[0] in (1, 2, 3)  # the second stage starts on a tuple
+    path = tmp_path / "program.py"
+    path.write_text(emit_program(plan, target="torch-pipelining", model=f"{model_file}:build"))
+    r = torchrun(2, str(path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "one step on torch.distributed.pipelining, 2 ranks" in r.stdout
+    uneven = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 9, microbatches=2)
+    with pytest.raises(ValueError, match="uneven"):
+        emit_program(uneven, target="torch-pipelining")

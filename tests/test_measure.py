@@ -198,6 +198,19 @@ def test_zero_bubble_without_a_profiled_loss_allocates_what_the_plan_says(K):
         assert abs(d.measured_peak_bytes - d.static_bytes - predicted) <= 0.05 * predicted, d
 
 
+def test_a_loss_named_by_a_file_not_found_here_is_said_so(profiles):
+    """Found by a user trial: a plan's `file.py:fn` loss, measured from another directory,
+    was reported as "a Python function, which measure cannot name"."""
+    from profiler.artifact import InputError
+
+    plan = plan_pipeline(profiles["mlp"], Cluster.uniform(2, "1GiB"), 4, microbatches=2)
+    model = MODELS["mlp"]()
+    for loss, says in (("nowhere.py:fn", "cannot be loaded from here"),
+                       ("<lambda>", "was a Python function")):  # fmt: skip
+        with pytest.raises(InputError, match=says):
+            make_data(model, plan.model_copy(update={"loss": loss}))
+
+
 def test_report_json_and_a_failing_gate(tmp_path, run_cli):
     prof, plan_path = tmp_path / "p.json", tmp_path / "plan.json"
     assert run_cli("profile", "example:mlp", "--batch-sizes", "2,4", "--repeats", "1",

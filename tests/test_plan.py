@@ -179,6 +179,39 @@ def test_needed_memory_is_exactly_the_least_that_fits():
         plan_pipeline(prof, Cluster.uniform(3, need - 1), 8, **kwargs)
 
 
+def test_on_mixed_devices_the_need_is_the_small_ones_and_exact():
+    """Found by a user trial: with one small device beside large ones the message asked for
+    the large ones' need on every device (14.9 MiB where 1.8 MiB on the small one fitted).
+    The need is now what every device with less must have, the others as they are."""
+    prof = synthetic_profile(
+        [1, 1, 4, 1, 1, 2, 3], params=[50, 10, 300, 20, 10, 90, 40], saved=[30, 8, 40, 5, 60, 9, 12]
+    )
+
+    def cluster(small: int) -> Cluster:
+        return Cluster.model_validate(
+            {
+                "devices": [
+                    {"name": "big", "memory_bytes": 10**6},
+                    {"name": "mid", "memory_bytes": 3000},
+                    {"name": "small", "memory_bytes": small},
+                ]
+            }  # fmt: skip
+        )
+
+    with pytest.raises(InfeasibleError) as info:
+        plan_pipeline(prof, cluster(50), 8)
+    need = info.value.needed_bytes
+    assert 50 < need < 3000 and "small; the others as they are" in str(info.value)
+    assert plan_pipeline(prof, cluster(need), 8).fits
+    with pytest.raises(InfeasibleError):
+        plan_pipeline(prof, cluster(need - 1), 8)
+    # what the old message asked for, the same memory on every device, is far more
+    with pytest.raises(InfeasibleError) as uniform:
+        plan_pipeline(prof, Cluster.uniform(3, 50), 8)
+    assert uniform.value.needed_bytes > need
+    assert "per device" in str(uniform.value)
+
+
 def test_heterogeneous_cluster_gets_more_layers_on_the_faster_device():
     prof = synthetic_profile([1.0] * 12)
     cluster = Cluster.model_validate(
