@@ -1431,6 +1431,19 @@ def torchrun_schedule(plan: Plan, schedule: Schedule | None = None) -> Schedule:
     return insert_comms(schedule or schedule_of(plan), stage_costs(plan.stages, plan.runtime))
 
 
+_HOLDS_RANK = {"1f1b": 0, "zb-h1": 1, "interleaved-1f1b": 2, "gpipe": 3}
+_SMALL_RANK = {"always": 0, PER_STAGE: 1, "except_last": 2, "never": 3}
+
+
+def _likely_small(cand: Candidate) -> tuple[int, int, int]:
+    """Of candidates that fit nowhere, which likely needs least memory (_infeasible)."""
+    return (
+        _SMALL_RANK.get(cand.recompute, 4),
+        _HOLDS_RANK.get(cand.schedule, 4),
+        -cand.microbatches,
+    )
+
+
 def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleError:
     """Find the least memory per device that any candidate split needs (a min-max partition on
     memory, by bisection on a budget that every device with less is raised to: on equal devices
@@ -1439,7 +1452,10 @@ def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleErr
     cluster = problem.cluster
     need: int | None = None
     closest: Plan | None = None
-    for cand in candidates:
+    # Likely least memory first (each later candidate then takes one try below the least so
+    # far, and a bisection only where it does better): whole-stage recomputation, the
+    # schedules that hold fewer micro-batches, smaller micro-batches.
+    for cand in sorted(candidates, key=_likely_small):
         chain, memory = problem.chain(cand)
         times = _balance_times(chain, cand)
         cuts = _cut_costs(cluster, cand, chain)
