@@ -217,11 +217,37 @@ def _plan(args: argparse.Namespace, out: Path, profile: Profile) -> int:
     return EXIT_OK
 
 
+def _held_as_planned(plan: Any, path: str) -> None:
+    """The gate reads each device's total: refuse a plan whose totals are not what its stages'
+    bytes give through its own schedule (the simulator's peaks), as after a hand edit."""
+    from planner import format_size
+    from planner.search import simulate_plan
+
+    try:
+        peaks = simulate_plan(plan, levels=False).peak_memory
+    except Exception as e:  # a plan that validates but that no schedule runs: refused too
+        raise InputError(
+            f"{path}: its stages cannot be simulated ({type(e).__name__}: {e}); plan again"
+        ) from None
+    for d, peak in zip(plan.devices, peaks):
+        if d.total != peak:
+            raise InputError(
+                f"{path}: {d.name}'s total ({format_size(d.total)}) is not what its stages "
+                f"hold ({format_size(peak)}): the plan was edited; plan again"
+            )
+    if plan.predicted.peak_memory != peaks:
+        raise InputError(
+            f"{path}: its predicted peaks are not what its stages hold: the plan was edited; "
+            "plan again"
+        )
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     from planner import Plan, format_size, parse_size
 
     plan = Plan.load(args.plan)
     budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
+    _held_as_planned(plan, args.plan)
     limits = [budget if budget is not None else d.budget for d in plan.devices]
     over = [(d, lim) for d, lim in zip(plan.devices, limits) if d.total > lim]
     bubble = plan.predicted.bubble_fraction

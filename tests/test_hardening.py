@@ -334,6 +334,24 @@ def test_hand_edited_plans_that_misstate_the_run_are_refused(
     assert not (tmp_path / "prog.py").exists()
 
 
+@pytest.mark.parametrize("edit", ["total", "peak", "stage"])
+def test_check_refuses_totals_its_stages_do_not_give(run_cli, plan_file, edit):
+    """Found by a user trial: a hand-edited device total passed the CI gate ("1000 B of 64
+    MiB") while its stages held megabytes. check now holds every device's total, and the
+    predicted peaks, to what the plan's own stages and schedule give."""
+
+    def change(d: dict) -> None:
+        if edit == "total":
+            d["devices"][0]["total"] = 1000
+        elif edit == "peak":
+            d["predicted"]["peak_memory"][1] += 1
+        else:  # a stage's bytes made smaller: its device's total no longer follows
+            d["stages"][0]["state_bytes"]["activations"] //= 2
+
+    assert run_cli("check", plan_file).code == 0
+    assert_bad_input(run_cli("check", _edited_plan(plan_file, change)), mentions="edited")
+
+
 def test_plans_written_before_meta_was_trimmed_still_load(plan_file):
     data = json.loads(plan_file.read_text())
     data["meta"].update(created="2026-11-01T00:00:00+00:00", solve_ms=12.5)
