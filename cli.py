@@ -753,6 +753,22 @@ def _number(flag: str, lo: float, hi: float) -> Callable[[str], float]:
     return parse
 
 
+def _share(flag: str) -> Callable[[str], float]:
+    """A share in [0, 1], written 0.25 or 25%."""
+
+    def parse(text: str) -> float:
+        body = text.strip()
+        try:
+            value = float(body[:-1]) / 100 if body.endswith("%") else float(body)
+        except ValueError:
+            raise InputError(f"{flag} {text!r}: expected a share such as 0.25 or 25%") from None
+        if not (0 <= value <= 1):  # NaN fails this too
+            raise InputError(f"{flag} {text}: must be between 0 and 1 (0% and 100%)")
+        return value
+
+    return parse
+
+
 def _message_size(text: str) -> int:
     """`--max-bytes`: a size as people write it (4MiB), 4 KiB to 1 GiB (a line needs two)."""
     from planner.units import parse_size
@@ -849,7 +865,7 @@ def _build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("check", help="CI gate: exit 1 when a stage is over its memory budget")
     s.add_argument("plan")
     s.add_argument("--memory-budget", help="override every device's budget, e.g. 16GiB")
-    s.add_argument("--max-bubble", type=_number("--max-bubble", 0, 1),
+    s.add_argument("--max-bubble", type=_share("--max-bubble"),
                    help="fail when the bubble fraction is larger")  # fmt: skip
     s.set_defaults(run=cmd_check)
 

@@ -25,8 +25,32 @@ from profiler.limits import (
 from .units import parse_size
 
 
+def _either(field: dict[str, Any], other: dict[str, Any]) -> None:
+    """A property's JSON schema widened to `other` too (its title, description kept)."""
+    kept = ("title", "description", "default")
+    own = {k: v for k, v in field.items() if k not in kept}
+    for k in list(field):
+        if k not in kept:
+            del field[k]
+    field["anyOf"] = [own, other]
+
+
+def _sizes_as_written(schema: dict[str, Any]) -> None:
+    """The JSON schema of what a cluster file may say: sizes as text ("80GiB") too."""
+    text = {"type": "string", "description": 'as people write it: "80GiB", "16GB", "16e9"'}
+    for name in ("memory_bytes", "reserved_bytes"):
+        _either(schema["properties"][name], text)
+
+
+def _links_as_written(schema: dict[str, Any]) -> None:
+    """... and `links` given by host as an object beside the list."""
+    by_host = schema["properties"]["host_links"]
+    ref = next(x for x in by_host.get("anyOf", [by_host]) if "$ref" in x)  # pydantic's own
+    _either(schema["properties"]["links"], dict(ref))
+
+
 class Device(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_sizes_as_written)
     name: Text = Field(min_length=1)
     memory_bytes: int = Field(gt=0, le=MAX_BYTES, description="what a stage on this device may use")
     speed: float = Field(
@@ -97,6 +121,8 @@ class Cluster(Artifact):
     """Devices in pipeline order: stage k runs on devices[k]. Links are given between
     neighbours in that order, or by host (`links: {"intra_host": ..., "inter_host": ...}`,
     each device naming its `host`), which lets the planner reorder the devices."""
+
+    model_config = ConfigDict(extra="forbid", json_schema_extra=_links_as_written)
 
     kind: Literal["cluster"] = "cluster"
     devices: list[Device] = Field(min_length=1, max_length=MAX_DEVICES)

@@ -100,11 +100,17 @@ def sample_input(
     example = getattr(model, "example_input", None)
     if input_shape is None:
         if not isinstance(example, torch.Tensor):
+            what = (
+                "no example_input"
+                if example is None
+                else f"an example_input that is a {type(example).__name__}, not the one input "
+                "tensor gpipe-plan pipelines"
+            )
             raise ArgumentError(
                 "input_shape",
                 None,
-                "is required: the model carries no example_input (give the full input shape, "
-                "batch first, e.g. 8,128 for 8 samples of 128 features)",
+                f"is required: the model carries {what} (give the full input shape, batch "
+                "first, e.g. 8,128 for 8 samples of 128 features)",
                 missing=True,
             )
         return example if not example.is_floating_point() else example.to(dtype)

@@ -77,6 +77,9 @@ def test_check_max_bubble(run_cli, plan_path):
     assert run_cli("check", plan_path, "--max-bubble", bubble + 0.01).code == 0
     r = run_cli("check", plan_path, "--max-bubble", bubble / 2)
     assert r.code == 1 and "bubble fraction" in r.out
+    # as a percentage too, like --tolerance (found by a user trial: 25% was refused)
+    assert run_cli("check", plan_path, "--max-bubble", f"{100 * bubble + 1}%").code == 0
+    assert run_cli("check", plan_path, "--max-bubble", f"{50 * bubble}%").code == 1
 
 
 @pytest.mark.parametrize("size", ["16GiB", "16GB", "16e9", "17179869184"])
@@ -116,6 +119,17 @@ def test_cluster_file(run_cli, transformer_profile_path, tmp_path):
     devices = json.loads(out.read_text())["devices"]
     assert [d["name"] for d in devices] == ["a100", "v100"]
     assert [d["budget"] for d in devices] == [80 * 2**30, 16 * 2**30]
+
+
+def test_the_cluster_schema_takes_what_the_readme_writes(run_cli):
+    """Found by a user trial: the schema said sizes are integers and links a list, while the
+    README (and the loader) write "80GiB" and links by host as an object."""
+    schema = json.loads(run_cli("schema", "cluster").out)
+    size = schema["$defs"]["Device"]["properties"]["memory_bytes"]["anyOf"]
+    assert [t["type"] for t in size] == ["integer", "string"]
+    links = schema["properties"]["links"]["anyOf"]
+    assert links[0]["type"] == "array" and links[1] == {"$ref": "#/$defs/HostLinks"}
+    assert "HostLinks" in schema["$defs"]
 
 
 def test_schema(run_cli):
@@ -260,6 +274,18 @@ def test_user_model_without_input_shape(run_cli, tmp_path):
     )
     r = run_cli("profile", f"{src}:build", "--input-shape", "2,4", "--repeats", "1", "-o", out)
     assert r.code == 0 and out.exists()
+    # an example_input of two tensors is not "no example_input" (found by a user trial)
+    pair = tmp_path / "pair.py"
+    pair.write_text(
+        "import torch\n\n\ndef build():\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(4, 4))\n"
+        "    m.example_input = (torch.randn(2, 4), torch.randn(2, 4))\n"
+        "    return m\n"
+    )
+    assert_bad_input(
+        run_cli("profile", f"{pair}:build", "-o", tmp_path / "p2.json"),
+        mentions="an example_input that is a tuple, not the one input tensor",
+    )
 
 
 @pytest.mark.parametrize(
