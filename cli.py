@@ -233,12 +233,13 @@ def _held_as_planned(plan: Any, path: str) -> None:
         if d.total != peak:
             raise InputError(
                 f"{path}: {d.name}'s total ({format_size(d.total)}) is not what its stages "
-                f"hold ({format_size(peak)}): the plan was edited; plan again"
+                f"hold ({format_size(peak)}): the plan was edited, or made by another version "
+                f"(gpipe-plan {plan.meta.tool_version}); plan again"
             )
     if plan.predicted.peak_memory != peaks:
         raise InputError(
-            f"{path}: its predicted peaks are not what its stages hold: the plan was edited; "
-            "plan again"
+            f"{path}: its predicted peaks are not what its stages hold: the plan was edited, "
+            f"or made by another version (gpipe-plan {plan.meta.tool_version}); plan again"
         )
 
 

@@ -574,6 +574,8 @@ def load_model() -> nn.Module:
     example = getattr(model, "example_input", None)
     if isinstance(example, torch.Tensor) and list(example.shape[1:]) == INPUT_SHAPE:
         sample = torch.cat([example, example])[:2]
+        if sample.is_floating_point():  # in the planned dtype (a profile made with --dtype)
+            sample = sample.to(getattr(torch, INPUT_DTYPE))
     elif INPUT_DTYPE.startswith(("float", "bfloat")):
         sample = torch.randn(2, *INPUT_SHAPE, dtype=getattr(torch, INPUT_DTYPE))
     else:

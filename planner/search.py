@@ -1444,6 +1444,67 @@ def _likely_small(cand: Candidate) -> tuple[int, int, int]:
     )
 
 
+def _fits_within(
+    problem: _Problem, cand: Candidate
+) -> Callable[[int], tuple[list[StageSpec], Partition, bool] | None]:
+    """fits(budget): a split of `cand` that fits when every device with less memory than
+    `budget` is raised to it, the specs it was solved with, and whether those are halved:
+    interleaved stages first each on half a device (sufficient), then each free to use it all
+    and the device checked with both (what the search also tries)."""
+    chain, memory = problem.chain(cand)
+    times = _balance_times(chain, cand)
+    cuts = _cut_costs(problem.cluster, cand, chain)
+
+    def fits(budget: int) -> tuple[list[StageSpec], Partition, bool] | None:
+        specs = _stage_specs(problem, cand, budget)
+        if feasible_split(times, memory, specs, cuts=cuts):
+            part = solve_partition(times, memory, specs, cuts=cuts)
+            assert part is not None
+            return specs, part, cand.per_device > 1
+        if cand.per_device == 1:
+            return None
+        whole = _stage_specs(problem, cand, budget, halve=False)
+        part = solve_partition(times, memory, whole, cuts=cuts)
+        if part is None:
+            return None
+        built = _build_plan(problem, cand, whole, part, "probe-bisection")
+        fit = all(d.total <= max(d.budget, budget) for d in built.devices)
+        return (whole, part, False) if fit else None
+
+    return fits
+
+
+def _shown(
+    problem: _Problem, cand: Candidate, found: tuple[list[StageSpec], Partition, bool] | None
+) -> Plan:
+    """The plan of a split `_fits_within` found, against the cluster's own budgets."""
+    assert found is not None
+    specs, part, halved = found
+    real = [
+        StageSpec(sp.speed, spec.budget, sp.shape, sp.more)
+        for sp, spec in zip(specs, _stage_specs(problem, cand, halve=halved))
+    ]
+    return _build_plan(problem, cand, real, part, "probe-bisection")
+
+
+def _least(fits: Callable[[int], Any], need: int | None) -> int | None:
+    """The least budget `fits` takes, by bisection; only if below `need` (then one try just
+    below it first, and a search only where that fits)."""
+    hi = need - 1 if need is not None else 1
+    if need is None:
+        while hi < INT64_SAFE and not fits(hi):
+            hi *= 2
+        if hi >= INT64_SAFE:
+            return None
+    elif hi < 1 or not fits(hi):  # no closer than the closest so far: one try, no search
+        return None
+    lo = 0  # nothing fits in 0 bytes
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
 def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleError:
     """Find the least memory per device that any candidate split needs (a min-max partition on
     memory, by bisection on a budget that every device with less is raised to: on equal devices
@@ -1456,58 +1517,24 @@ def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleErr
     # far, and a bisection only where it does better): whole-stage recomputation, the
     # schedules that hold fewer micro-batches, smaller micro-batches.
     for cand in sorted(candidates, key=_likely_small):
-        chain, memory = problem.chain(cand)
-        times = _balance_times(chain, cand)
-        cuts = _cut_costs(cluster, cand, chain)
-
-        def fits(
-            budget: int,
-            cand: Candidate = cand,
-            times: np.ndarray = times,
-            memory: MemoryModel = memory,
-            cuts: list[np.ndarray] | None = cuts,
-        ) -> tuple[list[StageSpec], Partition] | None:
-            """A split that fits devices of `budget` bytes each, and the specs it was solved
-            with: interleaved stages first each on half a device (sufficient), then each free
-            to use it all and the device checked with both (what the search also tries)."""
-            specs = _stage_specs(problem, cand, budget)
-            if feasible_split(times, memory, specs, cuts=cuts):
-                part = solve_partition(times, memory, specs, cuts=cuts)
-                assert part is not None
-                return specs, part
+        fits = _fits_within(problem, cand)
+        least = _least(fits, need)
+        if least is not None:
+            need, closest = least, _shown(problem, cand, fits(least))
+    if closest is not None and closest.fits:
+        # An interleaved split fits the cluster as it is, its devices checked with both
+        # stages (which the split search does not do). Each such candidate's split at its own
+        # least memory is one that does (a split's choice moves with the budget, so this is
+        # a heuristic, marked unproven): of those that fit, the fastest.
+        for cand in candidates:
             if cand.per_device == 1:
-                return None
-            whole = _stage_specs(problem, cand, budget, halve=False)
-            part = solve_partition(times, memory, whole, cuts=cuts)
-            if part is None:
-                return None
-            built = _build_plan(problem, cand, whole, part, "probe-bisection")
-            fit = all(d.total <= max(d.budget, budget) for d in built.devices)
-            return (whole, part) if fit else None
-
-        hi = need - 1 if need is not None else 1
-        if need is None:
-            while hi < INT64_SAFE and not fits(hi):
-                hi *= 2
-            if hi >= INT64_SAFE:
                 continue
-        elif hi < 1 or not fits(hi):  # no closer than the closest so far: one try, no search
-            continue
-        lo = 0  # nothing fits in 0 bytes
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-        if need is None or hi < need:
-            need = hi
-            found = fits(hi)
-            assert found is not None
-            specs, part = found
-            # the split that fits `hi`, shown against the cluster's own budgets
-            real = [
-                StageSpec(sp.speed, spec.budget, sp.shape, sp.more)
-                for sp, spec in zip(specs, _stage_specs(problem, cand, halve=specs[0].budget < hi))
-            ]
-            closest = _build_plan(problem, cand, real, part, "probe-bisection")
+            fits = _fits_within(problem, cand)
+            least = _least(fits, None)
+            if least is not None:
+                plan = _shown(problem, cand, fits(least))
+                if plan.fits and plan.predicted.iteration_ms < closest.predicted.iteration_ms:
+                    closest = plan
     if need is None or closest is None:
         return InfeasibleError("no split fits at any memory size", INT64_SAFE, None)
     worst = max(closest.devices, key=lambda d: d.total - d.budget)

@@ -150,9 +150,11 @@ def as_layers(model: nn.Module, sample: torch.Tensor) -> nn.Sequential:
 def capture_sample(model: nn.Module, input_shape: list[int], dtype: str) -> torch.Tensor:
     """Two samples of the planned input, to capture the graph with as the profile did."""
     example = getattr(model, "example_input", None)
-    if isinstance(example, torch.Tensor) and list(example.shape[1:]) == list(input_shape):
-        return example[:2] if example.shape[0] >= 2 else torch.cat([example, example])
     kind = DTYPES.get(dtype) or getattr(torch, dtype)
+    if isinstance(example, torch.Tensor) and list(example.shape[1:]) == list(input_shape):
+        two = example[:2] if example.shape[0] >= 2 else torch.cat([example, example])
+        # in the planned dtype (a profile made with --dtype): as the profile captured it
+        return two.to(kind) if two.is_floating_point() else two
     if kind.is_floating_point:
         return torch.randn(2, *input_shape, dtype=kind)
     return torch.zeros(2, *input_shape, dtype=kind)

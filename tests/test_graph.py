@@ -378,6 +378,53 @@ def test_cli_profiles_plans_and_compiles_a_graph_example(run_cli, tmp_path):
     assert r.code == 2 and "different model" in r.err
 
 
+SKIP_MODEL = """
+import torch
+from torch import nn
+
+
+class Skip(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Conv2d(2, 2, 3, padding=1)
+        self.b = nn.Conv2d(2, 2, 3, padding=1)
+        self.c = nn.Conv2d(2, 2, 3, padding=1)
+
+    def forward(self, x):
+        h = torch.relu(self.a(x))
+        return self.c(torch.relu(self.b(h)) + x)
+
+
+def build():
+    torch.manual_seed(0)
+    model = Skip()
+    model.example_input = torch.randn(4, 2, 4, 4)
+    return model
+"""
+
+
+def test_a_captured_graph_profiled_in_bfloat16_compiles_and_runs(run_cli, tmp_path, capsys):
+    """Found by a cold review: the graph was captured on the float32 example while the model
+    was in bfloat16 ("Input type (float) and bias type (c10::BFloat16)")."""
+    src, prof, plan = tmp_path / "skip.py", tmp_path / "p.json", tmp_path / "plan.json"
+    src.write_text(SKIP_MODEL)
+    r = run_cli("profile", f"{src}:build", "--dtype", "bfloat16", "--batch-sizes", "2",
+                "--repeats", "1", "--warmup", "0", "-o", prof)  # fmt: skip
+    assert r.code == 0, r.err
+    r = run_cli("plan", prof, "--devices", "2", "--memory", "1GiB", "--batch-size", "4",
+                "-o", plan)  # fmt: skip
+    assert r.code == 0, r.err
+    program = tmp_path / "program.py"
+    r = run_cli("codegen", plan, "--model", f"{src}:build", "-o", program)
+    assert r.code == 0, r.err
+    ns: dict = {}
+    exec(compile(program.read_text(), str(program), "exec"), ns)
+    ns["main"](["--device", "cpu"])
+    assert " ms, loss " in capsys.readouterr().out
+    r = run_cli("measure", plan, "--model", f"{src}:build", "--steps", "1", "--tolerance", "50%")
+    assert r.code == 0, r.err
+
+
 def test_measure_runs_a_captured_graph_under_torchrun(run_cli, tmp_path):
     """Found by a user trial: each rank built the model uncaptured for the program's Pipeline
     ("'ResNet' object is not iterable"). It takes the graph the program's own loader captures."""
