@@ -79,9 +79,7 @@ def emit_program(
         body = _torchrun_class(plan, torchrun_schedule(plan, sched))
         main = _TORCHRUN_MAIN
     constants = _program_constants(plan)
-    loader = _model_loader(model if model is not None else plan.model)
-    if plan.dtype != "float32":
-        loader += _DTYPE_LOADER.replace("DTYPE", json.dumps(plan.dtype))
+    loader = _planned_loader(plan, model)
     if plan.captured:
         runtime += "\n\n" + _without_dropped_lines(GRAPH.read_text())
         loader += _CAPTURED_LOADER
@@ -143,9 +141,7 @@ SCHEDULE_CSV = (
 )
 """
     )
-    loader = _model_loader(model if model is not None else plan.model)
-    if plan.dtype != "float32":
-        loader += _DTYPE_LOADER.replace("DTYPE", json.dumps(plan.dtype))
+    loader = _planned_loader(plan, model)
     return (
         _header(plan, "torch-pipelining") + runtime + constants + loader + _COMMON_MAIN
         + _PIPELINING_MAIN
@@ -544,6 +540,15 @@ def load_model() -> nn.Module:
         ) from None
     return module.{name}()
 '''
+
+
+def _planned_loader(plan: Plan, model: str | None) -> str:
+    """The program's load_model: the model as `model` (default: the plan's) names it, in the
+    dtype the plan was profiled in."""
+    loader = _model_loader(model if model is not None else plan.model)
+    if plan.dtype != "float32":
+        loader += _DTYPE_LOADER.replace("DTYPE", json.dumps(plan.dtype))
+    return loader
 
 
 _DTYPE_LOADER = '''

@@ -27,11 +27,7 @@ from .units import parse_size
 
 def _either(field: dict[str, Any], other: dict[str, Any]) -> None:
     """A property's JSON schema widened to `other` too (its title, description kept)."""
-    kept = ("title", "description", "default")
-    own = {k: v for k, v in field.items() if k not in kept}
-    for k in list(field):
-        if k not in kept:
-            del field[k]
+    own = {k: field.pop(k) for k in list(field) if k not in ("title", "description", "default")}
     field["anyOf"] = [own, other]
 
 

@@ -1516,18 +1516,19 @@ def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleErr
     # Likely least memory first (each later candidate then takes one try below the least so
     # far, and a bisection only where it does better): whole-stage recomputation, the
     # schedules that hold fewer micro-batches, smaller micro-batches.
+    chosen: Candidate | None = None
     for cand in sorted(candidates, key=_likely_small):
         fits = _fits_within(problem, cand)
         least = _least(fits, need)
         if least is not None:
-            need, closest = least, _shown(problem, cand, fits(least))
+            need, closest, chosen = least, _shown(problem, cand, fits(least)), cand
     if closest is not None and closest.fits:
         # An interleaved split fits the cluster as it is, its devices checked with both
         # stages (which the split search does not do). Each such candidate's split at its own
         # least memory is one that does (a split's choice moves with the budget, so this is
         # a heuristic, marked unproven): of those that fit, the fastest.
         for cand in candidates:
-            if cand.per_device == 1:
+            if cand.per_device == 1 or cand == chosen:
                 continue
             fits = _fits_within(problem, cand)
             least = _least(fits, None)
@@ -1538,12 +1539,10 @@ def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleErr
     if need is None or closest is None:
         return InfeasibleError("no split fits at any memory size", INT64_SAFE, None)
     worst = max(closest.devices, key=lambda d: d.total - d.budget)
+    small = ", ".join(d.name for d in cluster.devices if d.memory_bytes < need)
     mixed = len({d.memory_bytes for d in cluster.devices}) > 1
     where = (
-        f"on every device with less ({', '.join(d.name for d in cluster.devices if d.memory_bytes < need)}; "
-        "the others as they are)"
-        if mixed
-        else "per device"
+        f"on every device with less ({small}; the others as they are)" if mixed else "per device"
     )
     return InfeasibleError(
         f"no split fits: the best one (M={closest.microbatches}, {closest.schedule}, "
