@@ -330,14 +330,22 @@ class PipelineRuntime:
                 del out
             roots, grads = self._backward_roots(s, m)
             last = s == len(self.stages) - 1
-            # The last stage's W starts from its last layer's output gradient, taken here, not
-            # from the loss: then the loss's backward runs once, and its graph goes with I.
-            self.kept[(s, m)] = ([], None) if last else (roots, grads)
             inputs = _tensors(self.inputs.pop((s, m)))
             wrt = [t for t in inputs if t.requires_grad]
-            # Without recomputation, also ask for the gradient of every layer's output: the same
-            # pass computes them, and then W can run each layer's weight gradient on its own.
+            # Also ask for the gradient of every layer's output: the same pass computes them,
+            # and then W can run each layer's weight gradient on its own.
             hidden = [e for edges in self.inner.get((s, m), []) for e in edges]
+            # The last stage's W starts from its last layer's output gradient, taken here, not
+            # from the loss: then the loss's backward runs once, and its graph goes with I.
+            # Elsewhere W keeps the roots its last layer made; a value an earlier layer made
+            # and the stage sends on (a skip) is that layer's, whose total gradient I returns
+            # below: the one pulled for it is let go when I ends.
+            made = {(id(e.node), e.output_nr) for e in hidden}
+            own = [
+                (e, g) for e, g in zip(roots, grads or []) if (id(e.node), e.output_nr) not in made
+            ]
+            self.kept[(s, m)] = ([], None) if last else ([e for e, _ in own], [g for _, g in own])
+            del own
             got: list[torch.Tensor | None] = []
             if (wrt or hidden) and roots:
                 got = list(

@@ -18,8 +18,13 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
                                        the last stage of a chain without its loss)
     G   = grad_in[i]                   its input gradient, until the stages that sent the
                                        input pull it (a captured graph: X's floating part)
+    K   = Flow.passing(i, j)           a captured graph's skips: the gradients of what the
+                                       stage's inner layers send on, pulled back beside the
+                                       totals made inside (routing.py); 0 for a chain
     P   = max zgrad[i:j]               the output gradient B pulls and holds while it runs (the
-                                       largest boundary inside: the total must grow with j)
+                                       largest boundary inside: the total must grow with j); a
+                                       captured graph's: the most zgrad[k-1] + K over its ends
+                                       k <= j (what the stage [i, k) would send)
     live = max(remat_live, the backward transients, the last layer's without its output
            gradient, which B holds as `pulled`): the most one layer adds while B runs
     remat_live                         ... while a forward that keeps what it saves runs: F,
@@ -30,9 +35,9 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
                                        one layer's working memory and, inside the stage, its input
 
     state bytes  input X, early E, late E's gradient, activations X + S - Xs,
-                 during_i X + S - Xs + Z + G, between_iw S - loss + Z (+ X - Xs where G > 0: W's
-                 graph holds the input; the loss's own saved tensors go with I), grad G,
-                 pulled P
+                 during_i X + S - Xs + Z + G + K, between_iw S - loss + Z (+ X - Xs where G > 0:
+                 W's graph holds the input; the loss's own saved tensors go with I; the skips'
+                 pulled gradients are let go when I ends), grad G, pulled P
 
 and the stage's memory is
 
@@ -132,8 +137,12 @@ class MemoryModel:
         self._zgrad = _prefix(chain.zgrad)
         f, b = chain.forward_transient, chain.backward_transient
         self._pulled = _RangeMax(chain.zgrad)
-        self._backward = _RangeMax(b)
+        # held[l]: what layers 0..l save, each tensor once; while layer l's backward runs the
+        # stage still holds its own layers' share of it (those after l have let theirs go)
+        self._held = self._saved[1:] - self._shared[1:]
+        self._backward = _RangeMax(self._held + b)
         self._last_backward = np.maximum(b - chain.zgrad, 0).astype(np.int64)
+        self._walk = None if chain.flow is None else self._walk_table()
         self._first_remat = f.astype(np.int64)
         self._inner_remat = _RangeMax(f + chain.input_unsaved)
         self._input_live = _RangeMax(chain.input_grad_transient)
@@ -141,11 +150,35 @@ class MemoryModel:
         self._forward_peak = chain.forward_peak.astype(np.int64)
         self._inner_forward = _RangeMax(chain.forward_peak + chain.boundary[:-1])
 
+    def _walk_table(self) -> np.ndarray:
+        """A captured graph's _backward_live(i, k) for every start and end: as a chain's, but
+        layer l's transient counts no gradient of a value it hands on that no layer after it
+        in the stage reads (the stage holds that one as pulled, or not at all)."""
+        c = self.chain
+        n = c.num_layers
+        u = c.flow.unread()  # type: ignore[union-attr]
+        b = c.backward_transient.astype(np.int64)
+        held = self._held
+        terms = np.full((n + 1, n + 1), np.iinfo(np.int64).min // 2, dtype=np.int64)
+        for k in range(1, n + 1):
+            terms[: k - 1, k] = held[: k - 1] + b[: k - 1] - u[: k - 1, k]
+            last = b[k - 1] - c.zgrad[k - 1] - u[k - 1, k]
+            terms[k - 1, k] = held[k - 1] + max(int(last), 0)
+        walk = np.maximum.accumulate(terms[::-1], axis=0)[::-1]  # max over l >= i, per end
+        walk = np.maximum(walk - np.concatenate([[0], held])[None, :], 0)
+        walk.setflags(write=False)
+        return walk
+
     def _backward_live(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        """The layers' backward transients; the last one's without its output gradient, which
-        the stage holds as `pulled` (zgrad says where one is pulled)."""
-        before = np.where(j - i > 1, self._backward(i, np.maximum(j - 1, i + 1)), 0)
-        return np.maximum(before, self._last_backward[j - 1])
+        """The most B holds above the stage's activations, layer by layer from the last: layer
+        l's backward transient, less what the layers after it saved and have let go by then;
+        the last one's without its output gradient, which the stage holds as `pulled` (zgrad
+        says where one is pulled)."""
+        if self._walk is not None:
+            return self._walk[i, j]
+        last = self._held[j - 1]
+        before = np.where(j - i > 1, self._backward(i, np.maximum(j - 1, i + 1)) - last, 0)
+        return np.maximum(np.maximum(before, 0), self._last_backward[j - 1])
 
     @staticmethod
     def _inner(table: _RangeMax, i: np.ndarray, j: np.ndarray) -> np.ndarray:
@@ -189,18 +222,19 @@ class MemoryModel:
         x = np.where(lent, 0, x)
         saved = self._saved[j] - self._saved[i] - (self._shared[j] - self._shared[i + 1])
         z = self._zgrad[j] - self._zgrad[i] + np.where(j == c.num_layers, c.last_grad, 0)
+        skips = 0 if c.flow is None else c.flow.passing(i, j)
         loss = self._loss[j] - self._loss[i]
         inner = self._inner(self._inner_forward, i, j)
         remat = np.maximum(self._first_remat[i], self._inner(self._inner_remat, i, j))
         return {
             "input": x,
             "activations": x + saved - xs,
-            "during_i": x + saved - xs + z + g,
+            "during_i": x + saved - xs + z + g + skips,
             # the graph kept for W holds the input too, when it needs a gradient
             # (the loss's graph goes with I: W starts from the last layer's output gradient)
             "between_iw": saved - loss + z + np.where(g > 0, x - xs, 0) - np.where(lent, xs, 0),
             "grad": g,
-            "pulled": self._pulled(i, j),
+            "pulled": self._pulled(i, j) if c.flow is None else c.flow.passing(i, j, c.zgrad),
             "early": early,
             "late": late,
             "live": np.maximum(remat, self._backward_live(i, j)),
@@ -209,6 +243,8 @@ class MemoryModel:
             "weight_live": self._weight_live(i, j),
             "forward_live": np.maximum(self._forward_peak[i], inner),
             "saved": saved,
+            "z": z,
+            "skips": np.broadcast_to(skips, i.shape),
             "loss": loss,
             "input_saved": xs,
         }
@@ -253,12 +289,12 @@ class MemoryModel:
         b = self.state_bytes(i, j, start) if states is None else states
         best = np.full(i.shape, -1, dtype=np.int64)
         parts = {k: np.zeros(i.shape, dtype=np.int64) for k in ("stash", "grad", "live", "loss")}
-        z = b["during_i"] - b["activations"] - b["grad"]
+        z = b["z"]
         for t in shape.occupancy:
             n_in, n_act, n_di, n_iw, n_grad, n_pulled, n_early, n_late = t[: len(STATES)]
             stash = n_in * b["input"] + (n_act + n_di) * b["activations"] + n_early * b["early"]
             stash = stash + n_iw * (b["between_iw"] - z)  # (its gradients are in grads)
-            grads = (n_di + n_iw) * z + n_di * b["grad"] + n_grad * b["grad"]
+            grads = (n_di + n_iw) * z + n_di * (b["grad"] + b["skips"]) + n_grad * b["grad"]
             grads = grads + n_pulled * b["pulled"] + n_late * b["late"]
             live = sum(on * b[name] for on, name in zip(t[len(STATES) :], TRANSIENTS))
             total = stash + grads + live

@@ -125,6 +125,56 @@ class Flow:
         """... of which floating point: the input gradients it sends back."""
         return (self.nbytes * self.grad) @ self.received(i, j)
 
+    def passing(self, i: np.ndarray, j: np.ndarray, last: np.ndarray | None = None) -> np.ndarray:
+        """Per micro-batch, the gradient bytes of the values stage [i, j) makes before its last
+        layer and sends on (skips). Its backward holds the gradient each of them is sent back
+        and, apart, their total inside the stage, where a layer of it reads them too (as in
+        every U-Net block that sends a skip and pools it). `last`: per end k, what the last
+        layer itself sends (then: all the stage sends). Where the sum shrinks as the stage grows
+        (a skip read by the layer that joins it), the largest over the shorter ends is taken:
+        then the stage's memory grows with its end, as the partition search needs, and never
+        counts less than the run holds."""
+        return self._sums(last)[np.asarray(i, dtype=np.int64), np.asarray(j, dtype=np.int64)]
+
+    def _sums(self, last: np.ndarray | None) -> np.ndarray:
+        """passing(i, k, last) for every start and end, made once per Flow in O(n^2 + values):
+        each value born at b and read last by entry e counts for the starts i <= b and the
+        ends b + 2 <= k <= e (a rectangle, added as four corners), then the running max over
+        k."""
+        key = "_passing" if last is None else "_sending"
+        if key not in self.__dict__:
+            n = self.nxt.shape[1] - 1
+            corners = np.zeros((n + 2, n + 2), dtype=np.int64)
+            for b, e, w in zip(self.born.tolist(), self.last.tolist(), self.nbytes * self.grad):
+                if w and e >= b + 2:
+                    corners[0, b + 2] += w
+                    corners[0, e + 1] -= w
+                    corners[b + 1, b + 2] -= w
+                    corners[b + 1, e + 1] += w
+            table = corners.cumsum(axis=0).cumsum(axis=1)[: n + 1, : n + 1]
+            if last is not None:
+                table[:, 1:] += np.asarray(last, dtype=np.int64)[None, :n]
+            table = np.maximum.accumulate(np.triu(table, 1), axis=1)
+            table.setflags(write=False)
+            object.__setattr__(self, key, table)
+        return self.__dict__[key]
+
+    def unread(self, sizes: np.ndarray | None = None) -> np.ndarray:
+        """u[l, k] for entries l < k: the gradient bytes of the values entry l hands on
+        unchanged that no entry of l + 1 .. k - 1 reads. In a stage ending at k, no gradient
+        of them is made inside while l's backward runs (a skip sent on is held as pulled,
+        once), though l's profiled backward counts one for each."""
+        n = self.nxt.shape[1] - 1
+        rows = np.zeros((n + 1, n + 2), dtype=np.int64)
+        for v in np.nonzero(self.grad)[0].tolist():
+            b, e, w = int(self.born[v]), int(self.last[v]), int(self.nbytes[v])
+            ls = np.arange(b + 1, e)  # the entries that hand v on: b < l < e
+            if not len(ls):
+                continue
+            np.add.at(rows, (ls, ls + 1), w)
+            np.add.at(rows, (ls, self.nxt[v, ls + 1] + 1), -w)
+        return rows.cumsum(axis=1)[:, : n + 1]
+
     def far(
         self, start: np.ndarray, i: np.ndarray, j: np.ndarray, grad: bool = False
     ) -> np.ndarray:

@@ -30,9 +30,11 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     inner = range(i + 1, j)
     f, b, u = c.forward_transient, c.backward_transient, c.input_unsaved
     remat = max([int(f[i])] + [int(f[k] + u[k]) for k in inner])
-    # the last layer's backward without the output gradient B pulls (zgrad: where it does)
-    back = [int(b[k]) for k in range(i, j - 1)] + [max(int(b[j - 1] - c.zgrad[j - 1]), 0)]
-    live = max([remat, *back])
+    # each layer's backward, less what the layers after it saved (let go by then); the last
+    # one's without the output gradient B pulls (zgrad: where it does)
+    later = [int(c.saved[k + 1 : j].sum()) - int(c.shared[k + 1 : j].sum()) for k in range(i, j)]
+    back = [int(b[k]) - later[k - i] for k in range(i, j - 1)]
+    live = max([remat, 0, *back, max(int(b[j - 1] - c.zgrad[j - 1]), 0)])
     forward = max(
         [int(c.forward_peak[i])] + [int(c.forward_peak[k] + c.boundary[k]) for k in inner]
     )

@@ -54,7 +54,11 @@ def by_hand(i: int, j: int, mb: int, *, saved, shared, out, inp, input_saved, tr
         live=max(
             [mb * transient[i]]
             + [mb * (transient[k] + 2) for k in range(i + 1, j)]
-            + [mb * (transient[k] + 1) for k in range(i, j - 1)]
+            # each layer's backward, less what the layers after it saved, let go by then
+            + [
+                mb * (transient[k] + 1 - sum(saved[k + 1 : j]) + sum(shared[k + 1 : j]))
+                for k in range(i, j - 1)
+            ]
             # the last layer's backward without the output gradient B pulls
             + [mb * (transient[j - 1] + 1 - (out[j - 1] if j - 1 != L - 1 else 0))]
         ),
