@@ -8,8 +8,10 @@ memory model (planner/memory.py) is linear, e.g.
 
     X_s = sum_k boundary[k] first[k][s]      S_s = sum_k saved[k] x[k][s]
                                                    - sum_k shared[k] (x[k][s] - first[k][s])
-    live_s >= fwd[k] first[k][s] + (fwd + unsaved)[k] (x[k][s] - first[k][s])    for every k
-    live_s >= bwd[k] (x[k][s] AND x[k+1][s]),  (bwd - zgrad)[k] (k ends stage s)
+    later_s[k] = sum_{k' > k} saved[k'] x[k'][s] - shared[k'] (x[k'][s] - first[k'][s])
+    remat_s >= fwd[k] first[k][s] + (fwd + unsaved)[k] (x[k][s] - first[k][s]) - later_s[k]
+    live_s >= remat_s,  bwd[k] (x[k][s] + x[k+1][s] - 1) - later_s[k],
+              (bwd - zgrad)[k] (k ends stage s)                                 for every k
 
 and the stage fits when, for each occupancy tuple, weights + sum of counts x state bytes + its
 transient + reserved <= budget, and weights + the optimizer step's temporaries + reserved too.
@@ -41,20 +43,51 @@ TIME_SCALE = 1e6  # ms -> ns
 SPEED_SCALE = 1000  # speeds in thousandths of the slowest stage's, at least
 
 
-def _live(m: object, c: Chain, x: list, first: list, s: int, L: int) -> object:
-    """live_s: the forward transients (the first layer's, the others' with their unsaved input)
-    and the backward ones, the stage's last layer's without the output gradient it pulls."""
-    f, b, u, z = c.forward_transient, c.backward_transient, c.input_unsaved, c.zgrad
-    top = int(max(f.max(), (f + u).max(), b.max(), 0))
-    var = m.new_int_var(0, top, f"live{s}")  # type: ignore[attr-defined]
+def _suffix(m: object, terms: list, name: str, top: int) -> list:
+    """after[k] = terms[k + 1] + ... + terms[L - 1], as integer variables (O(L) constraints)."""
+    after = [0] * len(terms)
+    for k in range(len(terms) - 2, -1, -1):
+        var = m.new_int_var(0, max(top, 0), f"{name}{k}")  # type: ignore[attr-defined]
+        m.add(var == after[k + 1] + terms[k + 1])  # type: ignore[attr-defined]
+        after[k] = var
+    return after
+
+
+def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tuple:
+    """live_s, remat_s and input_s, layer by layer as the model walks them: a forward's layer
+    k on top of what the stage's layers before it saved (the full activations less later[k],
+    what its layers after k save); a backward's layer k after those have let theirs go (the
+    stage's last layer without the output gradient it pulls); zero bubble's I at layer k
+    before the output gradients of its layers before k - 1 are made (early[k]). A layer
+    outside the stage gives a bound of at most 0."""
+    f, b, u, z, it = (c.forward_transient, c.backward_transient, c.input_unsaved, c.zgrad,
+                      c.input_grad_transient)  # fmt: skip
+    inner = [x[k][s] - first[k][s] for k in range(L)]
+    own = [int(c.saved[k]) * x[k][s] - int(c.shared[k]) * inner[k] for k in range(L)]
+    later = _suffix(m, own, f"later{s}_", int(c.saved.sum()))
+    made = [int(z[k]) * x[k][s] for k in range(L)]
+    before = [0] * L  # sum of made[0 .. k - 2]
+    for k in range(2, L):
+        var = m.new_int_var(0, int(z.sum()), f"early{s}_{k}")  # type: ignore[attr-defined]
+        m.add(var == before[k - 1] + made[k - 2])  # type: ignore[attr-defined]
+        before[k] = var
+
+    def top(*arrays: np.ndarray) -> int:
+        return int(max(max(a.max() for a in arrays), 0))
+
+    remat = m.new_int_var(0, top(f, f + u), f"remat{s}")  # type: ignore[attr-defined]
+    live = m.new_int_var(0, top(f, f + u, b), f"live{s}")  # type: ignore[attr-defined]
+    inp = m.new_int_var(0, top(it), f"input{s}")  # type: ignore[attr-defined]
+    m.add(live >= remat)  # type: ignore[attr-defined]
     for k in range(L):
-        m.add(var >= int(f[k]) * first[k][s] + int(f[k] + u[k]) * (x[k][s] - first[k][s]))  # type: ignore[attr-defined]
+        m.add(remat >= int(f[k]) * first[k][s] + int(f[k] + u[k]) * inner[k] - later[k])  # type: ignore[attr-defined]
+        m.add(inp >= int(it[k]) * x[k][s] - before[k])  # type: ignore[attr-defined]
         # layer k ends the stage when k + 1 is not in it (or k is the last layer)
         ends = x[k][s] - (x[k + 1][s] if k + 1 < L else 0)
-        m.add(var >= int(max(b[k] - z[k], 0)) * ends)  # type: ignore[attr-defined]
+        m.add(live >= int(max(b[k] - z[k], 0)) * ends)  # type: ignore[attr-defined]
         if k + 1 < L:
-            m.add(var >= int(b[k]) * x[k + 1][s] + int(b[k]) * x[k][s] - int(b[k]))  # type: ignore[attr-defined]
-    return var
+            m.add(live >= int(b[k]) * (x[k + 1][s] + x[k][s] - 1) - later[k])  # type: ignore[attr-defined]
+    return live, remat, inp
 
 
 def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first: list, s: int,
@@ -95,11 +128,12 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
     states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + over(unsaved, first) - lent, G,
               pulled, 0, 0]  # fmt: skip
 
+    live, remat, inp = _transients(m, c, x, first, s, L)
     transients = [
-        _live(m, c, x, first, s, L),
-        largest(c.forward_transient, c.forward_transient + c.input_unsaved, "remat"),
+        live,
+        remat,
         largest(c.forward_peak, c.forward_peak + c.boundary[:L], "forward"),
-        largest(c.input_grad_transient, c.input_grad_transient, "input"),
+        inp,
         largest(c.weight_grad_transient, c.weight_grad_transient, "weight"),
     ]
     for t in shape.occupancy:

@@ -25,11 +25,21 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
                                        largest boundary inside: the total must grow with j); a
                                        captured graph's: the most zgrad[k-1] + K over its ends
                                        k <= j (what the stage [i, k) would send)
-    live = max(remat_live, the backward transients, the last layer's without its output
-           gradient, which B holds as `pulled`): the most one layer adds while B runs
-    remat_live                         ... while a forward that keeps what it saves runs: F,
-                                       and zero bubble's re-materialising forward at I
-    input_live, weight_live            ... while I runs, while W runs (zero bubble)
+    The transients say what an action holds above the states, at its worst layer l. They
+    walk the stage as autograd does, so each is relative to the whole activations S, of
+    which the layers after l hold later(l) = sum saved[l+1:j] - sum shared[l+1:j]:
+    live = max(remat_live, max over l < j - 1 of backward[l] - later(l), the last layer's
+           backward without its output gradient, which B holds as `pulled`): while B runs,
+           layer by layer from the last, each layer's saved tensors let go once it is done
+           (a captured graph's backward[l] also loses the gradient of each value l hands on
+           that no later layer of the stage reads: routing.py's `unread`)
+    remat_live = max(forward[i], max over i < l < j of forward[l] + input_unsaved[l]) less
+           later(l) at that l: while a forward that keeps what it saves runs (F, and zero
+           bubble's re-materialising forward at I), before the layers after l have saved
+    input_live = max(input_grad[i], max over i < l < j of input_grad[l] - sum zgrad[i:l-1]):
+           while I runs, from the last layer: the output gradients of the layers before
+           l - 1 are not made yet
+    weight_live                        ... while W runs (zero bubble)
     forward_live = max(forward_peak[i], max over i < l < j of forward_peak[l] + boundary[l])
                                        what a forward that keeps nothing (recomputation) needs:
                                        one layer's working memory and, inside the stage, its input
@@ -47,8 +57,9 @@ and the stage's memory is
            the optimizer step's temporaries: per_byte x (all its parameters when the optimizer
                runs multi-tensor kernels, else its largest parameter) )
 
-Every term grows as a stage gains layers at its end, which is what makes the partition search
-exact. All functions take numpy arrays of starts and ends, so the solver evaluates thousands of
+Every state grows as a stage gains layers at its end, and so does each transient added to the
+activations of the micro-batch it runs on (which every occupancy tuple with that transient
+counts): the stage's total grows with its end, which is what makes the partition search exact. All functions take numpy arrays of starts and ends, so the solver evaluates thousands of
 candidate stages in one call; scalars work too.
 """
 
@@ -80,6 +91,17 @@ class StageShape:
     # a state whose bytes come out negative counts as none, and total() bounds the stage's
     # memory from above (what the search solves with before it knows the issue order)
     bound: bool = False
+
+    def __post_init__(self) -> None:
+        # The transients of B and of a forward that keeps what it saves are counted above the
+        # activations of the micro-batch they run on, I's above its during_i: a tuple that
+        # runs one counts that micro-batch (as every schedule's does), or the stage's total
+        # would not grow with its end.
+        act, during = STATES.index("activations"), STATES.index("during_i")
+        for t in self.occupancy:
+            flags = t[N_STATES:]
+            if (flags[0] or flags[1]) and t[act] + t[during] < 1 or flags[3] and t[during] < 1:
+                raise ValueError(f"occupancy {t} runs a transient on no micro-batch's activations")
 
     @property
     def inflight(self) -> int:
@@ -143,9 +165,18 @@ class MemoryModel:
         self._backward = _RangeMax(self._held + b)
         self._last_backward = np.maximum(b - chain.zgrad, 0).astype(np.int64)
         self._walk = None if chain.flow is None else self._walk_table()
-        self._first_remat = f.astype(np.int64)
-        self._inner_remat = _RangeMax(f + chain.input_unsaved)
-        self._input_live = _RangeMax(chain.input_grad_transient)
+        # a forward that keeps what it saves, layer by layer: layer l's peak comes on top of
+        # what the layers before it saved (and, inside the stage, its input while it runs)
+        self._first_remat = (self._held + f).astype(np.int64)
+        self._inner_remat = _RangeMax(self._held + f + chain.input_unsaved)
+        # zero bubble's I, layer by layer from the last: layer l's peak comes on top of the
+        # gradients kept so far: its own output's, those of the layers after it, and its
+        # input's, which it makes (the stage's counts all of them: those of layers i .. l - 2
+        # are not there yet)
+        it = chain.input_grad_transient.astype(np.int64)
+        self._first_input_live = it
+        before = np.concatenate([[0], self._zgrad[:-2]])[: chain.num_layers]
+        self._inner_input_live = _RangeMax(it - before + self._zgrad[-1])
         self._weight_live = _RangeMax(chain.weight_grad_transient)
         self._forward_peak = chain.forward_peak.astype(np.int64)
         self._inner_forward = _RangeMax(chain.forward_peak + chain.boundary[:-1])
@@ -226,6 +257,9 @@ class MemoryModel:
         loss = self._loss[j] - self._loss[i]
         inner = self._inner(self._inner_forward, i, j)
         remat = np.maximum(self._first_remat[i], self._inner(self._inner_remat, i, j))
+        remat = remat - self._held[j - 1]  # above the stage's activations, all saved by the end
+        later = self._inner(self._inner_input_live, i, j) - self._zgrad[-1] + self._zgrad[i]
+        input_live = np.maximum(self._first_input_live[i], np.where(j - i > 1, later, 0))
         return {
             "input": x,
             "activations": x + saved - xs,
@@ -239,7 +273,7 @@ class MemoryModel:
             "late": late,
             "live": np.maximum(remat, self._backward_live(i, j)),
             "remat_live": remat,
-            "input_live": self._input_live(i, j),
+            "input_live": input_live,
             "weight_live": self._weight_live(i, j),
             "forward_live": np.maximum(self._forward_peak[i], inner),
             "saved": saved,
@@ -422,12 +456,18 @@ class MemoryModel:
         lo = np.where(whole, top, lo)
         hi = np.where(whole, top + 1, np.minimum(hi, top))
         group = np.repeat(np.arange(G), n)
-        while True:
-            idx = np.nonzero(hi - lo > 1)[0]  # in group order, as _totals wants them
-            if not len(idx):
-                return [lo[g * n : (g + 1) * n] for g in range(G)]
-            mid = (lo[idx] + hi[idx]) // 2
+
+        def probe(idx: np.ndarray, mid: np.ndarray) -> None:
+            """Try end mid (strictly between lo and hi) for the entries idx (in group order, as
+            _totals wants them): either bound moves there."""
             at = np.searchsorted(group[idx], np.arange(G + 1))
             fits = self._totals(i[idx], mid, shapes, at) <= budget[idx]
             lo[idx[fits]] = mid[fits]
             hi[idx[~fits]] = mid[~fits]
+
+        pos = np.arange(G * n)
+        while len(pos):
+            pos = pos[hi[pos] - lo[pos] > 1]
+            if len(pos):
+                probe(pos, (lo[pos] + hi[pos]) // 2)
+        return [lo[g * n : (g + 1) * n] for g in range(G)]

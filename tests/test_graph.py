@@ -884,5 +884,5 @@ def test_a_unet_holds_no_more_than_its_plan_says(unet_routes, schedule, mode):
     x = model.example_input
     report = pipe.measure(x, torch.randn_like(x), nn.functional.mse_loss, steps=1)
     for d in report.devices:
-        assert d.measured_peak_bytes <= d.predicted_peak_bytes + 64, d  # (a scalar or two)
+        assert d.measured_peak_bytes <= 1.001 * d.predicted_peak_bytes, d  # (a few scalars)
         assert d.predicted_peak_bytes <= 1.15 * d.measured_peak_bytes, d

@@ -29,10 +29,12 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     Z += c.last_grad if j == c.num_layers else 0  # the last stage of a chain without its loss
     inner = range(i + 1, j)
     f, b, u = c.forward_transient, c.backward_transient, c.input_unsaved
-    remat = max([int(f[i])] + [int(f[k] + u[k]) for k in inner])
-    # each layer's backward, less what the layers after it saved (let go by then); the last
-    # one's without the output gradient B pulls (zgrad: where it does)
+    # what the layers after k save: not there yet while k's forward runs, let go by the time
+    # k's backward runs
     later = [int(c.saved[k + 1 : j].sum()) - int(c.shared[k + 1 : j].sum()) for k in range(i, j)]
+    remat = max([int(f[i]) - later[0]] + [int(f[k] + u[k]) - later[k - i] for k in inner])
+    # each layer's backward, less what the layers after it saved; the last one's without the
+    # output gradient B pulls (zgrad: where it does)
     back = [int(b[k]) - later[k - i] for k in range(i, j - 1)]
     live = max([remat, 0, *back, max(int(b[j - 1] - c.zgrad[j - 1]), 0)])
     forward = max(
@@ -42,8 +44,11 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     loss = int(c.loss_saved[i:j].sum())  # the loss's own: it goes with I, before W
     states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + (X - Xs if G else 0) - lent, G, P,
               0, 0]  # fmt: skip
-    transients = [live, remat, forward, int(c.input_grad_transient[i:j].max()),
-                  int(c.weight_grad_transient[i:j].max())]  # fmt: skip
+    # zero bubble's I, from the last layer: the gradients of layers i .. k - 2's outputs are
+    # not made yet while k's runs
+    it = c.input_grad_transient
+    input_live = max([int(it[i])] + [int(it[k]) - int(c.zgrad[i : k - 1].sum()) for k in inner])
+    transients = [live, remat, forward, input_live, int(c.weight_grad_transient[i:j].max())]
     held = max(sum(n * b for n, b in zip(t, states + transients)) for t in shape.occupancy)
     size = p if shape.foreach else int(c.largest_param[i:j].max())
     step = math.ceil(shape.optimizer_step * size)
@@ -108,6 +113,16 @@ def unit_chain(params: list[int], boundary: list[int] | None = None) -> Chain:
     )
 
 
+def running_on(counts: list[int], running: int) -> tuple[int, ...]:
+    """occ(), with the micro-batch a transient runs on: B and a keeping forward on its
+    activations, I on its during_i (StageShape refuses a tuple without)."""
+    if running in (1, 2) and counts[1] + counts[2] == 0:
+        counts[1] = 1
+    if running == 4 and counts[2] == 0:
+        counts[2] = 1
+    return occ(*counts, running=running)
+
+
 @st.composite
 def problems(draw):
     L = draw(st.integers(1, 12))
@@ -149,7 +164,7 @@ def problems(draw):
     )
     tuples = st.lists(
         st.builds(
-            lambda counts, running: occ(*counts, running=running),
+            running_on,
             st.lists(st.integers(0, 3), min_size=6, max_size=6),
             st.integers(0, 5),
         ),
@@ -559,6 +574,14 @@ def brute_force_options(table, chain, specs, cuts=None) -> float:
     return best
 
 
+def lighter_by(t: tuple[int, ...], k: int) -> tuple[int, ...]:
+    """An occupancy tuple with k fewer micro-batches in each state, but the one a running
+    transient works on."""
+    counts = [max(0, c - k) for c in t[:6]]
+    running = 1 + t[8:].index(1) if 1 in t[8:] else 0
+    return tuple(running_on(counts, running))
+
+
 @settings(max_examples=120, deadline=None)
 @given(problems(), st.data())
 def test_per_stage_choice_matches_brute_force_over_every_choice(problem, data):
@@ -572,8 +595,7 @@ def test_per_stage_choice_matches_brute_force_over_every_choice(problem, data):
     for spec in specs:
         lighter = [
             StageShape(
-                occupancy=tuple(tuple(max(0, c - k) for c in t[:6]) + t[6:]
-                                for t in spec.shape.occupancy),
+                occupancy=tuple(lighter_by(t, k) for t in spec.shape.occupancy),
                 optimizer_slots=spec.shape.optimizer_slots, reserved=spec.shape.reserved,
                 optimizer_step=spec.shape.optimizer_step, foreach=spec.shape.foreach,
             )
@@ -614,3 +636,82 @@ def test_a_parameter_two_layers_share_is_held_once_per_stage_and_solvers_agree(L
     for solve in (solve_partition, solve_partition_dp):
         part = solve(chain.forward, memory, specs)
         assert part is not None and part.bounds == [0, L - 1, L] and part.bottleneck == 100.0
+
+
+def _grows_with_the_end(memory: MemoryModel, shape: StageShape) -> None:
+    L = memory.chain.num_layers
+    for i in range(L):
+        totals = memory.total(np.full(L - i, i), np.arange(i + 1, L + 1), shape)
+        assert (np.diff(totals) >= 0).all(), (i, totals)
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems())
+def test_a_stage_holds_no_less_as_it_gains_layers(problem):
+    """What the partition search rests on: the transients walk the stage (a layer's peak less
+    what the layers after it save), so they alone may shrink, but no stage's total does."""
+    chain, specs, _ = problem
+    memory = MemoryModel(chain)
+    for spec in specs:
+        _grows_with_the_end(memory, spec.shape)
+
+
+def test_a_captured_graphs_stage_holds_no_less_as_it_gains_layers():
+    """... and with a U-Net's skips (sent on, pulled back, read inside or not), under the
+    occupancy of every schedule and recomputation."""
+    from planner.costs import chain_at
+    from profiler.examples import unet
+    from profiler.graph import capture
+    from schedules import build_schedule
+    from schedules.memory import occupancy
+    from tests.conftest import quick_profile
+
+    model = unet(size=8)
+    layers = capture(model, model.example_input)
+    prof = quick_profile(layers, model.example_input, batch_sizes=[2])
+    memory = MemoryModel(chain_at(prof, 2))
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
+        for mode in ("never", "always"):
+            sched = build_schedule(schedule, 3, 4)
+            for occ_ in occupancy(sched, mode):
+                _grows_with_the_end(memory, StageShape(occupancy=tuple(occ_), optimizer_slots=1))
+
+
+def test_max_ends_of_a_long_chain_are_the_last_ends_that_fit():
+    """The bisection over every start at once, on a chain long enough to be batched by keys:
+    exactly the last end that fits, where ends jump about from one start to the next (random
+    inputs and saved bytes), under real occupancies, capped or not."""
+    from schedules import build_schedule
+    from schedules.memory import occupancy
+
+    rng = np.random.default_rng(7)
+    L = 700
+    chain = make_chain(
+        L,
+        params=rng.integers(0, 50, L),
+        saved=rng.integers(0, 400, L),
+        backward_transient=rng.integers(0, 300, L),
+        forward_transient=rng.integers(0, 300, L),
+        zgrad=rng.integers(0, 100, L),
+        boundary=rng.integers(0, 2000, L + 1),
+        input_saved=rng.integers(0, 100, L),
+    )
+    memory = MemoryModel(chain)
+    shapes = [
+        StageShape(occupancy=tuple(occupancy(build_schedule(name, 4, 8), "never")[s]),
+                   optimizer_slots=1)
+        for name, s in (("gpipe", 0), ("1f1b", 1), ("zb-h1", 3))
+    ]  # fmt: skip
+    keys = [(sh, b) for sh in shapes for b in (20_000, 60_000, 150_000)]
+    cap = np.minimum(np.arange(L) + 1 + rng.integers(0, 200, L), L)
+    i, j = np.triu_indices(L + 1, 1)
+    keep = i < L
+    i, j = i[keep], j[keep]
+    for top, found in ((None, memory.max_ends(keys)), (cap, memory.max_ends(keys, cap=cap))):
+        for (shape, budget), got in zip(keys, found):
+            fits = memory.total(i, j, shape) <= budget
+            last = np.arange(L)
+            np.maximum.at(last, i[fits], j[fits])
+            want = last if top is None else np.minimum(last, top)
+            assert (got == want).all(), np.nonzero(got != want)[0][:5]
+            assert len(set(np.diff(got).tolist())) > 3  # ends that do jump about

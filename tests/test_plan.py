@@ -41,6 +41,12 @@ def by_hand(i: int, j: int, mb: int, *, saved, shared, out, inp, input_saved, tr
     Xs = mb * input_saved[i]
     Z = mb * sum(out[k] for k in range(i, j))  # the last layer's too: W starts there
     G = X if i > 0 else 0
+
+    def later(k):  # what the layers after k save: not there yet while k's forward runs
+        return mb * (sum(saved[k + 1 : j]) - sum(shared[k + 1 : j]))
+
+    remat = max([mb * transient[i] - later(i)]
+                + [mb * (transient[k] + 2) - later(k) for k in range(i + 1, j)])  # fmt: skip
     return StageBytes(
         input=X,
         activations=X + S - Xs,
@@ -50,10 +56,9 @@ def by_hand(i: int, j: int, mb: int, *, saved, shared, out, inp, input_saved, tr
         pulled=max(mb * out[k] if k != L - 1 else 0 for k in range(i, j)),
         # synthetic transients (conftest): forward t, backward t + 1, unsaved input 2,
         # forward keeping nothing saved + t + 3, I t + 4, W t + 5
-        remat_live=mb * max([transient[i]] + [transient[k] + 2 for k in range(i + 1, j)]),
+        remat_live=remat,
         live=max(
-            [mb * transient[i]]
-            + [mb * (transient[k] + 2) for k in range(i + 1, j)]
+            [remat]
             # each layer's backward, less what the layers after it saved, let go by then
             + [
                 mb * (transient[k] + 1 - sum(saved[k + 1 : j]) + sum(shared[k + 1 : j]))
@@ -66,7 +71,11 @@ def by_hand(i: int, j: int, mb: int, *, saved, shared, out, inp, input_saved, tr
             [mb * (saved[i] + transient[i] + 3)]
             + [mb * (saved[k] + transient[k] + 3 + out[k - 1]) for k in range(i + 1, j)]
         ),
-        input_live=mb * (max(transient[i:j]) + 4),
+        # I from the last layer: layers i .. k - 2's output gradients not made yet at k's
+        input_live=max(
+            [mb * (transient[i] + 4)]
+            + [mb * (transient[k] + 4 - sum(out[i : k - 1])) for k in range(i + 1, j)]
+        ),
         weight_live=mb * (max(transient[i:j]) + 5),
     )
 
