@@ -874,7 +874,8 @@ def test_skip_gradients_per_start_and_end_equal_the_value_by_value_sum(unet_rout
 def test_a_unet_holds_no_more_than_its_plan_says(unet_routes, schedule, mode):
     """A U-Net's skips cross stages: every device holds at most what the plan predicts (zero
     bubble's first stage once held each skip's gradient twice from I to W, and the plan counted
-    it once), and the plan counts at most 15% more."""
+    it once), and the plan counts at most 5% more (it counted up to 12% more before it walked
+    each stage's layers as autograd does)."""
     model, layers, prof = unet_routes
     plan = _plan(prof, schedule, mode, K=4, M=4)
     assert any(b > a + 1 for a, b in plan.routes)
@@ -885,4 +886,4 @@ def test_a_unet_holds_no_more_than_its_plan_says(unet_routes, schedule, mode):
     report = pipe.measure(x, torch.randn_like(x), nn.functional.mse_loss, steps=1)
     for d in report.devices:
         assert d.measured_peak_bytes <= 1.001 * d.predicted_peak_bytes, d  # (a few scalars)
-        assert d.predicted_peak_bytes <= 1.15 * d.measured_peak_bytes, d
+        assert d.predicted_peak_bytes <= 1.05 * d.measured_peak_bytes, d

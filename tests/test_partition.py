@@ -645,7 +645,7 @@ def _grows_with_the_end(memory: MemoryModel, shape: StageShape) -> None:
         assert (np.diff(totals) >= 0).all(), (i, totals)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(problems())
 def test_a_stage_holds_no_less_as_it_gains_layers(problem):
     """What the partition search rests on: the transients walk the stage (a layer's peak less
