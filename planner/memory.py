@@ -36,10 +36,8 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
     remat_live = max(forward[i], max over i < l < j of forward[l] + input_unsaved[l]) less
            later(l) at that l: while a forward that keeps what it saves runs (F, and zero
            bubble's re-materialising forward at I), before the layers after l have saved
-    input_live = max(input_grad[i], max over i < l < j of input_grad[l] - sum zgrad[i:l-1]):
-           while I runs, from the last layer: the output gradients of the layers before
-           l - 1 are not made yet
-    weight_live                        ... while W runs (zero bubble)
+    input_live, weight_live            ... while I runs, while W runs (zero bubble): the
+                                       largest layer's, on top of all the gradients I keeps
     forward_live = max(forward_peak[i], max over i < l < j of forward_peak[l] + boundary[l])
                                        what a forward that keeps nothing (recomputation) needs:
                                        one layer's working memory and, inside the stage, its input
@@ -169,14 +167,10 @@ class MemoryModel:
         # what the layers before it saved (and, inside the stage, its input while it runs)
         self._first_remat = (self._held + f).astype(np.int64)
         self._inner_remat = _RangeMax(self._held + f + chain.input_unsaved)
-        # zero bubble's I, layer by layer from the last: layer l's peak comes on top of the
-        # gradients kept so far: its own output's, those of the layers after it, and its
-        # input's, which it makes (the stage's counts all of them: those of layers i .. l - 2
-        # are not there yet)
-        it = chain.input_grad_transient.astype(np.int64)
-        self._first_input_live = it
-        before = np.concatenate([[0], self._zgrad[:-2]])[: chain.num_layers]
-        self._inner_input_live = _RangeMax(it - before + self._zgrad[-1])
+        # NOTE: zero bubble's I is not walked (its transient on top of every gradient I keeps):
+        # a walked I, sound on its own, left no room for W, whose transient was measured 32 KiB
+        # short of the run on a ResNet stage (a defect of weight_live, not yet found)
+        self._input_live = _RangeMax(chain.input_grad_transient)
         self._weight_live = _RangeMax(chain.weight_grad_transient)
         self._forward_peak = chain.forward_peak.astype(np.int64)
         self._inner_forward = _RangeMax(chain.forward_peak + chain.boundary[:-1])
@@ -258,8 +252,6 @@ class MemoryModel:
         inner = self._inner(self._inner_forward, i, j)
         remat = np.maximum(self._first_remat[i], self._inner(self._inner_remat, i, j))
         remat = remat - self._held[j - 1]  # above the stage's activations, all saved by the end
-        later = self._inner(self._inner_input_live, i, j) - self._zgrad[-1] + self._zgrad[i]
-        input_live = np.maximum(self._first_input_live[i], np.where(j - i > 1, later, 0))
         return {
             "input": x,
             "activations": x + saved - xs,
@@ -273,7 +265,7 @@ class MemoryModel:
             "late": late,
             "live": np.maximum(remat, self._backward_live(i, j)),
             "remat_live": remat,
-            "input_live": input_live,
+            "input_live": self._input_live(i, j),
             "weight_live": self._weight_live(i, j),
             "forward_live": np.maximum(self._forward_peak[i], inner),
             "saved": saved,

@@ -887,3 +887,23 @@ def test_a_unet_holds_no_more_than_its_plan_says(unet_routes, schedule, mode):
     for d in report.devices:
         assert d.measured_peak_bytes <= 1.001 * d.predicted_peak_bytes, d  # (a few scalars)
         assert d.predicted_peak_bytes <= 1.05 * d.measured_peak_bytes, d
+
+
+def test_a_resnet_under_zero_bubble_holds_no_more_than_its_plan_says():
+    """Found by a review: on this ResNet split a walked I (its transient on top of only the
+    gradients made so far) left no room for W, whose transient is measured short of the run,
+    and the plan said 1.2% less than its second device held."""
+    torch.manual_seed(0)
+    model = resnet(size=16)
+    x = model.example_input
+    layers = capture(model, x)
+    prof = even_times(quick_profile(layers, x, batch_sizes=[1, 2, 4]))
+    plan = plan_pipeline(prof, Cluster.uniform(3, "1GiB"), 8, microbatches=4, schedule="zb-h1",
+                         recompute="never")  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(layers, plan)
+    y = torch.randint(0, 10, (x.shape[0],))
+    report = pipe.measure(x, y, nn.functional.cross_entropy, steps=1)
+    for d in report.devices:
+        assert d.measured_peak_bytes <= 1.001 * d.predicted_peak_bytes, d
