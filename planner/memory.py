@@ -57,7 +57,8 @@ and the stage's memory is
 
 Every state grows as a stage gains layers at its end, and so does each transient added to the
 activations of the micro-batch it runs on (which every occupancy tuple with that transient
-counts): the stage's total grows with its end, which is what makes the partition search exact. All functions take numpy arrays of starts and ends, so the solver evaluates thousands of
+counts): the stage's total grows with its end, which is what makes the partition search exact.
+All functions take numpy arrays of starts and ends, so the solver evaluates thousands of
 candidate stages in one call; scalars work too.
 """
 

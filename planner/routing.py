@@ -159,7 +159,7 @@ class Flow:
             object.__setattr__(self, key, table)
         return self.__dict__[key]
 
-    def unread(self, sizes: np.ndarray | None = None) -> np.ndarray:
+    def unread(self) -> np.ndarray:
         """u[l, k] for entries l < k: the gradient bytes of the values entry l hands on
         unchanged that no entry of l + 1 .. k - 1 reads. In a stage ending at k, no gradient
         of them is made inside while l's backward runs (a skip sent on is held as pulled,
