@@ -655,7 +655,7 @@ def test_a_stage_holds_no_less_as_it_gains_layers(problem):
 
 def test_a_captured_graphs_stage_holds_no_less_as_it_gains_layers():
     """... and with a U-Net's skips (sent on, pulled back, read inside or not), under the
-    occupancy of every schedule and recomputation."""
+    occupancies of gpipe, 1F1B and zero bubble, with and without recomputation."""
     from planner.costs import chain_at
     from profiler.examples import unet
     from profiler.graph import capture

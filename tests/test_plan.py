@@ -71,7 +71,6 @@ def by_hand(i: int, j: int, mb: int, *, saved, shared, out, inp, input_saved, tr
             [mb * (saved[i] + transient[i] + 3)]
             + [mb * (saved[k] + transient[k] + 3 + out[k - 1]) for k in range(i + 1, j)]
         ),
-        # I from the last layer: layers i .. k - 2's output gradients not made yet at k's
         input_live=mb * (max(transient[i:j]) + 4),
         weight_live=mb * (max(transient[i:j]) + 5),
     )
