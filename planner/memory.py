@@ -65,6 +65,7 @@ candidate stages in one call; scalars work too.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -108,6 +109,32 @@ class StageShape:
         return max(sum(t[:4]) for t in self.occupancy)
 
 
+@lru_cache(maxsize=4096)
+def _counted(occupancy: tuple[tuple[int, ...], ...]) -> np.ndarray:
+    """Which states and transients some tuple of the occupancy counts."""
+    counted = (np.asarray(occupancy, dtype=np.int64) != 0).any(axis=0)
+    counted.setflags(write=False)
+    return counted
+
+
+_EXACT = 2.0**53  # float64 holds every integer below it exactly
+
+
+def _most(occ: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """max over the rows of occ @ values (integers): in float64 (BLAS, about 3x numpy's integer
+    product) where every product and partial sum stays below 2^53, so exact; else in int64."""
+    if occ.size == 0:
+        return np.zeros(values.shape[1], dtype=np.int64)
+    floats = values.astype(np.float64)
+    reach = float(np.abs(occ).sum(axis=1).max())
+    if reach * float(np.abs(floats).max(initial=0.0)) < _EXACT:
+        return (occ.astype(np.float64) @ floats).max(axis=0).astype(np.int64)
+    return (occ @ values).max(axis=0)
+
+
+_Spots = tuple[np.ndarray, np.ndarray]
+
+
 class _RangeMax:
     """O(1) maxima over index ranges [i, j) of one non-negative array (a sparse table)."""
 
@@ -129,9 +156,17 @@ class _RangeMax:
         self._reach = 1 << log
 
     def __call__(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        return self.take(self.spots(i, j))
+
+    def spots(self, i: np.ndarray, j: np.ndarray) -> _Spots:
+        """Where the maxima over [i, j) lie in the table: the same for every table of this
+        width, so that several tables answer one range for the price of their gathers."""
         span = np.maximum(j - i, 1)
         row = self._row[span]
-        return np.maximum(self._flat[row + i], self._flat[row + j - self._reach[span]])
+        return row + i, row + j - self._reach[span]
+
+    def take(self, spots: _Spots) -> np.ndarray:
+        return np.maximum(self._flat[spots[0]], self._flat[spots[1]])
 
 
 def _prefix(values: np.ndarray) -> np.ndarray:
@@ -143,7 +178,8 @@ class MemoryModel:
 
     def __init__(self, chain: Chain) -> None:
         self.chain = chain
-        self._ends: dict[tuple[StageShape, int], np.ndarray] = {}
+        # per (shape, budget): the ends found from each start, and the ends searched to
+        self._ends: dict[tuple[StageShape, int], tuple[np.ndarray, np.ndarray]] = {}
         self._params = _prefix(chain.params)
         # a parameter several layers use: how many of them lie before each position
         self._tied = [
@@ -206,10 +242,11 @@ class MemoryModel:
         before = np.where(j - i > 1, self._backward(i, np.maximum(j - 1, i + 1)) - last, 0)
         return np.maximum(np.maximum(before, 0), self._last_backward[j - 1])
 
-    @staticmethod
-    def _inner(table: _RangeMax, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        """Range maxima over the layers after a stage's first: (i, j); 0 where there are none."""
-        return np.where(j - i > 1, table(np.minimum(i + 1, j - 1), j), 0)
+    def _ranges(self, i: np.ndarray, j: np.ndarray) -> tuple[_Spots, _Spots, np.ndarray]:
+        """The table spots of [i, j) and of (i, j) (the layers after the first), and where
+        the latter has any: what state_bytes' range maxima share (every table is n wide)."""
+        after = self._largest.spots(np.minimum(i + 1, j - 1), j)
+        return self._largest.spots(i, j), after, j - i > 1
 
     def inputs(
         self, i: np.ndarray, j: np.ndarray, start: np.ndarray | None = None
@@ -232,49 +269,72 @@ class MemoryModel:
         return x, g, early, late
 
     def state_bytes(
-        self, i: np.ndarray | int, j: np.ndarray | int, start: np.ndarray | int | None = None
+        self,
+        i: np.ndarray | int,
+        j: np.ndarray | int,
+        start: np.ndarray | int | None = None,
+        only: frozenset[str] | None = None,
     ) -> dict[str, np.ndarray]:
         """Per micro-batch, for stages [i, j): the bytes of each state, `live`, and the parts
         (`saved` S, `loss` its share from the loss function, `z` Z) the breakdown reports.
-        `start`: the previous stage's first layer, where known (what arrives early)."""
+        `start`: the previous stage's first layer, where known (what arrives early). `only`:
+        just these entries (the partition's hot path asks for those its occupancies count)."""
         i = np.atleast_1d(np.asarray(i, dtype=np.int64))
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
         c = self.chain
-        x, g, early, late = self.inputs(i, j, None if start is None else np.atleast_1d(start))
-        xs = np.minimum(c.input_saved[i].astype(np.int64), x)
-        # stage 0 on the caller's own micro-batch (Chain.borrowed_input): not the pipeline's
-        # to hold, nor the part of it the first layer saves
-        lent = (i == 0) & c.borrowed_input
-        x = np.where(lent, 0, x)
-        saved = self._saved[j] - self._saved[i] - (self._shared[j] - self._shared[i + 1])
-        z = self._zgrad[j] - self._zgrad[i] + np.where(j == c.num_layers, c.last_grad, 0)
-        skips = 0 if c.flow is None else c.flow.passing(i, j)
-        loss = self._loss[j] - self._loss[i]
-        inner = self._inner(self._inner_forward, i, j)
-        remat = np.maximum(self._first_remat[i], self._inner(self._inner_remat, i, j))
-        remat = remat - self._held[j - 1]  # above the stage's activations, all saved by the end
-        return {
-            "input": x,
-            "activations": x + saved - xs,
-            "during_i": x + saved - xs + z + g + skips,
-            # the graph kept for W holds the input too, when it needs a gradient
-            # (the loss's graph goes with I: W starts from the last layer's output gradient)
-            "between_iw": saved - loss + z + np.where(g > 0, x - xs, 0) - np.where(lent, xs, 0),
-            "grad": g,
-            "pulled": self._pulled(i, j) if c.flow is None else c.flow.passing(i, j, c.zgrad),
-            "early": early,
-            "late": late,
-            "live": np.maximum(remat, self._backward_live(i, j)),
-            "remat_live": remat,
-            "input_live": self._input_live(i, j),
-            "weight_live": self._weight_live(i, j),
-            "forward_live": np.maximum(self._forward_peak[i], inner),
-            "saved": saved,
-            "z": z,
-            "skips": np.broadcast_to(skips, i.shape),
-            "loss": loss,
-            "input_saved": xs,
-        }
+        out: dict[str, np.ndarray] = {}
+
+        def want(*names: str) -> bool:
+            return only is None or not only.isdisjoint(names)
+
+        if want(
+            "input", "activations", "during_i", "between_iw", "grad", "early", "late", "input_saved"
+        ):
+            x, g, early, late = self.inputs(i, j, None if start is None else np.atleast_1d(start))
+            xs = np.minimum(c.input_saved[i].astype(np.int64), x)
+            # stage 0 on the caller's own micro-batch (Chain.borrowed_input): not the
+            # pipeline's to hold, nor the part of it the first layer saves
+            lent = (i == 0) & c.borrowed_input
+            x = np.where(lent, 0, x) if c.borrowed_input else x
+            out.update(input=x, grad=g, early=early, late=late, input_saved=xs)
+        if want("activations", "during_i", "between_iw", "saved", "z", "skips", "loss"):
+            saved = self._saved[j] - self._saved[i] - (self._shared[j] - self._shared[i + 1])
+            z = self._zgrad[j] - self._zgrad[i]
+            if c.last_grad:
+                z = z + np.where(j == c.num_layers, c.last_grad, 0)
+            skips = 0 if c.flow is None else c.flow.passing(i, j)
+            loss = self._loss[j] - self._loss[i]
+            out.update(saved=saved, z=z, skips=np.broadcast_to(skips, i.shape), loss=loss)
+            if want("activations", "during_i"):
+                out["activations"] = x + saved - xs
+            if want("during_i"):
+                out["during_i"] = out["activations"] + z + g + skips
+            if want("between_iw"):
+                # the graph kept for W holds the input too, when it needs a gradient (the
+                # loss's graph goes with I: W starts from the last layer's output gradient)
+                iw = saved - loss + z + np.where(g > 0, x - xs, 0)
+                out["between_iw"] = iw - np.where(lent, xs, 0) if c.borrowed_input else iw
+        whole, after, inner = self._ranges(i, j)
+        if want("pulled"):
+            pulled = self._pulled.take(whole) if c.flow is None else c.flow.passing(i, j, c.zgrad)
+            out["pulled"] = pulled
+        if want("live", "remat_live"):
+            remat = np.where(inner, self._inner_remat.take(after), 0)
+            remat = np.maximum(self._first_remat[i], remat)
+            # above the stage's activations, all saved by the end
+            out["remat_live"] = remat = remat - self._held[j - 1]
+            if want("live"):
+                out["live"] = np.maximum(remat, self._backward_live(i, j))
+        if want("input_live"):
+            out["input_live"] = self._input_live.take(whole)
+        if want("weight_live"):
+            out["weight_live"] = self._weight_live.take(whole)
+        if want("forward_live"):
+            forward = np.where(inner, self._inner_forward.take(after), 0)
+            out["forward_live"] = np.maximum(self._forward_peak[i], forward)
+        if only is not None and "largest" in only:  # (for the partition: optimizer_step())
+            out["largest"] = self._largest.take(whole)
+        return out if only is None else {k: out[k] for k in only}
 
     def stage_bytes(
         self,
@@ -368,19 +428,29 @@ class MemoryModel:
         self, i: np.ndarray, j: np.ndarray, shapes: list[StageShape], cut: np.ndarray
     ) -> np.ndarray:
         """total() of [i, j) for many shapes at once: entries cut[g]:cut[g + 1] are shape g's.
-        The bytes of each state depend on the layers alone, so they are computed once for all."""
-        b = self.state_bytes(i, j)
-        values = np.stack([b[name] for name in STATES + TRANSIENTS])
+        The bytes of each state depend on the layers alone, so they are computed once for all,
+        and only those some shape's occupancy counts."""
+        names = STATES + TRANSIENTS
+        counted = np.zeros(len(names), dtype=bool)
+        for shape in shapes:
+            counted |= _counted(shape.occupancy)
+        cols = np.flatnonzero(counted)
+        each = all(sh.foreach for sh in shapes)
+        wanted = frozenset(names[k] for k in cols) | (set() if each else {"largest"})
+        b = self.state_bytes(i, j, only=wanted)
+        values = np.empty((len(cols), len(i)), dtype=np.int64)
+        for row, k in enumerate(cols):
+            values[row] = b[names[k]]
         p = self.params(i, j)
-        largest = None if all(sh.foreach for sh in shapes) else self._largest(i, j)
+        largest = None if each else b["largest"]
         out = np.empty(len(i), dtype=np.int64)
         for g, shape in enumerate(shapes):
             lo, hi = int(cut[g]), int(cut[g + 1])
             if lo == hi:
                 continue
-            occ = np.asarray(shape.occupancy, dtype=np.int64)
+            occ = np.asarray(shape.occupancy, dtype=np.int64)[:, cols]
             mine = np.maximum(values[:, lo:hi], 0) if shape.bound else values[:, lo:hi]
-            held = (occ @ mine).max(axis=0)
+            held = _most(occ, mine)
             size = p[lo:hi] if shape.foreach else largest[lo:hi]  # type: ignore[index]
             step = np.ceil(shape.optimizer_step * size).astype(np.int64)  # optimizer_step()
             weights = (2 + shape.optimizer_slots) * p[lo:hi]
@@ -398,24 +468,57 @@ class MemoryModel:
     def max_ends(
         self, wanted: list[tuple[StageShape, int]], cap: np.ndarray | None = None
     ) -> list[np.ndarray]:
-        """max_end of every (shape, budget), those not kept yet searched together: one pass
+        """max_end of every (shape, budget), those not known yet searched together: one pass
         of state bytes per bisection step serves them all (a split of 64 stages has 64).
         `cap`: per start, the last end the caller will ask about; each end is then
-        min(max_end, cap), found in fewer steps (one, where the cap fits), and not kept."""
+        min(max_end, cap), found in fewer steps (one, where the cap fits).
+
+        What a search finds is kept per shape and budget, with the ends it searched to:
+        a later search of the same key (another candidate's, or under a larger cap) starts
+        from it, and searches only the starts whose end lay past the cap it had."""
         n = self.chain.num_layers
-        ends = self._ends if cap is None else {}
-        if len(ends) + len(wanted) > 4096:  # (before `todo`: what it leaves out must stay kept)
-            ends.clear()
-        todo = list(dict.fromkeys(k for k in wanted if k not in ends))
-        top = np.full(n, n, dtype=np.int64) if cap is None else np.asarray(cap, dtype=np.int64)
+        every = np.arange(n, dtype=np.int64)
+        top = np.full(n, n, dtype=np.int64) if cap is None else np.clip(cap, every + 1, n)
+        kept = self._ends
+        answers: dict[tuple[StageShape, int], np.ndarray] = {}
+        todo = []
+        for key in dict.fromkeys(wanted):
+            known = kept.get(key)
+            if known is None:
+                todo.append((key, every, np.full(n, n + 1, dtype=np.int64)))
+                continue
+            found, to = known  # found = min(max_end, to): max_end itself where below `to`
+            exact = found < to
+            if (exact | (top <= to)).all():
+                answers[key] = np.minimum(found, top)
+                continue
+            # known to fit up to found; known not to fit past it where exact
+            todo.append((key, found, np.where(exact, found + 1, n + 1)))
+        size = sum(found.size for found, _ in kept.values())
+        if size + 2 * n * len(todo) > self.KEEP:  # past what is worth keeping: start over
+            kept.clear()
         # in batches of about 2^16 entries: larger arrays only spill out of the caches
         per = max(1, (1 << 16) // max(n, 1))
         for at in range(0, len(todo), per):
             batch = todo[at : at + per]
-            for key, found in zip(batch, self._max_ends(batch, top)):
-                found.setflags(write=False)
-                ends[key] = found
-        return [ends[k] for k in wanted]
+            found = self._max_ends(
+                [key for key, _, _ in batch],
+                top,
+                np.concatenate([lo for _, lo, _ in batch]),
+                np.concatenate([hi for _, _, hi in batch]),
+            )
+            for (key, _, _), new in zip(batch, found):
+                answers[key] = new
+                old = kept.get(key)
+                to = top if old is None else np.maximum(old[1], top)
+                if old is not None:  # what either search knows (see above)
+                    new = np.where(old[0] < old[1], old[0], np.where(new < top, new, to))
+                new.setflags(write=False)
+                to.setflags(write=False)
+                kept[key] = (new, to)
+        return [answers[k] for k in wanted]
+
+    KEEP = 1 << 25  # entries of found ends and their limits kept at most (256 MiB)
 
     def params(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """The parameter bytes of stages [i, j): a parameter several of its layers use, once."""
@@ -424,7 +527,11 @@ class MemoryModel:
             p = p - nbytes * np.maximum(before[j] - before[i] - 1, 0)
         return p
 
-    def _max_ends(self, keys: list[tuple[StageShape, int]], cap: np.ndarray) -> list[np.ndarray]:
+    def _max_ends(
+        self, keys: list[tuple[StageShape, int]], top: np.ndarray, lo: np.ndarray, hi: np.ndarray
+    ) -> list[np.ndarray]:
+        """min(max_end, top) per key and start, where each key's end is known to fit at lo (or
+        lo is the start) and not to fit at hi (or hi is n + 1): flat arrays, key after key."""
         n, G = self.chain.num_layers, len(keys)
         shapes = [shape for shape, _ in keys]
         budget = np.repeat(np.array([b for _, b in keys], dtype=np.int64), n)
@@ -441,13 +548,11 @@ class MemoryModel:
                 caps.append(
                     np.searchsorted(weights, weights[:n] + (b - shape.reserved), side="right")
                 )
-        hi = np.minimum(np.maximum(np.concatenate(caps), i + 1), n + 1)
-        lo = i.copy()
-        cut = np.arange(G + 1) * n
-        top = np.tile(np.clip(cap, np.arange(n) + 1, n), G)
-        whole = self._totals(i, top, shapes, cut) <= budget
-        lo = np.where(whole, top, lo)
-        hi = np.where(whole, top + 1, np.minimum(hi, top))
+        hi = np.minimum(np.minimum(np.maximum(np.concatenate(caps), i + 1), n + 1), hi)
+        top = np.tile(top, G)
+        # min(max_end, top) is top where top fits: where lo reaches it, or where it fits
+        lo = np.minimum(lo, top)
+        hi = np.where(lo == top, top + 1, hi)
         group = np.repeat(np.arange(G), n)
 
         def probe(idx: np.ndarray, mid: np.ndarray) -> None:
@@ -458,6 +563,10 @@ class MemoryModel:
             lo[idx[fits]] = mid[fits]
             hi[idx[~fits]] = mid[~fits]
 
+        check = np.flatnonzero((lo < top) & (hi > top))
+        if len(check):
+            probe(check, top[check])
+        hi = np.where(lo == top, top + 1, np.minimum(hi, top))  # past the top: as good as it
         pos = np.arange(G * n)
         while len(pos):
             pos = pos[hi[pos] - lo[pos] > 1]

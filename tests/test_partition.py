@@ -537,8 +537,13 @@ def test_max_end_is_the_last_end_that_fits(problem):
     # many shapes and budgets searched together, and capped: against the scan
     keys = [(sp.shape, b) for sp in specs for b in (sp.budget, sp.budget // 2 + 1, 2 * sp.budget)]
     cap = np.array([min(L, i + 1 + (i * 7) % 3) for i in range(L)])
+    wider = np.array([min(L, i + 1 + (i * 5) % 4) for i in range(L)])
     fresh = MemoryModel(chain)
-    for top, found in ((None, fresh.max_ends(keys)), (cap, fresh.max_ends(keys, cap=cap))):
+    # a search under a cap, then one past it where ends were cut (starting from what the first
+    # found), then one without, then the first again: each answered from what the model kept
+    # and searched further, and each exactly the scan's
+    runs = [(top, fresh.max_ends(keys, cap=top)) for top in (cap, wider, None, cap)]
+    for top, found in runs:
         for (shape, budget), got in zip(keys, found):
             for i in range(L):
                 last = max(
@@ -704,11 +709,36 @@ def test_max_ends_of_a_long_chain_are_the_last_ends_that_fit():
     i, j = np.triu_indices(L + 1, 1)
     keep = i < L
     i, j = i[keep], j[keep]
-    for top, found in ((None, memory.max_ends(keys)), (cap, memory.max_ends(keys, cap=cap))):
-        for (shape, budget), got in zip(keys, found):
-            fits = memory.total(i, j, shape) <= budget
-            last = np.arange(L)
-            np.maximum.at(last, i[fits], j[fits])
+    wider = np.minimum(cap + rng.integers(0, 100, L), L)
+    lasts = []
+    for shape, budget in keys:
+        fits = memory.total(i, j, shape) <= budget
+        lasts.append(np.arange(L))
+        np.maximum.at(lasts[-1], i[fits], j[fits])
+    # capped, then a wider cap (searched on from what the first found), then none, then the
+    # first cap again (answered from what was kept)
+    runs = [(top, memory.max_ends(keys, cap=top)) for top in (cap, wider, None, cap)]
+    for top, found in runs:
+        for last, got in zip(lasts, found):
             want = last if top is None else np.minimum(last, top)
             assert (got == want).all(), np.nonzero(got != want)[0][:5]
             assert len(set(np.diff(got).tolist())) > 3  # ends that do jump about
+
+
+def test_occupancy_sums_are_exact_where_a_float_would_round():
+    """The stage totals' products of counts and bytes run in float64 only where every sum
+    stays below 2^53: odd byte counts past it (a float would round them) take int64."""
+    from planner.memory import _most
+
+    rng = np.random.default_rng(3)
+    occ = rng.integers(0, 300, (6, 5))
+    occ[:, 0] = 1
+    small = rng.integers(-(2**40), 2**40, (5, 400))
+    assert (_most(occ, small) == (occ @ small).max(axis=0)).all()
+    big = small.copy()
+    big[0] = 2**53 + 1 + 2 * rng.integers(0, 2**20, 400)
+    one = np.zeros_like(occ)
+    one[:, 0] = 1  # each tuple counts the one state once: a float's sum is the value itself
+    assert (_most(one, big) == big[0]).all()
+    none = _most(occ[:, :0], small[:0])  # no state counted: nothing held
+    assert none.shape == (400,) and not none.any()
