@@ -364,17 +364,24 @@ class PipelineRuntime:
         with self._action("backward_weight", s, m):
             roots, grads = self.kept.pop((s, m))
             inner = self.inner.pop((s, m))
-            # layer by layer, from each layer's output and the gradient I left for it
-            hidden = iter(self.inner_grads.pop((s, m)))
+            # layer by layer, from each layer's output and the gradient I left for it, the
+            # last layer first: each layer's graph goes as its W runs, and a tensor two layers
+            # save (one's output, the next one's input) goes with the earlier one's W, as the
+            # profile measured it (layer alone), not after it
+            hidden = self.inner_grads.pop((s, m))
+            at = [0]
+            for edges in inner:
+                at.append(at[-1] + len(edges))
             layers = list(self.stages[s])
             last = s == len(self.stages) - 1
-            for k, layer in enumerate(layers):
+            for k in reversed(range(len(layers))):
                 if k == len(layers) - 1 and not last:  # the stage's own roots: its output's
                     outs, gs = roots, grads
                 else:
-                    pairs = [(e, next(hidden)) for e in inner[k]]
+                    pairs = list(zip(inner[k], hidden[at[k] : at[k + 1]]))
                     outs = [e for e, g in pairs if g is not None]
                     gs = [g for _, g in pairs if g is not None]
+                layer = layers[k]
                 params = [p for p in layer.parameters() if p.requires_grad]
                 if outs and params:
                     torch.autograd.backward(outs, gs, inputs=params)

@@ -57,13 +57,20 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
     """live_s, remat_s and input_s, layer by layer as the model walks them: a forward's layer
     k on top of what the stage's layers before it saved (the full activations less later[k],
     what its layers after k save); a backward's layer k after those have let theirs go (the
-    stage's last layer without the output gradient it pulls); zero bubble's I, the largest
-    layer's. A layer outside the stage gives a bound of at most 0."""
+    stage's last layer without the output gradient it pulls); zero bubble's I at layer k
+    before the output gradients of its layers before k - 1 are made (early[k]). A layer
+    outside the stage gives a bound of at most 0."""
     f, b, u, z, it = (c.forward_transient, c.backward_transient, c.input_unsaved, c.zgrad,
                       c.input_grad_transient)  # fmt: skip
     inner = [x[k][s] - first[k][s] for k in range(L)]
     own = [int(c.saved[k]) * x[k][s] - int(c.shared[k]) * inner[k] for k in range(L)]
     later = _suffix(m, own, f"later{s}_", int(c.saved.sum()))
+    made = [int(z[k]) * x[k][s] for k in range(L)]
+    before = [0] * L  # sum of made[0 .. k - 2]
+    for k in range(2, L):
+        var = m.new_int_var(0, int(z.sum()), f"early{s}_{k}")  # type: ignore[attr-defined]
+        m.add(var == before[k - 1] + made[k - 2])  # type: ignore[attr-defined]
+        before[k] = var
 
     def top(*arrays: np.ndarray) -> int:
         return int(max(max(a.max() for a in arrays), 0))
@@ -74,7 +81,7 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
     m.add(live >= remat)  # type: ignore[attr-defined]
     for k in range(L):
         m.add(remat >= int(f[k]) * first[k][s] + int(f[k] + u[k]) * inner[k] - later[k])  # type: ignore[attr-defined]
-        m.add(inp >= int(it[k]) * x[k][s])  # type: ignore[attr-defined]
+        m.add(inp >= int(it[k]) * x[k][s] - before[k])  # type: ignore[attr-defined]
         # layer k ends the stage when k + 1 is not in it (or k is the last layer)
         ends = x[k][s] - (x[k + 1][s] if k + 1 < L else 0)
         m.add(live >= int(max(b[k] - z[k], 0)) * ends)  # type: ignore[attr-defined]

@@ -36,8 +36,11 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
     remat_live = max(forward[i], max over i < l < j of forward[l] + input_unsaved[l]) less
            later(l) at that l: while a forward that keeps what it saves runs (F, and zero
            bubble's re-materialising forward at I), before the layers after l have saved
-    input_live, weight_live            ... while I runs, while W runs (zero bubble): the
-                                       largest layer's, on top of all the gradients I keeps
+    input_live = max(input_grad[i], max over i < l < j of input_grad[l] - sum zgrad[i:l-1]):
+           while I runs, from the last layer: the output gradients of the layers before
+           l - 1 are not made yet
+    weight_live                        ... while W runs (zero bubble), layer by layer from the
+                                       last: the largest layer's, on top of all I keeps
     forward_live = max(forward_peak[i], max over i < l < j of forward_peak[l] + boundary[l])
                                        what a forward that keeps nothing (recomputation) needs:
                                        one layer's working memory and, inside the stage, its input
@@ -204,10 +207,14 @@ class MemoryModel:
         # what the layers before it saved (and, inside the stage, its input while it runs)
         self._first_remat = (self._held + f).astype(np.int64)
         self._inner_remat = _RangeMax(self._held + f + chain.input_unsaved)
-        # NOTE: zero bubble's I is not walked (its transient on top of every gradient I keeps):
-        # a walked I, sound on its own, left no room for W, whose transient was measured 32 KiB
-        # short of the run on a ResNet stage (a defect of weight_live, not yet found)
-        self._input_live = _RangeMax(chain.input_grad_transient)
+        # zero bubble's I, layer by layer from the last: layer l's peak comes on top of the
+        # gradients kept so far: its own output's, those of the layers after it, and its
+        # input's, which it makes (the stage's counts all of them: those of layers i .. l - 2
+        # are not there yet)
+        it = chain.input_grad_transient.astype(np.int64)
+        self._first_input_live = it
+        before = np.concatenate([[0], self._zgrad[:-2]])[: chain.num_layers]
+        self._inner_input_live = _RangeMax(it - before + self._zgrad[-1])  # (not negative)
         self._weight_live = _RangeMax(chain.weight_grad_transient)
         self._forward_peak = chain.forward_peak.astype(np.int64)
         self._inner_forward = _RangeMax(chain.forward_peak + chain.boundary[:-1])
@@ -326,7 +333,9 @@ class MemoryModel:
             if want("live"):
                 out["live"] = np.maximum(remat, self._backward_live(i, j))
         if want("input_live"):
-            out["input_live"] = self._input_live.take(whole)
+            later = self._inner_input_live.take(after) - self._zgrad[-1] + self._zgrad[i]
+            first = self._first_input_live[i]
+            out["input_live"] = np.maximum(first, np.where(inner, later, 0))
         if want("weight_live"):
             out["weight_live"] = self._weight_live.take(whole)
         if want("forward_live"):

@@ -890,9 +890,11 @@ def test_a_unet_holds_no_more_than_its_plan_says(unet_routes, schedule, mode):
 
 
 def test_a_resnet_under_zero_bubble_holds_no_more_than_its_plan_says():
-    """Found by a review: on this ResNet split a walked I (its transient on top of only the
-    gradients made so far) left no room for W, whose transient is measured short of the run,
-    and the plan said 1.2% less than its second device held."""
+    """Found by a review: on this ResNet split the second device held 1.2% more than its plan.
+    The runtime's W went from the stage's first layer to its last, so a layer's output, which
+    the next layer saves as its input, outlived the layer's W: W held up to one output more
+    than the profile measures for the layer alone (32 KiB here). W now runs from the last
+    layer, and the plan walks I, as it does B."""
     torch.manual_seed(0)
     model = resnet(size=16)
     x = model.example_input

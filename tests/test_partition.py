@@ -44,8 +44,11 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     loss = int(c.loss_saved[i:j].sum())  # the loss's own: it goes with I, before W
     states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + (X - Xs if G else 0) - lent, G, P,
               0, 0]  # fmt: skip
-    transients = [live, remat, forward, int(c.input_grad_transient[i:j].max()),
-                  int(c.weight_grad_transient[i:j].max())]  # fmt: skip
+    # zero bubble's I, from the last layer: the gradients of layers i .. k - 2's outputs are
+    # not made yet while k's runs
+    it = c.input_grad_transient
+    input_live = max([int(it[i])] + [int(it[k]) - int(c.zgrad[i : k - 1].sum()) for k in inner])
+    transients = [live, remat, forward, input_live, int(c.weight_grad_transient[i:j].max())]
     held = max(sum(n * b for n, b in zip(t, states + transients)) for t in shape.occupancy)
     size = p if shape.foreach else int(c.largest_param[i:j].max())
     step = math.ceil(shape.optimizer_step * size)

@@ -71,7 +71,10 @@ def by_hand(i: int, j: int, mb: int, *, saved, shared, out, inp, input_saved, tr
             [mb * (saved[i] + transient[i] + 3)]
             + [mb * (saved[k] + transient[k] + 3 + out[k - 1]) for k in range(i + 1, j)]
         ),
-        input_live=mb * (max(transient[i:j]) + 4),
+        input_live=max(
+            [mb * (transient[i] + 4)]
+            + [mb * (transient[k] + 4 - sum(out[i : k - 1])) for k in range(i + 1, j)]
+        ),
         weight_live=mb * (max(transient[i:j]) + 5),
     )
 
