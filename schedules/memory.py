@@ -524,7 +524,7 @@ def _pareto_array(rows: np.ndarray) -> Occupancy:
         if len(rest) and len(new):
             gone = (new[:, None, :] >= rows[rest][None, :, :]).all(axis=2).any(axis=0)
             alive[rest[gone]] = False
-    return tuple(sorted({tuple(int(x) for x in row) for row in np.concatenate(kept)}))
+    return tuple(sorted(set(map(tuple, np.concatenate(kept).tolist()))))
 
 
 @dataclass
