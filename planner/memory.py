@@ -23,8 +23,10 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
                                        totals made inside (routing.py); 0 for a chain
     P   = max zgrad[i:j]               the output gradient B pulls and holds while it runs (the
                                        largest boundary inside: the total must grow with j); a
-                                       captured graph's: the most zgrad[k-1] + K over its ends
-                                       k <= j (what the stage [i, k) would send)
+                                       captured graph's: what the stage sends (its last
+                                       layer's output and skips), raised where P + S + live
+                                       would shrink below a shorter stage's (B holds all
+                                       three: they grow together)
     The transients say what an action holds above the states, at its worst layer l. They
     walk the stage as autograd does, so each is relative to the whole activations S, of
     which the layers after l hold later(l) = sum saved[l+1:j] - sum shared[l+1:j]:
@@ -38,7 +40,9 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
            bubble's re-materialising forward at I), before the layers after l have saved
     input_live = max(input_grad[i], max over i < l < j of input_grad[l] - sum zgrad[i:l-1]):
            while I runs, from the last layer: the output gradients of the layers before
-           l - 1 are not made yet
+           l - 1 are not made yet (a chain's); a captured graph's, the largest layer's on
+           top of them all (a value made before l - 1 and read after l, as a residual
+           stream is, has its gradient made already)
     weight_live                        ... while W runs (zero bubble), layer by layer from the
                                        last: the largest layer's, on top of all I keeps
     forward_live = max(forward_peak[i], max over i < l < j of forward_peak[l] + boundary[l])
@@ -110,6 +114,16 @@ class StageShape:
     def inflight(self) -> int:
         """Micro-batches the stage holds tensors of (beyond an input gradient) at its worst."""
         return max(sum(t[:4]) for t in self.occupancy)
+
+
+@lru_cache(maxsize=4096)
+def _pulled_outside_b(occupancy: tuple[tuple[int, ...], ...]) -> tuple[int, ...] | None:
+    """A tuple of the occupancy holding a pulled gradient while B's transient does not run,
+    if any: a captured graph's pulled gradient grows with the stage's end only together with
+    B's transient and its micro-batch's activations (MemoryModel._flow_pulled), as every
+    schedule's B holds it."""
+    pulled = STATES.index("pulled")
+    return next((t for t in occupancy if t[pulled] and not t[N_STATES]), None)
 
 
 @lru_cache(maxsize=4096)
@@ -203,6 +217,7 @@ class MemoryModel:
         self._backward = _RangeMax(self._held + b)
         self._last_backward = np.maximum(b - chain.zgrad, 0).astype(np.int64)
         self._walk = None if chain.flow is None else self._walk_table()
+        self._flow_pulled_table: np.ndarray | None = None
         # a forward that keeps what it saves, layer by layer: layer l's peak comes on top of
         # what the layers before it saved (and, inside the stage, its input while it runs)
         self._first_remat = (self._held + f).astype(np.int64)
@@ -215,6 +230,7 @@ class MemoryModel:
         self._first_input_live = it
         before = np.concatenate([[0], self._zgrad[:-2]])[: chain.num_layers]
         self._inner_input_live = _RangeMax(it - before + self._zgrad[-1])  # (not negative)
+        self._input_live = _RangeMax(it)  # a captured graph's: not walked
         self._weight_live = _RangeMax(chain.weight_grad_transient)
         self._forward_peak = chain.forward_peak.astype(np.int64)
         self._inner_forward = _RangeMax(chain.forward_peak + chain.boundary[:-1])
@@ -237,6 +253,34 @@ class MemoryModel:
         walk = np.maximum(walk - np.concatenate([[0], held])[None, :], 0)
         walk.setflags(write=False)
         return walk
+
+    def _check_pulled(self, shape: StageShape) -> None:
+        if self.chain.flow is not None and (t := _pulled_outside_b(shape.occupancy)) is not None:
+            raise ValueError(f"occupancy {t} holds a pulled gradient outside B")
+
+    def _flow_pulled(self) -> np.ndarray:
+        """A captured graph's pulled gradient for every start and end: what the stage sends,
+        raised only as far as its total must grow with the end. B holds it together with its
+        micro-batch's activations and its own transient (_check_pulled holds every tuple to
+        that), so the three together take the largest over the stage's shorter ends, not the
+        pulled gradient alone (a stage ending just after a large skip's reader sends less than
+        a shorter one would: counted as sent, where the activations and B's walk make up for
+        the difference)."""
+        if self._flow_pulled_table is None:
+            c = self.chain
+            n = c.num_layers
+            i, k = np.triu_indices(n + 1, 1)
+            i, k = i[i < n], k[i < n]
+            b = self.state_bytes(i, k, only=frozenset({"activations", "live"}))
+            with_b = b["activations"] + b["live"]
+            joint = np.full((n + 1, n + 1), np.iinfo(np.int64).min // 2, dtype=np.int64)
+            joint[i, k] = c.flow.sending(c.zgrad)[i, k] + with_b  # type: ignore[union-attr]
+            joint = np.maximum.accumulate(joint, axis=1)
+            table = np.zeros((n + 1, n + 1), dtype=np.int64)
+            table[i, k] = joint[i, k] - with_b
+            table.setflags(write=False)
+            self._flow_pulled_table = table
+        return self._flow_pulled_table
 
     def _backward_live(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """The most B holds above the stage's activations, layer by layer from the last: layer
@@ -323,7 +367,7 @@ class MemoryModel:
                 out["between_iw"] = iw - np.where(lent, xs, 0) if c.borrowed_input else iw
         whole, after, inner = self._ranges(i, j)
         if want("pulled"):
-            pulled = self._pulled.take(whole) if c.flow is None else c.flow.passing(i, j, c.zgrad)
+            pulled = self._pulled.take(whole) if c.flow is None else self._flow_pulled()[i, j]
             out["pulled"] = pulled
         if want("live", "remat_live"):
             remat = np.where(inner, self._inner_remat.take(after), 0)
@@ -332,7 +376,9 @@ class MemoryModel:
             out["remat_live"] = remat = remat - self._held[j - 1]
             if want("live"):
                 out["live"] = np.maximum(remat, self._backward_live(i, j))
-        if want("input_live"):
+        if want("input_live") and c.flow is not None:
+            out["input_live"] = self._input_live.take(whole)
+        elif want("input_live"):
             later = self._inner_input_live.take(after) - self._zgrad[-1] + self._zgrad[i]
             first = self._first_input_live[i]
             out["input_live"] = np.maximum(first, np.where(inner, later, 0))
@@ -379,6 +425,7 @@ class MemoryModel:
         (`states`: their state_bytes, where the caller has them)."""
         if shape.bound:
             raise ValueError("a bound on the occupancy has no breakdown; use the occupancy")
+        self._check_pulled(shape)
         i = np.atleast_1d(np.asarray(i, dtype=np.int64))
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
         p = self.params(i, j)
@@ -443,6 +490,7 @@ class MemoryModel:
         counted = np.zeros(len(names), dtype=bool)
         for shape in shapes:
             counted |= _counted(shape.occupancy)
+            self._check_pulled(shape)
         cols = np.flatnonzero(counted)
         each = all(sh.foreach for sh in shapes)
         wanted = frozenset(names[k] for k in cols) | (set() if each else {"largest"})

@@ -136,12 +136,18 @@ class Flow:
         counts less than the run holds."""
         return self._sums(last)[np.asarray(i, dtype=np.int64), np.asarray(j, dtype=np.int64)]
 
-    def _sums(self, last: np.ndarray | None) -> np.ndarray:
+    def sending(self, last: np.ndarray) -> np.ndarray:
+        """passing(i, k, last) for every start and end as it is, without the running max over
+        k: what stage [i, k) sends back per micro-batch (`last`: the chain's zgrad, as
+        passing's always is)."""
+        return self._sums(last, running=False)
+
+    def _sums(self, last: np.ndarray | None, running: bool = True) -> np.ndarray:
         """passing(i, k, last) for every start and end, made once per Flow in O(n^2 + values):
         each value born at b and read last by entry e counts for the starts i <= b and the
         ends b + 2 <= k <= e (a rectangle, added as four corners), then the running max over
         k."""
-        key = "_passing" if last is None else "_sending"
+        key = ("_passing" if last is None else "_sending") + ("" if running else "_as_is")
         if key not in self.__dict__:
             n = self.nxt.shape[1] - 1
             corners = np.zeros((n + 2, n + 2), dtype=np.int64)
@@ -154,7 +160,9 @@ class Flow:
             table = corners.cumsum(axis=0).cumsum(axis=1)[: n + 1, : n + 1]
             if last is not None:
                 table[:, 1:] += np.asarray(last, dtype=np.int64)[None, :n]
-            table = np.maximum.accumulate(np.triu(table, 1), axis=1)
+            table = np.triu(table, 1)
+            if running:
+                table = np.maximum.accumulate(table, axis=1)
             table.setflags(write=False)
             object.__setattr__(self, key, table)
         return self.__dict__[key]

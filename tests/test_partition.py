@@ -674,12 +674,28 @@ def test_a_captured_graphs_stage_holds_no_less_as_it_gains_layers():
     model = unet(size=8)
     layers = capture(model, model.example_input)
     prof = quick_profile(layers, model.example_input, batch_sizes=[2])
-    memory = MemoryModel(chain_at(prof, 2))
+    chain = chain_at(prof, 2)
+    memory = MemoryModel(chain)
     for schedule in ("gpipe", "1f1b", "zb-h1"):
         for mode in ("never", "always"):
             sched = build_schedule(schedule, 3, 4)
             for occ_ in occupancy(sched, mode):
                 _grows_with_the_end(memory, StageShape(occupancy=tuple(occ_), optimizer_slots=1))
+    # B's pulled gradient: at least what the stage sends, at most the largest any shorter
+    # stage sends (the bound it was before it grew together with B), and below it somewhere
+    assert chain.flow is not None
+    n = chain.num_layers
+    i, k = np.triu_indices(n + 1, 1)
+    i, k = i[i < n], k[i < n]
+    pulled = memory.state_bytes(i, k)["pulled"]
+    sent = chain.flow.sending(chain.zgrad)[i, k]
+    envelope = chain.flow.passing(i, k, chain.zgrad)
+    assert (sent <= pulled).all() and (pulled <= envelope).all()
+    assert (pulled < envelope).any()
+    # a tuple holding it outside B would not grow with the end: refused
+    held = StageShape(occupancy=(occ(0, 1, 0, 0, 0, 1),), optimizer_slots=1)
+    with pytest.raises(ValueError, match="pulled gradient outside B"):
+        memory.total(0, 2, held)
 
 
 def test_max_ends_of_a_long_chain_are_the_last_ends_that_fit():
@@ -743,5 +759,9 @@ def test_occupancy_sums_are_exact_where_a_float_would_round():
     one = np.zeros_like(occ)
     one[:, 0] = 1  # each tuple counts the one state once: a float's sum is the value itself
     assert (_most(one, big) == big[0]).all()
+    # two states at 2^52 and 2^52 + 1: each below 2^53, their sum not (a guard on the largest
+    # count alone, not the tuple's sum of counts, would let a float round it)
+    pair = np.array([[2**52 + 1], [2**52]])
+    assert _most(np.array([[1, 1]]), pair).tolist() == [2**53 + 1]
     none = _most(occ[:, :0], small[:0])  # no state counted: nothing held
     assert none.shape == (400,) and not none.any()
