@@ -40,9 +40,9 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
            bubble's re-materialising forward at I), before the layers after l have saved
     input_live = max(input_grad[i], max over i < l < j of input_grad[l] - sum zgrad[i:l-1]):
            while I runs, from the last layer: the output gradients of the layers before
-           l - 1 are not made yet (a chain's); a captured graph's, the largest layer's on
-           top of them all (a value made before l - 1 and read after l, as a residual
-           stream is, has its gradient made already)
+           l - 1 are not made yet; on a captured graph only those of the values they make
+           that no layer from l on reads, in the stage or after it (a residual stream's,
+           read later, has its gradient made already)
     weight_live                        ... while W runs (zero bubble), layer by layer from the
                                        last: the largest layer's, on top of all I keeps
     forward_live = max(forward_peak[i], max over i < l < j of forward_peak[l] + boundary[l])
@@ -230,7 +230,7 @@ class MemoryModel:
         self._first_input_live = it
         before = np.concatenate([[0], self._zgrad[:-2]])[: chain.num_layers]
         self._inner_input_live = _RangeMax(it - before + self._zgrad[-1])  # (not negative)
-        self._input_live = _RangeMax(it)  # a captured graph's: not walked
+        self._flow_input_live = None if chain.flow is None else self._flow_input_table()
         self._weight_live = _RangeMax(chain.weight_grad_transient)
         self._forward_peak = chain.forward_peak.astype(np.int64)
         self._inner_forward = _RangeMax(chain.forward_peak + chain.boundary[:-1])
@@ -253,6 +253,39 @@ class MemoryModel:
         walk = np.maximum(walk - np.concatenate([[0], held])[None, :], 0)
         walk.setflags(write=False)
         return walk
+
+    def _flow_input_table(self) -> np.ndarray:
+        """A captured graph's input_live(i, j) for every start and end: I's layer l runs on
+        top of every gradient the stage keeps but those of the values its layers i .. l - 2
+        make and only layers before l read (not made yet: I goes from the last layer); each
+        layer's at most its zgrad (what the stage counts for it)."""
+        c = self.chain
+        flow = c.flow
+        assert flow is not None
+        n = c.num_layers
+        # absent[b, l]: the gradient bytes of what layer b makes that no layer from l on reads
+        absent = np.zeros((n + 1, n + 2), dtype=np.int64)
+        for b, e, w in zip(flow.born.tolist(), flow.last.tolist(), flow.nbytes * flow.grad):
+            if w and 0 <= b < n and e >= 0:
+                absent[b, min(e + 1, n + 1)] += w
+        absent = np.minimum(absent.cumsum(axis=1)[:n, : n + 1], c.zgrad[:, None])
+        # gone[i, l] = sum over b in [i, l - 2] of absent[b, l]
+        below = np.concatenate([np.zeros((1, n + 1), dtype=np.int64), absent.cumsum(axis=0)])
+        layer = np.arange(n + 1)
+        top = below[np.clip(layer - 1, 0, n), layer]  # sum over b <= l - 2, per l
+        gone = np.maximum(top[None, :] - below[:, :], 0)  # [i, l]: b from i to l - 2
+        it = c.input_grad_transient.astype(np.int64)
+        at = np.full((n + 1, n + 1), np.iinfo(np.int64).min // 2, dtype=np.int64)
+        at[:, :n] = it[None, :] - gone[:, :n]
+        rows = np.arange(n)
+        at[rows, rows] = it  # the stage's first layer: nothing before it
+        at = np.triu(at) + np.tril(np.full_like(at, np.iinfo(np.int64).min // 2), -1)
+        table = np.zeros((n + 1, n + 1), dtype=np.int64)
+        running = np.maximum.accumulate(at, axis=1)  # over l from i: max over l < j at [i, j - 1]
+        table[:, 1:] = running[:, :-1]
+        table = np.where(np.triu(np.ones_like(table, dtype=bool), 1), table, 0)
+        table.setflags(write=False)
+        return table
 
     def _check_pulled(self, shape: StageShape) -> None:
         if self.chain.flow is not None and (t := _pulled_outside_b(shape.occupancy)) is not None:
@@ -376,8 +409,8 @@ class MemoryModel:
             out["remat_live"] = remat = remat - self._held[j - 1]
             if want("live"):
                 out["live"] = np.maximum(remat, self._backward_live(i, j))
-        if want("input_live") and c.flow is not None:
-            out["input_live"] = self._input_live.take(whole)
+        if want("input_live") and self._flow_input_live is not None:
+            out["input_live"] = self._flow_input_live[i, j]
         elif want("input_live"):
             later = self._inner_input_live.take(after) - self._zgrad[-1] + self._zgrad[i]
             first = self._first_input_live[i]
