@@ -692,6 +692,28 @@ def test_a_captured_graphs_stage_holds_no_less_as_it_gains_layers():
     envelope = chain.flow.passing(i, k, chain.zgrad)
     assert (sent <= pulled).all() and (pulled <= envelope).all()
     assert (pulled < envelope).any()
+
+    # zero bubble's I at layer l: on top of every gradient but those of what layers i .. l - 2
+    # make and no layer from l on reads (a skip read later has its gradient made already)
+    def input_live(a: int, j: int) -> int:
+        flow, it = chain.flow, chain.input_grad_transient
+        assert flow is not None
+        most = int(it[a])
+        for layer in range(a + 1, j):
+            gone = 0
+            for b in range(a, layer - 1):
+                made = zip(
+                    flow.born.tolist(), flow.last.tolist(), (flow.nbytes * flow.grad).tolist()
+                )
+                early = sum(w for born, last, w in made if born == b and 0 <= last < layer)
+                gone += min(early, int(chain.zgrad[b]))
+            most = max(most, int(it[layer]) - gone)
+        return most
+
+    walked = memory.state_bytes(i, k)["input_live"]
+    assert walked.tolist() == [input_live(a, j) for a, j in zip(i.tolist(), k.tolist())]
+    largest = np.array([chain.input_grad_transient[a:j].max() for a, j in zip(i, k)])
+    assert (walked <= largest).all() and (walked < largest).any()  # the walk counts less
     # a tuple holding it outside B would not grow with the end: refused
     held = StageShape(occupancy=(occ(0, 1, 0, 0, 0, 1),), optimizer_slots=1)
     with pytest.raises(ValueError, match="pulled gradient outside B"):
