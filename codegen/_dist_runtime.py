@@ -30,6 +30,7 @@ from ._runtime import (  # emit: drop
     Grads,  # emit: drop
     PipelineRuntime,  # emit: drop
     Value,  # emit: drop
+    _shared_parameters,  # emit: drop
     _split_target,  # emit: drop
     _tensors,  # emit: drop
     _to,  # emit: drop
@@ -127,6 +128,7 @@ class DistPipelineRuntime(PipelineRuntime):
             nn.Sequential(*layers[a:b]).to(self.device) if s in self.local else nn.Sequential()
             for s, (a, b) in enumerate(self.STAGES)
         ]
+        self.shared = [_shared_parameters(st) for st in self.stages]  # as PipelineRuntime's
         self.deferred_batch_norm = deferred_batch_norm
         if deferred_batch_norm:
             for s in self.local:

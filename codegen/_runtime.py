@@ -189,6 +189,9 @@ class PipelineRuntime:
         self._route(layers)
         self.tied = untie(stages, self.RANKS)
         self.stages = [st.to(d) for st, d in zip(stages, self.devices)]
+        # zero bubble: a parameter two layers of one stage share gets its gradient in I, over
+        # the whole stage (a layer's own W would also reach it through the other layer)
+        self.shared = [_shared_parameters(st) for st in self.stages]
         self.deferred_batch_norm = deferred_batch_norm
         if deferred_batch_norm:
             for st in self.stages:
@@ -347,14 +350,18 @@ class PipelineRuntime:
             self.kept[(s, m)] = ([], None) if last else ([e for e, _ in own], [g for _, g in own])
             del own
             got: list[torch.Tensor | None] = []
-            if (wrt or hidden) and roots:
+            shared = self.shared[s]
+            if (wrt or hidden or shared) and roots:
                 got = list(
                     torch.autograd.grad(
-                        roots, wrt + hidden, grads, retain_graph=True, allow_unused=True
+                        roots, wrt + hidden + shared, grads, retain_graph=True, allow_unused=True
                     )
                 )
             del roots, grads
-            self.inner_grads[(s, m)] = got[len(wrt) :]
+            for p, g in zip(shared, got[len(wrt) + len(hidden) :]):
+                _accumulate(p, g)
+            self.inner_grads[(s, m)] = got[len(wrt) : len(wrt) + len(hidden)]
+            del got[len(wrt) :]
             if s > 0:
                 it = iter(got[: len(wrt)] if got else [None] * len(wrt))
                 grads_in = [next(it) if t.requires_grad else None for t in inputs]
@@ -382,7 +389,8 @@ class PipelineRuntime:
                     outs = [e for e, g in pairs if g is not None]
                     gs = [g for _, g in pairs if g is not None]
                 layer = layers[k]
-                params = [p for p in layer.parameters() if p.requires_grad]
+                shared = {id(p) for p in self.shared[s]}
+                params = [p for p in layer.parameters() if p.requires_grad and id(p) not in shared]
                 if outs and params:
                     torch.autograd.backward(outs, gs, inputs=params)
 
@@ -727,3 +735,25 @@ def _to(y: Any, device: torch.device, copy: bool = False) -> Any:
     if isinstance(y, (tuple, list)):
         return type(y)(_to(t, device, copy) for t in y)
     return y
+
+
+def _shared_parameters(stage: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters that two or more of the stage's layers use."""
+    seen: dict[int, int] = {}
+    params: dict[int, nn.Parameter] = {}
+    for layer in stage.children():
+        for p in layer.parameters():
+            if p.requires_grad:
+                seen[id(p)] = seen.get(id(p), 0) + 1
+                params[id(p)] = p
+    return [params[k] for k, n in seen.items() if n > 1]
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:
+    """Add a gradient computed by autograd.grad into p.grad, as backward would."""
+    if g is None:
+        return
+    if p.grad is None:
+        p.grad = g if g.is_contiguous() else g.contiguous()
+    else:
+        p.grad.add_(g)

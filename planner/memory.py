@@ -42,7 +42,9 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
            while I runs, from the last layer: the output gradients of the layers before
            l - 1 are not made yet; on a captured graph only those of the values they make
            that no layer from l on reads, in the stage or after it (a residual stream's,
-           read later, has its gradient made already)
+           read later, has its gradient made already); plus the gradient of each parameter
+           two of the stage's layers share, which I takes (a layer's own W would reach it
+           through the other layer too)
     weight_live                        ... while W runs (zero bubble), layer by layer from the
                                        last: the largest layer's, on top of all I keeps
     forward_live = max(forward_peak[i], max over i < l < j of forward_peak[l] + boundary[l])
@@ -415,6 +417,12 @@ class MemoryModel:
             later = self._inner_input_live.take(after) - self._zgrad[-1] + self._zgrad[i]
             first = self._first_input_live[i]
             out["input_live"] = np.maximum(first, np.where(inner, later, 0))
+        if want("input_live"):
+            # a parameter two of the stage's layers share takes its gradient in I (the
+            # runtime's W would reach it through both): its temporary, on top
+            for nbytes, before in self._tied:
+                both = before[j] - before[i] > 1
+                out["input_live"] = out["input_live"] + np.where(both, nbytes, 0)
         if want("weight_live"):
             out["weight_live"] = self._weight_live.take(whole)
         if want("forward_live"):

@@ -336,6 +336,35 @@ def test_tied_weights_gradients_are_summed_into_the_models_parameter(gpt_profile
     torch.testing.assert_close(copies[0].detach(), model.tokens.weight.detach())
 
 
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_a_weight_two_layers_of_one_stage_share_gets_one_gradient_under_zero_bubble(
+    gpt_profile, recompute
+):
+    """Found by a review: on one device the embedding and the head (one tied weight) share a
+    stage, and each layer's own W reached the weight through the other layer too: the second
+    W found that graph gone (an error), and would have counted it twice. Its gradient is now
+    taken in I, over the whole stage, once."""
+    model, layers, prof = gpt_profile
+    plan = plan_pipeline(prof, Cluster.uniform(1, "1GiB"), 8, microbatches=2, schedule="zb-h1",
+                         recompute=recompute)  # fmt: skip
+    ref = copy.deepcopy(model)
+    model.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(layers, plan)
+    x = model.example_input
+    y = torch.randint(0, GPT_SMALL["vocab"], x.shape)
+    loss = pipe.train_step(x, y, _lm_loss)
+    want = _lm_loss(ref(x), y)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    report = pipe.measure(x, y, _lm_loss, steps=1)
+    for d in report.devices:
+        assert d.measured_peak_bytes <= 1.001 * d.predicted_peak_bytes, d
+
+
 def test_tied_weights_under_torchrun(gpt_profile, tmp_path):
     pytest.importorskip("torch.distributed.run")
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
