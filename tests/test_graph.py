@@ -10,6 +10,7 @@ import subprocess
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -308,26 +309,33 @@ def test_tied_weights_are_counted_on_both_stages(gpt_profile):
     assert one.stages[0].memory.params == whole == sum(x.param_bytes for x in prof.layers) - tied
 
 
+def _gpt_step_as_the_model_takes_it(model: nn.Module, layers: Any, plan: Any) -> tuple:
+    """Compile the plan, take one step, and hold its loss and every gradient of the model to
+    the un-pipelined step's; the pipe and the batch, for more."""
+    ref = copy.deepcopy(model)
+    model.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(layers, plan)
+    x = model.example_input
+    y = torch.randint(0, GPT_SMALL["vocab"], x.shape)
+    loss = pipe.train_step(x, y, _lm_loss)
+    want = _lm_loss(ref(x), y)
+    want.backward()
+    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    return pipe, x, y
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"])
 def test_tied_weights_gradients_are_summed_into_the_models_parameter(gpt_profile, schedule):
     model, layers, prof = gpt_profile
     plan = _plan(prof, schedule, "except_last")
     for _ in range(2):  # compiling twice leaves the model's layers as they were
-        ref = copy.deepcopy(model)
-        model.zero_grad()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pipe = compile_pipe(layers, plan)
+        pipe, x, y = _gpt_step_as_the_model_takes_it(model, layers, plan)
         (own, copies), *rest = pipe.program.tied
         assert own is model.tokens.weight and len(copies) == 1 and not rest
-        x = model.example_input
-        y = torch.randint(0, GPT_SMALL["vocab"], x.shape)
-        loss = pipe.train_step(x, y, _lm_loss)
-        want = _lm_loss(ref(x), y)
-        want.backward()
-        torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
-        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
         assert copies[0].grad is None  # handed to the model's parameter
     # an optimizer step on the model's parameter reaches the copy at the next step
     with torch.no_grad():
@@ -347,19 +355,7 @@ def test_a_weight_two_layers_of_one_stage_share_gets_one_gradient_under_zero_bub
     model, layers, prof = gpt_profile
     plan = plan_pipeline(prof, Cluster.uniform(1, "1GiB"), 8, microbatches=2, schedule="zb-h1",
                          recompute=recompute)  # fmt: skip
-    ref = copy.deepcopy(model)
-    model.zero_grad()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pipe = compile_pipe(layers, plan)
-    x = model.example_input
-    y = torch.randint(0, GPT_SMALL["vocab"], x.shape)
-    loss = pipe.train_step(x, y, _lm_loss)
-    want = _lm_loss(ref(x), y)
-    want.backward()
-    torch.testing.assert_close(loss, want.detach(), rtol=1e-5, atol=1e-6)
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    pipe, x, y = _gpt_step_as_the_model_takes_it(model, layers, plan)
     report = pipe.measure(x, y, _lm_loss, steps=1)
     for d in report.devices:
         assert d.measured_peak_bytes <= 1.001 * d.predicted_peak_bytes, d
@@ -927,15 +923,21 @@ def test_a_resnet_under_zero_bubble_holds_no_more_than_its_plan_says():
     torch.manual_seed(0)
     model = resnet(size=16)
     x = model.example_input
+    y = torch.randint(0, 10, (x.shape[0],))
+    _zero_bubble_holds_its_plan(model, x, y, nn.functional.cross_entropy, devices=3)
+
+
+def _zero_bubble_holds_its_plan(model: nn.Module, x: Any, y: Any, loss_fn: Any, devices: int):
+    """Captured, profiled, planned (zb-h1, M = 4) and run: no device holds more than its plan
+    says (a few scalars aside)."""
     layers = capture(model, x)
     prof = even_times(quick_profile(layers, x, batch_sizes=[1, 2, 4]))
-    plan = plan_pipeline(prof, Cluster.uniform(3, "1GiB"), 8, microbatches=4, schedule="zb-h1",
-                         recompute="never")  # fmt: skip
+    plan = plan_pipeline(prof, Cluster.uniform(devices, "1GiB"), 8, microbatches=4,
+                         schedule="zb-h1", recompute="never")  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pipe = compile_pipe(layers, plan)
-    y = torch.randint(0, 10, (x.shape[0],))
-    report = pipe.measure(x, y, nn.functional.cross_entropy, steps=1)
+    report = pipe.measure(x, y, loss_fn, steps=1)
     for d in report.devices:
         assert d.measured_peak_bytes <= 1.001 * d.predicted_peak_bytes, d
 
@@ -977,15 +979,7 @@ def test_zero_bubbles_input_gradient_on_a_residual_stream_holds_no_more_than_pla
     not made yet while l's runs) is wrong where the residual stream, made before l - 1, is
     read after l: its gradient exists already. The run held 16 KiB (1.1%) more than that plan."""
     torch.manual_seed(0)
-    model = _ResidualStream()
     x = torch.randn(8, 64, 16)
-    layers = capture(model, x)
-    prof = even_times(quick_profile(layers, x, batch_sizes=[1, 2, 4]))
-    plan = plan_pipeline(prof, Cluster.uniform(1, "1GiB"), 8, microbatches=4, schedule="zb-h1",
-                         recompute="never")  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pipe = compile_pipe(layers, plan)
-    report = pipe.measure(x, torch.randn_like(x), nn.functional.mse_loss, steps=1)
-    for d in report.devices:
-        assert d.measured_peak_bytes <= 1.001 * d.predicted_peak_bytes, d
+    _zero_bubble_holds_its_plan(
+        _ResidualStream(), x, torch.randn_like(x), nn.functional.mse_loss, devices=1
+    )
