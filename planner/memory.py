@@ -42,7 +42,9 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
            while I runs, from the last layer: the output gradients of the layers before
            l - 1 are not made yet; on a captured graph only those of the values they make
            that no layer from l on reads, in the stage or after it (a residual stream's,
-           read later, has its gradient made already); plus the gradient of each parameter
+           read later, has its gradient made already), plus the largest gradient I sums
+           from two parts inside the stage (a new buffer beside the first); plus the
+           gradient of each parameter
            two of the stage's layers share, which I takes (a layer's own W would reach it
            through the other layer too)
     weight_live                        ... while W runs (zero bubble), layer by layer from the
@@ -286,8 +288,35 @@ class MemoryModel:
         running = np.maximum.accumulate(at, axis=1)  # over l from i: max over l < j at [i, j - 1]
         table[:, 1:] = running[:, :-1]
         table = np.where(np.triu(np.ones_like(table, dtype=bool), 1), table, 0)
+        table = table + self._flow_summed()
         table.setflags(write=False)
         return table
+
+    def _flow_summed(self) -> np.ndarray:
+        """Per start and end: the largest gradient that I adds up from two or more parts
+        inside the stage (a value two of its layers read, or one it makes, reads and sends
+        on): autograd makes a new buffer for the sum, beside the part it had. None of the
+        layers' own figures sees it (each was measured alone). Read from the first reader
+        at or after the start that leaves another reader after it; it grows with the end."""
+        c = self.chain
+        flow = c.flow
+        assert flow is not None
+        n = c.num_layers
+        marks = np.zeros((n + 1, n + 1), dtype=np.int64)
+        starts = np.arange(n)
+        for born, readers, w in zip(flow.born.tolist(), flow.readers, flow.nbytes * flow.grad):
+            if not w or len(readers) < 2:
+                continue
+            r = np.asarray(readers, dtype=np.int64)
+            a = np.searchsorted(r, starts)  # the first reader at or after each start
+            two = len(r) - a >= 2
+            # made inside (start <= born): from its first reader on (a reader after the
+            # stage sends its part back); made before: once two of its readers are inside
+            first = np.where(starts <= born, r[0], r[np.minimum(a + 1, len(r) - 1)]) + 1
+            rows = starts[two & (first <= n)]
+            cols = first[two & (first <= n)]
+            np.maximum.at(marks, (rows, cols), int(w))
+        return np.maximum.accumulate(marks, axis=1)
 
     def _check_pulled(self, shape: StageShape) -> None:
         if self.chain.flow is not None and (t := _pulled_outside_b(shape.occupancy)) is not None:

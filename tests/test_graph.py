@@ -983,3 +983,38 @@ def test_zero_bubbles_input_gradient_on_a_residual_stream_holds_no_more_than_pla
     _zero_bubble_holds_its_plan(
         _ResidualStream(), x, torch.randn_like(x), nn.functional.mse_loss, devices=1
     )
+
+
+class _ReadTwice(nn.Module):
+    """A value (h) that several later layers read, and one that needs no gradient."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.e, self.f = nn.Linear(d, d), nn.Linear(d, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        m = (x.detach() * 2).relu()
+        v = self.c(self.b(h)) + h
+        w = self.e(v) * h + m.sum(-1, keepdim=True)
+        return self.f(w + h)
+
+
+def test_zero_bubbles_input_gradient_summed_from_two_readers_holds_no_more_than_planned():
+    """Found by a review: where two layers of a stage read one value, I adds their parts into
+    a new buffer beside the first, which no layer's own figure sees. The middle stage held
+    16 KiB (5.6%) more than its plan under recomputation except the last micro-batch."""
+    torch.manual_seed(0)
+    model = _ReadTwice()
+    x = torch.randn(8, 64, 16)
+    layers = capture(model, x)
+    prof = even_times(quick_profile(layers, x, batch_sizes=[1, 2, 4]))
+    plan = plan_pipeline(prof, Cluster.uniform(3, "1GiB"), 8, microbatches=4, schedule="zb-h1",
+                         recompute="except_last")  # fmt: skip
+    assert [st.layers for st in plan.stages] == [(0, 1), (1, 3), (3, 5)]  # h read twice in [1, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(layers, plan)
+    middle = pipe.measure(x, torch.randn_like(x), nn.functional.mse_loss, steps=1).devices[1]
+    assert middle.measured_peak_bytes <= 1.001 * middle.predicted_peak_bytes, middle
