@@ -44,9 +44,8 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
            that no layer from l on reads, in the stage or after it (a residual stream's,
            read later, has its gradient made already), plus the largest gradient I sums
            from two parts inside the stage (a new buffer beside the first); plus the
-           gradient of each parameter
-           two of the stage's layers share, which I takes (a layer's own W would reach it
-           through the other layer too)
+           gradient of each parameter two of the stage's layers share, which I takes (a
+           layer's own W would reach it through the other layer too)
     weight_live                        ... while W runs (zero bubble), layer by layer from the
                                        last: the largest layer's, on top of all I keeps
     forward_live = max(forward_peak[i], max over i < l < j of forward_peak[l] + boundary[l])
