@@ -530,13 +530,18 @@ def test_max_end_is_the_last_end_that_fits(problem):
     chain, specs, _ = problem
     memory = MemoryModel(chain)
     L = chain.num_layers
+    starts, ends = np.triu_indices(L + 1, 1)  # every stage (i, j), i < j
+
+    def scan(model: MemoryModel, shape, budget: int) -> list[int]:
+        """Per start, its last end that fits (the start itself if none): the totals of every
+        (i, j) in one call, each pair still its own total."""
+        fits = model.total(starts, ends, shape) <= budget
+        return [max(ends[(starts == i) & fits], default=i) for i in range(L)]
+
     for spec in specs:
-        got = memory.max_end(spec.shape, spec.budget)
-        for i in range(L):
-            fits = [
-                j for j in range(i + 1, L + 1) if memory.total(i, j, spec.shape)[0] <= spec.budget
-            ]
-            assert got[i] == (max(fits) if fits else i)
+        assert memory.max_end(spec.shape, spec.budget).tolist() == scan(
+            memory, spec.shape, spec.budget
+        )
     # many shapes and budgets searched together, and capped: against the scan
     keys = [(sp.shape, b) for sp in specs for b in (sp.budget, sp.budget // 2 + 1, 2 * sp.budget)]
     cap = np.array([min(L, i + 1 + (i * 7) % 3) for i in range(L)])
@@ -546,14 +551,10 @@ def test_max_end_is_the_last_end_that_fits(problem):
     # found), then one without, then the first again: each answered from what the model kept
     # and searched further, and each exactly the scan's
     runs = [(top, fresh.max_ends(keys, cap=top)) for top in (cap, wider, None, cap)]
+    last = [scan(MemoryModel(chain), shape, budget) for shape, budget in keys]
     for top, found in runs:
-        for (shape, budget), got in zip(keys, found):
-            for i in range(L):
-                last = max(
-                    (j for j in range(i + 1, L + 1) if fresh.total(i, j, shape)[0] <= budget),
-                    default=i,
-                )
-                assert got[i] == (last if top is None else min(last, top[i]))
+        for got, want in zip(found, last):
+            assert got.tolist() == (want if top is None else np.minimum(want, top).tolist())
 
 
 def brute_force_options(table, chain, specs, cuts=None) -> float:
