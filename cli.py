@@ -47,6 +47,7 @@ FLAGS = {
     "input_shape": "--input-shape",
     "max_repeats": "--max-repeats",
     "time_limit_s": "--time-limit",
+    "checkpoint": "--checkpoint-layers",
 }
 
 
@@ -198,6 +199,7 @@ def _plan(args: argparse.Namespace, out: Path, profile: Profile) -> int:
             time_limit_s=args.time_limit,
             allow_reorder=args.allow_reorder,
             target=args.target,
+            checkpoint=_checkpoint_arg(args.checkpoint_layers, len(profile.layers)),
         )
     except InfeasibleError as e:
         print(f"gpipe-plan: {e}", file=sys.stderr)
@@ -593,13 +595,50 @@ def _cluster(args: argparse.Namespace, num_layers: int) -> Any:
     )
 
 
+def _ranges(ks: list[int]) -> str:
+    """[1, 2, 3, 5] as "1-3, 5"."""
+    runs: list[list[int]] = []
+    for k in ks:
+        if runs and k == runs[-1][-1] + 1:
+            runs[-1].append(k)
+        else:
+            runs.append([k])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+def _checkpoint_arg(text: str, num_layers: int) -> str | list[int]:
+    """--checkpoint-layers: auto, none, or layer indices and ranges ("1,3,5-8")."""
+    if text in ("auto", "none"):
+        return "auto" if text == "auto" else []
+    out: list[int] = []
+    for part in text.split(","):
+        lo, sep, hi = part.strip().partition("-")
+        try:
+            a, b = int(lo), int(hi) if sep else int(lo)
+        except ValueError:
+            a = b = -1
+        if not 0 <= a <= b < num_layers or len(part) > 40:
+            raise InputError(
+                f"--checkpoint-layers {text[:60]!r}: expected auto, none, or layers 0 .. "
+                f"{num_layers - 1} such as 1,3,5-8"
+            )
+        out += range(a, b + 1)
+    return sorted(set(out))
+
+
 def _summary(plan: Any) -> str:
     p = plan.predicted
     return (
         f"{plan.model}: {len(plan.stages)} stages on {len(plan.devices)} devices, "
         f"batch {plan.batch_size} as {plan.microbatches} "
         f"micro-batches of <= {plan.microbatch_size}, schedule {plan.schedule}, "
-        f"recompute {plan.recompute}, optimizer {plan.optimizer}\n"
+        f"recompute {plan.recompute}"
+        + (
+            f" (layers {_ranges(plan.checkpointed)} each under a checkpoint of their own)"
+            if plan.checkpointed
+            else ""
+        )
+        + f", optimizer {plan.optimizer}\n"
         f"predicted {p.iteration_ms:.2f} ms/iteration"
         + (" (the torchrun program)" if plan.target == "torchrun" else "")
         + f", bubble {p.bubble_fraction:.3f}, "
@@ -843,6 +882,10 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--recompute", "--checkpoint", dest="recompute", default="auto",
                    help="auto, never, except_last, always, or per_stage: each stage its "
                         "own (--checkpoint is an alias)")  # fmt: skip
+    s.add_argument("--checkpoint-layers", default="auto",
+                   help="layers each run under an activation checkpoint of their own (keeping "
+                        "only their input for backward): auto (tried where memory binds, with "
+                        "--recompute auto), none, or layers such as 1,3,5-8")  # fmt: skip
     s.add_argument("--optimizer", choices=["sgd", "momentum", "adam"], default="adam")
     s.add_argument(
         "--solver",

@@ -1,13 +1,15 @@
-"""Per-stage recomputation against the best single mode, on the example transformer under tight
-budgets (issue #9): predicted by the plan, and measured by running both plans.
+"""Per-stage recomputation and checkpointed layers against the best single mode, on the example
+transformer under tight budgets (issue #9): predicted by the plan, and measured by running the
+plans.
 
 For each budget per device: the best plan whose stages all recompute the same way (the search
-over M and schedule, once per mode) and the best plan where each stage chooses its own
-(`--recompute per_stage`). Both are then run: the streams target for memory (each device's
-peak from the allocator) and the torchrun target for time (one process per device, one thread
-each, gloo links measured first), `--steps` timed steps, median.
+over M and schedule, once per mode), the best plan where each stage chooses its own
+(`--recompute per_stage`, no checkpointed layers), and the planner's own choice (`--recompute
+auto`, which also tries layers under checkpoints of their own). Each is then run: the streams
+target for memory (each device's peak from the allocator) and the torchrun target for time (one
+process per device, one thread each, gloo links measured first), `--steps` timed steps, median.
 
-    OMP_NUM_THREADS=1 python benchmarks/per_stage_bench.py [--budgets 40MiB,48MiB] [--steps 5]
+    OMP_NUM_THREADS=1 python benchmarks/per_stage_bench.py [--budgets 16MiB,24MiB] [--steps 5]
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from measure_bench import cli, link, print_table  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--budgets", default="40MiB,48MiB,56MiB")
+    ap.add_argument("--budgets", default="16MiB,20MiB,24MiB")
     ap.add_argument("--devices", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--steps", type=int, default=5)
@@ -51,19 +53,21 @@ def main() -> None:
                 * (args.devices - 1),
             }))  # fmt: skip
             plans = {}
-            for mode in ("never", "except_last", "always", "per_stage"):
+            for mode in ("never", "except_last", "always", "per_stage", "auto"):
                 path = out / f"{mode}.json"
+                ck = "auto" if mode == "auto" else "none"
                 r = cli("plan", str(prof), "--cluster", str(cluster), "--batch-size",
-                        str(args.batch_size), "--recompute", mode, "-o", str(path))  # fmt: skip
+                        str(args.batch_size), "--recompute", mode, "--checkpoint-layers", ck,
+                        "-o", str(path))  # fmt: skip
                 if r.returncode == 0:
                     plans[mode] = (path, json.loads(path.read_text()))
             single = [m for m in ("never", "except_last", "always") if m in plans]
-            if not single or "per_stage" not in plans:
+            if not single or "per_stage" not in plans or "auto" not in plans:
                 print(f"{budget}: no plan fits", flush=True)
                 continue
             best = min(single, key=lambda m: plans[m][1]["predicted"]["iteration_ms"])
             results = {}
-            for label, mode in (("single", best), ("per-stage", "per_stage")):
+            for label, mode in (("single", best), ("per-stage", "per_stage"), ("auto", "auto")):
                 path, plan = plans[mode]
                 reports = {}
                 for target in ("streams", "torchrun"):
@@ -75,7 +79,9 @@ def main() -> None:
                 stages = [st["recompute"] for st in plan["stages"]]
                 what = (f"M={plan['microbatches']} {plan['schedule']} "
                         + (plan["recompute"] if plan["recompute"] != "per_stage"
-                           else "per stage: " + ",".join(stages)))  # fmt: skip
+                           else "per stage: " + ",".join(stages))
+                        + (f", layers {plan['checkpointed']} checkpointed"
+                           if plan.get("checkpointed") else ""))  # fmt: skip
                 mem = reports["streams"]["devices"]
                 results[label] = (
                     what,
@@ -84,14 +90,14 @@ def main() -> None:
                     max(d["predicted_peak_bytes"] for d in mem),
                     max(d["measured_peak_bytes"] for d in mem),
                 )
-            (sw, sp, sm, _, _), (pw, pp, pm, ppk, pmk) = results["single"], results["per-stage"]
-            rows.append([budget, sw, f"{sp:.1f}", f"{sm:.1f}", pw, f"{pp:.1f}", f"{pm:.1f}",
-                         f"{sp / pp:.3f}x", f"{sm / pm:.3f}x",
-                         f"{ppk / 2**20:.1f} / {pmk / 2**20:.1f}"])  # fmt: skip
-            print(" | ".join(rows[-1]), flush=True)
-    head = ["budget", "best single mode", "predicted ms", "measured ms", "per-stage plan",
-            "predicted ms", "measured ms", "gain predicted", "gain measured",
-            "per-stage peak MiB predicted / measured"]  # fmt: skip
+            sp, sm = results["single"][1], results["single"][2]
+            for label in ("single", "per-stage", "auto"):
+                w, p, m, pk, mk = results[label]
+                rows.append([budget, label, w, f"{p:.1f}", f"{m:.1f}", f"{sp / p:.3f}x",
+                             f"{sm / m:.3f}x", f"{pk / 2**20:.2f} / {mk / 2**20:.2f}"])  # fmt: skip
+                print(" | ".join(rows[-1]), flush=True)
+    head = ["budget", "contender", "plan", "predicted ms", "measured ms (torchrun)",
+            "gain predicted", "gain measured", "peak MiB predicted / measured"]  # fmt: skip
     print_table(head, rows)
 
 

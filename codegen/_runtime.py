@@ -167,6 +167,7 @@ class PipelineRuntime:
     STAGES: list[tuple[int, int]] = []  # [start, end) layer range of each stage
     RANKS: list[int] = []  # device position of each stage
     RECOMPUTE: list[str] = []  # each stage's recomputation: never, except_last or always
+    CHECKPOINTED: list[int] = []  # layers run under a checkpoint of their own (no RECOMPUTE)
     ROUTES: list[tuple[int, int]] = []  # a captured graph's (sender, receiver) stages, planned
 
     def __init__(
@@ -501,6 +502,19 @@ class PipelineRuntime:
         # Each layer re-seeds itself (seeded), so the checkpoint need not keep RNG states.
         return checkpoint(run, *_tensors(inp), use_reentrant=False, preserve_rng_state=False)
 
+    def _checkpointed(self, s: int, m: int, index: int, layer: nn.Module, x: Value) -> Value:
+        """Layer `index` under a checkpoint of its own: it keeps its input alone, and runs its
+        forward again inside its backward, on the same seed, batch norm counting once."""
+        calls = [0]
+
+        def run(*args: torch.Tensor) -> Value:
+            calls[0] += 1
+            seed_layer(self.devices[s], self.seed, index, m)
+            with replaying(layer, replay=calls[0] > 1):
+                return layer(_like(x, list(args)))
+
+        return checkpoint(run, *_tensors(x), use_reentrant=False, preserve_rng_state=False)
+
     def _forward(self, s: int, m: int, inp: Value, keep: bool = False) -> Value:
         """The layers; on the last stage then the loss on a copy of the target made here (so
         nothing holds it between forward and backward), scaled by the micro-batch's share."""
@@ -526,8 +540,11 @@ class PipelineRuntime:
         inner = []
 
         def seeded(k: int, layer: nn.Module, x: Value) -> Value:
-            seed_layer(self.devices[s], self.seed, first + k, m)
-            out = layer(x)
+            if first + k in self.CHECKPOINTED and torch.is_grad_enabled():
+                out = self._checkpointed(s, m, first + k, layer, x)
+            else:
+                seed_layer(self.devices[s], self.seed, first + k, m)
+                out = layer(x)
             if keep and (k < len(layers) - 1 or s == len(self.stages) - 1):
                 # the layer's own outputs: what it hands on unchanged is not its output, and
                 # its gradient is kept where it was made (or is the stage's input gradient);

@@ -111,6 +111,11 @@ def pipelining_refusal(plan: Plan) -> str | None:
             f"plan splits {plan.batch_size} samples into {plan.microbatches} uneven ones: plan "
             "with --microbatches dividing the batch, or use --target torchrun"
         )
+    if plan.checkpointed:
+        return (
+            "torch.distributed.pipelining's runtime cannot run a layer under a checkpoint of "
+            "its own: plan without --checkpoint, or use --target torchrun"
+        )
     modes = {st.recompute for st in plan.stages} - {"never", "always"}
     if modes:
         return (
@@ -177,6 +182,8 @@ def _constants(plan: Plan) -> str:
     stages = _py_list("STAGES", [f"({a}, {b})" for a, b in (st.layers for st in plan.stages)])
     ranks = _py_list("RANKS", [str(st.rank) for st in plan.stages])
     recompute = _py_list("RECOMPUTE", [json.dumps(st.recompute) for st in plan.stages])
+    if plan.checkpointed:  # layers under a checkpoint of their own
+        recompute += "\n    " + _py_list("CHECKPOINTED", [str(k) for k in plan.checkpointed])
     routes = ""
     if plan.routes:  # a captured graph: each value straight to the stages that read it
         routes = "\n    " + _py_list("ROUTES", [f"({a}, {b})" for a, b in plan.routes])

@@ -8,6 +8,7 @@ the batch size once past the smallest sizes).
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +74,7 @@ class Chain:
     # Zero bubble, a profile without its loss: the last layer's output gradient, which the last
     # stage keeps from I to W (with the loss profiled, zgrad counts it)
     last_grad: int = 0
+    checkpointed: tuple[int, ...] = ()  # layers run under their own checkpoint (checkpointed())
 
     @property
     def num_layers(self) -> int:
@@ -193,4 +195,55 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         tied=tuple((t.bytes, tuple(t.layers)) for t in profile.tied) if profile.captured else (),
         borrowed_input=profile.device.split(":")[0] == "cpu",
         last_grad=int(kept[L - 1]) if n == L else 0,
+    )
+
+
+def checkpointed(chain: Chain, layers: tuple[int, ...]) -> Chain:
+    """The chain with `layers` each run under its own activation checkpoint (the runtime wraps
+    each in torch.utils.checkpoint): what such a layer keeps from its forward to its backward is
+    its input alone, and its backward runs its forward again first. The planner then plans the
+    rest as it does any chain, without whole-stage recomputation.
+
+    Per checkpointed layer l (input x_l, `boundary[l]` bytes):
+    - it saves x_l, shared with layer l - 1 where that one saves its output: read as the part of
+      what l saves of its own input that l - 1 saves too (none, where l saves none of its input,
+      or l - 1 is checkpointed as well: then l - 1 keeps only x_{l-1});
+    - its forward keeps nothing: the most it allocates is its forward's peak without grad;
+    - its backward first makes again what it saves beyond x_l, its forward's transient with the
+      output gradient beside it, then runs its backward on top of those saved tensors;
+    - its backward takes its forward's time as well.
+    A plain layer after a checkpointed one shares nothing with it, and its input, where it
+    saves none of it itself, is alive only while its forward runs.
+
+    A sequential chain only (a captured graph's layers read values from further back)."""
+    if not layers:
+        return chain
+    if chain.flow is not None:
+        raise ValueError("checkpointed layers need a sequential model, not a captured graph")
+    n = chain.num_model_layers
+    if not all(0 <= k < n for k in layers):
+        raise ValueError(f"checkpointed layers must be model layers 0 .. {n - 1}")
+    on = np.zeros(chain.num_layers, dtype=bool)
+    on[list(layers)] = True
+    x = chain.boundary[:-1].astype(np.int64)  # each layer's input
+    before = np.concatenate([[False], on[:-1]])  # its previous layer is checkpointed
+    saved_in = np.minimum(chain.input_saved, x)
+    kept_by_previous = np.where(before, 0, np.minimum(chain.shared, saved_in))
+    rest = np.maximum(chain.saved - saved_in, 0)  # what it saves beyond its input
+    grad_out = chain.boundary[1:].astype(np.int64)
+    again = np.maximum(chain.forward_transient + grad_out, chain.backward_transient) + rest
+    return dataclasses.replace(
+        chain,
+        backward=np.where(on, chain.backward + chain.forward, chain.backward),
+        saved=np.where(on, x, chain.saved),
+        input_saved=np.where(on, x, chain.input_saved),
+        shared=np.where(on, kept_by_previous, np.where(before, 0, chain.shared)),
+        forward_transient=np.where(on, chain.forward_peak, chain.forward_transient),
+        backward_transient=np.where(on, again, chain.backward_transient),
+        input_unsaved=np.where(
+            on, 0, np.where(before, np.maximum(x - saved_in, 0), chain.input_unsaved)
+        ),
+        # the loss's own share: all it saves, where the last layer keeps only its input
+        loss_saved=np.where(before & (np.arange(len(on)) >= n), chain.saved, chain.loss_saved),
+        checkpointed=tuple(int(k) for k in np.flatnonzero(on)),
     )

@@ -187,7 +187,7 @@ class PlanMeta(_Strict):
 
 class Plan(Artifact):
     FORMAT_VERSION: ClassVar[int] = 2
-    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("runtime",)
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("runtime", "checkpointed")
     kind: Literal["plan"] = "plan"
     format_version: int = 2
     model: Text
@@ -223,6 +223,11 @@ class Plan(Artifact):
     )
     captured: bool = Field(
         default=False, description="the model's graph was captured: layers are runs of its graph"
+    )
+    checkpointed: list[Count] | None = Field(
+        default=None,
+        description="model layers each run under an activation checkpoint of their own: they "
+        "keep only their input for backward and run their forward again there (absent: none)",
     )
     routes: list[tuple[Count, Count]] = Field(
         default_factory=list,
@@ -285,6 +290,18 @@ class Plan(Artifact):
                 )
         if end != self.num_layers:
             raise ValueError(f"the stages cover layers [0, {end}) of {self.num_layers}")
+        if self.checkpointed is not None:
+            ks = self.checkpointed
+            if not ks or ks != sorted(set(ks)) or ks[-1] >= self.num_layers:
+                raise ValueError(
+                    f"checkpointed layers {ks}: expected distinct layers 0 .. "
+                    f"{self.num_layers - 1}, in order"
+                )
+            if self.captured or self.schedule == "zb-h1" or self.recompute != "never":
+                raise ValueError(
+                    "checkpointed layers run only in a sequential model's plan without zero "
+                    "bubble and without other recomputation"
+                )
         for st in self.stages:
             if len(st.layer_types) != st.layers[1] - st.layers[0]:
                 raise ValueError(f"stage {st.index}: {len(st.layer_types)} layer types listed")

@@ -23,7 +23,7 @@ import dataclasses
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
@@ -57,7 +57,7 @@ from schedules.order import freeze
 
 from .bounds import interleaved_bound_of, least_bottleneck, prior_bound_of, work_summary
 from .cluster import Cluster
-from .costs import OPTIMIZER_SLOTS, Chain, ProfileTable, chain_at
+from .costs import OPTIMIZER_SLOTS, Chain, ProfileTable, chain_at, checkpointed
 from .dp import solve_partition_dp
 from .memory import RECOMPUTE_MODES, MemoryModel, StageShape
 from .partition import Partition, StageSpec, feasible_split, solve_partition
@@ -130,6 +130,7 @@ class _Problem:
     optimizer: str
     digests: tuple[str, str] = ("", "")  # of the profile and the cluster: computed once
     target: str = "streams"  # the program whose time each plan predicts (Plan.target)
+    checkpointed: tuple[int, ...] = ()  # layers each run under a checkpoint of its own
     table: ProfileTable = field(init=False)
     chains: dict[int, Chain] = field(default_factory=dict)
     memories: dict[int, MemoryModel] = field(default_factory=dict)
@@ -145,7 +146,7 @@ class _Problem:
         """The per-layer costs at the candidate's micro-batch size (read once per size)."""
         mb = -(-self.batch_size // cand.microbatches)
         if mb not in self.chains:
-            self.chains[mb] = chain_at(self.table, mb)
+            self.chains[mb] = checkpointed(chain_at(self.table, mb), self.checkpointed)
         return self.chains[mb]
 
     @cached_property
@@ -189,6 +190,7 @@ def plan_pipeline(
     progress: bool | None = None,
     allow_reorder: bool = False,
     target: str = "streams",
+    checkpoint: Sequence[int] | str = "auto",
 ) -> Plan:
     """The fastest predicted plan for `profile` on `cluster` that fits every device's memory.
     `time_limit_s`: return the best plan found by then, marked not proven (the search goes on
@@ -198,15 +200,29 @@ def plan_pipeline(
     cluster lists them in the order chosen. `target`: the program whose time is minimised
     and predicted (Plan.target): the torchrun program's ranks wait for each other where sends
     meet their receives, which the exact split does not see (the plan says so when it costs).
+    `checkpoint`: model layers each run under an activation checkpoint of their own (a
+    sequential model; no other recomputation, and not zero bubble, whose W needs the graph
+    I made): they keep only their input for backward, and recompute their forward there.
+    "auto" (with recompute auto): where the best plan recomputes whole stages or none fits,
+    also a few such sets, the layers that free the most bytes per millisecond of forward
+    first (`_checkpoint_sets`), and the fastest plan of all wins.
 
     Raises ArgumentError (an InputError) for bad arguments and InfeasibleError when no split fits."""
     started = time.perf_counter()
+    if isinstance(checkpoint, str):
+        choice(checkpoint, "checkpoint", ("auto",))
+        kw = dict(
+            microbatches=microbatches, schedule=schedule, recompute=recompute,
+            optimizer=optimizer, solver=solver, progress=progress, allow_reorder=allow_reorder,
+            target=target,
+        )  # fmt: skip
+        return _with_checkpoints(profile, cluster, batch_size, started, time_limit_s, kw)
     if allow_reorder and isinstance(cluster, Cluster) and cluster.size > 1:
         return _reordered(
             profile, cluster, batch_size, started,
             microbatches=microbatches, schedule=schedule, recompute=recompute,
             optimizer=optimizer, solver=solver, time_limit_s=time_limit_s, progress=progress,
-            target=target,
+            target=target, checkpoint=checkpoint,
         )  # fmt: skip
     if not isinstance(profile, Profile):
         raise ArgumentError("profile", type(profile).__name__, "expected a Profile")
@@ -232,6 +248,10 @@ def plan_pipeline(
         ms = [whole(microbatches, "microbatches", 1, min(batch_size, MAX_MICROBATCHES))]
     schedules = _choices(schedule, SCHEDULE_NAMES, "schedule")
     modes = _choices(recompute, SEARCH_MODES, "recompute")
+    layers = _checkpoint_layers(checkpoint, profile, schedule, recompute)
+    if layers:
+        schedules = [x for x in schedules if x != "zb-h1"]
+        modes = ["never"]
     candidates = [
         c
         for c in (Candidate(m, s, r) for m in ms for s in schedules for r in modes)
@@ -248,8 +268,9 @@ def plan_pipeline(
         (solve_partition_dp, "dp") if solver == "dp" else (solve_partition, "probe-bisection")
     )
     problem = _Problem(
-        profile, cluster, batch_size, optimizer, (profile.digest(), cluster.digest()), target
-    )
+        profile, cluster, batch_size, optimizer, (profile.digest(), cluster.digest()), target,
+        layers,
+    )  # fmt: skip
     _check_magnitude(problem.table, batch_size)
 
     best, best_cand, visited = _search(problem, candidates, solve, method, time_limit_s, progress)
@@ -336,6 +357,103 @@ def plan_pipeline(
     best.alternatives = _alternatives(problem, candidates, visited, best, best_cand)
     best._solve_ms = (time.perf_counter() - started) * 1e3
     return best
+
+
+def _with_checkpoints(
+    profile: Profile,
+    cluster: Cluster,
+    batch_size: int,
+    started: float,
+    time_limit_s: float | None,
+    kw: dict[str, Any],
+) -> Plan:
+    """plan_pipeline without checkpointed layers; then, where that plan recomputes a stage or
+    no split fits (memory binds), again with each of `_checkpoint_sets`: the fastest wins
+    (ties: fewer checkpoints). Not every set of layers is tried: a plan chosen so says so."""
+
+    def left() -> float | None:
+        return (
+            None
+            if time_limit_s is None
+            else max(time_limit_s - (time.perf_counter() - started), 0.0)
+        )
+
+    error: InfeasibleError | None = None
+    best: Plan | None = None
+    try:
+        best = plan_pipeline(profile, cluster, batch_size, checkpoint=(), time_limit_s=left(), **kw)
+    except InfeasibleError as e:
+        error = e
+    base = best
+    binds = best is None or any(st.recompute != "never" for st in best.stages)
+    eligible = (
+        isinstance(profile, Profile) and not profile.captured
+        and kw["recompute"] == "auto" and kw["schedule"] != "zb-h1"
+    )  # fmt: skip
+    if not (binds and eligible):
+        if best is None:
+            assert error is not None
+            raise error
+        return best
+    sets = _checkpoint_sets(profile)
+    chosen = False
+    for layers in sets:
+        if best is not None and left() == 0.0:
+            break
+        try:
+            plan = plan_pipeline(
+                profile, cluster, batch_size, checkpoint=layers, time_limit_s=left(), **kw
+            )
+        except InfeasibleError as e:
+            if error is None or e.needed_bytes < error.needed_bytes:
+                error = e
+            continue
+        if best is None or _faster(plan, best):
+            best, chosen = plan, True
+    if best is None:
+        assert error is not None
+        raise error
+    if chosen:
+        if base is not None:  # what a user overriding the choice would get
+            ms = base.predicted.iteration_ms
+            slower = (ms / best.predicted.iteration_ms - 1) * 100
+            best.alternatives = [
+                Alternative(
+                    microbatches=base.microbatches,
+                    schedule=base.schedule,
+                    recompute=base.recompute,
+                    iteration_ms=ms,
+                    peak_bytes=max(base.predicted.peak_memory),
+                    reason=f"no checkpointed layers: {slower:.2g}% slower",
+                ),
+                *best.alternatives,
+            ]
+        told = best.solver.unproven
+        note = (
+            f"checkpointed layers chosen among {len(sets)} sets (those freeing the most bytes "
+            "per millisecond of forward first), not every set"
+        )
+        best.solver = best.solver.model_copy(
+            update={"unproven": f"{told}; {note}" if told else note}
+        )
+    return best
+
+
+def _checkpoint_sets(profile: Profile) -> list[tuple[int, ...]]:
+    """Sets of layers to checkpoint, each the first n of the model's layers ranked by what a
+    checkpoint frees (what the layer saves beyond its input, at the largest profiled size) per
+    millisecond its forward takes again; n about an eighth, a quarter, half, three quarters and
+    all of those that free anything, and 1."""
+    b = profile.batch_sizes[-1]
+    freed = []
+    for x in profile.layers:
+        gain = x.saved_bytes[b] - x.input_saved_bytes[b]
+        if gain > 0:
+            freed.append((-gain / max(x.forward_ms[b].median, 1e-6), x.index))
+    ranked = [k for _, k in sorted(freed)]
+    n = len(ranked)
+    sizes = sorted({1, *(max(round(n * f), 1) for f in (1 / 8, 1 / 4, 1 / 2, 3 / 4, 1))})
+    return [tuple(sorted(ranked[:k])) for k in sizes if k <= n]
 
 
 def _reordered(
@@ -891,6 +1009,36 @@ def _progress_bar(total: int, show: bool) -> Iterator[Callable[[], None]]:
         yield lambda: bar.update(1)
 
 
+def _checkpoint_layers(
+    given: Sequence[int], profile: Profile, schedule: str, recompute: str
+) -> tuple[int, ...]:
+    """plan_pipeline's `checkpoint`, checked: distinct model layers, in order."""
+    if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+        raise ArgumentError("checkpoint", given, "expected a list of layer indices")
+    if not given:
+        return ()
+    L = len(profile.layers)
+    bad = [k for k in given if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k < L]
+    if bad:
+        raise ArgumentError("checkpoint", bad[0], f"expected layer indices 0 .. {L - 1}")
+    if profile.captured:
+        raise ArgumentError(
+            "checkpoint", list(given), "checkpointed layers need a sequential model; this "
+            "profile's graph was captured (its layers read values from further back)",
+        )  # fmt: skip
+    if schedule == "zb-h1":
+        raise ArgumentError(
+            "checkpoint", list(given), "zero bubble splits each backward into I and W, "
+            "which a layer's own checkpoint cannot be run across; choose another schedule",
+        )  # fmt: skip
+    if recompute not in ("auto", "never"):
+        raise ArgumentError(
+            "checkpoint", list(given), f"checkpointed layers are the recomputation: "
+            f"recompute must be never (or auto), not {recompute}",
+        )  # fmt: skip
+    return tuple(sorted(set(given)))
+
+
 def _choices(value: str, allowed: tuple[str, ...] | list[str], arg: str) -> list[str]:
     return list(allowed) if value == "auto" else [choice(value, arg, ("auto", *allowed))]
 
@@ -1332,6 +1480,7 @@ def _build_plan(
         target=problem.target,  # type: ignore[arg-type]
         loss=profile.loss.type if profile.loss is not None else "",
         runtime=profile.runtime,
+        checkpointed=list(chain.checkpointed) or None,
         stages=stages,
         devices=devices,
         predicted=Prediction(

@@ -612,13 +612,14 @@ def torchrun_available():
 def test_torchrun_gradient_parity(profiles, tmp_path, torchrun_available):
     """One process per device over gloo: every rank's gradients equal the un-pipelined model's."""
     cases = [
-        ("gpipe", "never", 4),
-        ("1f1b", "except_last", 3),
-        ("zb-h1", "always", 4),
-        ("interleaved-1f1b", "never", 4),
+        ("gpipe", "never", 4, ()),
+        ("1f1b", "except_last", 3, ()),
+        ("zb-h1", "always", 4, ()),
+        ("interleaved-1f1b", "never", 4, ()),
+        ("1f1b", "never", 4, (1, 2, 4)),  # layers under checkpoints of their own
     ]
     paths = []
-    for schedule, mode, M in cases:
+    for schedule, mode, M, layers in cases:
         plan = plan_pipeline(
             profiles["mlp"],
             Cluster.uniform(2, "1GiB"),
@@ -626,8 +627,10 @@ def test_torchrun_gradient_parity(profiles, tmp_path, torchrun_available):
             microbatches=M,
             schedule=schedule,
             recompute=mode,
+            checkpoint=layers,
         )
-        path = tmp_path / f"{schedule}-{mode}.py"
+        assert plan.checkpointed == (list(layers) or None)
+        path = tmp_path / f"{schedule}-{mode}-{len(layers)}.py"
         path.write_text(emit_program(plan, target="torchrun"))
         paths.append(str(path))
     r = torchrun(2, str(ROOT / "tests" / "dist_driver.py"), str(tmp_path), *paths)
