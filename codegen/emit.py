@@ -114,7 +114,7 @@ def pipelining_refusal(plan: Plan) -> str | None:
     if plan.checkpointed:
         return (
             "torch.distributed.pipelining's runtime cannot run a layer under a checkpoint of "
-            "its own: plan without --checkpoint, or use --target torchrun"
+            "its own: plan with --checkpoint-layers none, or use --target torchrun"
         )
     modes = {st.recompute for st in plan.stages} - {"never", "always"}
     if modes:

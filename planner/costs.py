@@ -205,9 +205,11 @@ def checkpointed(chain: Chain, layers: tuple[int, ...]) -> Chain:
     rest as it does any chain, without whole-stage recomputation.
 
     Per checkpointed layer l (input x_l, `boundary[l]` bytes):
-    - it saves x_l, shared with layer l - 1 where that one saves its output: read as the part of
-      what l saves of its own input that l - 1 saves too (none, where l saves none of its input,
-      or l - 1 is checkpointed as well: then l - 1 keeps only x_{l-1});
+    - it keeps x_l (the checkpoint holds its inputs through the placeholders of what the layer
+      saves: a layer that saves nothing keeps nothing), shared with layer l - 1 where that one
+      saves its output: read as the part of what l saves of its own input that l - 1 saves too
+      (none where l saves none of its input, which may count it twice; none where l - 1 is
+      checkpointed as well: then l - 1 keeps only x_{l-1});
     - its forward keeps nothing: the most it allocates is its forward's peak without grad;
     - its backward first makes again what it saves beyond x_l, its forward's transient with the
       output gradient beside it, then runs its backward on top of those saved tensors;
@@ -225,25 +227,43 @@ def checkpointed(chain: Chain, layers: tuple[int, ...]) -> Chain:
         raise ValueError(f"checkpointed layers must be model layers 0 .. {n - 1}")
     on = np.zeros(chain.num_layers, dtype=bool)
     on[list(layers)] = True
-    x = chain.boundary[:-1].astype(np.int64)  # each layer's input
     before = np.concatenate([[False], on[:-1]])  # its previous layer is checkpointed
-    saved_in = np.minimum(chain.input_saved, x)
-    kept_by_previous = np.where(before, 0, np.minimum(chain.shared, saved_in))
+    saved_in = np.minimum(chain.input_saved, chain.boundary[:-1])
+    keeps = np.where(chain.saved > 0, chain.boundary[:-1], 0).astype(np.int64)
+    kept_by_previous = np.where(before, 0, np.minimum(chain.shared, np.minimum(saved_in, keeps)))
     rest = np.maximum(chain.saved - saved_in, 0)  # what it saves beyond its input
     grad_out = chain.boundary[1:].astype(np.int64)
     again = np.maximum(chain.forward_transient + grad_out, chain.backward_transient) + rest
     return dataclasses.replace(
         chain,
         backward=np.where(on, chain.backward + chain.forward, chain.backward),
-        saved=np.where(on, x, chain.saved),
-        input_saved=np.where(on, x, chain.input_saved),
+        saved=np.where(on, keeps, chain.saved),
+        input_saved=np.where(on, keeps, chain.input_saved),
         shared=np.where(on, kept_by_previous, np.where(before, 0, chain.shared)),
         forward_transient=np.where(on, chain.forward_peak, chain.forward_transient),
         backward_transient=np.where(on, again, chain.backward_transient),
         input_unsaved=np.where(
-            on, 0, np.where(before, np.maximum(x - saved_in, 0), chain.input_unsaved)
+            on,
+            np.where(keeps > 0, 0, chain.input_unsaved),
+            np.where(before, np.maximum(chain.boundary[:-1] - saved_in, 0), chain.input_unsaved),
         ),
         # the loss's own share: all it saves, where the last layer keeps only its input
         loss_saved=np.where(before & (np.arange(len(on)) >= n), chain.saved, chain.loss_saved),
         checkpointed=tuple(int(k) for k in np.flatnonzero(on)),
     )
+
+
+def checkpoint_gain(chain: Chain) -> np.ndarray:
+    """Per model layer: by how many bytes the stage holding it and its neighbours keeps less
+    for backward with that layer alone under its own checkpoint (negative: more). What it
+    saves, less what it shares with the layer before and the layer after shares with it,
+    against what the checkpoint keeps, less what the layer before shares of that."""
+    n = chain.num_model_layers
+    nxt = np.append(chain.shared[1:], 0)  # what layer l + 1 shares with l
+    plain = chain.saved - chain.shared - nxt
+    ck = checkpointed(chain, tuple(range(0, n, 2)))  # every layer with a plain predecessor...
+    ck2 = checkpointed(chain, tuple(range(1, n, 2)))  # ... in one of the two
+    alone = np.where(
+        np.arange(chain.num_layers) % 2 == 0, ck.saved - ck.shared, ck2.saved - ck2.shared
+    )
+    return (plain - alone)[:n]

@@ -57,7 +57,7 @@ from schedules.order import freeze
 
 from .bounds import interleaved_bound_of, least_bottleneck, prior_bound_of, work_summary
 from .cluster import Cluster
-from .costs import OPTIMIZER_SLOTS, Chain, ProfileTable, chain_at, checkpointed
+from .costs import OPTIMIZER_SLOTS, Chain, ProfileTable, chain_at, checkpoint_gain, checkpointed
 from .dp import solve_partition_dp
 from .memory import RECOMPUTE_MODES, MemoryModel, StageShape
 from .partition import Partition, StageSpec, feasible_split, solve_partition
@@ -397,8 +397,16 @@ def _with_checkpoints(
         return best
     sets = _checkpoint_sets(profile)
     chosen = False
-    for layers in sets:
+    for k, layers in enumerate(sets):
         if best is not None and left() == 0.0:
+            note = (
+                f"the time limit left {len(sets) - k} of {len(sets)} sets of checkpointed "
+                "layers untried"
+            )
+            told = best.solver.unproven
+            best.solver = best.solver.model_copy(
+                update={"unproven": f"{told}; {note}" if told else note, "optimal": False}
+            )
             break
         try:
             plan = plan_pipeline(
@@ -440,17 +448,15 @@ def _with_checkpoints(
 
 
 def _checkpoint_sets(profile: Profile) -> list[tuple[int, ...]]:
-    """Sets of layers to checkpoint, each the first n of the model's layers ranked by what a
-    checkpoint frees (what the layer saves beyond its input, at the largest profiled size) per
-    millisecond its forward takes again; n about an eighth, a quarter, half, three quarters and
-    all of those that free anything, and 1."""
-    b = profile.batch_sizes[-1]
-    freed = []
-    for x in profile.layers:
-        gain = x.saved_bytes[b] - x.input_saved_bytes[b]
-        if gain > 0:
-            freed.append((-gain / max(x.forward_ms[b].median, 1e-6), x.index))
-    ranked = [k for _, k in sorted(freed)]
+    """Sets of layers to checkpoint, each the first n of the model's layers that free bytes
+    alone (`checkpoint_gain`, at the largest profiled size), ranked by bytes freed per
+    millisecond their forward takes again; n about an eighth, a quarter, half, three quarters
+    and all of them, and 1. None where no layer frees anything (fine layers, each keeping its
+    input where a neighbour kept the same bytes: a checkpoint of one such layer holds as much)."""
+    chain = chain_at(profile, profile.batch_sizes[-1])
+    gain = checkpoint_gain(chain)
+    rate = gain / np.maximum(chain.forward[: len(gain)], 1e-6)
+    ranked = [int(k) for k in np.argsort(-rate, kind="stable") if gain[k] > 0]
     n = len(ranked)
     sizes = sorted({1, *(max(round(n * f), 1) for f in (1 / 8, 1 / 4, 1 / 2, 3 / 4, 1))})
     return [tuple(sorted(ranked[:k])) for k in sizes if k <= n]
