@@ -272,8 +272,12 @@ def test_tight_memory_turns_recomputation_on():
     prof = synthetic_profile([1.0] * 8, saved=[1000] * 8, params=[10] * 8)
     roomy = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 8, schedule="gpipe")
     assert roomy.recompute == "never"
-    tight = plan_pipeline(prof, Cluster.uniform(2, 20_000), 8, schedule="gpipe")
+    tight = plan_pipeline(prof, Cluster.uniform(2, 20_000), 8, schedule="gpipe", checkpoint=())
     assert tight.recompute != "never" and tight.fits
+    # or layers under checkpoints of their own, where those are faster
+    auto = plan_pipeline(prof, Cluster.uniform(2, 20_000), 8, schedule="gpipe")
+    assert (auto.recompute != "never" or auto.checkpointed) and auto.fits
+    assert auto.predicted.iteration_ms <= tight.predicted.iteration_ms
 
 
 @st.composite
