@@ -22,31 +22,32 @@ from planner.partition import solve_partition
 from planner.plan import Plan
 from planner.search import InfeasibleError, simulate_plan
 from profiler.limits import ArgumentError
+from tests import test_codegen
 from tests.conftest import even_times, quick_profile
-from tests.test_codegen import (
-    N,
-    assert_parity,
-    compile_quiet,
-    data,
-    small_mlp,
-    small_transformer,
-)
+from tests.test_codegen import N, assert_parity, compile_quiet, data, small_transformer
 from tests.test_partition import assert_optimal, brute_force, make_chain, problems
 
 K = 2
-
-
-@pytest.fixture(scope="module")
-def profiles():
-    out = {}
-    for kind, build in (("mlp", small_mlp), ("transformer", small_transformer)):
-        model = build()
-        out[kind] = quick_profile(model, model.example_input, batch_sizes=[1, 2, 8])
-    return out
+profiles = test_codegen.profiles  # the small mlp and transformer, profiled once per module
 
 
 def every_other(profile) -> list[int]:
     return list(range(1, len(profile.layers) - 1, 2))
+
+
+def every_other_plans(profile) -> list[Plan]:
+    """Every other layer checkpointed, under each schedule that allows it."""
+    return [
+        plan_pipeline(
+            profile,
+            Cluster.uniform(K, "1GiB"),
+            N,
+            microbatches=4,
+            schedule=schedule,
+            checkpoint=every_other(profile),
+        )  # fmt: skip
+        for schedule in ("gpipe", "1f1b", "interleaved-1f1b")
+    ]
 
 
 @pytest.mark.parametrize(
@@ -120,17 +121,12 @@ def test_a_checkpointed_layer_keeps_its_input_and_runs_its_forward_again():
 
 def test_memory_is_what_the_run_holds(profiles):
     """The plan's peak per device against measure's count of live tensor storages."""
-    prof = profiles["transformer"]
-    for schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
-        plan = plan_pipeline(
-            prof, Cluster.uniform(K, "1GiB"), N, microbatches=4, schedule=schedule,
-            checkpoint=every_other(prof),
-        )  # fmt: skip
+    for plan in every_other_plans(profiles["transformer"]):
         pipe = compile_quiet(small_transformer(), plan)
         x, y, loss_fn = data("transformer")
         report = pipe.measure(x, y, loss_fn, steps=1)
         for d in report.devices:
-            assert abs(d.memory_error) <= 0.05, (schedule, d)
+            assert abs(d.memory_error) <= 0.05, (plan.schedule, d)
 
 
 def test_auto_checkpoints_where_memory_binds_and_says_what_it_beat(profiles):
@@ -201,12 +197,7 @@ def test_checkpoints_are_refused_where_they_cannot_run(profiles, tmp_path, run_c
 
 
 def test_the_plan_predicts_what_the_simulator_replays(profiles):
-    prof = profiles["transformer"]
-    for schedule in ("gpipe", "1f1b", "interleaved-1f1b"):
-        plan = plan_pipeline(
-            prof, Cluster.uniform(K, "1GiB"), N, microbatches=4, schedule=schedule,
-            checkpoint=every_other(prof),
-        )  # fmt: skip
+    for plan in every_other_plans(profiles["transformer"]):
         timed = simulate_plan(plan)
         assert timed.makespan == pytest.approx(plan.predicted.iteration_ms, rel=1e-12)
         assert timed.peak_memory == plan.predicted.peak_memory
