@@ -196,6 +196,7 @@ def _measure_size(
     """Every layer (and the loss) at one micro-batch size: memory first, one layer at a time,
     then all the timings together."""
     rows, inputs, measured = [], [], list(layers)
+    layouts: dict[int, list[tuple[int, ...] | None]] = {}
     prev_saved: dict[int, torch.Tensor] = {}
     # Storages that some earlier layer saves and that still cross the cut: a captured graph's
     # skip, passed from layer to layer, is already counted where it was saved.
@@ -205,7 +206,9 @@ def _measure_size(
         # zero bubble keeps each layer's output gradient from I to W (the last one's too: the
         # last stage's W starts there)
         kept = "both"
-        row, x, saved = _memory(i, layer, inp, dev, model_storages, prev_saved, kept, saved_before)
+        row, x, saved = _memory(
+            i, layer, inp, dev, model_storages, prev_saved, kept, saved_before, layouts
+        )
         saved_before = {
             ptr for ptr in map(_storage, _tensors(x)) if ptr in saved_before or ptr in saved
         }
@@ -224,11 +227,33 @@ def _measure_size(
         loss_layer = LossLayer(loss, target)
         inp = _detach(x, requires_grad=True)
         row, _, _ = _memory(
-            len(layers), loss_layer, inp, dev, model_storages, prev_saved, "input", saved_before
-        )
+            len(layers), loss_layer, inp, dev, model_storages, prev_saved, "input",
+            saved_before, layouts,
+        )  # fmt: skip
         rows.append(row)
         inputs.append(inp)
         measured.append(loss_layer)
+    # Inside a stage a layer's backward starts from the gradient the next layer made, laid
+    # out as that layer's backward lays it out (a transposing layer hands back a transposed
+    # one), not from a dense gradient: some backwards copy it into their own layout first.
+    # Where the layouts differ, the layer's transients are measured again from such a one.
+    for i, layer in enumerate(layers):
+        given = layouts.get(i + 1)
+        if given and _strided_otherwise(inputs[i + 1] if i + 1 < len(inputs) else None, given):
+            try:
+                again = _transient(layer, inputs[i], dev, "both", given)
+            except Exception as e:
+                raise InputError(
+                    f"the model rejected a gradient at layer {i} ({type(layer).__name__}): "
+                    f"{_first_line(e)}"
+                ) from None
+            rows[i].update(
+                forward_transient_bytes=again["forward"],
+                backward_transient_bytes=again["backward"],
+                forward_peak_bytes=again["no_grad"],
+                input_grad_transient_bytes=again["input"],
+                weight_grad_transient_bytes=again["weight"],
+            )
     try:
         timings = time_layers(
             measured, inputs, dev, warmup=warmup, min_repeats=repeats, max_repeats=max_repeats,
@@ -322,9 +347,11 @@ def _memory(
     prev_saved: dict[int, torch.Tensor],
     kept: str,
     saved_before: set[int],
+    grad_layouts: dict[int, list[tuple[int, ...] | None]],
 ) -> tuple[dict[str, Any], Value, dict[int, torch.Tensor]]:
     """What layer i saves, shares with layer i - 1, saves of its own input, and allocates
-    beyond that while it runs; and its output (the next layer's input)."""
+    beyond that while it runs; and its output (the next layer's input). Records in
+    `grad_layouts[i]` the strides of the gradient it makes for each input."""
     # Saved tensors by storage address. Holding them (and the previous layer's) alive until the
     # next layer is measured keeps the allocator from reusing an address for something else.
     saved: dict[int, torch.Tensor] = {}
@@ -339,7 +366,20 @@ def _memory(
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = layer(inp)
         _check_output(out)
-        _backward(out)
+        # how the gradient of each input is laid out as the layer's backward makes it (the
+        # layer before receives it so; .grad may be laid out again to match the input)
+        made: dict[int, tuple[int, ...]] = {}
+        hooks = [
+            t.register_hook(lambda g, k=k: made.__setitem__(k, g.stride()))
+            for k, t in enumerate(_tensors(inp))
+            if t.requires_grad
+        ]
+        try:
+            _backward(out)
+        finally:
+            for h in hooks:
+                h.remove()
+        grad_layouts[i] = [made.get(k) for k in range(len(_tensors(inp)))]
         for t in _tensors(inp):
             t.grad = None  # a stage input's gradient is made once, never added into
         extra = _transient(layer, inp, dev, kept)
@@ -400,7 +440,23 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
-def _transient(layer: nn.Module, inp: Value, dev: torch.device, kept: str) -> dict[str, int]:
+def _strided_otherwise(v: Value, layouts: list[tuple[int, ...] | None]) -> bool:
+    """Whether some gradient laid out as `layouts` is not what a dense tensor of v's shape is."""
+    if v is None:
+        return False
+    return any(
+        s is not None and s != torch.empty(0, device="meta").new_empty(t.shape).stride()
+        for t, s in zip(_tensors(v), layouts)
+    )
+
+
+def _transient(
+    layer: nn.Module,
+    inp: Value,
+    dev: torch.device,
+    kept: str,
+    layouts: list[tuple[int, ...] | None] | None = None,
+) -> dict[str, int]:
     """What the layer allocates beyond what the planner counts as kept, read off the allocator,
     in each way a pipeline runs it: a forward that keeps nothing (recomputation); a forward, its
     output dropped (a pipeline keeps only its gradient edge), and a backward from a gradient of
@@ -408,7 +464,8 @@ def _transient(layer: nn.Module, inp: Value, dev: torch.device, kept: str) -> di
     gradients). Every weight's .grad is there beforehand, so the temporary gradient added into
     it is counted, as it is in every micro-batch but the first. Gradients zero bubble keeps from
     I to W are counted by the planner and left out here (`kept`: "both" the output's and the
-    input's, as for every layer; "input" only the input's, for the loss)."""
+    input's, as for every layer; "input" only the input's, for the loss). `layouts`: the
+    strides of each output's gradient, as the next layer makes it (default: dense)."""
     params = [p for p in layer.parameters() if p.requires_grad]
     for p in params:
         p.grad = torch.zeros_like(p)
@@ -418,14 +475,24 @@ def _transient(layer: nn.Module, inp: Value, dev: torch.device, kept: str) -> di
     # one tensor alive while this layer's backward runs, not one made here and one taken in.
     passed: list[torch.Tensor] = []
 
+    strides: list[tuple[int, ...] | None] = []  # of each root's gradient (None: dense)
+
     def forward() -> tuple[list[Any], list[tuple[torch.Size, torch.dtype]]]:
         outs = _tensors(layer(inp))
         passed[:] = [t for t in outs if id(t) in ins and t.requires_grad]
-        roots = [t for t in outs if t.requires_grad and id(t) not in ins]
+        at = [k for k, t in enumerate(outs) if t.requires_grad and id(t) not in ins]
+        given = list(layouts or [])
+        strides[:] = [given[k] if k < len(given) else None for k in at]
+        roots = [outs[k] for k in at]
         return [get_gradient_edge(t) for t in roots], [(t.shape, t.dtype) for t in roots]
 
     def ones(like: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
-        return [torch.ones(shape, dtype=dtype, device=dev) for shape, dtype in like]
+        return [
+            torch.empty_strided(shape, stride, dtype=dtype, device=dev).fill_(1)
+            if stride is not None
+            else torch.ones(shape, dtype=dtype, device=dev)
+            for (shape, dtype), stride in zip(like, strides)
+        ]
 
     with trace_allocations() as trace:
         with owned_by("no_grad"), torch.no_grad():
