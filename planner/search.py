@@ -396,6 +396,11 @@ def _with_checkpoints(
             raise error
         return best
     sets = _checkpoint_sets(profile)
+    if base is None and sets:
+        # Nothing fits without checkpoints: the set that frees the most goes first, and where
+        # even it fits nowhere the others are not searched (each such search also looks for
+        # the least memory that would do: as long as the whole search again).
+        sets = [sets[-1], *sets[:-1]]
     chosen = False
     for k, layers in enumerate(sets):
         if best is not None and left() == 0.0:
@@ -415,6 +420,8 @@ def _with_checkpoints(
         except InfeasibleError as e:
             if error is None or e.needed_bytes < error.needed_bytes:
                 error = e
+            if base is None and k == 0:
+                break
             continue
         if best is None or _faster(plan, best):
             best, chosen = plan, True

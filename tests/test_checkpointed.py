@@ -259,3 +259,25 @@ def test_fine_layers_hold_what_the_plan_says_and_auto_tries_none():
     from planner.search import _checkpoint_sets
 
     assert _checkpoint_sets(prof) == []
+
+
+def test_where_nothing_fits_only_the_set_that_frees_most_is_searched(profiles, monkeypatch):
+    """Each search where nothing fits also looks for the least memory that would do: where
+    even the largest set of checkpointed layers fits nowhere, the smaller ones are not tried."""
+    import planner.search as search
+
+    prof = even_times(profiles["transformer"])
+    tried = []
+    real = search.plan_pipeline
+
+    def counting(*args, **kw):
+        if not isinstance(kw.get("checkpoint", "auto"), str):
+            tried.append(tuple(kw["checkpoint"]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(search, "plan_pipeline", counting)
+    sets = search._checkpoint_sets(prof)
+    assert len(sets) > 1
+    with pytest.raises(InfeasibleError):
+        search.plan_pipeline(prof, Cluster.uniform(K, 1000), N)
+    assert tried == [(), sets[-1]]
