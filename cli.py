@@ -834,6 +834,18 @@ def _count(flag: str, hi: int, lo: int = 1) -> Callable[[str], int]:
     return parse
 
 
+def _one_of(flag: str, allowed: tuple[str, ...]) -> Callable[[str], str]:
+    """A flag taking one of `allowed`, checked where it is given: a bad value is refused even
+    where a later flag of the same destination (an alias) would have replaced it."""
+
+    def parse(text: str) -> str:
+        if text not in allowed:
+            raise InputError(f"{flag} {text[:60]}: expected one of {', '.join(allowed)}")
+        return text
+
+    return parse
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gpipe-plan", description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -880,6 +892,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "--schedule", default="auto", help="auto, gpipe, 1f1b, interleaved-1f1b or zb-h1"
     )
     s.add_argument("--recompute", "--checkpoint", dest="recompute", default="auto",
+                   type=_one_of("--recompute", ("auto", "never", "except_last", "always",
+                                                  "per_stage")),
                    help="auto, never, except_last, always, or per_stage: each stage its "
                         "own (--checkpoint is an alias)")  # fmt: skip
     s.add_argument("--checkpoint-layers", default="auto",
