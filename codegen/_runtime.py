@@ -315,10 +315,29 @@ class PipelineRuntime:
         with self._action("backward", s, m):
             roots, grads = self._backward_roots(s, m)
             inp = self.inputs.pop((s, m))
+            ts = _tensors(inp)
+            # An output that is the stage's input itself (its layers hand it on untouched)
+            # takes the pulled gradient as is: autograd would copy one the caller holds.
+            passed = []
+            if grads is not None and s > 0:
+                leaves = {id(get_gradient_edge(t).node): t for t in ts if t.requires_grad}
+                kept = []
+                for e, g in zip(roots, grads):
+                    t = leaves.get(id(e.node))
+                    if t is None:
+                        kept.append((e, g))
+                    else:
+                        passed.append((t, g))
+                if passed:
+                    roots, grads = [e for e, _ in kept], [g for _, g in kept]
+                del kept, leaves
             if roots:
                 torch.autograd.backward(roots, grads)
+            del roots, grads
+            for t, g in passed:
+                t.grad = g if t.grad is None else t.grad + g
+            del passed
             if s > 0:
-                ts = _tensors(inp)
                 self.leave_grad([t.grad for t in ts], s, m, ts)
 
     def backward_input(self, s: int, m: int) -> None:

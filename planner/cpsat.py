@@ -36,7 +36,7 @@ import numpy as np
 from profiler.limits import INT64_SAFE
 
 from .costs import Chain
-from .memory import MemoryModel
+from .memory import MemoryModel, tight_pulled
 from .partition import Partition, StageSpec, cut_table, split_cuts, stage_costs
 
 TIME_SCALE = 1e6  # ms -> ns
@@ -76,9 +76,8 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
         return int(max(max(a.max() for a in arrays), 0))
 
     remat = m.new_int_var(0, top(f, f + u), f"remat{s}")  # type: ignore[attr-defined]
-    live = m.new_int_var(0, top(f, f + u, b), f"live{s}")  # type: ignore[attr-defined]
+    live = m.new_int_var(0, top(b), f"live{s}")  # type: ignore[attr-defined]
     inp = m.new_int_var(0, top(it), f"input{s}")  # type: ignore[attr-defined]
-    m.add(live >= remat)  # type: ignore[attr-defined]
     for k in range(L):
         m.add(remat >= int(f[k]) * first[k][s] + int(f[k] + u[k]) * inner[k] - later[k])  # type: ignore[attr-defined]
         m.add(inp >= int(it[k]) * x[k][s] - before[k])  # type: ignore[attr-defined]
@@ -87,7 +86,32 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
         m.add(live >= int(max(b[k] - z[k], 0)) * ends)  # type: ignore[attr-defined]
         if k + 1 < L:
             m.add(live >= int(b[k]) * (x[k + 1][s] + x[k][s] - 1) - later[k])  # type: ignore[attr-defined]
-    return live, remat, inp
+    return live, remat, inp, later
+
+
+def _tight_pulled(m: object, c: Chain, x: list, first: list, s: int, L: int, S: object,
+                  later: list, live: object) -> object:  # fmt: skip
+    """The pulled gradient of a stage whose every tuple holding one is B's (planner/memory.py,
+    tight_pulled): what makes B's whole, S + pulled + live, the most any stage from the same
+    start and ending at a layer k of this one holds so. Such a stage's B holds what its layers
+    through k saved, then k's output gradient and the largest backward of a layer before k
+    (those through it saved, and its transient), or k's own backward."""
+    b, z = c.backward_transient, c.zgrad
+    top = int(c.saved.sum()) + int(b.max()) + int(z.max()) + int(np.maximum(b, z).max()) + 1
+    whole = m.new_int_var(0, top, f"bwhole{s}")  # type: ignore[attr-defined]
+    before = None  # the largest backward of a layer before k in the stage
+    for k in range(L):
+        m.add(whole >= S - later[k] + int(max(b[k], z[k]))).only_enforce_if(x[k][s])  # type: ignore[attr-defined]
+        if k == 0:
+            continue
+        inner = [x[k][s], first[k][s].Not()]  # k - 1 is in the stage too
+        var = m.new_int_var(0, top, f"bbefore{s}_{k}")  # type: ignore[attr-defined]
+        m.add(var >= S - later[k - 1] + int(b[k - 1])).only_enforce_if(inner)  # type: ignore[attr-defined]
+        if before is not None:
+            m.add(var >= before).only_enforce_if(inner)  # type: ignore[attr-defined]
+        m.add(whole >= var + int(z[k])).only_enforce_if(inner)  # type: ignore[attr-defined]
+        before = var
+    return whole - S - live
 
 
 def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first: list, s: int,
@@ -122,13 +146,16 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
                       + int(inner_values[k]) * inner[k][0])  # fmt: skip
         return var
 
-    pulled = largest(c.zgrad, c.zgrad, "pulled")
+    live, remat, inp, later = _transients(m, c, x, first, s, L)
+    if not shape.bound and tight_pulled(shape.occupancy):
+        pulled = _tight_pulled(m, c, x, first, s, L, S, later, live)
+    else:
+        pulled = largest(c.zgrad, c.zgrad, "pulled")
     # (early and late: 0, a chain has no routes past the next stage)
     loss = over(c.loss_saved, x)
     states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + over(unsaved, first) - lent, G,
               pulled, 0, 0]  # fmt: skip
 
-    live, remat, inp = _transients(m, c, x, first, s, L)
     transients = [
         live,
         remat,

@@ -30,14 +30,15 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
     The transients say what an action holds above the states, at its worst layer l. They
     walk the stage as autograd does, so each is relative to the whole activations S, of
     which the layers after l hold later(l) = sum saved[l+1:j] - sum shared[l+1:j]:
-    live = max(remat_live, max over l < j - 1 of backward[l] - later(l), the last layer's
-           backward without its output gradient, which B holds as `pulled`): while B runs,
+    live = max over l < j - 1 of backward[l] - later(l), and the last layer's backward
+           without its output gradient, which B holds as `pulled` (a captured graph's: at
+           least remat_live too, see _flow_pulled): while B runs after any re-materialising,
            layer by layer from the last, each layer's saved tensors let go once it is done
            (a captured graph's backward[l] also loses the gradient of each value l hands on
            that no later layer of the stage reads: routing.py's `unread`)
     remat_live = max(forward[i], max over i < l < j of forward[l] + input_unsaved[l]) less
-           later(l) at that l: while a forward that keeps what it saves runs (F, and zero
-           bubble's re-materialising forward at I), before the layers after l have saved
+           later(l) at that l: while a forward that keeps what it saves runs (F, and the
+           re-materialising forward of a recomputed B or I), before the layers after l saved
     input_live = max(input_grad[i], max over i < l < j of input_grad[l] - sum zgrad[i:l-1]):
            while I runs, from the last layer: the output gradients of the layers before
            l - 1 are not made yet; on a captured graph only those of the values they make
@@ -86,6 +87,7 @@ from .costs import Chain
 
 RECOMPUTE_MODES = ("never", "except_last", "always")
 N_STATES = len(STATES)
+PULLED = STATES.index("pulled")
 
 
 @dataclass(frozen=True)
@@ -120,13 +122,29 @@ class StageShape:
 
 
 @lru_cache(maxsize=4096)
+def tight_pulled(occupancy: tuple[tuple[int, ...], ...]) -> bool:
+    """Whether every tuple holding a pulled gradient is one B's: one gradient, B's transient
+    alone, and its micro-batch's activations. Then a chain's stage counts as pulled only what
+    makes B's whole (gradient, activations and transient) grow with the stage's end, not the
+    largest output gradient of any of its layers (MemoryModel.state_bytes, `pulled_tight`)."""
+    pulled, act, during = (STATES.index(k) for k in ("pulled", "activations", "during_i"))
+    return all(
+        t[pulled] == 1 and t[N_STATES] == 1 and not any(t[N_STATES + 1 :]) and t[act] + t[during]
+        for t in occupancy
+        if t[pulled]
+    )
+
+
+@lru_cache(maxsize=4096)
 def _pulled_outside_b(occupancy: tuple[tuple[int, ...], ...]) -> tuple[int, ...] | None:
     """A tuple of the occupancy holding a pulled gradient while B's transient does not run,
     if any: a captured graph's pulled gradient grows with the stage's end only together with
     B's transient and its micro-batch's activations (MemoryModel._flow_pulled), as every
-    schedule's B holds it."""
+    schedule's B holds it. (A recomputed B holds it first through its re-materialising
+    forward, with the same counts, whose transient a captured graph's `live` covers.)"""
     pulled = STATES.index("pulled")
-    return next((t for t in occupancy if t[pulled] and not t[N_STATES]), None)
+    live, remat = N_STATES, N_STATES + 1
+    return next((t for t in occupancy if t[pulled] and not (t[live] or t[remat])), None)
 
 
 @lru_cache(maxsize=4096)
@@ -189,6 +207,52 @@ class _RangeMax:
         return np.maximum(self._flat[spots[0]], self._flat[spots[1]])
 
 
+class _PairMax:
+    """O(1) maxima of first[l] + second[m] over l < m in [i, j), 0 where j - i < 2: a disjoint
+    sparse table (a pair's maximum, unlike a plain one, cannot be read off two overlapping
+    ranges, so each level keeps, per block, what lies on each side of its middle)."""
+
+    def __init__(self, first: np.ndarray, second: np.ndarray) -> None:
+        n = len(first)
+        size = 1 << max(1, (max(n, 2) - 1).bit_length())
+        low = -(1 << 62)
+        a = np.full(size, low, dtype=np.int64)
+        z = np.full(size, low, dtype=np.int64)
+        a[:n], z[:n] = first, second
+        levels = size.bit_length() - 1
+        self._first = np.empty((levels, size), dtype=np.int64)
+        self._second = np.empty((levels, size), dtype=np.int64)
+        self._best = np.empty((levels, size), dtype=np.int64)
+        for h in range(levels):
+            half = 1 << h
+            blocks = size // (2 * half)
+            pad = np.full((blocks, 1), low, dtype=np.int64)
+            fa, fz = a.reshape(blocks, 2, half), z.reshape(blocks, 2, half)
+            # left of the middle, over [p, middle): read from the middle outwards
+            la, lz = fa[:, 0, ::-1], fz[:, 0, ::-1]
+            sa, sz = np.maximum.accumulate(la, axis=1), np.maximum.accumulate(lz, axis=1)
+            after = np.concatenate([pad, sz[:, :-1]], axis=1)  # second's maximum past l
+            sb = np.maximum.accumulate(np.maximum(la + after, low), axis=1)
+            # right of it, over [middle, q]
+            ra, rz = fa[:, 1], fz[:, 1]
+            pa, pz = np.maximum.accumulate(ra, axis=1), np.maximum.accumulate(rz, axis=1)
+            before = np.concatenate([pad, pa[:, :-1]], axis=1)  # first's maximum before m
+            pb = np.maximum.accumulate(np.maximum(before + rz, low), axis=1)
+            self._first[h] = np.stack([sa[:, ::-1], pa], axis=1).ravel()
+            self._second[h] = np.stack([sz[:, ::-1], pz], axis=1).ravel()
+            self._best[h] = np.stack([sb[:, ::-1], pb], axis=1).ravel()
+
+    def __call__(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        lo, hi = np.asarray(i, dtype=np.int64), np.asarray(j, dtype=np.int64) - 1
+        pair = hi > lo
+        lo, hi = np.where(pair, lo, 0), np.where(pair, hi, 1)
+        # the level whose block has lo left of its middle and hi right of it
+        h = np.frexp((lo ^ hi).astype(np.float64))[1] - 1
+        across = self._first[h, lo] + self._second[h, hi]
+        got = np.maximum(np.maximum(self._best[h, lo], self._best[h, hi]), across)
+        return np.where(pair, np.maximum(got, 0), 0)
+
+
 def _prefix(values: np.ndarray) -> np.ndarray:
     return np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(values.astype(np.int64))])
 
@@ -219,6 +283,10 @@ class MemoryModel:
         self._held = self._saved[1:] - self._shared[1:]
         self._backward = _RangeMax(self._held + b)
         self._last_backward = np.maximum(b - chain.zgrad, 0).astype(np.int64)
+        # B's pulled gradient, activations and transient together, a chain's stage from i
+        # ending at k (see tight_pulled): the largest over every k up to an end
+        self._ends_b = _RangeMax(self._held + np.maximum(b, chain.zgrad))
+        self._pairs_b = _PairMax(self._held + b, chain.zgrad)
         self._walk = None if chain.flow is None else self._walk_table()
         self._flow_pulled_table: np.ndarray | None = None
         # a forward that keeps what it saves, layer by layer: layer l's peak comes on top of
@@ -432,13 +500,20 @@ class MemoryModel:
         if want("pulled"):
             pulled = self._pulled.take(whole) if c.flow is None else self._flow_pulled()[i, j]
             out["pulled"] = pulled
-        if want("live", "remat_live"):
+        if want("live", "remat_live", "pulled_tight"):
             remat = np.where(inner, self._inner_remat.take(after), 0)
             remat = np.maximum(self._first_remat[i], remat)
             # above the stage's activations, all saved by the end
             out["remat_live"] = remat = remat - self._held[j - 1]
-            if want("live"):
-                out["live"] = np.maximum(remat, self._backward_live(i, j))
+            if want("live", "pulled_tight"):
+                # a captured graph's pulled gradient is raised so that it grows with the
+                # stage's end together with B's transient (_flow_pulled): that transient covers
+                # the re-materialising forward a recomputed B holds it through too
+                live = self._backward_live(i, j)
+                out["live"] = live if c.flow is None else np.maximum(remat, live)
+            if want("pulled_tight") and c.flow is None:
+                top = np.maximum(self._ends_b.take(whole), self._pairs_b(i, j))
+                out["pulled_tight"] = top - self._held[j - 1] - out["live"]
         if want("input_live") and self._flow_input_live is not None:
             out["input_live"] = self._flow_input_live[i, j]
         elif want("input_live"):
@@ -473,6 +548,7 @@ class MemoryModel:
         where the caller has them already."""
         states, terms = known or (self.state_bytes(i, j, start), self.terms(i, j, shape, start))
         b = {k: int(v[0]) for k, v in states.items()}
+        b["pulled"] = b[self._pulled_key(shape)]
         static = sum(int(terms[k][0]) for k in ("params", "grads", "optimizer", "workspace"))
         step = int(terms["optimizer_step_size"][0])
         return StageBytes(
@@ -501,13 +577,13 @@ class MemoryModel:
         b = self.state_bytes(i, j, start) if states is None else states
         best = np.full(i.shape, -1, dtype=np.int64)
         parts = {k: np.zeros(i.shape, dtype=np.int64) for k in ("stash", "grad", "live", "loss")}
-        z = b["z"]
+        z, pulled = b["z"], b[self._pulled_key(shape)]
         for t in shape.occupancy:
             n_in, n_act, n_di, n_iw, n_grad, n_pulled, n_early, n_late = t[: len(STATES)]
             stash = n_in * b["input"] + (n_act + n_di) * b["activations"] + n_early * b["early"]
             stash = stash + n_iw * (b["between_iw"] - z)  # (its gradients are in grads)
             grads = (n_di + n_iw) * z + n_di * (b["grad"] + b["skips"]) + n_grad * b["grad"]
-            grads = grads + n_pulled * b["pulled"] + n_late * b["late"]
+            grads = grads + n_pulled * pulled + n_late * b["late"]
             live = sum(on * b[name] for on, name in zip(t[len(STATES) :], TRANSIENTS))
             total = stash + grads + live
             better = total > best
@@ -530,6 +606,11 @@ class MemoryModel:
             "workspace": np.full(i.shape, shape.reserved, dtype=np.int64),
             "optimizer_step_size": step,
         }
+
+    def _pulled_key(self, shape: StageShape) -> str:
+        """Which pulled gradient a shape's stages count (tight_pulled)."""
+        tight = self.chain.flow is None and not shape.bound and tight_pulled(shape.occupancy)
+        return "pulled_tight" if tight else "pulled"
 
     def optimizer_step(
         self, i: np.ndarray | int, j: np.ndarray | int, shape: StageShape
@@ -562,11 +643,15 @@ class MemoryModel:
             self._check_pulled(shape)
         cols = np.flatnonzero(counted)
         each = all(sh.foreach for sh in shapes)
+        keys = [self._pulled_key(shape) for shape in shapes]
         wanted = frozenset(names[k] for k in cols) | (set() if each else {"largest"})
+        if counted[PULLED] and "pulled_tight" in keys:
+            wanted |= {"pulled_tight"}
         b = self.state_bytes(i, j, only=wanted)
         values = np.empty((len(cols), len(i)), dtype=np.int64)
         for row, k in enumerate(cols):
             values[row] = b[names[k]]
+        pulled_row = int(np.searchsorted(cols, PULLED))
         p = self.params(i, j)
         largest = None if each else b["largest"]
         out = np.empty(len(i), dtype=np.int64)
@@ -576,6 +661,9 @@ class MemoryModel:
                 continue
             occ = np.asarray(shape.occupancy, dtype=np.int64)[:, cols]
             mine = np.maximum(values[:, lo:hi], 0) if shape.bound else values[:, lo:hi]
+            if keys[g] == "pulled_tight" and counted[PULLED]:
+                mine = mine.copy()
+                mine[pulled_row] = b["pulled_tight"][lo:hi]
             held = _most(occ, mine)
             size = p[lo:hi] if shape.foreach else largest[lo:hi]  # type: ignore[index]
             step = np.ceil(shape.optimizer_step * size).astype(np.int64)  # optimizer_step()

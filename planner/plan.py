@@ -70,7 +70,7 @@ class StateBytes(_Strict):
     )
     live: Bytes = Field(description="the stage's largest transient while its backward runs")
     remat_live: Bytes = Field(
-        description="... while a forward that keeps its saves runs (F, zero bubble's at I)"
+        description="... while a forward that keeps its saves runs (F, a recomputed B's or I's)"
     )
     forward_live: Bytes = Field(description="... while a forward that keeps nothing runs")
     input_live: Bytes = Field(description="... while zero-bubble I runs")

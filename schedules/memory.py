@@ -26,7 +26,7 @@ Transitions, at an action's start (allocations) or its end (frees and hand-offs)
             end    output pushed to stage s+1: input +1 there (early -1 there, if it had any);
                    early +1 on each stage whose first far sender is s
     B(s,m)  start  pulls its output gradient: grad -1 on stage s+1, pulled +1 (s < S-1);
-                   recomputed: input -> activations
+                   recomputed: input -> activations, re-materialised as a phase of its own
             end    activations -1; pulled -1; grad +1 (s > 0)
     I(s,m)  start  as B (a recomputed one re-materialises first, as a phase of its own), then
                    activations -> during_i
@@ -35,7 +35,7 @@ Transitions, at an action's start (allocations) or its end (frees and hand-offs)
 
 While an action runs, its device also holds that action's transient, the most one layer adds
 above what the states count: `live` for B, `remat_live` for a forward that keeps what it saves
-(F, and the forward zero bubble re-materialises at I), `forward_live` for the forward of a
+(F, and the forward a recomputed micro-batch re-materialises at B or I), `forward_live` for the forward of a
 recomputed micro-batch (which keeps nothing), `input_live` for I and `weight_live` for W. One
 host issues one action at a time, so a device never holds two transients at once. After the last action,
 the optimizer step runs on every device: its temporaries come on top of the weights alone.
@@ -184,6 +184,9 @@ def _build_steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
                 if s < S - 1:
                     start.append((s, PULLED, 1))
                     end.append((s, PULLED, -1))
+                if rec:  # the re-materialising forward, beside the pulled gradient
+                    phases.append((tuple(start), REMAT_LIVE))
+                    start = []
                 end.append((s, ACT, -1))
             if s > 0:
                 end.append((s, GRAD, 1))
@@ -444,8 +447,10 @@ def _build_events(
     k = np.arange(len(kind), dtype=np.int64)
     F, B, I, W = (kind == c for c in range(4))  # noqa: E741
     last = s == S - 1
-    # the phase that holds I's own changes: 1 after a re-materialising forward, else 0
-    i_phase = np.where(rec, 1, 0)
+    # a recomputed B or I re-materialises first, as phase 0: its own changes (I's) and its
+    # transient then come at phase 1
+    remat = (B | I) & rec
+    i_phase = np.where(remat, 1, 0)
     change_parts: list[tuple[np.ndarray, np.ndarray, int, int, np.ndarray]] = []
 
     def change(
@@ -491,10 +496,9 @@ def _build_events(
     running = np.select(
         [F & rec, F, B, I, W], [FORWARD_LIVE, REMAT_LIVE, LIVE, INPUT_LIVE, WEIGHT_LIVE], -1
     ).astype(np.int64)
-    remat = I & rec
     is_end = c_seq % 4 == END
     looked = is_end | ((c_delta > 0) & (c_stage != c_acting))
-    snap_seq = np.concatenate([4 * k + np.where(I, i_phase, 0), 4 * k[remat], c_seq[looked]])
+    snap_seq = np.concatenate([4 * k + i_phase, 4 * k[remat], c_seq[looked]])
     snap_stage = np.concatenate([s, s[remat], c_stage[looked]])
     snap_running = np.concatenate(
         [running, np.full(int(remat.sum()), REMAT_LIVE, np.int64), np.full(int(looked.sum()), -1)]

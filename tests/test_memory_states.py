@@ -4,6 +4,8 @@ ways of computing a peak (occupancy tuples, the replay) against each other."""
 
 from __future__ import annotations
 
+import itertools
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -56,7 +58,12 @@ def test_recomputed_gpipe_keeps_inputs_and_rematerialises_one():
     M = 4
     occ = occupancy(build_schedule("gpipe", 2, M), "always")
     # the first backward: every other micro-batch kept as its input, one re-materialised
+    # (first by a forward, beside the pulled gradient, then backward itself runs)
+    assert (M - 1, 1, 0, 0, 0, 1, 0, 0, *REMAT) in occ[0]
     assert (M - 1, 1, 0, 0, 0, 1, 0, 0, *LIVE) in occ[0]
+    # not recomputing, B re-materialises nothing: no forward's transient beside a pulled one
+    kept = occupancy(build_schedule("gpipe", 2, M), "never")[0]
+    assert [t for t in kept if t[5]] == [(0, M, 0, 0, 0, 1, 0, 0, *LIVE)]
     # a recomputed forward keeps nothing: it runs with the forward_live transient
     assert any(t[8:] == (0, 0, 1, 0, 0) for t in occ[0])
 
@@ -277,3 +284,22 @@ def test_array_occupancy_and_peaks_equal_the_step_by_step_walk(name, K, M, modes
         for _ in range(S)
     ]
     assert peaks(sched, mode, sizes) == replay(sched, mode, sizes).peaks
+
+
+def test_floors_and_bounds_count_the_pulled_gradient_as_the_stages_do():
+    """A stage whose every tuple holding a pulled gradient is B's counts a tighter one
+    (planner/memory.py, tight_pulled). The floor that proves no split fits must count it alike
+    (never more than the stage), and the bound (never less) never counts the tighter one."""
+    from planner.memory import tight_pulled
+    from schedules.memory import occupancy_floor
+
+    for name, K, M, mode in itertools.product(
+        ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"], [2, 3, 4], [1, 2, 3, 4, 8], MODES
+    ):
+        v = 2 if name == "interleaved-1f1b" else 1
+        if v > 1 and M > 2 and M % K:
+            continue
+        sched = build_schedule(name, K * v, M, stages_per_rank=v)
+        exact = [tight_pulled(t) for t in occupancy(sched, mode)]
+        assert exact == [tight_pulled(t) for t in occupancy_floor(sched, mode)]
+        assert mode != "never" or all(exact)

@@ -28,19 +28,21 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     Z, G = int(c.zgrad[i:j].sum()), int(c.grad_in[i])
     Z += c.last_grad if j == c.num_layers else 0  # the last stage of a chain without its loss
     inner = range(i + 1, j)
-    f, b, u = c.forward_transient, c.backward_transient, c.input_unsaved
+    f, u = c.forward_transient, c.input_unsaved
     # what the layers after k save: not there yet while k's forward runs, let go by the time
     # k's backward runs
     later = [int(c.saved[k + 1 : j].sum()) - int(c.shared[k + 1 : j].sum()) for k in range(i, j)]
     remat = max([int(f[i]) - later[0]] + [int(f[k] + u[k]) - later[k - i] for k in inner])
-    # each layer's backward, less what the layers after it saved; the last one's without the
-    # output gradient B pulls (zgrad: where it does)
-    back = [int(b[k]) - later[k - i] for k in range(i, j - 1)]
-    live = max([remat, 0, *back, max(int(b[j - 1] - c.zgrad[j - 1]), 0)])
+    live = _backward_live(c, i, j)
     forward = max(
         [int(c.forward_peak[i])] + [int(c.forward_peak[k] + c.boundary[k]) for k in inner]
     )
     P = int(c.zgrad[i:j].max())
+    if tight_pulled(shape.occupancy):
+        # B holds the output gradient it pulled (zgrad[j - 1]) beside its activations and its
+        # transient; raised to what a shorter stage from i holds so, where that is more
+        P = max(_held(c, i, k) + int(c.zgrad[k - 1]) + _backward_live(c, i, k)
+                for k in range(i + 1, j + 1)) - S - live  # fmt: skip
     loss = int(c.loss_saved[i:j].sum())  # the loss's own: it goes with I, before W
     states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + (X - Xs if G else 0) - lent, G, P,
               0, 0]  # fmt: skip
@@ -56,6 +58,28 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
         p + int(c.buffers[i:j].sum()) + p + shape.optimizer_slots * p + max(held, step)
         + shape.reserved
     )  # fmt: skip
+
+
+def _held(c: Chain, i: int, j: int) -> int:
+    """What the layers of [i, j) save, each tensor once."""
+    return int(c.saved[i:j].sum()) - int(c.shared[i + 1 : j].sum())
+
+
+def _backward_live(c: Chain, i: int, j: int) -> int:
+    """Each layer's backward, less what the layers after it saved; the last one's without the
+    output gradient B pulls (zgrad: where it does)."""
+    b = c.backward_transient
+    later = [int(c.saved[k + 1 : j].sum()) - int(c.shared[k + 1 : j].sum()) for k in range(i, j)]
+    back = [int(b[k]) - later[k - i] for k in range(i, j - 1)]
+    return max([0, *back, max(int(b[j - 1] - c.zgrad[j - 1]), 0)])
+
+
+def tight_pulled(occupancy: tuple[tuple[int, ...], ...]) -> bool:
+    """Whether every tuple holding a pulled gradient is one B's: one gradient, B's transient
+    alone, and its micro-batch's activations."""
+    return all(
+        t[5] == 1 and t[8] == 1 and not any(t[9:]) and t[1] + t[2] >= 1 for t in occupancy if t[5]
+    )
 
 
 def occ(*counts: int, running: int = 0) -> tuple[int, ...]:
@@ -799,3 +823,20 @@ def test_occupancy_sums_are_exact_where_a_float_would_round():
     assert _most(np.array([[1, 1]]), pair).tolist() == [2**53 + 1]
     none = _most(occ[:, :0], small[:0])  # no state counted: nothing held
     assert none.shape == (400,) and not none.any()
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=1, max_size=40), st.data())
+def test_pair_maxima_are_brute_force(first, data):
+    """The table behind a chain's pulled gradient (MemoryModel, `pulled_tight`): the most
+    first[l] + second[m] over l < m in [i, j), for every range."""
+    from planner.memory import _PairMax
+
+    n = len(first)
+    second = data.draw(st.lists(st.integers(0, 50), min_size=n, max_size=n))
+    i, j = np.triu_indices(n + 1, 1)
+    got = _PairMax(np.array(first), np.array(second))(i, j)
+    pairs = [
+        [first[x] + second[y] for x in range(a, b) for y in range(x + 1, b)] for a, b in zip(i, j)
+    ]
+    assert got.tolist() == [max(p, default=0) for p in pairs]

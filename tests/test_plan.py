@@ -14,7 +14,7 @@ from test_partition import reference_memory
 
 from planner import Cluster, InfeasibleError, Plan, plan_pipeline
 from planner.costs import OPTIMIZER_SLOTS, chain_at
-from planner.memory import StageShape
+from planner.memory import StageShape, tight_pulled
 from planner.search import simulate_stages
 from schedules import StageBytes, build_schedule, occupancy
 
@@ -33,11 +33,37 @@ SCHEDULE_NAMES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 MODES = ["never", "except_last", "always"]
 
 
-def by_hand(i: int, j: int, mb: int, *, saved, shared, out, inp, input_saved, transient, L):
+def by_hand(
+    i: int, j: int, mb: int, *, saved, shared, out, inp, input_saved, transient, L, tight=False
+):
     """A stage's bytes per state, written out from DESIGN.md's model (no loss here; a CPU
-    profile: stage 0 works on the caller's micro-batch, so holds none of its input)."""
+    profile: stage 0 works on the caller's micro-batch, so holds none of its input). `tight`:
+    every tuple of its occupancy holding a pulled gradient is B's (tight_pulled)."""
     X = mb * (0 if i == 0 else out[i - 1])
-    S = mb * (sum(saved[i:j]) - sum(shared[i + 1 : j]))
+
+    def held(e):  # what layers i .. e - 1 save
+        return mb * (sum(saved[i:e]) - sum(shared[i + 1 : e]))
+
+    def grad_out(k):  # the gradient B pulls for layer k's output (none for the last's)
+        return mb * out[k] if k != L - 1 else 0
+
+    def live(e):  # B's transient, a stage [i, e)
+        return max(
+            [0]  # (B's re-materialising forward, when it recomputes, runs with remat_live)
+            # each layer's backward, less what the layers after it saved, let go by then
+            + [
+                mb * (transient[k] + 1 - sum(saved[k + 1 : e]) + sum(shared[k + 1 : e]))
+                for k in range(i, e - 1)
+            ]
+            # the last layer's backward without the output gradient B pulls
+            + [mb * (transient[e - 1] + 1) - grad_out(e - 1)]
+        )
+
+    S = held(j)
+    if tight:  # B's gradient, activations and transient: the most any end up to j holds
+        pulled = max(held(e) + grad_out(e - 1) + live(e) for e in range(i + 1, j + 1)) - S - live(j)
+    else:  # the largest output gradient of any of its layers
+        pulled = max(grad_out(k) for k in range(i, j))
     Xs = mb * input_saved[i]
     Z = mb * sum(out[k] for k in range(i, j))  # the last layer's too: W starts there
     G = X if i > 0 else 0
@@ -53,20 +79,11 @@ def by_hand(i: int, j: int, mb: int, *, saved, shared, out, inp, input_saved, tr
         during_i=X + S - Xs + Z + G,
         between_iw=S + Z + (X - Xs if G else 0) - (Xs if i == 0 else 0),
         grad=G,
-        pulled=max(mb * out[k] if k != L - 1 else 0 for k in range(i, j)),
+        pulled=pulled,
         # synthetic transients (conftest): forward t, backward t + 1, unsaved input 2,
         # forward keeping nothing saved + t + 3, I t + 4, W t + 5
         remat_live=remat,
-        live=max(
-            [remat]
-            # each layer's backward, less what the layers after it saved, let go by then
-            + [
-                mb * (transient[k] + 1 - sum(saved[k + 1 : j]) + sum(shared[k + 1 : j]))
-                for k in range(i, j - 1)
-            ]
-            # the last layer's backward without the output gradient B pulls
-            + [mb * (transient[j - 1] + 1 - (out[j - 1] if j - 1 != L - 1 else 0))]
-        ),
+        live=live(j),
         forward_live=max(
             [mb * (saved[i] + transient[i] + 3)]
             + [mb * (saved[k] + transient[k] + 3 + out[k - 1]) for k in range(i + 1, j)]
@@ -101,7 +118,8 @@ def test_stage_memory_is_the_formula_term_by_term():
             p = sum(prof.layers[k].param_bytes for k in range(i, j))
             assert (m.params, m.grads, m.optimizer) == (p, p, p)
             hand = by_hand(i, j, mb, saved=saved, shared=shared, out=out, inp=inp,
-                           input_saved=input_saved, transient=transient, L=6)  # fmt: skip
+                           input_saved=input_saved, transient=transient, L=6,
+                           tight=tight_pulled(occ[s]))  # fmt: skip
             got = st_.state_bytes.model_dump()
             assert {k: got[k] for k in vars(hand) if k != "static"} == {
                 k: x for k, x in vars(hand).items() if k != "static"
