@@ -36,7 +36,7 @@ import numpy as np
 from profiler.limits import INT64_SAFE
 
 from .costs import Chain
-from .memory import MemoryModel, tight_pulled
+from .memory import MemoryModel, pulled_with
 from .partition import Partition, StageSpec, cut_table, split_cuts, stage_costs
 
 TIME_SCALE = 1e6  # ms -> ns
@@ -90,28 +90,44 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
 
 
 def _tight_pulled(m: object, c: Chain, x: list, first: list, s: int, L: int, S: object,
-                  later: list, live: object) -> object:  # fmt: skip
+                  later: list, live: object, remat: object | None) -> object:  # fmt: skip
     """The pulled gradient of a stage whose every tuple holding one is B's (planner/memory.py,
-    tight_pulled): what makes B's whole, S + pulled + live, the most any stage from the same
-    start and ending at a layer k of this one holds so. Such a stage's B holds what its layers
-    through k saved, then k's output gradient and the largest backward of a layer before k
-    (those through it saved, and its transient), or k's own backward."""
-    b, z = c.backward_transient, c.zgrad
-    top = int(c.saved.sum()) + int(b.max()) + int(z.max()) + int(np.maximum(b, z).max()) + 1
+    pulled_with): what makes B's whole, S + pulled + its transient, the most any stage from
+    the same start and ending at a layer k of this one holds so. Such a stage's B holds what
+    its layers through k saved, then k's output gradient and the largest backward of a layer
+    before k (those through it saved, and its transient), or k's own backward. `remat`: B
+    re-materialises too (its transient is the larger of live and remat), and holds its first
+    layer's forward peak, or an inner layer l's, beside the output gradient of a layer from l."""
+    b, z, f, u = c.backward_transient, c.zgrad, c.forward_transient, c.input_unsaved
+    top = int(c.saved.sum()) + int(np.maximum(b, f + u).max()) + 2 * int(z.max()) + int(b.max()) + 1
     whole = m.new_int_var(0, top, f"bwhole{s}")  # type: ignore[attr-defined]
-    before = None  # the largest backward of a layer before k in the stage
+    before = forward = None  # the largest backward before k, forward up to k, in the stage
     for k in range(L):
-        m.add(whole >= S - later[k] + int(max(b[k], z[k]))).only_enforce_if(x[k][s])  # type: ignore[attr-defined]
+        upto = S - later[k]  # what the stage's layers through k save
+        m.add(whole >= upto + int(max(b[k], z[k]))).only_enforce_if(x[k][s])  # type: ignore[attr-defined]
+        inner = [x[k][s], first[k][s].Not()]  # k - 1 is in the stage too
+        if remat is not None:
+            var = m.new_int_var(0, top, f"fwd{s}_{k}")  # type: ignore[attr-defined]
+            m.add(var >= upto + int(f[k])).only_enforce_if(first[k][s])  # type: ignore[attr-defined]
+            m.add(var >= upto + int(f[k] + u[k])).only_enforce_if(inner)  # type: ignore[attr-defined]
+            if forward is not None:
+                m.add(var >= forward).only_enforce_if(inner)  # type: ignore[attr-defined]
+            m.add(whole >= var + int(z[k])).only_enforce_if(x[k][s])  # type: ignore[attr-defined]
+            forward = var
         if k == 0:
             continue
-        inner = [x[k][s], first[k][s].Not()]  # k - 1 is in the stage too
-        var = m.new_int_var(0, top, f"bbefore{s}_{k}")  # type: ignore[attr-defined]
+        var = m.new_int_var(0, top, f"bwd{s}_{k}")  # type: ignore[attr-defined]
         m.add(var >= S - later[k - 1] + int(b[k - 1])).only_enforce_if(inner)  # type: ignore[attr-defined]
         if before is not None:
             m.add(var >= before).only_enforce_if(inner)  # type: ignore[attr-defined]
         m.add(whole >= var + int(z[k])).only_enforce_if(inner)  # type: ignore[attr-defined]
         before = var
-    return whole - S - live
+    if remat is None:
+        return whole - S - live
+    # exactly the larger (B's two tuples add each one to the same pulled gradient)
+    both = m.new_int_var(0, top, f"blive{s}")  # type: ignore[attr-defined]
+    m.add_max_equality(both, [live, remat])  # type: ignore[attr-defined]
+    return whole - S - both
 
 
 def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first: list, s: int,
@@ -147,8 +163,10 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
         return var
 
     live, remat, inp, later = _transients(m, c, x, first, s, L)
-    if not shape.bound and tight_pulled(shape.occupancy):
-        pulled = _tight_pulled(m, c, x, first, s, L, S, later, live)
+    kind = "pulled" if shape.bound else pulled_with(shape.occupancy)
+    if kind != "pulled":
+        both = remat if kind == "pulled_paired" else None
+        pulled = _tight_pulled(m, c, x, first, s, L, S, later, live, both)
     else:
         pulled = largest(c.zgrad, c.zgrad, "pulled")
     # (early and late: 0, a chain has no routes past the next stage)

@@ -21,12 +21,17 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
     K   = Flow.passing(i, j)           a captured graph's skips: the gradients of what the
                                        stage's inner layers send on, pulled back beside the
                                        totals made inside (routing.py); 0 for a chain
-    P   = max zgrad[i:j]               the output gradient B pulls and holds while it runs (the
-                                       largest boundary inside: the total must grow with j); a
-                                       captured graph's: what the stage sends (its last
-                                       layer's output and skips), raised where P + S + live
-                                       would shrink below a shorter stage's (B holds all
-                                       three: they grow together)
+    P                                  the output gradient B pulls and holds while it runs:
+                                       zgrad[j-1], raised where P + S + B's transient would
+                                       shrink below a shorter stage's (B holds all three, so
+                                       they must grow with j together): that transient is
+                                       live, or where B re-materialises first (recomputation)
+                                       the larger of live and remat_live. Where a stage's
+                                       occupancy holds pulled other than in such B's
+                                       (pulled_with), P = max zgrad[i:j], the largest boundary
+                                       inside. A captured graph's: what the stage sends (its
+                                       last layer's output and skips), raised where P + S +
+                                       live would shrink below a shorter stage's
     The transients say what an action holds above the states, at its worst layer l. They
     walk the stage as autograd does, so each is relative to the whole activations S, of
     which the layers after l hold later(l) = sum saved[l+1:j] - sum shared[l+1:j]:
@@ -87,6 +92,7 @@ from .costs import Chain
 
 RECOMPUTE_MODES = ("never", "except_last", "always")
 N_STATES = len(STATES)
+N_TRANSIENTS = len(TRANSIENTS)
 PULLED = STATES.index("pulled")
 
 
@@ -122,17 +128,28 @@ class StageShape:
 
 
 @lru_cache(maxsize=4096)
-def tight_pulled(occupancy: tuple[tuple[int, ...], ...]) -> bool:
-    """Whether every tuple holding a pulled gradient is one B's: one gradient, B's transient
-    alone, and its micro-batch's activations. Then a chain's stage counts as pulled only what
-    makes B's whole (gradient, activations and transient) grow with the stage's end, not the
-    largest output gradient of any of its layers (MemoryModel.state_bytes, `pulled_tight`)."""
+def pulled_with(occupancy: tuple[tuple[int, ...], ...]) -> str:
+    """Which pulled gradient a chain's stage under this occupancy counts: `pulled`, the largest
+    output gradient of any of its layers (it grows with the stage's end), unless every tuple
+    holding a pulled gradient is one B's: one gradient, its micro-batch's activations, and one
+    transient, B's own or, a recomputed B re-materialising first, the forward's, each with
+    the same counts as the other. Then B's whole (gradient, activations and the larger of
+    those transients) is made to grow with the stage's end alone (MemoryModel.state_bytes):
+    `pulled_tight` where B only runs its own transient, `pulled_paired` where it re-materialises
+    too."""
     pulled, act, during = (STATES.index(k) for k in ("pulled", "activations", "during_i"))
-    return all(
-        t[pulled] == 1 and t[N_STATES] == 1 and not any(t[N_STATES + 1 :]) and t[act] + t[during]
-        for t in occupancy
-        if t[pulled]
-    )
+    live, remat = N_STATES, N_STATES + 1
+    holding = {t for t in occupancy if t[pulled]}
+    flags = set()
+    for t in holding:
+        on = [k for k in range(N_STATES, len(t)) if t[k]]
+        if t[pulled] != 1 or not t[act] + t[during] or len(on) != 1 or on[0] not in (live, remat):
+            return "pulled"
+        flags.add(on[0])
+    one = [tuple(int(k == f) for k in range(N_STATES, N_STATES + N_TRANSIENTS)) for f in flags]
+    if any(t[:N_STATES] + f not in holding for t in holding for f in one):
+        return "pulled"
+    return "pulled_paired" if remat in flags else "pulled_tight"
 
 
 @lru_cache(maxsize=4096)
@@ -284,7 +301,7 @@ class MemoryModel:
         self._backward = _RangeMax(self._held + b)
         self._last_backward = np.maximum(b - chain.zgrad, 0).astype(np.int64)
         # B's pulled gradient, activations and transient together, a chain's stage from i
-        # ending at k (see tight_pulled): the largest over every k up to an end
+        # ending at k (see pulled_with): the largest over every k up to an end
         self._ends_b = _RangeMax(self._held + np.maximum(b, chain.zgrad))
         self._pairs_b = _PairMax(self._held + b, chain.zgrad)
         self._walk = None if chain.flow is None else self._walk_table()
@@ -293,6 +310,11 @@ class MemoryModel:
         # what the layers before it saved (and, inside the stage, its input while it runs)
         self._first_remat = (self._held + f).astype(np.int64)
         self._inner_remat = _RangeMax(self._held + f + chain.input_unsaved)
+        # ... and with a recomputed B's re-materialising forward (pulled_with): an inner layer
+        # l's forward peak before layer m's output gradient, l <= m
+        q = self._held + f + chain.input_unsaved
+        self._ends_r = _RangeMax(q + chain.zgrad)
+        self._pairs_r = _PairMax(q, chain.zgrad)
         # zero bubble's I, layer by layer from the last: layer l's peak comes on top of the
         # gradients kept so far: its own output's, those of the layers after it, and its
         # input's, which it makes (the stage's counts all of them: those of layers i .. l - 2
@@ -500,20 +522,34 @@ class MemoryModel:
         if want("pulled"):
             pulled = self._pulled.take(whole) if c.flow is None else self._flow_pulled()[i, j]
             out["pulled"] = pulled
-        if want("live", "remat_live", "pulled_tight"):
+        if want("live", "remat_live", "pulled_tight", "pulled_paired"):
             remat = np.where(inner, self._inner_remat.take(after), 0)
             remat = np.maximum(self._first_remat[i], remat)
             # above the stage's activations, all saved by the end
             out["remat_live"] = remat = remat - self._held[j - 1]
-            if want("live", "pulled_tight"):
+            if want("live", "pulled_tight", "pulled_paired"):
                 # a captured graph's pulled gradient is raised so that it grows with the
                 # stage's end together with B's transient (_flow_pulled): that transient covers
                 # the re-materialising forward a recomputed B holds it through too
                 live = self._backward_live(i, j)
                 out["live"] = live if c.flow is None else np.maximum(remat, live)
-            if want("pulled_tight") and c.flow is None:
+            # A chain's B holds the gradient it pulled, its micro-batch's activations and its
+            # transient, as much as the most any stage from i ending at k <= j holds so (the
+            # largest backward of a layer l < k, on what layers i .. l saved, beside k's
+            # output gradient; or k's own backward), on top of what layers i .. i - 1 saved:
+            # relative to held, its pulled gradient is what makes that whole.
+            if want("pulled_tight", "pulled_paired") and c.flow is None:
                 top = np.maximum(self._ends_b.take(whole), self._pairs_b(i, j))
-                out["pulled_tight"] = top - self._held[j - 1] - out["live"]
+                if want("pulled_tight"):
+                    out["pulled_tight"] = top - self._held[j - 1] - out["live"]
+                if want("pulled_paired"):
+                    # and a recomputed B's forward: its first layer's peak, or an inner layer
+                    # l's, beside the output gradient of a layer at or after l
+                    first = self._first_remat[i] + self._pulled.take(whole)
+                    pairs = np.maximum(self._pairs_r(i + 1, j), self._ends_r.take(after))
+                    top = np.maximum(top, np.maximum(first, np.where(inner, pairs, 0)))
+                    both = np.maximum(out["live"], remat)
+                    out["pulled_paired"] = top - self._held[j - 1] - both
         if want("input_live") and self._flow_input_live is not None:
             out["input_live"] = self._flow_input_live[i, j]
         elif want("input_live"):
@@ -608,9 +644,10 @@ class MemoryModel:
         }
 
     def _pulled_key(self, shape: StageShape) -> str:
-        """Which pulled gradient a shape's stages count (tight_pulled)."""
-        tight = self.chain.flow is None and not shape.bound and tight_pulled(shape.occupancy)
-        return "pulled_tight" if tight else "pulled"
+        """Which pulled gradient a shape's stages count (pulled_with)."""
+        if self.chain.flow is not None or shape.bound:
+            return "pulled"
+        return pulled_with(shape.occupancy)
 
     def optimizer_step(
         self, i: np.ndarray | int, j: np.ndarray | int, shape: StageShape
@@ -645,8 +682,8 @@ class MemoryModel:
         each = all(sh.foreach for sh in shapes)
         keys = [self._pulled_key(shape) for shape in shapes]
         wanted = frozenset(names[k] for k in cols) | (set() if each else {"largest"})
-        if counted[PULLED] and "pulled_tight" in keys:
-            wanted |= {"pulled_tight"}
+        if counted[PULLED]:
+            wanted |= set(keys)
         b = self.state_bytes(i, j, only=wanted)
         values = np.empty((len(cols), len(i)), dtype=np.int64)
         for row, k in enumerate(cols):
@@ -661,9 +698,9 @@ class MemoryModel:
                 continue
             occ = np.asarray(shape.occupancy, dtype=np.int64)[:, cols]
             mine = np.maximum(values[:, lo:hi], 0) if shape.bound else values[:, lo:hi]
-            if keys[g] == "pulled_tight" and counted[PULLED]:
+            if keys[g] != "pulled" and counted[PULLED]:
                 mine = mine.copy()
-                mine[pulled_row] = b["pulled_tight"][lo:hi]
+                mine[pulled_row] = b[keys[g]][lo:hi]
             held = _most(occ, mine)
             size = p[lo:hi] if shape.foreach else largest[lo:hi]  # type: ignore[index]
             step = np.ceil(shape.optimizer_step * size).astype(np.int64)  # optimizer_step()

@@ -395,11 +395,12 @@ def occupancy_floor(schedule: Schedule, recompute: str | Sequence[str]) -> list[
     program alone: a stage's peak for any StageBytes is at least the largest of their held
     bytes (what proves, without the issue order, that no split fits: planner/search.py).
 
-    Activations, during_i, between_iw and pulled change only by the stage's own actions, which
-    the issue order takes in program order: at each look at a stage after a phase of its own
+    Activations, during_i and between_iw change only by the stage's own actions, which the
+    issue order takes in program order: at each look at a stage after a phase of its own
     action, their counts and the transient running are the issue order's. The states another
     stage's actions change too (input, grad, early, late: bytes that arrive, never negative)
-    count none."""
+    count none; nor does pulled, whose bytes the planner reads by how the whole occupancy holds
+    it (planner/memory.py, pulled_with): a floor's tuples would not tell it the same."""
     S = schedule.num_stages
     modes = [recompute] * S if isinstance(recompute, str) else list(recompute)
     return _once(_FLOORS, _floor_of, schedule, modes)
@@ -413,7 +414,7 @@ def _floor_of(schedule: Schedule, modes: Sequence[str]) -> list[Occupancy]:
     # the own states' changes (each made by its stage's own action), and the looks at the
     # acting stage: counted in program order, they are the issue order's
     kept = (ev.change_stage == acting[ev.change_seq // 4]) & np.isin(
-        ev.change_state, [ACT, DURING_I, IW, PULLED]
+        ev.change_state, [ACT, DURING_I, IW]
     )
     ev = dataclasses.replace(
         ev, change_seq=ev.change_seq[kept], change_stage=ev.change_stage[kept],

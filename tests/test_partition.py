@@ -28,21 +28,22 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     Z, G = int(c.zgrad[i:j].sum()), int(c.grad_in[i])
     Z += c.last_grad if j == c.num_layers else 0  # the last stage of a chain without its loss
     inner = range(i + 1, j)
-    f, u = c.forward_transient, c.input_unsaved
-    # what the layers after k save: not there yet while k's forward runs, let go by the time
-    # k's backward runs
-    later = [int(c.saved[k + 1 : j].sum()) - int(c.shared[k + 1 : j].sum()) for k in range(i, j)]
-    remat = max([int(f[i]) - later[0]] + [int(f[k] + u[k]) - later[k - i] for k in inner])
+    remat = _remat(c, i, j)
     live = _backward_live(c, i, j)
     forward = max(
         [int(c.forward_peak[i])] + [int(c.forward_peak[k] + c.boundary[k]) for k in inner]
     )
     P = int(c.zgrad[i:j].max())
-    if tight_pulled(shape.occupancy):
+    kind = pulled_with(shape.occupancy)
+    if kind:
         # B holds the output gradient it pulled (zgrad[j - 1]) beside its activations and its
-        # transient; raised to what a shorter stage from i holds so, where that is more
-        P = max(_held(c, i, k) + int(c.zgrad[k - 1]) + _backward_live(c, i, k)
-                for k in range(i + 1, j + 1)) - S - live  # fmt: skip
+        # transient (a recomputed one: the larger of its own and its forward's); raised to
+        # what a shorter stage from i holds so, where that is more
+        def transient(k: int) -> int:
+            return max(_backward_live(c, i, k), _remat(c, i, k) if kind == "paired" else 0)
+
+        P = max(_held(c, i, k) + int(c.zgrad[k - 1]) + transient(k)
+                for k in range(i + 1, j + 1)) - S - transient(j)  # fmt: skip
     loss = int(c.loss_saved[i:j].sum())  # the loss's own: it goes with I, before W
     states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + (X - Xs if G else 0) - lent, G, P,
               0, 0]  # fmt: skip
@@ -74,12 +75,33 @@ def _backward_live(c: Chain, i: int, j: int) -> int:
     return max([0, *back, max(int(b[j - 1] - c.zgrad[j - 1]), 0)])
 
 
-def tight_pulled(occupancy: tuple[tuple[int, ...], ...]) -> bool:
-    """Whether every tuple holding a pulled gradient is one B's: one gradient, B's transient
-    alone, and its micro-batch's activations."""
-    return all(
-        t[5] == 1 and t[8] == 1 and not any(t[9:]) and t[1] + t[2] >= 1 for t in occupancy if t[5]
-    )
+def _remat(c: Chain, i: int, j: int) -> int:
+    """A forward keeping what it saves, layer by layer: each layer's peak less what the layers
+    after it save, not there yet (inside the stage, with its input while it runs)."""
+    f, u = c.forward_transient, c.input_unsaved
+
+    def later(k: int) -> int:
+        return int(c.saved[k + 1 : j].sum()) - int(c.shared[k + 1 : j].sum())
+
+    return max([int(f[i]) - later(i)] + [int(f[k] + u[k]) - later(k) for k in range(i + 1, j)])
+
+
+def pulled_with(occupancy: tuple[tuple[int, ...], ...]) -> str:
+    """How B holds its pulled gradient, where every tuple holding one is B's: one gradient, its
+    micro-batch's activations, and one transient, B's own ("live") or also its forward's ("paired",
+    a recomputed B re-materialising first), each with the same counts as the other; else ""."""
+    holding = {t for t in occupancy if t[5]}
+    flags = set()
+    for t in holding:
+        on = [k for k in range(8, 13) if t[k]]
+        if t[5] != 1 or not t[1] + t[2] or len(on) != 1 or on[0] not in (8, 9):
+            return ""
+        flags.add(on[0])
+    for t in holding:
+        for f in flags:
+            if t[:8] + tuple(int(k == f) for k in range(8, 13)) not in holding:
+                return ""
+    return "paired" if 9 in flags else "live"
 
 
 def occ(*counts: int, running: int = 0) -> tuple[int, ...]:

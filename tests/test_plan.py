@@ -14,7 +14,7 @@ from test_partition import reference_memory
 
 from planner import Cluster, InfeasibleError, Plan, plan_pipeline
 from planner.costs import OPTIMIZER_SLOTS, chain_at
-from planner.memory import StageShape, tight_pulled
+from planner.memory import StageShape, pulled_with
 from planner.search import simulate_stages
 from schedules import StageBytes, build_schedule, occupancy
 
@@ -34,11 +34,11 @@ MODES = ["never", "except_last", "always"]
 
 
 def by_hand(
-    i: int, j: int, mb: int, *, saved, shared, out, inp, input_saved, transient, L, tight=False
+    i: int, j: int, mb: int, *, saved, shared, out, inp, input_saved, transient, L, kind="pulled"
 ):
     """A stage's bytes per state, written out from DESIGN.md's model (no loss here; a CPU
-    profile: stage 0 works on the caller's micro-batch, so holds none of its input). `tight`:
-    every tuple of its occupancy holding a pulled gradient is B's (tight_pulled)."""
+    profile: stage 0 works on the caller's micro-batch, so holds none of its input). `kind`:
+    how its occupancy holds a pulled gradient (pulled_with)."""
     X = mb * (0 if i == 0 else out[i - 1])
 
     def held(e):  # what layers i .. e - 1 save
@@ -59,20 +59,26 @@ def by_hand(
             + [mb * (transient[e - 1] + 1) - grad_out(e - 1)]
         )
 
+    def remat(e):  # a forward keeping its saves, a stage [i, e): less what comes later
+        def later(k):
+            return mb * (sum(saved[k + 1 : e]) - sum(shared[k + 1 : e]))
+
+        return max([mb * transient[i] - later(i)]
+                   + [mb * (transient[k] + 2) - later(k) for k in range(i + 1, e)])  # fmt: skip
+
+    def b_runs(e):  # B's transient; recomputing, the larger of it and its forward's
+        return max(live(e), remat(e)) if kind == "pulled_paired" else live(e)
+
     S = held(j)
-    if tight:  # B's gradient, activations and transient: the most any end up to j holds
-        pulled = max(held(e) + grad_out(e - 1) + live(e) for e in range(i + 1, j + 1)) - S - live(j)
-    else:  # the largest output gradient of any of its layers
+    if kind == "pulled":  # the largest output gradient of any of its layers
         pulled = max(grad_out(k) for k in range(i, j))
+    else:  # B's gradient, activations and transient: the most any end up to j holds
+        pulled = max(held(e) + grad_out(e - 1) + b_runs(e) for e in range(i + 1, j + 1))
+        pulled -= S + b_runs(j)
     Xs = mb * input_saved[i]
     Z = mb * sum(out[k] for k in range(i, j))  # the last layer's too: W starts there
     G = X if i > 0 else 0
 
-    def later(k):  # what the layers after k save: not there yet while k's forward runs
-        return mb * (sum(saved[k + 1 : j]) - sum(shared[k + 1 : j]))
-
-    remat = max([mb * transient[i] - later(i)]
-                + [mb * (transient[k] + 2) - later(k) for k in range(i + 1, j)])  # fmt: skip
     return StageBytes(
         input=X,
         activations=X + S - Xs,
@@ -82,7 +88,7 @@ def by_hand(
         pulled=pulled,
         # synthetic transients (conftest): forward t, backward t + 1, unsaved input 2,
         # forward keeping nothing saved + t + 3, I t + 4, W t + 5
-        remat_live=remat,
+        remat_live=remat(j),
         live=live(j),
         forward_live=max(
             [mb * (saved[i] + transient[i] + 3)]
@@ -119,7 +125,7 @@ def test_stage_memory_is_the_formula_term_by_term():
             assert (m.params, m.grads, m.optimizer) == (p, p, p)
             hand = by_hand(i, j, mb, saved=saved, shared=shared, out=out, inp=inp,
                            input_saved=input_saved, transient=transient, L=6,
-                           tight=tight_pulled(occ[s]))  # fmt: skip
+                           kind=pulled_with(occ[s]))  # fmt: skip
             got = st_.state_bytes.model_dump()
             assert {k: got[k] for k in vars(hand) if k != "static"} == {
                 k: x for k, x in vars(hand).items() if k != "static"
