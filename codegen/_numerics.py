@@ -131,6 +131,8 @@ def replaying(stage: nn.Module, replay: bool, checkpointed: bool = True) -> Iter
         with torch.no_grad():
             for mod, bufs in zip(plain, saved):
                 for b, old in zip(mod.buffers(), bufs):
-                    b.copy_(old)
+                    # (.data: a micro-batch not recomputed may have saved them, and must not
+                    # find them changed by this one)
+                    b.data.copy_(old)
             for b, old in zip(graph, graph_saved):  # .data: a graph kept for I/W saved them
                 b.data.copy_(old)

@@ -99,6 +99,23 @@ def _edges(v: Value) -> list[tuple[int, GradientEdge]]:
     ]
 
 
+def _handed_on(
+    roots: list[Any], grads: list[torch.Tensor] | None, leaves: list[torch.Tensor]
+) -> tuple[list[Any], list[torch.Tensor] | None, list[tuple[int, torch.Tensor]]]:
+    """Split off the roots that are one of the stage's input `leaves` itself (its layers hand
+    that input on untouched): (the other roots, their gradients, (leaf index, gradient) of
+    those). Such a gradient is the input's as pulled; through autograd it would be copied, as
+    one the caller holds, and zero bubble's W would reach the input again."""
+    if grads is None:
+        return roots, grads, []
+    at = {id(get_gradient_edge(t).node): k for k, t in enumerate(leaves) if t.requires_grad}
+    passed = [(at[id(e.node)], g) for e, g in zip(roots, grads) if id(e.node) in at]
+    if not passed:
+        return roots, grads, []
+    kept = [(e, g) for e, g in zip(roots, grads) if id(e.node) not in at]
+    return [e for e, _ in kept], [g for _, g in kept], passed
+
+
 Tied = list[tuple[nn.Parameter, list[nn.Parameter]]]
 
 
@@ -316,26 +333,12 @@ class PipelineRuntime:
             roots, grads = self._backward_roots(s, m)
             inp = self.inputs.pop((s, m))
             ts = _tensors(inp)
-            # An output that is the stage's input itself (its layers hand it on untouched)
-            # takes the pulled gradient as is: autograd would copy one the caller holds.
-            passed = []
-            if grads is not None and s > 0:
-                leaves = {id(get_gradient_edge(t).node): t for t in ts if t.requires_grad}
-                kept = []
-                for e, g in zip(roots, grads):
-                    t = leaves.get(id(e.node))
-                    if t is None:
-                        kept.append((e, g))
-                    else:
-                        passed.append((t, g))
-                if passed:
-                    roots, grads = [e for e, _ in kept], [g for _, g in kept]
-                del kept, leaves
+            roots, grads, passed = _handed_on(roots, grads, ts)
             if roots:
                 torch.autograd.backward(roots, grads)
             del roots, grads
-            for t, g in passed:
-                t.grad = g if t.grad is None else t.grad + g
+            for k, g in passed:
+                ts[k].grad = g if ts[k].grad is None else ts[k].grad + g
             del passed
             if s > 0:
                 self.leave_grad([t.grad for t in ts], s, m, ts)
@@ -355,6 +358,8 @@ class PipelineRuntime:
             last = s == len(self.stages) - 1
             inputs = _tensors(self.inputs.pop((s, m)))
             wrt = [t for t in inputs if t.requires_grad]
+            # (W must not reach the stage's input through an output that is the input itself)
+            roots, grads, passed = _handed_on(roots, grads, wrt)
             # Also ask for the gradient of every layer's output: the same pass computes them,
             # and then W can run each layer's weight gradient on its own.
             hidden = [e for edges in self.inner.get((s, m), []) for e in edges]
@@ -382,6 +387,11 @@ class PipelineRuntime:
                 _accumulate(p, g)
             self.inner_grads[(s, m)] = got[len(wrt) : len(wrt) + len(hidden)]
             del got[len(wrt) :]
+            if passed:
+                got = got or [None] * len(wrt)
+                for k, g in passed:
+                    got[k] = g if got[k] is None else got[k] + g
+            del passed
             if s > 0:
                 it = iter(got[: len(wrt)] if got else [None] * len(wrt))
                 grads_in = [next(it) if t.requires_grad else None for t in inputs]

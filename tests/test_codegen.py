@@ -171,7 +171,8 @@ def test_deferred_batch_norm_running_stats_equal_unpipelined(mode):
 
 
 @pytest.mark.parametrize(
-    "schedule,mode", [("1f1b", "always"), ("zb-h1", "always"), ("zb-h1", "except_last")]
+    "schedule,mode",
+    [("1f1b", "always"), ("1f1b", "except_last"), ("zb-h1", "always"), ("zb-h1", "except_last")],
 )
 def test_default_batch_norm_uses_each_microbatch_once_even_when_recomputing(schedule, mode):
     piped, manual, plain = bn_model(), bn_model(), bn_model()

@@ -330,32 +330,28 @@ class _Same(nn.Module):
 # Stages the plan once over-counted (B held the forward's transient as well, and the largest
 # output gradient of any of a stage's layers) or, masked by that, under-counted (autograd copied
 # the pulled gradient into a pass-through stage's input gradient).
-SHAPES = {
-    # the first stage a lone Linear: no input gradient to make
-    "lone first layer": (
-        lambda W: [
-            nn.Linear(W, W),
-            nn.Sequential(nn.ReLU(), nn.Linear(W, W), _Mean(), nn.Linear(W, 10)),
-        ],
-        "1f1b",
-    ),  # fmt: skip
-    # a stage ending in a mean: it pulls a small gradient, inner layers hand on large ones
-    "ends in a mean": (
-        lambda W: [
-            nn.Linear(W, W),
-            nn.ReLU(),
-            _Mean(),
-            nn.Linear(W, W),
-            nn.ReLU(),
-            nn.Linear(W, 10),
-        ],
-        "gpipe",
-    ),  # fmt: skip
-    # a stage that hands its input on, beside another stage of its device
-    "hands its input on": (
-        lambda W: [nn.Linear(W, W), nn.Dropout(0.3), _Same(), _Mean(), nn.Linear(W, 10)],
-        "interleaved-1f1b",
-    ),  # fmt: skip
+def _lone_first(W: int) -> list[nn.Module]:  # the first stage a lone Linear: no input gradient
+    return [nn.Linear(W, W), nn.Sequential(nn.ReLU(), nn.Linear(W, W), _Mean(), nn.Linear(W, 10))]
+
+
+def _ends_in_mean(W: int) -> list[nn.Module]:  # pulls a small gradient, hands on large ones
+    return [nn.Linear(W, W), nn.ReLU(), _Mean(), nn.Linear(W, W), nn.ReLU(), nn.Linear(W, 10)]
+
+
+def _hands_on(W: int) -> list[nn.Module]:  # a stage of _Same alone
+    return [nn.Linear(W, W), nn.Dropout(0.3), _Same(), _Mean(), nn.Linear(W, 10)]
+
+
+SHAPES = {  # (layers, devices, schedule, recompute, the most the plan may count above the run)
+    "lone first layer": (_lone_first, 2, "1f1b", "never", 512),
+    "ends in a mean": (_ends_in_mean, 2, "gpipe", "never", 512),
+    # recomputing: B holds the gradient through its re-materialising forward and its backward
+    "ends in a mean, recomputed": (_ends_in_mean, 2, "1f1b", "always", 512),
+    # beside another stage of its device
+    "hands its input on": (_hands_on, 2, "interleaved-1f1b", "never", 512),
+    # zero bubble's I takes the gradient as is too, and W keeps none of it (the plan still
+    # counts the stage's input as W's graph: 64 KiB over, on the safe side)
+    "hands its input on, zero bubble": (_hands_on, 4, "zb-h1", "never", 64 * 1024 + 512),
 }
 
 
@@ -364,18 +360,18 @@ def test_backward_holds_what_the_plan_counts_to_the_byte(shape):
     from tests.conftest import even_times, quick_profile
 
     W = 32
-    layers, schedule = SHAPES[shape]
+    layers, K, schedule, mode, slack = SHAPES[shape]
     torch.manual_seed(0)
     model = nn.Sequential(*layers(W))
-    x, y = torch.randn(8, 512, W), torch.randint(0, 10, (8,))
+    x, y = torch.randn(8, 256, W), torch.randint(0, 10, (8,))
     prof = even_times(quick_profile(model, x, batch_sizes=[1, 2, 8]))  # the same split always
     plan = plan_pipeline(
-        prof, Cluster.uniform(2, "1GiB"), 8, microbatches=4, schedule=schedule, recompute="never",
+        prof, Cluster.uniform(K, "1GiB"), 8, microbatches=4, schedule=schedule, recompute=mode,
         checkpoint=(),
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         report = compile_pipe(model, plan).measure(x, y, nn.CrossEntropyLoss(), steps=1)
     over = [d.measured_peak_bytes - d.predicted_peak_bytes for d in report.devices]
-    # (the allocator's few bytes of scalars; the old counts were 127 KiB to 131 KiB off)
-    assert all(abs(o) <= 512 for o in over), (over, [st.layers for st in plan.stages])
+    # (the allocator's few bytes of scalars; the old counts were 64 KiB to 128 KiB off)
+    assert all(-slack <= o <= 512 for o in over), (over, [st.layers for st in plan.stages])
