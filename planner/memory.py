@@ -535,9 +535,9 @@ class MemoryModel:
                 out["live"] = live if c.flow is None else np.maximum(remat, live)
             # A chain's B holds the gradient it pulled, its micro-batch's activations and its
             # transient, as much as the most any stage from i ending at k <= j holds so (the
-            # largest backward of a layer l < k, on what layers i .. l saved, beside k's
-            # output gradient; or k's own backward), on top of what layers i .. i - 1 saved:
-            # relative to held, its pulled gradient is what makes that whole.
+            # largest backward of a layer l < k, on what layers i .. l saved, beside k - 1's
+            # output gradient; or k - 1's own backward). `top` is that whole counted from
+            # layer 0 (as held is): less held[j - 1] and B's transient, the pulled gradient.
             if want("pulled_tight", "pulled_paired") and c.flow is None:
                 top = np.maximum(self._ends_b.take(whole), self._pairs_b(i, j))
                 if want("pulled_tight"):

@@ -35,10 +35,11 @@ Transitions, at an action's start (allocations) or its end (frees and hand-offs)
 
 While an action runs, its device also holds that action's transient, the most one layer adds
 above what the states count: `live` for B, `remat_live` for a forward that keeps what it saves
-(F, and the forward a recomputed micro-batch re-materialises at B or I), `forward_live` for the forward of a
-recomputed micro-batch (which keeps nothing), `input_live` for I and `weight_live` for W. One
-host issues one action at a time, so a device never holds two transients at once. After the last action,
-the optimizer step runs on every device: its temporaries come on top of the weights alone.
+(F, and the forward a recomputed micro-batch re-materialises at B or I), `forward_live` for
+the forward of a recomputed micro-batch (which keeps nothing), `input_live` for I and
+`weight_live` for W. One host issues one action at a time, so a device never holds two
+transients at once. After the last action, the optimizer step runs on every device: its
+temporaries come on top of the weights alone.
 """
 
 from __future__ import annotations
