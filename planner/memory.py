@@ -65,7 +65,8 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
 
 and the stage's memory is
 
-    params + grads + optimizer slots x params + workspace
+    params + grads + optimizer slots x (params but the tied ones a layer before i uses too:
+                                        another stage holds their state) + workspace
     + max( max over the stage's occupancy tuples (n per state, then which transient runs) of
                sum n x state bytes + the running transient,
            the optimizer step's temporaries: per_byte x (all its parameters when the optimizer
@@ -633,7 +634,7 @@ class MemoryModel:
         return {
             "params": p + self._buffers[j] - self._buffers[i],
             "grads": p,
-            "optimizer": shape.optimizer_slots * p,
+            "optimizer": shape.optimizer_slots * (p - self.copied(i, j)),
             "stashed_activations": np.where(at_step, zero, parts["stash"] - parts["loss"]),
             "loss": np.where(at_step, zero, parts["loss"]),
             "gradient_buffers": np.where(at_step, zero, parts["grad"]),
@@ -689,7 +690,7 @@ class MemoryModel:
         for row, k in enumerate(cols):
             values[row] = b[names[k]]
         pulled_row = int(np.searchsorted(cols, PULLED))
-        p = self.params(i, j)
+        p, copied = self.params(i, j), self.copied(i, j)
         largest = None if each else b["largest"]
         out = np.empty(len(i), dtype=np.int64)
         for g, shape in enumerate(shapes):
@@ -704,7 +705,7 @@ class MemoryModel:
             held = _most(occ, mine)
             size = p[lo:hi] if shape.foreach else largest[lo:hi]  # type: ignore[index]
             step = np.ceil(shape.optimizer_step * size).astype(np.int64)  # optimizer_step()
-            weights = (2 + shape.optimizer_slots) * p[lo:hi]
+            weights = 2 * p[lo:hi] + shape.optimizer_slots * (p[lo:hi] - copied[lo:hi])
             static = weights + self._buffers[j[lo:hi]] - self._buffers[i[lo:hi]]
             out[lo:hi] = static + np.maximum(held, step) + shape.reserved
         return out
@@ -777,6 +778,16 @@ class MemoryModel:
         for nbytes, before in self._tied:
             p = p - nbytes * np.maximum(before[j] - before[i] - 1, 0)
         return p
+
+    def copied(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """The bytes of the tied parameters stages [i, j) use that a layer before i uses too:
+        the stage holding that layer (on another device: the runtime's copy, whose gradient
+        goes to the model's own parameter before the step; on the same one: that parameter
+        itself) keeps their optimizer state, not this one."""
+        out = np.zeros(np.shape(i), dtype=np.int64)
+        for nbytes, before in self._tied:
+            out = out + np.where((before[i] > 0) & (before[j] > before[i]), nbytes, 0)
+        return out
 
     def _max_ends(
         self, keys: list[tuple[StageShape, int]], top: np.ndarray, lo: np.ndarray, hi: np.ndarray

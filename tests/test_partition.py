@@ -279,7 +279,7 @@ def assert_optimal(part, expected, times, chain, specs, cuts=None):
         assert part.bottleneck == expected
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=220, deadline=None)
 @given(problems())
 def test_probe_and_dp_match_brute_force(problem):
     chain, specs, cuts = problem
@@ -646,7 +646,7 @@ def lighter_by(t: tuple[int, ...], k: int) -> tuple[int, ...]:
     return tuple(running_on(counts, running))
 
 
-@settings(max_examples=90, deadline=None)
+@settings(max_examples=70, deadline=None)
 @given(problems(), st.data())
 def test_per_stage_choice_matches_brute_force_over_every_choice(problem, data):
     """Each stage picks among three memory shapes, the heavier in memory the lighter in time

@@ -327,7 +327,7 @@ def small_problems(draw):
     )
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=110, deadline=None)
 @given(small_problems())
 def test_plan_fits_whenever_some_split_fits(problem):
     prof, K, budget, M, schedule, mode = problem

@@ -112,7 +112,7 @@ def test_interleaved_bound_is_the_lps_optimum(K, M, rho):
         assert bound > 1.1 * M * W / K
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=9, deadline=None)
 @given(
     forward=st.lists(st.floats(0.05, 5.0), min_size=3, max_size=6),
     backward_ratio=st.floats(0.3, 6.0),
