@@ -238,9 +238,9 @@ class _PairMax:
         z = np.full(size, low, dtype=np.int64)
         a[:n], z[:n] = first, second
         levels = size.bit_length() - 1
-        self._first = np.empty((levels, size), dtype=np.int64)
-        self._second = np.empty((levels, size), dtype=np.int64)
-        self._best = np.empty((levels, size), dtype=np.int64)
+        first_at = np.empty((levels, size), dtype=np.int64)
+        second_at = np.empty((levels, size), dtype=np.int64)
+        best_at = np.empty((levels, size), dtype=np.int64)
         for h in range(levels):
             half = 1 << h
             blocks = size // (2 * half)
@@ -256,18 +256,23 @@ class _PairMax:
             pa, pz = np.maximum.accumulate(ra, axis=1), np.maximum.accumulate(rz, axis=1)
             before = np.concatenate([pad, pa[:, :-1]], axis=1)  # first's maximum before m
             pb = np.maximum.accumulate(np.maximum(before + rz, low), axis=1)
-            self._first[h] = np.stack([sa[:, ::-1], pa], axis=1).ravel()
-            self._second[h] = np.stack([sz[:, ::-1], pz], axis=1).ravel()
-            self._best[h] = np.stack([sb[:, ::-1], pb], axis=1).ravel()
+            first_at[h] = np.stack([sa[:, ::-1], pa], axis=1).ravel()
+            second_at[h] = np.stack([sz[:, ::-1], pz], axis=1).ravel()
+            best_at[h] = np.stack([sb[:, ::-1], pb], axis=1).ravel()
+        # flat (one gather per lookup, as _RangeMax), and per lo ^ hi the offset of its level:
+        # the one whose block has lo left of its middle and hi right of it
+        self._first, self._second, self._best = first_at.ravel(), second_at.ravel(), best_at.ravel()
+        self._row = np.zeros(size, dtype=np.int64)
+        self._row[1:] = (np.frexp(np.arange(1, size))[1] - 1) * size
 
     def __call__(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         lo, hi = np.asarray(i, dtype=np.int64), np.asarray(j, dtype=np.int64) - 1
         pair = hi > lo
-        lo, hi = np.where(pair, lo, 0), np.where(pair, hi, 1)
-        # the level whose block has lo left of its middle and hi right of it
-        h = np.frexp((lo ^ hi).astype(np.float64))[1] - 1
-        across = self._first[h, lo] + self._second[h, hi]
-        got = np.maximum(np.maximum(self._best[h, lo], self._best[h, hi]), across)
+        lo, hi = np.where(pair, lo, 0), np.where(pair, hi, 1)  # (no pair: the answer is 0)
+        row = self._row[lo ^ hi]
+        at_lo, at_hi = row + lo, row + hi
+        across = self._first[at_lo] + self._second[at_hi]
+        got = np.maximum(np.maximum(self._best[at_lo], self._best[at_hi]), across)
         return np.where(pair, np.maximum(got, 0), 0)
 
 
