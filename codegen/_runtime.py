@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.utils.checkpoint import checkpoint
+from torch.utils import checkpoint as _checkpoint
 
 from ._numerics import defer_batch_norm, replaying, restore_rng, save_rng, seed_layer  # emit: drop
 
@@ -45,6 +45,16 @@ Grads = list  # per tensor of a stage boundary: its gradient, or None where it n
 
 class StageError(RuntimeError):
     """An exception inside a stage, naming the action, the stage and the micro-batch."""
+
+
+def checkpoint(run: Callable[..., Value], *args: torch.Tensor) -> Value:
+    """`run` under torch's non-reentrant checkpoint, whose re-run in backward stops once every
+    tensor the first run saved is back (early stop), as the plan counts it: on even where the
+    caller turned it off (set_checkpoint_early_stop). Each layer re-seeds itself (seeded), so
+    the checkpoint need not keep random states."""
+    stop = getattr(_checkpoint, "set_checkpoint_early_stop", None)
+    with stop(True) if stop else contextlib.nullcontext():
+        return _checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False)
 
 
 def _tensors(v: Value) -> list[torch.Tensor]:
@@ -528,8 +538,7 @@ class PipelineRuntime:
             with replaying(self.stages[s], replay=calls[0] > 1):
                 return self._forward(s, m, _like(inp, list(args)))
 
-        # Each layer re-seeds itself (seeded), so the checkpoint need not keep RNG states.
-        return checkpoint(run, *_tensors(inp), use_reentrant=False, preserve_rng_state=False)
+        return checkpoint(run, *_tensors(inp))
 
     def _checkpointed(self, s: int, m: int, index: int, layer: nn.Module, x: Value) -> Value:
         """Layer `index` under a checkpoint of its own: it keeps its input alone, and runs its
@@ -542,7 +551,7 @@ class PipelineRuntime:
             with replaying(layer, replay=calls[0] > 1):
                 return layer(_like(x, list(args)))
 
-        return checkpoint(run, *_tensors(x), use_reentrant=False, preserve_rng_state=False)
+        return checkpoint(run, *_tensors(x))
 
     def _forward(self, s: int, m: int, inp: Value, keep: bool = False) -> Value:
         """The layers; on the last stage then the loss on a copy of the target made here (so

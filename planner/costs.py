@@ -75,6 +75,17 @@ class Chain:
     # stage keeps from I to W (with the loss profiled, zgrad counts it)
     last_grad: int = 0
     checkpointed: tuple[int, ...] = ()  # layers run under their own checkpoint (checkpointed())
+    # beyond what it keeps, while its forward runs up to its last save: where a checkpoint's
+    # re-run of a stage (or of the layer) ends when this is its last layer (None: the whole
+    # forward, forward_transient; never more than that)
+    stop_transient: np.ndarray | None = None
+
+    @property
+    def stop(self) -> np.ndarray:
+        """stop_transient, or forward_transient where the profile has none."""
+        if self.stop_transient is None:
+            return self.forward_transient
+        return np.minimum(self.stop_transient, self.forward_transient)
 
     @property
     def num_layers(self) -> int:
@@ -85,6 +96,7 @@ class Chain:
         return self.num_layers > self.num_model_layers
 
 
+LATER_FALLBACK = {"stop_transient_bytes": "forward_transient_bytes"}
 ALLOCATION_ROUND = {"cuda": 512}  # the CUDA caching allocator hands out multiples of 512 bytes
 
 
@@ -100,7 +112,9 @@ class ProfileTable:
 
     def _table(self, attr: str, timing: bool) -> np.ndarray:
         if attr not in self._tables:
-            rows = [getattr(x, attr) for x in self.layers]
+            # a figure later profiles add: the one it refines where a profile has none
+            instead = LATER_FALLBACK.get(attr, attr)
+            rows = [getattr(x, attr) or getattr(x, instead) for x in self.layers]
             shape = (len(rows), len(self.sizes))
             if all(list(r) == self.sizes for r in rows):  # as the validator orders them
                 values = (v for r in rows for v in r.values())
@@ -182,6 +196,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         input_saved=sizes("input_saved_bytes"),
         loss_saved=loss_saved,
         forward_transient=sizes("forward_transient_bytes"),
+        stop_transient=sizes("stop_transient_bytes"),
         backward_transient=sizes("backward_transient_bytes"),
         input_unsaved=sizes("input_unsaved_bytes"),
         forward_peak=sizes("forward_peak_bytes"),
@@ -233,7 +248,8 @@ def checkpointed(chain: Chain, layers: tuple[int, ...]) -> Chain:
     kept_by_previous = np.where(before, 0, np.minimum(chain.shared, np.minimum(saved_in, keeps)))
     rest = np.maximum(chain.saved - saved_in, 0)  # what it saves beyond its input
     grad_out = chain.boundary[1:].astype(np.int64)
-    again = np.maximum(chain.forward_transient + grad_out, chain.backward_transient) + rest
+    # (its re-run ends once it has saved all it saves: a checkpoint's early stop)
+    again = np.maximum(chain.stop + grad_out, chain.backward_transient) + rest
     return dataclasses.replace(
         chain,
         backward=np.where(on, chain.backward + chain.forward, chain.backward),
@@ -241,6 +257,7 @@ def checkpointed(chain: Chain, layers: tuple[int, ...]) -> Chain:
         input_saved=np.where(on, keeps, chain.input_saved),
         shared=np.where(on, kept_by_previous, np.where(before, 0, chain.shared)),
         forward_transient=np.where(on, chain.forward_peak, chain.forward_transient),
+        stop_transient=np.where(on, chain.forward_peak, chain.stop),
         backward_transient=np.where(on, again, chain.backward_transient),
         input_unsaved=np.where(
             on,

@@ -78,15 +78,24 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
     remat = m.new_int_var(0, top(f, f + u), f"remat{s}")  # type: ignore[attr-defined]
     live = m.new_int_var(0, top(b), f"live{s}")  # type: ignore[attr-defined]
     inp = m.new_int_var(0, top(it), f"input{s}")  # type: ignore[attr-defined]
+    # a recomputed B's forward, a checkpoint's: as remat, but the stage's last layer k only up
+    # to its last save (st: torch's early stop)
+    st = c.stop
+    stop = m.new_int_var(0, top(f, f + u), f"stop{s}")  # type: ignore[attr-defined]
     for k in range(L):
-        m.add(remat >= int(f[k]) * first[k][s] + int(f[k] + u[k]) * inner[k] - later[k])  # type: ignore[attr-defined]
+        whole_k = int(f[k]) * first[k][s] + int(f[k] + u[k]) * inner[k] - later[k]
+        m.add(remat >= whole_k)  # type: ignore[attr-defined]
+        if k + 1 < L:  # k + 1 in the stage: k runs whole
+            m.add(stop >= whole_k).only_enforce_if(x[k + 1][s])  # type: ignore[attr-defined]
+        ends = [x[k][s]] + ([x[k + 1][s].Not()] if k + 1 < L else [])
+        m.add(stop >= int(st[k]) * first[k][s] + int(st[k] + u[k]) * inner[k]).only_enforce_if(ends)  # type: ignore[attr-defined]
         m.add(inp >= int(it[k]) * x[k][s] - before[k])  # type: ignore[attr-defined]
         # layer k ends the stage when k + 1 is not in it (or k is the last layer)
         ends = x[k][s] - (x[k + 1][s] if k + 1 < L else 0)
         m.add(live >= int(max(b[k] - z[k], 0)) * ends)  # type: ignore[attr-defined]
         if k + 1 < L:
             m.add(live >= int(b[k]) * (x[k + 1][s] + x[k][s] - 1) - later[k])  # type: ignore[attr-defined]
-    return live, remat, inp, later
+    return live, remat, inp, later, stop
 
 
 def _tight_pulled(m: object, c: Chain, x: list, first: list, s: int, L: int, S: object,
@@ -96,9 +105,10 @@ def _tight_pulled(m: object, c: Chain, x: list, first: list, s: int, L: int, S: 
     the same start and ending at a layer k of this one holds so. Such a stage's B holds what
     its layers through k saved, then k's output gradient and the largest backward of a layer
     before k (those through it saved, and its transient), or k's own backward. `remat`: B
-    re-materialises too (its transient is the larger of live and remat), and holds its first
-    layer's forward peak, or an inner layer l's, beside the output gradient of a layer from l."""
-    b, z, f, u = c.backward_transient, c.zgrad, c.forward_transient, c.input_unsaved
+    re-materialises too (its transient is the larger of live and stop, a checkpoint's forward),
+    and holds a layer l's whole forward peak (the first layer's without its input) beside the
+    output gradient of a later layer, or k's peak up to its last save beside its own."""
+    b, z, f, u, st = c.backward_transient, c.zgrad, c.forward_transient, c.input_unsaved, c.stop
     top = int(c.saved.sum()) + int(np.maximum(b, f + u).max()) + 2 * int(z.max()) + int(b.max()) + 1
     whole = m.new_int_var(0, top, f"bwhole{s}")  # type: ignore[attr-defined]
     before = forward = None  # the largest backward before k, forward up to k, in the stage
@@ -107,12 +117,15 @@ def _tight_pulled(m: object, c: Chain, x: list, first: list, s: int, L: int, S: 
         m.add(whole >= upto + int(max(b[k], z[k]))).only_enforce_if(x[k][s])  # type: ignore[attr-defined]
         inner = [x[k][s], first[k][s].Not()]  # k - 1 is in the stage too
         if remat is not None:
+            m.add(whole >= upto + int(st[k] + z[k])).only_enforce_if([x[k][s], first[k][s]])  # type: ignore[attr-defined]
+            m.add(whole >= upto + int(st[k] + u[k] + z[k])).only_enforce_if(inner)  # type: ignore[attr-defined]
+            if forward is not None:
+                m.add(whole >= forward + int(z[k])).only_enforce_if(inner)  # type: ignore[attr-defined]
             var = m.new_int_var(0, top, f"fwd{s}_{k}")  # type: ignore[attr-defined]
             m.add(var >= upto + int(f[k])).only_enforce_if(first[k][s])  # type: ignore[attr-defined]
             m.add(var >= upto + int(f[k] + u[k])).only_enforce_if(inner)  # type: ignore[attr-defined]
             if forward is not None:
                 m.add(var >= forward).only_enforce_if(inner)  # type: ignore[attr-defined]
-            m.add(whole >= var + int(z[k])).only_enforce_if(x[k][s])  # type: ignore[attr-defined]
             forward = var
         if k == 0:
             continue
@@ -162,10 +175,10 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
                       + int(inner_values[k]) * inner[k][0])  # fmt: skip
         return var
 
-    live, remat, inp, later = _transients(m, c, x, first, s, L)
+    live, remat, inp, later, stop = _transients(m, c, x, first, s, L)
     kind = "pulled" if shape.bound else pulled_with(shape.occupancy)
     if kind != "pulled":
-        both = remat if kind == "pulled_paired" else None
+        both = stop if kind == "pulled_paired" else None
         pulled = _tight_pulled(m, c, x, first, s, L, S, later, live, both)
     else:
         pulled = largest(c.zgrad, c.zgrad, "pulled")
@@ -180,6 +193,7 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
         largest(c.forward_peak, c.forward_peak + c.boundary[:L], "forward"),
         inp,
         largest(c.weight_grad_transient, c.weight_grad_transient, "weight"),
+        stop,
     ]
     for t in shape.occupancy:
         held = sum(n * v for n, v in zip(t, states + transients) if n)

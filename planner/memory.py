@@ -26,7 +26,7 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
                                        shrink below a shorter stage's (B holds all three, so
                                        they must grow with j together): that transient is
                                        live, or where B re-materialises first (recomputation)
-                                       the larger of live and remat_live. Where a stage's
+                                       the larger of live and stop_live. Where a stage's
                                        occupancy holds pulled other than in such B's
                                        (pulled_with), P = max zgrad[i:j], the largest boundary
                                        inside. A captured graph's: what the stage sends (its
@@ -44,6 +44,13 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
     remat_live = max(forward[i], max over i < l < j of forward[l] + input_unsaved[l]) less
            later(l) at that l: while a forward that keeps what it saves runs (F, and the
            re-materialising forward of a recomputed B or I), before the layers after l saved
+    stop_live = remat_live, but the last layer j - 1 counts stop[j - 1] + input_unsaved[j - 1]
+           (stop[i] alone for a stage of one layer): a recomputed B's re-materialising
+           forward is a checkpoint's, which ends once every tensor the first run saved is back
+           (torch's early stop), so the stage's last layer runs only up to its last save
+           (`Chain.stop`, profiled; its whole forward where it saves nothing: the run then ends
+           in an earlier layer and holds less). Zero bubble's I re-runs the stage whole by
+           hand: remat_live. A captured graph's: remat_live
     input_live = max(input_grad[i], max over i < l < j of input_grad[l] - sum zgrad[i:l-1]):
            while I runs, from the last layer: the output gradients of the layers before
            l - 1 are not made yet; on a captured graph only those of the values they make
@@ -117,9 +124,14 @@ class StageShape:
         # runs one counts that micro-batch (as every schedule's does), or the stage's total
         # would not grow with its end.
         act, during = STATES.index("activations"), STATES.index("during_i")
+        width = N_STATES + N_TRANSIENTS
+        if any(len(t) < width for t in self.occupancy):  # (written before the later transients)
+            padded = tuple(tuple(t) + (0,) * (width - len(t)) for t in self.occupancy)
+            object.__setattr__(self, "occupancy", padded)
         for t in self.occupancy:
             flags = t[N_STATES:]
-            if (flags[0] or flags[1]) and t[act] + t[during] < 1 or flags[3] and t[during] < 1:
+            b_or_f = flags[0] or flags[1] or flags[5]
+            if b_or_f and t[act] + t[during] < 1 or flags[3] and t[during] < 1:
                 raise ValueError(f"occupancy {t} runs a transient on no micro-batch's activations")
 
     @property
@@ -133,13 +145,13 @@ def pulled_with(occupancy: tuple[tuple[int, ...], ...]) -> str:
     """Which pulled gradient a chain's stage under this occupancy counts: `pulled`, the largest
     output gradient of any of its layers (it grows with the stage's end), unless every tuple
     holding a pulled gradient is one B's: one gradient, its micro-batch's activations, and one
-    transient, B's own or, a recomputed B re-materialising first, the forward's, each with
-    the same counts as the other. Then B's whole (gradient, activations and the larger of
+    transient, B's own or, a recomputed B re-materialising first, its forward's (stop_live),
+    each with the same counts as the other. Then B's whole (gradient, activations and the larger of
     those transients) is made to grow with the stage's end alone (MemoryModel.state_bytes):
     `pulled_tight` where B only runs its own transient, `pulled_paired` where it re-materialises
     too."""
     pulled, act, during = (STATES.index(k) for k in ("pulled", "activations", "during_i"))
-    live, remat = N_STATES, N_STATES + 1
+    live, remat = N_STATES, N_STATES + TRANSIENTS.index("stop_live")
     holding = {t for t in occupancy if t[pulled]}
     flags = set()
     for t in holding:
@@ -161,8 +173,8 @@ def _pulled_outside_b(occupancy: tuple[tuple[int, ...], ...]) -> tuple[int, ...]
     schedule's B holds it. (A recomputed B holds it first through its re-materialising
     forward, with the same counts, whose transient a captured graph's `live` covers.)"""
     pulled = STATES.index("pulled")
-    live, remat = N_STATES, N_STATES + 1
-    return next((t for t in occupancy if t[pulled] and not (t[live] or t[remat])), None)
+    b = [N_STATES + TRANSIENTS.index(k) for k in ("live", "remat_live", "stop_live")]
+    return next((t for t in occupancy if t[pulled] and not any(t[k] for k in b)), None)
 
 
 @lru_cache(maxsize=4096)
@@ -316,11 +328,17 @@ class MemoryModel:
         # what the layers before it saved (and, inside the stage, its input while it runs)
         self._first_remat = (self._held + f).astype(np.int64)
         self._inner_remat = _RangeMax(self._held + f + chain.input_unsaved)
-        # ... and with a recomputed B's re-materialising forward (pulled_with): an inner layer
-        # l's forward peak before layer m's output gradient, l <= m
+        # A recomputed B's re-materialising forward is a checkpoint's: it ends at the stage's
+        # last layer's last save (torch's early stop), that layer's peak up to there (stop)
+        z = chain.zgrad.astype(np.int64)
+        stop = chain.stop.astype(np.int64)
+        self._stop_last = self._held + stop + chain.input_unsaved  # (inside the stage)
+        self._stop_first = self._held + stop  # (the stage's only layer)
+        # ... and beside the gradient it pulled (pulled_with): a layer l's whole forward peak
+        # before a later layer m's output gradient, l < m; or m's peak up to its last save
         q = self._held + f + chain.input_unsaved
-        self._ends_r = _RangeMax(q + chain.zgrad)
-        self._pairs_r = _PairMax(q, chain.zgrad)
+        self._pairs_r = _PairMax(q, z)
+        self._ends_s = _RangeMax(self._stop_last + z)
         # zero bubble's I, layer by layer from the last: layer l's peak comes on top of the
         # gradients kept so far: its own output's, those of the layers after it, and its
         # input's, which it makes (the stage's counts all of them: those of layers i .. l - 2
@@ -441,6 +459,21 @@ class MemoryModel:
             self._flow_pulled_table = table
         return self._flow_pulled_table
 
+    def _stop_live(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """What a recomputed B's re-materialising forward holds above the stage's activations:
+        layer by layer as remat_live, but a checkpoint stops once it has every saved tensor
+        back (torch's early stop), so the stage's last layer counts its peak up to its last
+        save alone (`Chain.stop`: its whole forward where it saves nothing; then the run stops
+        in an earlier layer and holds less). Grows with j: a layer's whole peak is at least its
+        peak up to its last save."""
+        inner = j - i > 1
+        last = j - 1
+        middle = np.where(
+            j - i > 2, self._inner_remat(np.minimum(i + 1, last), np.maximum(last, i + 1)), 0
+        )
+        many = np.maximum(np.maximum(self._first_remat[i], middle), self._stop_last[last])
+        return np.where(inner, many, self._stop_first[i]) - self._held[last]
+
     def _backward_live(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """The most B holds above the stage's activations, layer by layer from the last: layer
         l's backward transient, less what the layers after it saved and have let go by then;
@@ -528,11 +561,15 @@ class MemoryModel:
         if want("pulled"):
             pulled = self._pulled.take(whole) if c.flow is None else self._flow_pulled()[i, j]
             out["pulled"] = pulled
+        if want("stop_live", "pulled_paired"):
+            out["stop_live"] = stop = self._stop_live(i, j)
         if want("live", "remat_live", "pulled_tight", "pulled_paired"):
             remat = np.where(inner, self._inner_remat.take(after), 0)
             remat = np.maximum(self._first_remat[i], remat)
             # above the stage's activations, all saved by the end
             out["remat_live"] = remat = remat - self._held[j - 1]
+            if c.flow is not None and want("stop_live", "pulled_paired"):
+                out["stop_live"] = stop = remat  # (a captured graph's: its whole forward)
             if want("live", "pulled_tight", "pulled_paired"):
                 # a captured graph's pulled gradient is raised so that it grows with the
                 # stage's end together with B's transient (_flow_pulled): that transient covers
@@ -549,12 +586,16 @@ class MemoryModel:
                 if want("pulled_tight"):
                     out["pulled_tight"] = top - self._held[j - 1] - out["live"]
                 if want("pulled_paired"):
-                    # and a recomputed B's forward: its first layer's peak, or an inner layer
-                    # l's, beside the output gradient of a layer at or after l
-                    first = self._first_remat[i] + self._pulled.take(whole)
-                    pairs = np.maximum(self._pairs_r(i + 1, j), self._ends_r.take(after))
-                    top = np.maximum(top, np.maximum(first, np.where(inner, pairs, 0)))
-                    both = np.maximum(out["live"], remat)
+                    # and a recomputed B's forward: a layer l's whole peak (the first layer's
+                    # without its input) beside the output gradient of a later layer m, or
+                    # m's peak up to its last save beside its own (the stage ending at m + 1)
+                    later = self._pulled(np.minimum(i + 1, j - 1), j)
+                    first = self._first_remat[i] + later
+                    ends = np.maximum(self._pairs_r(i + 1, j), self._ends_s.take(after))
+                    forward = np.maximum(first, ends)
+                    own = self._stop_first[i] + self._zgrad[i + 1] - self._zgrad[i]
+                    top = np.maximum(top, np.maximum(own, np.where(inner, forward, 0)))
+                    both = np.maximum(out["live"], stop)
                     out["pulled_paired"] = top - self._held[j - 1] - both
         if want("input_live") and self._flow_input_live is not None:
             out["input_live"] = self._flow_input_live[i, j]

@@ -3,7 +3,7 @@ cost. Torch-free, so `check`, `show` and `simulate` answer without importing tor
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
@@ -75,6 +75,12 @@ class StateBytes(_Strict):
     forward_live: Bytes = Field(description="... while a forward that keeps nothing runs")
     input_live: Bytes = Field(description="... while zero-bubble I runs")
     weight_live: Bytes = Field(description="... while zero-bubble W runs")
+    stop_live: Bytes | None = Field(
+        default=None,
+        description="... while a recomputed B's re-materialising forward runs (a checkpoint's, "
+        "which stops once the stage's last saved tensor is back); absent in plans made before it "
+        "was counted: remat_live",
+    )
     optimizer_step: Bytes = Field(description="the optimizer step's temporaries, after the step")
     foreach: bool = Field(description="the optimizer's multi-tensor kernels make them all at once")
     static: Bytes = Field(description="weights, gradients, optimizer state and workspace")
@@ -91,7 +97,8 @@ class StagePlan(_Strict):
     occupancy: list[tuple[Count, ...]] = Field(
         description="micro-batches per state (input, activations, during_i, between_iw, grad, "
         "pulled), "
-        "then which transient (live, remat_live, forward_live, input_live, weight_live) runs, at "
+        "then which transient (live, remat_live, forward_live, input_live, weight_live, "
+        "stop_live) runs, at "
         "the stage's candidate peaks"
     )
     work_ms: Ms = Field(
@@ -188,6 +195,15 @@ class PlanMeta(_Strict):
 class Plan(Artifact):
     FORMAT_VERSION: ClassVar[int] = 2
     LATER_FIELDS: ClassVar[tuple[str, ...]] = ("runtime", "checkpointed")
+
+    def _data(self) -> dict[str, Any]:
+        # a plan made before stop_live was counted reads, writes and digests as it did
+        data = super()._data()
+        for stage in data.get("stages", ()):
+            if stage["state_bytes"].get("stop_live", 0) is None:
+                del stage["state_bytes"]["stop_live"]
+        return data
+
     kind: Literal["plan"] = "plan"
     format_version: int = 2
     model: Text

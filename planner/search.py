@@ -1518,7 +1518,10 @@ def _build_plan(
 
 
 def stage_bytes(stage: StagePlan) -> StageBytes:
-    return StageBytes(**stage.state_bytes.model_dump())
+    got = stage.state_bytes.model_dump()
+    if got["stop_live"] is None:  # a plan made before it was counted: the whole forward
+        got["stop_live"] = got["remat_live"]
+    return StageBytes(**got)
 
 
 def stage_costs(stages: list[StagePlan], runtime: RuntimeOverhead | None = None) -> Costs:

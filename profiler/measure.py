@@ -29,7 +29,15 @@ from .memtrack import owned_by, trace_allocations
 from .models import as_layers, check_allocation, model_digest
 from .overhead import autograd_call_ms, runtime_overhead
 from .timing import _tensors, time_layers
-from .types import PER_SIZE, LayerProfile, OptimizerStep, Profile, ProfileMeta, TiedParameter
+from .types import (
+    LATER_PER_SIZE,
+    PER_SIZE,
+    LayerProfile,
+    OptimizerStep,
+    Profile,
+    ProfileMeta,
+    TiedParameter,
+)
 
 Value = Any  # a tensor or a tuple of tensors: what flows between layers of an nn.Sequential
 CUDA_BLOCK = 512  # the CUDA caching allocator rounds every allocation up to this
@@ -139,7 +147,7 @@ def profile_model(
             crossing_grad=first[i]["crossing_grad"] if hasattr(layer, "crossing") else [],
             reads=list(layer.reads) if hasattr(layer, "reads") else None,
             passed_bytes=first[i]["passed_bytes"] // sizes[0],
-            **{f: {b: r[f] for b, r in rows.items()} for f in PER_SIZE},
+            **{f: {b: r[f] for b, r in rows.items()} for f in PER_SIZE + LATER_PER_SIZE},
         )
 
     out = [
@@ -241,7 +249,7 @@ def _measure_size(
         given = layouts.get(i + 1)
         if given and _strided_otherwise(inputs[i + 1] if i + 1 < len(inputs) else None, given):
             try:
-                again = _transient(layer, inputs[i], dev, "both", given)
+                again = _transient(layer, inputs[i], dev, "both", given, packs=rows[i]["packs"])
             except Exception as e:
                 raise InputError(
                     f"the model rejected a gradient at layer {i} ({type(layer).__name__}): "
@@ -253,6 +261,7 @@ def _measure_size(
                 forward_peak_bytes=again["no_grad"],
                 input_grad_transient_bytes=again["input"],
                 weight_grad_transient_bytes=again["weight"],
+                stop_transient_bytes=again["stop"],
             )
     try:
         timings = time_layers(
@@ -355,8 +364,10 @@ def _memory(
     # Saved tensors by storage address. Holding them (and the previous layer's) alive until the
     # next layer is measured keeps the allocator from reusing an address for something else.
     saved: dict[int, torch.Tensor] = {}
+    packs = [0]  # every tensor autograd saves, the weights too: what a checkpoint counts
 
     def pack(t: torch.Tensor) -> torch.Tensor:
+        packs[0] += 1
         ptr = t.untyped_storage().data_ptr()
         if ptr not in model_storages:
             saved[ptr] = t
@@ -382,7 +393,7 @@ def _memory(
         grad_layouts[i] = [made.get(k) for k in range(len(_tensors(inp)))]
         for t in _tensors(inp):
             t.grad = None  # a stage input's gradient is made once, never added into
-        extra = _transient(layer, inp, dev, kept)
+        extra = _transient(layer, inp, dev, kept, packs=packs[0])
     except InputError:
         raise
     except Exception as e:
@@ -422,6 +433,8 @@ def _memory(
         "forward_peak_bytes": extra["no_grad"],
         "input_grad_transient_bytes": extra["input"],
         "weight_grad_transient_bytes": extra["weight"],
+        "stop_transient_bytes": extra["stop"],
+        "packs": packs[0],
         "output_shape": [list(t.shape[1:]) for t in _tensors(out)],
         # per micro-batch as computed; the planner rounds what crosses a cut at its own size
         "output_bytes": sum(t.numel() * t.element_size() for t in _tensors(out)),
@@ -450,12 +463,18 @@ def _strided_otherwise(v: Value, layouts: list[tuple[int, ...] | None]) -> bool:
     )
 
 
+class _StopForward(Exception):
+    """Raised out of a saved-tensor hook to end a forward where a checkpoint's re-run ends."""
+
+
 def _transient(
     layer: nn.Module,
     inp: Value,
     dev: torch.device,
     kept: str,
     layouts: list[tuple[int, ...] | None] | None = None,
+    *,
+    packs: int = 0,
 ) -> dict[str, int]:
     """What the layer allocates beyond what the planner counts as kept, read off the allocator,
     in each way a pipeline runs it: a forward that keeps nothing (recomputation); a forward, its
@@ -476,6 +495,15 @@ def _transient(
     passed: list[torch.Tensor] = []
 
     strides: list[tuple[int, ...] | None] = []  # of each root's gradient (None: dense)
+    seen = [0]
+
+    def stop_at_last(t: torch.Tensor) -> torch.Tensor:
+        # torch's checkpoint re-runs a stage's forward only until it has every tensor the
+        # first run saved back (early stop): it raises out of the hook of the last one
+        seen[0] += 1
+        if seen[0] >= packs:
+            raise _StopForward
+        return t
 
     def forward() -> tuple[list[Any], list[tuple[torch.Size, torch.dtype]]]:
         outs = _tensors(layer(inp))
@@ -515,6 +543,13 @@ def _transient(
             if edges and params:
                 torch.autograd.backward(edges, ones(like), inputs=params)
         del edges
+        with owned_by("stop"):
+            if packs:
+                try:
+                    with torch.autograd.graph.saved_tensors_hooks(stop_at_last, lambda t: t):
+                        layer(inp)
+                except _StopForward:
+                    pass
     out_kept = sum(_alloc(shape.numel() * dtype.itemsize, dev) for shape, dtype in like)
     out_kept *= kept == "both"
     passed_grad = sum(_alloc(t.numel() * t.element_size(), dev) for t in passed)
@@ -531,8 +566,14 @@ def _transient(
         return max((level for t, level in steps if start <= t <= end), default=before(name))
 
     kept_bytes = before("backward")  # what the forward left: its saved tensors
+    forward = max(peak("forward") - kept_bytes, 0)
+    # up to its last save, beyond what it saves (all saved by then); a layer that saves
+    # nothing stops nowhere: its whole forward
+    saves = kept_bytes - before("forward")
+    stop = max(peak("stop") - before("stop") - saves, 0) if packs else forward
     return {
-        "forward": max(peak("forward") - kept_bytes, 0),
+        "stop": min(stop, forward),
+        "forward": forward,
         "backward": max(peak("backward") - kept_bytes, 0) + passed_grad,
         "no_grad": max(peak("no_grad") - before("no_grad"), 0),
         "input": max(peak("input") - before("input") - out_kept - in_kept, 0) if used else 0,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Annotated, ClassVar, Literal, get_origin
+from typing import Annotated, Any, ClassVar, Literal, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -99,19 +99,35 @@ class LayerProfile(BaseModel):
     forward_peak_bytes: dict[int, Bytes]
     input_grad_transient_bytes: dict[int, Bytes]
     weight_grad_transient_bytes: dict[int, Bytes]
+    stop_transient_bytes: dict[int, Bytes] | None = Field(
+        default=None,
+        description="the most its forward allocates beyond what it saves, up to the moment it "
+        "saves its last tensor: where torch's checkpoint stops re-running a recomputed stage "
+        "whose last layer this is (a layer that saves nothing: its forward_transient_bytes); "
+        "absent in profiles made before it was measured (the planner then counts the whole "
+        "forward)",
+    )
 
 
 PER_SIZE = tuple(
     name for name, f in LayerProfile.model_fields.items() if get_origin(f.annotation) is dict
 )
 """The LayerProfile fields measured at every micro-batch size."""
+LATER_PER_SIZE = ("stop_transient_bytes",)
+"""Per-size fields added since the format's version: absent (None) in older profiles."""
+
+
+def _per_size(layer: LayerProfile) -> tuple[str, ...]:
+    """The layer's per-size maps: every PER_SIZE field, and the later ones it has."""
+    kept = layer.__dict__
+    return PER_SIZE + tuple(f for f in LATER_PER_SIZE if kept.get(f) is not None)
 
 
 def _by_size(layer: LayerProfile, sizes: list[int] | None = None) -> bool:
     """Whether each of the layer's per-size maps lists exactly `sizes`, in that order (None: its
     own sizes in increasing order)."""
     kept = layer.__dict__
-    for field in PER_SIZE:
+    for field in _per_size(layer):
         keys = list(kept[field])
         if keys != sizes if sizes is not None else any(a >= b for a, b in zip(keys, keys[1:])):
             return False
@@ -205,14 +221,27 @@ class Profile(Artifact):
         """Fields in their declared order, each per-size map by increasing size, optimizers by
         name: the same profile always gives the same bytes. Written by pydantic's own
         serializer: json's indented output is pure Python, seconds on 10 000 layers."""
-        drop = self._unset_later() | (set() if with_meta else {"meta"})
-        return self._ordered().model_dump_json(indent=1, exclude=drop) + "\n"
+        return self._ordered().model_dump_json(indent=1, exclude=self._left_out(with_meta)) + "\n"
 
     def digest(self) -> str:
         """sha256 of the compact canonical content, `meta` excluded (re-profiling the same model
         the same way keeps it); pydantic's serializer, 5x json's on a large profile."""
-        text = self._ordered().model_dump_json(exclude=self._unset_later() | {"meta"})
+        text = self._ordered().model_dump_json(exclude=self._left_out(with_meta=False))
         return hashlib.sha256(text.encode()).hexdigest()
+
+    def _left_out(self, with_meta: bool) -> dict[str, Any]:
+        """What the file and the digest leave out: the later fields unset (a profile made before
+        them reads and digests as it did), and `meta` unless asked for."""
+        drop: dict[str, Any] = {name: True for name in self._unset_later()}
+        if not with_meta:
+            drop["meta"] = True
+        entries = self.layers + ([self.loss] if self.loss else [])
+        unset = {f for f in LATER_PER_SIZE if all(getattr(x, f) is None for x in entries)}
+        if unset:
+            drop["layers"] = {"__all__": unset}
+            if self.loss:
+                drop["loss"] = unset
+        return drop
 
     def _ordered(self) -> Profile:
         """This profile with every per-size map by increasing size and its optimizers by name:
@@ -225,7 +254,9 @@ class Profile(Artifact):
             return self
 
         def fix(x: LayerProfile) -> LayerProfile:
-            return x.model_copy(update={f: dict(sorted(getattr(x, f).items())) for f in PER_SIZE})
+            return x.model_copy(
+                update={f: dict(sorted(getattr(x, f).items())) for f in _per_size(x)}
+            )
 
         return self.model_copy(
             update={
@@ -245,7 +276,7 @@ class Profile(Artifact):
             if _by_size(layer, order):
                 continue
             kept = layer.__dict__
-            for field in PER_SIZE:
+            for field in _per_size(layer):
                 have = kept[field]
                 if set(have) != sizes:
                     raise ValueError(

@@ -35,9 +35,10 @@ Transitions, at an action's start (allocations) or its end (frees and hand-offs)
 
 While an action runs, its device also holds that action's transient, the most one layer adds
 above what the states count: `live` for B, `remat_live` for a forward that keeps what it saves
-(F, and the forward a recomputed micro-batch re-materialises at B or I), `forward_live` for
-the forward of a recomputed micro-batch (which keeps nothing), `input_live` for I and
-`weight_live` for W. One host issues one action at a time, so a device never holds two
+(F, and the forward a recomputed micro-batch re-materialises at zero bubble's I, by hand),
+`stop_live` for the forward a recomputed B re-materialises (a checkpoint's: it ends once the
+stage's last saved tensor is made again, torch's early stop), `forward_live` for the forward
+of a recomputed micro-batch (which keeps nothing), `input_live` for I and `weight_live` for W. One host issues one action at a time, so a device never holds two
 transients at once. After the last action, the optimizer step runs on every device: its
 temporaries come on top of the weights alone.
 """
@@ -56,10 +57,11 @@ from .order import canonical_order, issue_arrays, program_arrays, schedule_key
 
 STATES = ("input", "activations", "during_i", "between_iw", "grad", "pulled", "early", "late")
 IN, ACT, DURING_I, IW, GRAD, PULLED, EARLY, LATE = range(len(STATES))
-TRANSIENTS = ("live", "remat_live", "forward_live", "input_live", "weight_live")
-LIVE, REMAT_LIVE, FORWARD_LIVE, INPUT_LIVE, WEIGHT_LIVE = range(
+TRANSIENTS = ("live", "remat_live", "forward_live", "input_live", "weight_live", "stop_live")
+LIVE, REMAT_LIVE, FORWARD_LIVE, INPUT_LIVE, WEIGHT_LIVE, STOP_LIVE = range(
     len(STATES), len(STATES) + len(TRANSIENTS)
 )
+# (stop_live last: a tuple written without its flag reads as not running it)
 
 Occupancy = tuple[tuple[int, ...], ...]  # Pareto set of (count per state..., flag per transient)
 
@@ -94,6 +96,7 @@ class StageBytes:
     forward_live: int = 0
     input_live: int = 0
     weight_live: int = 0
+    stop_live: int = 0
     optimizer_step: int = 0  # the optimizer step's temporaries, after the pipeline's step
     foreach: bool = False  # those of a device's stages add up (multi-tensor) or not (one by one)
     static: int = 0
@@ -186,7 +189,7 @@ def _build_steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
                     start.append((s, PULLED, 1))
                     end.append((s, PULLED, -1))
                 if rec:  # the re-materialising forward, beside the pulled gradient
-                    phases.append((tuple(start), REMAT_LIVE))
+                    phases.append((tuple(start), _b_remat(schedule)))
                     start = []
                 end.append((s, ACT, -1))
             if s > 0:
@@ -197,6 +200,13 @@ def _build_steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
         phases.append((tuple(start), running))
         steps.append(_Step(a, place[s], tuple(phases), tuple(end)))
     return steps
+
+
+def _b_remat(schedule: Schedule) -> int:
+    """The transient of a recomputed B's re-materialising forward: a checkpoint's, which stops
+    at the stage's last saved tensor, except where the runtime re-runs the stage whole by
+    hand (zero bubble's, codegen/_runtime.py)."""
+    return REMAT_LIVE if schedule.name == "zb-h1" else STOP_LIVE
 
 
 def occupancy(schedule: Schedule, recompute: str | Sequence[str]) -> list[Occupancy]:
@@ -502,9 +512,8 @@ def _build_events(
     looked = is_end | ((c_delta > 0) & (c_stage != c_acting))
     snap_seq = np.concatenate([4 * k + i_phase, 4 * k[remat], c_seq[looked]])
     snap_stage = np.concatenate([s, s[remat], c_stage[looked]])
-    snap_running = np.concatenate(
-        [running, np.full(int(remat.sum()), REMAT_LIVE, np.int64), np.full(int(looked.sum()), -1)]
-    )
+    again = np.where(B[remat], _b_remat(schedule), REMAT_LIVE).astype(np.int64)
+    snap_running = np.concatenate([running, again, np.full(int(looked.sum()), -1)])
     return _Events(c_seq, c_stage, c_state, c_delta, snap_seq, snap_stage, snap_running)
 
 

@@ -26,13 +26,15 @@ def synthetic_profile(
     input_bytes: int = 16,
     sizes: Sequence[int] = (1,),
     loss: dict | None = None,
+    stop: Sequence[int] | None = None,
 ) -> Profile:
     """A profile whose per-sample numbers are given; every quantity scales linearly with the
     micro-batch size, so values at any size are exact. From each layer's `transient` t the
     transients differ on purpose, so a test catches one used for another: forward t, backward
     t + 1, forward keeping nothing saved + t + 3, I t + 4, W t + 5; and 2 bytes of every input
     but the model's are saved by nobody. `loss`: forward, backward, saved and transient of a loss
-    to add after the last layer."""
+    to add after the last layer. `stop`: each layer's forward peak up to its last save (absent:
+    as in a profile made before it was measured)."""
     n = len(forward)
     backward = backward if backward is not None else [2 * f for f in forward]
     params = params if params is not None else [100] * n
@@ -64,6 +66,9 @@ def synthetic_profile(
             forward_peak_bytes={b: int(v["saved"] + v["transient"] + 3) * b for b in sizes},
             input_grad_transient_bytes={b: int(v["transient"] + 4) * b for b in sizes},
             weight_grad_transient_bytes={b: int(v["transient"] + 5) * b for b in sizes},
+            stop_transient_bytes=(
+                {b: int(stop[i]) * b for b in sizes} if stop is not None and i < n else None
+            ),
         )
 
     layers = [

@@ -347,6 +347,9 @@ SHAPES = {  # (layers, devices, schedule, recompute, the most the plan may count
     "ends in a mean": (_ends_in_mean, 2, "gpipe", "never", 512),
     # recomputing: B holds the gradient through its re-materialising forward and its backward
     "ends in a mean, recomputed": (_ends_in_mean, 2, "1f1b", "always", 512),
+    # a checkpoint's re-run stops at the lone Linear's last save, before its product: the
+    # plan counted that product (45% over), now the forward up to that save
+    "lone first layer, recomputed": (_lone_first, 2, "gpipe", "always", 512),
     # beside another stage of its device
     "hands its input on": (_hands_on, 2, "interleaved-1f1b", "never", 512),
     # zero bubble's I takes the gradient as is too, and W keeps none of it (the plan still

@@ -22,9 +22,10 @@ from schedules import (
 )
 from schedules.memory import peaks
 
-FLAGS = (0, 0, 0, 0, 0)  # no transient running
-LIVE = (1, 0, 0, 0, 0)
-REMAT = (0, 1, 0, 0, 0)
+FLAGS = (0, 0, 0, 0, 0, 0)  # no transient running
+LIVE = (1, 0, 0, 0, 0, 0)
+REMAT = (0, 1, 0, 0, 0, 0)
+STOP = (0, 0, 0, 0, 0, 1)  # a recomputed B's forward: a checkpoint's, which stops early
 
 
 def test_issue_order_follows_a_unit_cost_run():
@@ -58,14 +59,15 @@ def test_recomputed_gpipe_keeps_inputs_and_rematerialises_one():
     M = 4
     occ = occupancy(build_schedule("gpipe", 2, M), "always")
     # the first backward: every other micro-batch kept as its input, one re-materialised
-    # (first by a forward, beside the pulled gradient, then backward itself runs)
-    assert (M - 1, 1, 0, 0, 0, 1, 0, 0, *REMAT) in occ[0]
+    # (first by a checkpoint's forward, beside the pulled gradient, then backward itself runs)
+    assert (M - 1, 1, 0, 0, 0, 1, 0, 0, *STOP) in occ[0]
+    assert not any(t[5] and t[9] for t in occ[0])  # (not a forward that runs whole)
     assert (M - 1, 1, 0, 0, 0, 1, 0, 0, *LIVE) in occ[0]
     # not recomputing, B re-materialises nothing: no forward's transient beside a pulled one
     kept = occupancy(build_schedule("gpipe", 2, M), "never")[0]
     assert [t for t in kept if t[5]] == [(0, M, 0, 0, 0, 1, 0, 0, *LIVE)]
     # a recomputed forward keeps nothing: it runs with the forward_live transient
-    assert any(t[8:] == (0, 0, 1, 0, 0) for t in occ[0])
+    assert any(t[8:] == (0, 0, 1, 0, 0, 0) for t in occ[0])
 
 
 @st.composite
@@ -89,6 +91,7 @@ def sized(draw):
             forward_live=draw(b),
             input_live=draw(b),
             weight_live=draw(b),
+            stop_live=draw(b),
             optimizer_step=draw(b),
             static=draw(b),
         )  # fmt: skip
@@ -226,7 +229,9 @@ def _walked_occupancy(sched, mode):
         for changes, running in step.phases:
             for stage, state, d in changes:
                 counts[stage][state] += d
-            flags = tuple(int(running == k) for k in range(memory.LIVE, memory.LIVE + 5))
+            flags = tuple(
+                int(running == k) for k in range(memory.LIVE, memory.LIVE + len(memory.TRANSIENTS))
+            )
             seen[s].add((*counts[s], *flags))
             for stage in {stage for stage, _, d in changes if d > 0 and stage != s}:
                 seen[stage].add((*counts[stage], *FLAGS))
@@ -276,7 +281,7 @@ def test_array_occupancy_and_peaks_equal_the_step_by_step_walk(name, K, M, modes
     n = st.integers(0, 1000)
     sizes = [
         StageBytes(
-            *(data.draw(n) for _ in range(13)),
+            *(data.draw(n) for _ in range(14)),
             optimizer_step=data.draw(n),
             foreach=data.draw(st.booleans()),
             static=data.draw(n),

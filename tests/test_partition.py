@@ -41,7 +41,7 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
         # transient (a recomputed one: the larger of its own and its forward's); raised to
         # what a shorter stage from i holds so, where that is more
         def transient(k: int) -> int:
-            return max(_backward_live(c, i, k), _remat(c, i, k) if kind == "paired" else 0)
+            return max(_backward_live(c, i, k), _stop(c, i, k) if kind == "paired" else 0)
 
         P = max(_held(c, i, k) + int(c.zgrad[k - 1]) + transient(k)
                 for k in range(i + 1, j + 1)) - S - transient(j)  # fmt: skip
@@ -52,7 +52,8 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     # not made yet while k's runs
     it = c.input_grad_transient
     input_live = max([int(it[i])] + [int(it[k]) - int(c.zgrad[i : k - 1].sum()) for k in inner])
-    transients = [live, remat, forward, input_live, int(c.weight_grad_transient[i:j].max())]
+    transients = [live, remat, forward, input_live, int(c.weight_grad_transient[i:j].max()),
+                  _stop(c, i, j)]  # fmt: skip
     held = max(sum(n * b for n, b in zip(t, states + transients)) for t in shape.occupancy)
     size = p if shape.foreach else int(c.largest_param[i:j].max())
     step = math.ceil(shape.optimizer_step * size)
@@ -87,28 +88,45 @@ def _remat(c: Chain, i: int, j: int) -> int:
     return max([int(f[i]) - later(i)] + [int(f[k] + u[k]) - later(k) for k in range(i + 1, j)])
 
 
+def _stop(c: Chain, i: int, j: int) -> int:
+    """A recomputed B's forward, a checkpoint's: as _remat, but the run stops once the stage's
+    last layer has saved all it saves, so that layer counts its peak up to there alone."""
+    f, u, stop = c.forward_transient, c.input_unsaved, np.minimum(c.stop, c.forward_transient)
+
+    def later(k: int) -> int:
+        return int(c.saved[k + 1 : j].sum()) - int(c.shared[k + 1 : j].sum())
+
+    if j - i == 1:
+        return int(stop[i])
+    whole = [int(f[i]) - later(i)] + [int(f[k] + u[k]) - later(k) for k in range(i + 1, j - 1)]
+    return max(whole + [int(stop[j - 1] + u[j - 1])])
+
+
 def pulled_with(occupancy: tuple[tuple[int, ...], ...]) -> str:
     """How B holds its pulled gradient, where every tuple holding one is B's: one gradient, its
     micro-batch's activations, and one transient, B's own ("live") or also its forward's ("paired",
-    a recomputed B re-materialising first), each with the same counts as the other; else ""."""
+    a recomputed B re-materialising first: stop_live), each with the same counts as the other;
+    else ""."""
+    occupancy = tuple(t + (0,) * (14 - len(t)) for t in occupancy)
     holding = {t for t in occupancy if t[5]}
     flags = set()
     for t in holding:
-        on = [k for k in range(8, 13) if t[k]]
-        if t[5] != 1 or not t[1] + t[2] or len(on) != 1 or on[0] not in (8, 9):
+        on = [k for k in range(8, 14) if t[k]]
+        if t[5] != 1 or not t[1] + t[2] or len(on) != 1 or on[0] not in (8, 13):
             return ""
         flags.add(on[0])
     for t in holding:
         for f in flags:
-            if t[:8] + tuple(int(k == f) for k in range(8, 13)) not in holding:
+            if t[:8] + tuple(int(k == f) for k in range(8, 14)) not in holding:
                 return ""
-    return "paired" if 9 in flags else "live"
+    return "paired" if 13 in flags else "live"
 
 
 def occ(*counts: int, running: int = 0) -> tuple[int, ...]:
-    """An occupancy tuple: micro-batches per state, then the transient running (1-5, 0: none)."""
+    """An occupancy tuple: micro-batches per state, then the transient running (1-6, 0: none:
+    live, remat_live, forward_live, input_live, weight_live, stop_live)."""
     counts = counts + (0,) * (8 - len(counts))
-    return (*counts, *(int(running == k) for k in range(1, 6)))
+    return (*counts, *(int(running == k) for k in range(1, 7)))
 
 
 def make_chain(L: int, **arrays: np.ndarray) -> Chain:
@@ -163,7 +181,7 @@ def unit_chain(params: list[int], boundary: list[int] | None = None) -> Chain:
 def running_on(counts: list[int], running: int) -> tuple[int, ...]:
     """occ(), with the micro-batch a transient runs on: B and a keeping forward on its
     activations, I on its during_i (StageShape refuses a tuple without)."""
-    if running in (1, 2) and counts[1] + counts[2] == 0:
+    if running in (1, 2, 6) and counts[1] + counts[2] == 0:
         counts[1] = 1
     if running == 4 and counts[2] == 0:
         counts[2] = 1
@@ -197,6 +215,7 @@ def problems(draw):
         shared=shared,
         input_saved=np.minimum(ints(0, 25, L), boundary[:L]),
         forward_transient=ints(0, 30, L),
+        stop_transient=ints(0, 30, L) if draw(st.booleans()) else None,
         backward_transient=ints(0, 30, L),
         input_unsaved=ints(0, 15, L),
         forward_peak=ints(0, 30, L),
@@ -213,7 +232,7 @@ def problems(draw):
         st.builds(
             running_on,
             st.lists(st.integers(0, 3), min_size=6, max_size=6),
-            st.integers(0, 5),
+            st.integers(0, 6),
         ),
         min_size=1,
         max_size=3,

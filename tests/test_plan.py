@@ -34,8 +34,9 @@ MODES = ["never", "except_last", "always"]
 
 
 def by_hand(
-    i: int, j: int, mb: int, *, saved, shared, out, inp, input_saved, transient, L, kind="pulled"
-):
+    i: int, j: int, mb: int, *, saved, shared, out, inp, input_saved, transient, L, kind="pulled",
+    stop=None,
+):  # fmt: skip
     """A stage's bytes per state, written out from DESIGN.md's model (no loss here; a CPU
     profile: stage 0 works on the caller's micro-batch, so holds none of its input). `kind`:
     how its occupancy holds a pulled gradient (pulled_with)."""
@@ -49,7 +50,7 @@ def by_hand(
 
     def live(e):  # B's transient, a stage [i, e)
         return max(
-            [0]  # (B's re-materialising forward, when it recomputes, runs with remat_live)
+            [0]  # (B's re-materialising forward, when it recomputes, runs with stop_live)
             # each layer's backward, less what the layers after it saved, let go by then
             + [
                 mb * (transient[k] + 1 - sum(saved[k + 1 : e]) + sum(shared[k + 1 : e]))
@@ -66,8 +67,20 @@ def by_hand(
         return max([mb * transient[i] - later(i)]
                    + [mb * (transient[k] + 2) - later(k) for k in range(i + 1, e)])  # fmt: skip
 
+    def stopped(e):  # a checkpoint's re-run of [i, e): its last layer only to its last save
+        upto = [min(a, b) for a, b in zip(stop or transient, transient)]
+
+        def later(k):
+            return mb * (sum(saved[k + 1 : e]) - sum(shared[k + 1 : e]))
+
+        if e - i == 1:
+            return mb * upto[i]
+        return max([mb * transient[i] - later(i)]
+                   + [mb * (transient[k] + 2) - later(k) for k in range(i + 1, e - 1)]
+                   + [mb * (upto[e - 1] + 2)])  # fmt: skip
+
     def b_runs(e):  # B's transient; recomputing, the larger of it and its forward's
-        return max(live(e), remat(e)) if kind == "pulled_paired" else live(e)
+        return max(live(e), stopped(e)) if kind == "pulled_paired" else live(e)
 
     S = held(j)
     if kind == "pulled":  # the largest output gradient of any of its layers
@@ -99,15 +112,18 @@ def by_hand(
             + [mb * (transient[k] + 4 - sum(out[i : k - 1])) for k in range(i + 1, j)]
         ),
         weight_live=mb * (max(transient[i:j]) + 5),
+        stop_live=stopped(j),
     )
 
 
 def test_stage_memory_is_the_formula_term_by_term():
     saved, shared, input_saved = [7, 9, 11, 13, 15, 17], [0, 7, 0, 11, 13, 0], [6, 4, 0, 12, 16, 0]
     out, inp, transient = [4, 8, 12, 16, 20, 24], 6, [13, 21, 14, 27, 15, 3]
+    stop = [0, 9, 14, 2, 30, 1]  # (30: more than the whole forward, read as it)
     prof = synthetic_profile(
         [1, 2, 3, 1, 2, 2], params=[10, 20, 30, 40, 50, 60], saved=saved, shared=shared,
         input_saved=input_saved, transient=transient, output_bytes=out, input_bytes=inp,
+        stop=stop,
     )  # fmt: skip
     mb = 4
     for schedule, mode in itertools.product(SCHEDULE_NAMES, MODES):
@@ -125,14 +141,15 @@ def test_stage_memory_is_the_formula_term_by_term():
             assert (m.params, m.grads, m.optimizer) == (p, p, p)
             hand = by_hand(i, j, mb, saved=saved, shared=shared, out=out, inp=inp,
                            input_saved=input_saved, transient=transient, L=6,
-                           kind=pulled_with(occ[s]))  # fmt: skip
+                           kind=pulled_with(occ[s]), stop=stop)  # fmt: skip
             got = st_.state_bytes.model_dump()
             assert {k: got[k] for k in vars(hand) if k != "static"} == {
                 k: x for k, x in vars(hand).items() if k != "static"
             }
             per = [hand.input, hand.activations, hand.during_i, hand.between_iw, hand.grad,
                    hand.pulled, hand.early, hand.late, hand.live, hand.remat_live,
-                   hand.forward_live, hand.input_live, hand.weight_live]  # fmt: skip
+                   hand.forward_live, hand.input_live, hand.weight_live,
+                   hand.stop_live]  # fmt: skip
             worst = max(sum(n * b for n, b in zip(t, per)) for t in occ[s])
             assert m.total == 3 * p + worst
         for dev in plan.devices:

@@ -71,6 +71,43 @@ def test_linear_relu_linear_saved_and_output_bytes_are_exact():
     assert prof.input_bytes == 4 * F32
 
 
+class Widen(nn.Module):
+    """Two unsaved temporaries, the second saved by the Linear, whose product is 4x wider."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, 4 * d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin((x * 2) * 3)
+
+
+class Doubled(nn.Module):
+    """Saves nothing (a product with a number keeps no tensor for backward)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_the_forward_up_to_its_last_save_is_where_a_checkpoint_stops():
+    """stop_transient_bytes: what a layer allocates beyond what it saves, up to the moment it
+    saves its last tensor (torch's checkpoint re-runs a stage no further). Widen: x * 2 (one
+    unit), then its product by 3 (saved by the Linear) beside it; the Linear's 4-unit output
+    comes after its last save. A layer that saves nothing stops nowhere: its whole forward."""
+    d, t = 8, 16
+    prof = quick(nn.Sequential(Widen(d), Doubled(), nn.Linear(4 * d, d)), torch.randn(2, t, d),
+                 [1, 2])  # fmt: skip
+    widen, doubled, lin = prof.layers
+    for b in (1, 2):
+        unit = b * t * d * F32
+        # (and the numbers 2 and 3, each a scalar tensor while its product is made)
+        assert unit <= widen.stop_transient_bytes[b] <= unit + 16
+        assert widen.forward_transient_bytes[b] == 4 * unit
+        assert doubled.stop_transient_bytes[b] == doubled.forward_transient_bytes[b]
+        assert 4 * unit <= doubled.forward_transient_bytes[b] <= 4 * unit + 16
+        assert (lin.stop_transient_bytes[b], lin.forward_transient_bytes[b]) == (0, unit)
+
+
 def test_layernorm_saves_input_mean_and_rstd():
     t, d = 5, 6
     prof = quick(nn.Sequential(nn.LayerNorm(d)), torch.randn(2, t, d), [1, 2])
