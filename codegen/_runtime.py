@@ -33,9 +33,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils.checkpoint as _checkpoint
 from torch import nn
 from torch.autograd.graph import GradientEdge, get_gradient_edge
-from torch.utils import checkpoint as _checkpoint
 
 from ._numerics import defer_batch_norm, replaying, restore_rng, save_rng, seed_layer  # emit: drop
 
