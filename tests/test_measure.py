@@ -342,6 +342,10 @@ def _hands_on(W: int) -> list[nn.Module]:  # a stage of _Same alone
     return [nn.Linear(W, W), nn.Dropout(0.3), _Same(), _Mean(), nn.Linear(W, 10)]
 
 
+def _wide_out(W: int) -> list[nn.Module]:  # a last stage whose loss's target is wide
+    return [nn.Linear(W, W), nn.ReLU(), nn.Linear(W, W), nn.ReLU(), nn.Linear(W, 4 * W)]
+
+
 SHAPES = {  # (layers, devices, schedule, recompute, the most the plan may count above the run)
     "lone first layer": (_lone_first, 2, "1f1b", "never", 512),
     "ends in a mean": (_ends_in_mean, 2, "gpipe", "never", 512),
@@ -355,6 +359,10 @@ SHAPES = {  # (layers, devices, schedule, recompute, the most the plan may count
     # zero bubble's I takes the gradient as is too, and W keeps none of it (the plan still
     # counts the stage's input as W's graph: 64 KiB over, on the safe side)
     "hands its input on, zero bubble": (_hands_on, 4, "zb-h1", "never", 64 * 1024 + 512),
+    # the loss profiled (mse): the runtime copies the target inside the last stage's forward,
+    # a recomputed one's too, which the profiled loss now does as well (it was 256 KiB under
+    # once B's re-run no longer counted the loss's whole forward)
+    "wide output under mse, recomputed": (_wide_out, 2, "gpipe", "always", 512),
 }
 
 
@@ -366,15 +374,23 @@ def test_backward_holds_what_the_plan_counts_to_the_byte(shape):
     layers, K, schedule, mode, slack = SHAPES[shape]
     torch.manual_seed(0)
     model = nn.Sequential(*layers(W))
-    x, y = torch.randn(8, 256, W), torch.randint(0, 10, (8,))
-    prof = even_times(quick_profile(model, x, batch_sizes=[1, 2, 8]))  # the same split always
+    x, y, loss_fn, loss = (
+        torch.randn(8, 256, W),
+        torch.randint(0, 10, (8,)),
+        nn.CrossEntropyLoss(),
+        None,
+    )
+    if "mse" in shape:
+        y, loss_fn, loss = torch.randn(8, 256, 4 * W), nn.MSELoss(), "mse"
+    # (even times: the same split always)
+    prof = even_times(quick_profile(model, x, batch_sizes=[1, 2, 8], loss_fn=loss))
     plan = plan_pipeline(
         prof, Cluster.uniform(K, "1GiB"), 8, microbatches=4, schedule=schedule, recompute=mode,
         checkpoint=(),
     )  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = compile_pipe(model, plan).measure(x, y, nn.CrossEntropyLoss(), steps=1)
+        report = compile_pipe(model, plan).measure(x, y, loss_fn, steps=1)
     over = [d.measured_peak_bytes - d.predicted_peak_bytes for d in report.devices]
     # (the allocator's few bytes of scalars; the old counts were 64 KiB to 128 KiB off)
     assert all(-slack <= o <= 512 for o in over), (over, [st.layers for st in plan.stages])
