@@ -905,7 +905,7 @@ def _real_shapes() -> list[StageShape]:
     return list(seen.values())
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=7, deadline=None)
 @given(problems())
 def test_stages_of_real_schedules_grow_with_their_end_and_are_the_reference(problem):
     """On the occupancies real schedules make (which count B's pulled gradient the tighter

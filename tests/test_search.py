@@ -112,7 +112,7 @@ def test_interleaved_bound_is_the_lps_optimum(K, M, rho):
         assert bound > 1.1 * M * W / K
 
 
-@settings(max_examples=9, deadline=None)
+@settings(max_examples=7, deadline=None)
 @given(
     forward=st.lists(st.floats(0.05, 5.0), min_size=3, max_size=6),
     backward_ratio=st.floats(0.3, 6.0),
@@ -256,7 +256,7 @@ def test_pruned_search_returns_the_exhaustive_plan(
             assert alt.at_least_ms <= t * (1 + 1e-9)
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     forward=st.lists(st.floats(0.1, 4.0), min_size=4, max_size=8),
     saved=st.lists(st.integers(0, 400), min_size=8, max_size=8),
