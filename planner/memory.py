@@ -42,8 +42,8 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
            (a captured graph's backward[l] also loses the gradient of each value l hands on
            that no later layer of the stage reads: routing.py's `unread`)
     remat_live = max(forward[i], max over i < l < j of forward[l] + input_unsaved[l]) less
-           later(l) at that l: while a forward that keeps what it saves runs (F, and the
-           re-materialising forward of a recomputed B or I), before the layers after l saved
+           later(l) at that l: while a forward that keeps what it saves runs (F, and zero
+           bubble's re-materialising forward at I), before the layers after l saved
     stop_live = remat_live, but the last layer j - 1 counts stop[j - 1] + input_unsaved[j - 1]
            (stop[i] alone for a stage of one layer): a recomputed B's re-materialising
            forward is a checkpoint's, which ends once every tensor the first run saved is back
@@ -561,15 +561,14 @@ class MemoryModel:
         if want("pulled"):
             pulled = self._pulled.take(whole) if c.flow is None else self._flow_pulled()[i, j]
             out["pulled"] = pulled
-        if want("stop_live", "pulled_paired"):
-            out["stop_live"] = stop = self._stop_live(i, j)
-        if want("live", "remat_live", "pulled_tight", "pulled_paired"):
+        if want("live", "remat_live", "stop_live", "pulled_tight", "pulled_paired"):
             remat = np.where(inner, self._inner_remat.take(after), 0)
             remat = np.maximum(self._first_remat[i], remat)
             # above the stage's activations, all saved by the end
             out["remat_live"] = remat = remat - self._held[j - 1]
-            if c.flow is not None and want("stop_live", "pulled_paired"):
-                out["stop_live"] = stop = remat  # (a captured graph's: its whole forward)
+            # (a captured graph's: its whole forward)
+            stop = self._stop_live(i, j) if c.flow is None else remat
+            out["stop_live"] = stop
             if want("live", "pulled_tight", "pulled_paired"):
                 # a captured graph's pulled gradient is raised so that it grows with the
                 # stage's end together with B's transient (_flow_pulled): that transient covers

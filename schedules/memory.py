@@ -38,9 +38,10 @@ above what the states count: `live` for B, `remat_live` for a forward that keeps
 (F, and the forward a recomputed micro-batch re-materialises at zero bubble's I, by hand),
 `stop_live` for the forward a recomputed B re-materialises (a checkpoint's: it ends once the
 stage's last saved tensor is made again, torch's early stop), `forward_live` for the forward
-of a recomputed micro-batch (which keeps nothing), `input_live` for I and `weight_live` for W. One host issues one action at a time, so a device never holds two
-transients at once. After the last action, the optimizer step runs on every device: its
-temporaries come on top of the weights alone.
+of a recomputed micro-batch (which keeps nothing), `input_live` for I and `weight_live` for W.
+One host issues one action at a time, so a device never holds two transients at once. After
+the last action, the optimizer step runs on every device: its temporaries come on top of the
+weights alone.
 """
 
 from __future__ import annotations

@@ -124,8 +124,10 @@ def test_dropout_masks_do_not_depend_on_schedule_or_recomputation(profiles):
     dropout on, every schedule and recomputation mode gives the same gradients (each schedule
     and each mode at least once, each recomputing schedule with both ways of recomputing)."""
     runs = {}
-    pairs = [("gpipe", "never"), ("gpipe", "always"), ("1f1b", "except_last"),
-             ("interleaved-1f1b", "always"), ("zb-h1", "except_last"), ("zb-h1", "always")]  # fmt: skip
+    pairs = [
+        ("gpipe", "never"), ("gpipe", "always"), ("1f1b", "except_last"),
+        ("interleaved-1f1b", "always"), ("zb-h1", "except_last"), ("zb-h1", "always"),
+    ]  # fmt: skip
     assert {s for s, _ in pairs} == set(SCHEDULES) and {m for _, m in pairs} == set(MODES)
     for schedule, mode in pairs:
         model = small_transformer(dropout=0.2)
