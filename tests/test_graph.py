@@ -372,31 +372,6 @@ def test_a_weight_two_layers_of_one_stage_share_gets_one_gradient_under_zero_bub
         assert d.measured_peak_bytes <= 1.001 * d.predicted_peak_bytes, d
 
 
-def test_tied_weights_under_torchrun(gpt_profile, tmp_path):
-    pytest.importorskip("torch.distributed.run")
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    from tests.test_codegen import ROOT, torchrun
-
-    _, _, prof = gpt_profile
-    paths = []
-    for schedule in ("1f1b", "interleaved-1f1b"):
-        path = tmp_path / f"{schedule}.py"
-        path.write_text(emit_program(_plan(prof, schedule, "never"), target="torchrun"))
-        paths.append(str(path))
-    r = torchrun(2, str(ROOT / "tests" / "dist_graph_driver.py"), str(tmp_path), *paths)
-    assert r.returncode == 0, r.stderr[-3000:]
-    import json
-
-    held = set()
-    for rank in (0, 1):
-        for name, res in json.loads((tmp_path / f"rank{rank}.json").read_text()).items():
-            assert res["loss_err"] <= 1e-5, (rank, name)
-            assert max(res["grad_err"].values()) <= 1e-5, (rank, name, res)
-            held |= {(rank, p) for p in res["grad_err"]}
-    assert (0, "tokens.weight") in held and (1, "tokens.weight") in held  # on both ranks
-
-
 def test_cli_profiles_plans_and_compiles_a_graph_example(run_cli, tmp_path):
     prof, plan, prog = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "prog.py"
     r = run_cli("profile", "example:resnet", "--batch-sizes", "2", "--repeats", "1",
@@ -595,7 +570,10 @@ def test_early_arrivals_are_counted_where_they_wait(unet_routes):
     assert played.peaks == plan.predicted.peak_memory
 
 
-def test_skips_across_ranks_under_torchrun(unet_routes, tmp_path):
+def test_skips_across_ranks_and_tied_weights_under_torchrun(unet_routes, gpt_profile, tmp_path):
+    """One launch of 2 gloo ranks runs four programs: a U-Net and a model read far down, whose
+    skips pass a stage and cross ranks; and a GPT whose tied embedding is on both ranks, under
+    1F1B and interleaving. Each gives the un-pipelined loss and gradients."""
     pytest.importorskip("torch.distributed.run")
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
@@ -614,14 +592,28 @@ def test_skips_across_ranks_under_torchrun(unet_routes, tmp_path):
                           schedule="interleaved-1f1b", recompute="never")  # fmt: skip
     assert any(t > s + 1 for s, t in fplan.routes)
     (tmp_path / "far.py").write_text(emit_program(fplan, target="torchrun"))
+    _, _, gprof = gpt_profile
+    gpt = []
+    for schedule in ("1f1b", "interleaved-1f1b"):
+        path = tmp_path / f"{schedule}.py"
+        path.write_text(emit_program(_plan(gprof, schedule, "never"), target="torchrun"))
+        gpt.append(str(path))
     r = torchrun(2, str(ROOT / "tests" / "dist_graph_driver.py"), str(tmp_path),
-                 f"unet={tmp_path / 'unet.py'}", f"far={tmp_path / 'far.py'}")  # fmt: skip
+                 f"unet={tmp_path / 'unet.py'}", f"far={tmp_path / 'far.py'}", *gpt)  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
+    held = set()
     for rank in (0, 1):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         for name in ("unet.py", "far.py"):
-            res = json.loads((tmp_path / f"rank{rank}.json").read_text())[name]
+            res = results[name]
             assert res["loss_err"] <= 1e-5, (rank, name, res)
             assert max(res["grad_err"].values()) <= 1e-4, (rank, name, res)
+        for name in ("1f1b.py", "interleaved-1f1b.py"):
+            res = results[name]
+            assert res["loss_err"] <= 1e-5, (rank, name)
+            assert max(res["grad_err"].values()) <= 1e-5, (rank, name, res)
+            held |= {(rank, p) for p in res["grad_err"]}
+    assert (0, "tokens.weight") in held and (1, "tokens.weight") in held  # on both ranks
 
 
 class FarReader(nn.Module):

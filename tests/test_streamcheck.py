@@ -548,8 +548,9 @@ def test_a_one_gpu_copy_must_be_recorded_on_the_stream_that_runs_it(program):
 
 
 def test_the_program_checks_itself_and_fails_when_broken(tmp_path):
-    """`gpipe-plan codegen --check-streams` and `python program.py --check-streams`: exit 0
-    with a one-line verdict when clean; a program with a wait taken out exits 1, listing it."""
+    """`gpipe-plan codegen --check-streams` exits 0 with a one-line verdict when clean; `python
+    program.py --check-streams` on a program with a wait taken out exits 1, listing it (a clean
+    program's own check exits 0: test_graph's emitted U-Net)."""
     model = mlp()  # example:mlp as the program builds it
     prof = quick_profile(model, model.example_input[:2])
     plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), N, microbatches=4, schedule="zb-h1")
@@ -565,13 +566,12 @@ def test_the_program_checks_itself_and_fails_when_broken(tmp_path):
     source = (tmp_path / "program.py").read_text()
     line = "        self.compute[dst].wait_event(copied)\n"
     (tmp_path / "broken.py").write_text(source.replace(line, "        pass\n"))
-    for name, rc in (("program.py", 0), ("broken.py", 1)):
-        run = subprocess.run(
-            [sys.executable, name, "--check-streams"],
-            capture_output=True, text=True, cwd=tmp_path, timeout=300,
-        )  # fmt: skip
-        assert run.returncode == rc, run.stdout + run.stderr
-        assert run.stderr == ""
+    run = subprocess.run(
+        [sys.executable, "broken.py", "--check-streams"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=300,
+    )  # fmt: skip
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert run.stderr == ""
     listed = run.stdout.splitlines()
     assert listed and all(p.startswith("stream check on ['cuda:0', 'cuda:") for p in listed)
     assert any("is not ordered before it" in p for p in listed)
