@@ -202,7 +202,8 @@ def problems(draw):
     # the last entry may be a loss (what it saves goes with I) and stage 0 may work on the
     # caller's micro-batch (a CPU run)
     loss_saved = np.zeros(L, dtype=np.int64)
-    if L > 1 and draw(st.booleans()):
+    has_loss = L > 1 and draw(st.booleans())
+    if has_loss:
         loss_saved[-1] = saved[-1] - shared[-1]
     chain = make_chain(
         L,
@@ -227,6 +228,8 @@ def problems(draw):
         loss_saved=loss_saved,
         borrowed_input=draw(st.booleans()),
         last_grad=0 if loss_saved[-1] else draw(st.integers(0, 20)),
+        # (the loss is no model layer: never under a checkpoint of its own, test_checkpointed)
+        num_model_layers=L - 1 if has_loss else L,
     )
     tuples = st.lists(
         st.builds(
