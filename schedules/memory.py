@@ -298,13 +298,16 @@ class _Events:
         one column per state, or one of `weights` (one per change)."""
         n_change = len(self.change_seq)
         group = np.concatenate([change_group, snap_group]).astype(np.int64)
-        seq = np.concatenate([self.change_seq, self.snap_seq])
         N = len(group)
-        # by group, then position, changes before looks: one integer key (lexsort is slower)
-        span = 2 * (int(seq.max(initial=0)) + 1)
-        key = group * span + 2 * seq
-        key[n_change:] += 1
-        order = np.argsort(key)
+        # by group, then position, changes before looks: two stable sorts, by position (the
+        # events come in runs already in order, which a stable sort merges) and then by group
+        # (a few small integers: a radix sort), 3-4x faster than one sort of a combined key
+        seq = np.concatenate([2 * self.change_seq, 2 * self.snap_seq + 1])
+        order = np.argsort(seq, kind="stable")
+        small = group[order]
+        if N and int(small.max()) < 1 << 15 and int(small.min()) >= 0:
+            small = small.astype(np.int16)
+        order = order[np.argsort(small, kind="stable")]
         # one row per column, one entry per event (rows contiguous: cumsum runs along them)
         packed = weights is None and _fits_packed(
             change_group, self.change_state, self.change_delta
@@ -379,7 +382,7 @@ def _bound_of(schedule: Schedule, modes: Sequence[str]) -> list[Occupancy]:
     cell = ev.change_stage * NS + ev.change_state
     # one group per action, cell and phase, in that order (seq = 4 k + phase)
     per_phase = (ev.change_seq // 4 * (S * NS) + cell) * 4 + ev.change_seq % 4
-    phases, at = np.unique(per_phase, return_inverse=True)
+    phases, at = _unique_runs(per_phase)
     net = np.bincount(at, weights=ev.change_delta).astype(np.int64)
     action = phases // 4  # (action, cell)
     first = np.flatnonzero(np.concatenate([[True], action[1:] != action[:-1]]))
@@ -397,6 +400,17 @@ def _bound_of(schedule: Schedule, modes: Sequence[str]) -> list[Occupancy]:
     flags[ev.snap_stage[on], ev.snap_running[on] - LIVE] = 1
     rows = np.concatenate([counts.reshape(S, NS), flags], axis=1)
     return [(tuple(int(n) for n in row),) for row in rows]
+
+
+def _unique_runs(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """np.unique(keys, return_inverse=True) for keys that come in a few increasing runs (the
+    events, rule by rule): a stable sort merges the runs, 2-3x faster than unique's own."""
+    order = np.argsort(keys, kind="stable")
+    ranked = keys[order]
+    new = np.concatenate([[True], ranked[1:] != ranked[:-1]]) if len(keys) else np.zeros(0, bool)
+    at = np.empty(len(keys), dtype=np.int64)
+    at[order] = np.cumsum(new) - 1
+    return ranked[new], at
 
 
 _BOUNDS: dict[tuple, list[Occupancy]] = {}

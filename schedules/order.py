@@ -82,7 +82,20 @@ def issue_arrays(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 def program_arrays(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The compute actions rank after rank, each in program order, as issue_arrays has them
-    (no issue order is made)."""
+    (no issue order is made); kept per schedule, as the issue order is."""
+    key = schedule_key(schedule, ("program",))
+    hit = _PROGRAMS.get(key)
+    if hit is None:
+        if len(_PROGRAMS) > 256:
+            _PROGRAMS.clear()
+        hit = _PROGRAMS[key] = _program_arrays(schedule)
+    return hit
+
+
+_PROGRAMS: dict[tuple, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+
+
+def _program_arrays(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     from .waves import KIND_CODE
 
     acts = [a for _, acts in sorted(schedule.ranks.items()) for a in acts if a.kind.is_compute]

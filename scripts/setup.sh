@@ -19,3 +19,7 @@ if ! "$py" -c "import torch" 2>/dev/null; then
 fi
 "$py" -m pip install -q -e ".[test,plot]" 2>&1 | grep -v "is ignored: it is neither" >&2 || true
 "$py" -c "import cli, torch, ortools, pydantic" || { echo "setup.sh: install incomplete" >&2; exit 1; }
+# Our own modules' bytecode, written once: where the environment turns bytecode writing off
+# (PYTHONDONTWRITEBYTECODE), every command would otherwise compile them afresh (0.1 s a run).
+# Python still checks each file's date, so an edited module is compiled again, in memory.
+"$py" -m compileall -q cli.py planner profiler schedules codegen >/dev/null
