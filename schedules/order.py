@@ -100,11 +100,14 @@ def _program_arrays(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndar
 
     acts = [a for _, acts in sorted(schedule.ranks.items()) for a in acts if a.kind.is_compute]
     n = len(acts)
-    return (
+    arrays = (
         np.fromiter(map(KIND_CODE.__getitem__, map(attrgetter("kind"), acts)), np.int64, n),
         np.fromiter(map(attrgetter("stage"), acts), np.int64, n),
         np.fromiter(map(attrgetter("microbatch"), acts), np.int64, n),
     )
+    for a in arrays:  # kept and shared: nobody writes into them
+        a.setflags(write=False)
+    return arrays
 
 
 def schedule_key(schedule: Schedule, modes: tuple[str, ...]) -> tuple:
