@@ -315,3 +315,19 @@ def test_every_b_of_a_stage_holds_its_pulled_gradient_alike_and_floors_hold_none
             assert kinds == ["pulled_tight"] * len(kinds), kinds
         elif mode == "always":  # (the last stage pulls none)
             assert kinds[:-1] == ["pulled_paired"] * (len(kinds) - 1), kinds
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 40), max_size=30).map(sorted), max_size=5))
+def test_unique_of_runs_equals_numpys(runs):
+    """The bound's grouping (_unique_runs, a stable sort over runs already in order) gives
+    np.unique's values and inverse: on increasing runs, and on the same runs reversed."""
+    import numpy as np
+
+    from schedules.memory import _unique_runs
+
+    keys = np.array([k for run in runs for k in run][::-1] + [k for run in runs for k in run],
+                    dtype=np.int64)  # fmt: skip
+    values, at = _unique_runs(keys)
+    want, inverse = np.unique(keys, return_inverse=True)
+    assert values.tolist() == want.tolist() and at.tolist() == inverse.ravel().tolist()
