@@ -6,6 +6,7 @@ Exit status: 0 done, 1 a check failed or no split fits (with a table), 2 bad inp
 from __future__ import annotations
 
 import argparse
+import errno
 import gc
 import json
 import os
@@ -62,6 +63,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args_list = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args_list
+    for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 is shown escaped
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     try:
         try:
             os.getcwd()
@@ -75,20 +79,33 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "name a command: profile, links, plan, check, show, simulate, codegen, measure "
                 "or schema (see gpipe-plan --help)"
             )
-        return int(args.run(args))
+        code = int(args.run(args))
+        sys.stdout.flush()  # a full disk or a closed pipe is found here, not at exit
+        return code
     except InputError as e:
         if debug:
             raise
         print(f"gpipe-plan: error: {_cli_words(e, args_list)}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM / SIGHUP during a launch
         print("gpipe-plan: interrupted", file=sys.stderr)
-        return 130
+        return getattr(e, "exit_code", 130)
     except BrokenPipeError:
         # `gpipe-plan show plan.json | head`: the reader left; stop quietly, as Unix tools do.
         # NOTE: point stdout at devnull so the interpreter's final flush does not raise again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as e:
+        if e.errno not in _UNWRITABLE or e.filename is not None:
+            raise
+        # the terminal's output cannot be written (`show plan.json > /dev/full`): one line, and
+        # not check's 1, which a CI job would read as over budget
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"gpipe-plan: error: cannot write the output ({e.strerror})", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+_UNWRITABLE = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
 
 
 def _cli_words(e: InputError, argv: list[str]) -> str:

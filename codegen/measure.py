@@ -11,6 +11,7 @@ process per device) or on CUDA streams.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -24,6 +25,7 @@ from planner.plan import Plan
 from planner.search import simulate_plan
 from profiler.artifact import InputError
 from profiler.memtrack import AllocationTrace, owned_by, trace_allocations
+from profiler.models import check_allocation
 from schedules import Timeline
 
 __all__ = [
@@ -307,6 +309,8 @@ def make_data(model: nn.Module, plan: Plan, seed: int = 0) -> tuple[torch.Tensor
     g = torch.Generator().manual_seed(seed)
     shape = (plan.batch_size, *plan.input_shape)
     dtype = getattr(torch, plan.input_dtype)
+    size = torch.empty((), dtype=dtype).element_size() * math.prod(shape)
+    check_allocation(size, torch.device("cpu"), f"the plan's mini-batch {list(shape)}")
     if dtype.is_floating_point:
         x = torch.randn(shape, generator=g).to(dtype)
     else:
@@ -416,25 +420,49 @@ def measure_torchrun(
     )  # fmt: skip
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP while a launch runs: stops the command as Ctrl-C does (the launch
+    killed, its temporary files removed), with the exit status of that signal."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.exit_code = 128 + signum
+
+
 def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> Any:
-    """Run torchrun in its own session; past `timeout_s`, or on Ctrl-C, torchrun and every
-    rank it started (each in a session of its own) are killed before this returns."""
+    """Run torchrun in its own session; past `timeout_s`, on Ctrl-C, SIGTERM or SIGHUP,
+    torchrun and every rank it started (each in a session of its own) are killed before this
+    returns."""
+    import signal
     import subprocess
+    import threading
     import uuid
 
+    def stop(signum: int, frame: Any) -> None:
+        raise Stopped(signum)
+
+    kept = {}
+    if threading.current_thread() is threading.main_thread():  # (only it may set handlers)
+        kept = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     token = uuid.uuid4().hex  # every process of this launch inherits it: how they are found
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**env, _RUN_TOKEN: token}, start_new_session=True,
-    )  # fmt: skip
     try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_all(proc, token)
-        raise InputError(f"the torchrun program ran past {timeout_s:g} s and was stopped") from None
-    except BaseException:
-        _kill_all(proc, token)
-        raise
+        proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**env, _RUN_TOKEN: token}, start_new_session=True,
+        )  # fmt: skip
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_all(proc, token)
+            raise InputError(
+                f"the torchrun program ran past {timeout_s:g} s and was stopped"
+            ) from None
+        except BaseException:
+            _kill_all(proc, token)
+            raise
+    finally:
+        for sig, handler in kept.items():
+            signal.signal(sig, handler)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

@@ -4,7 +4,8 @@ An output is checked before any long work starts (`check_output`) and written al
 (`write_output`): into a temporary file beside the target, renamed over it only when it is a
 regular file or does not exist yet. A symlink is followed (the link stays, its target gets the
 new content). A device, FIFO, socket or directory is refused, and so is a path that names one of
-the command's own inputs. A new file gets the mode the umask allows, an existing file keeps its
+the command's own inputs, one of gpipe-plan's own source files, or a module the command has
+loaded. A new file gets the mode the umask allows, an existing file keeps its
 mode (and, where the process may, its owner).
 
 Torch-free, like artifact.py.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import stat
+import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -53,6 +55,8 @@ def check_output(
                 raise InputError(
                     f"{shown}: is also this command's input {source}; write to another file"
                 )
+        if (what := _code(target)) is not None:
+            raise InputError(f"{shown}: is {what}; write to another file")
         if not os.access(path, os.W_OK):
             raise InputError(f"{shown}: the file is not writable")
     directory = target.parent
@@ -65,6 +69,24 @@ def check_output(
     os.close(fd)
     os.unlink(probe)
     return target
+
+
+_ROOT = Path(__file__).resolve().parents[1]
+_PACKAGES = ("planner", "profiler", "schedules", "codegen")
+
+
+def _code(target: Path) -> str | None:
+    """What `target` is, if it is code this tool runs: one of its own source files (the ranks of
+    a torchrun launch import them afresh), or a module this process has loaded."""
+    if target.suffix == ".py" and (
+        target == _ROOT / "cli.py" or any(target.is_relative_to(_ROOT / p) for p in _PACKAGES)
+    ):
+        return "one of gpipe-plan's own source files"
+    for module in list(sys.modules.values()):
+        where = getattr(module, "__file__", None)
+        if where and os.path.realpath(where) == str(target):
+            return f"the source of module {module.__name__}, which this command runs"
+    return None
 
 
 def check_distinct(outputs: dict[str, str | None]) -> None:

@@ -25,6 +25,11 @@ DTYPES = {
 }
 
 
+USER_ERRORS = (Exception, SystemExit)
+"""What a user's factory or module may raise that is reported in one line: anything but Ctrl-C
+(a sys.exit() in it too, which would otherwise end the command quietly)."""
+
+
 def load_model(spec: str) -> nn.Module:
     """`example:NAME`, `package.module:factory` or `path/to/file.py:factory` -> the factory's module."""
     from .examples import EXAMPLES
@@ -47,7 +52,7 @@ def load_model(spec: str) -> nn.Module:
             raise InputError(f"MODEL {spec!r}: {where} has no callable named {name!r}")
     try:
         model = factory()
-    except Exception as e:  # the user's code: report it in one line, whatever it raised
+    except USER_ERRORS as e:  # the user's code: report it in one line, whatever it raised
         raise InputError(f"MODEL {spec!r}: the factory raised {type(e).__name__}: {e}") from None
     if isinstance(model, tuple) and len(model) == 2 and isinstance(model[1], dict):
         from .graph import CaptureError, with_inputs
@@ -76,7 +81,7 @@ def _import(where: str, spec: str) -> object:
         sys.modules[name] = module
         try:
             module_spec.loader.exec_module(module)
-        except Exception as e:
+        except USER_ERRORS as e:
             sys.modules.pop(name, None)
             raise InputError(
                 f"MODEL {spec!r}: importing {where} raised {type(e).__name__}: {e}"
@@ -86,7 +91,7 @@ def _import(where: str, spec: str) -> object:
         return importlib.import_module(where)
     except ModuleNotFoundError as e:
         raise InputError(f"MODEL {spec!r}: cannot import {where} ({e})") from None
-    except Exception as e:
+    except USER_ERRORS as e:
         raise InputError(
             f"MODEL {spec!r}: importing {where} raised {type(e).__name__}: {e}"
         ) from None
@@ -151,6 +156,8 @@ def capture_sample(model: nn.Module, input_shape: list[int], dtype: str) -> torc
     """Two samples of the planned input, to capture the graph with as the profile did."""
     example = getattr(model, "example_input", None)
     kind = DTYPES.get(dtype) or getattr(torch, dtype)
+    size = torch.empty((), dtype=kind).element_size() * 2 * math.prod(input_shape)
+    check_allocation(size, torch.device("cpu"), f"two samples of the plan's input {input_shape}")
     if isinstance(example, torch.Tensor) and list(example.shape[1:]) == list(input_shape):
         two = example[:2] if example.shape[0] >= 2 else torch.cat([example, example])
         # in the planned dtype (a profile made with --dtype): as the profile captured it

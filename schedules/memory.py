@@ -149,6 +149,9 @@ def _steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
 def _build_steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
     S, M, place = schedule.num_stages, schedule.num_microbatches, schedule.placement
     early = schedule.early_from()
+    far: dict[int, list[int]] = {}  # per stage, the stages it is the first far sender of
+    for t in range(S):
+        far.setdefault(early[t], []).append(t)
     steps = []
     for a in canonical_order(schedule, modes):
         s, m = a.stage, a.microbatch
@@ -169,13 +172,13 @@ def _build_steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
                 end.append((s + 1, IN, 1))
                 if early[s + 1] >= 0:
                     end.append((s + 1, EARLY, -1))
-            end += [(t, EARLY, 1) for t in range(S) if early[t] == s]
+            end += [(t, EARLY, 1) for t in far.get(s, ())]
         elif a.kind in (Kind.B, Kind.I):
             if s < S - 1:
                 start.append((s + 1, GRAD, -1))
                 if early[s + 1] >= 0:
                     start.append((s + 1, LATE, 1))
-            start += [(t, LATE, -1) for t in range(S) if early[t] == s]
+            start += [(t, LATE, -1) for t in far.get(s, ())]
             if rec:
                 start += [(s, IN, -1), (s, ACT, 1)]
             if a.kind == Kind.I:

@@ -21,6 +21,8 @@ from profiler.limits import ArgumentError
 from tests.conftest import synthetic_profile
 from tests.test_cli import assert_bad_input
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 @pytest.fixture
 def prof(tmp_path: Path) -> Path:
@@ -733,3 +735,99 @@ def test_a_number_longer_than_python_reads_is_refused_in_one_line(run_cli, tmp_p
         "not valid JSON (Exceeds the limit (4300 digits)" in r.err and len(r.err.splitlines()) == 1
     )
     assert out.read_text() == "kept"
+
+
+def test_sigterm_during_a_launch_kills_it_and_restores_the_handler():
+    """SIGTERM (or SIGHUP) while torchrun runs stops the command as Ctrl-C does: the launch and
+    what it started in sessions of their own are killed (the red team found them orphaned)."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    from codegen.measure import Stopped, _run
+
+    mark = f"gpipe-test-{os.getpid()}-{time.time_ns()}"
+    child = f"import time; time.sleep(60)  # {mark}"
+    launch = (
+        "import subprocess, sys, time; "
+        f"subprocess.Popen([sys.executable, '-c', {child!r}], start_new_session=True); "
+        f"time.sleep(60)  # {mark}"
+    )
+
+    def unhandled(signum: int, frame: object) -> None:  # (not the runner's death, a failure)
+        raise RuntimeError("_run left SIGTERM to whatever handled it before")
+
+    outer = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        with pytest.raises(Stopped) as stopped:
+            _run([sys.executable, "-c", launch], dict(os.environ), timeout_s=30)
+        assert stopped.value.exit_code == 128 + signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is unhandled  # put back as it was
+    finally:
+        signal.signal(signal.SIGTERM, outer)
+    left = subprocess.run(["pgrep", "-f", mark], capture_output=True, text=True).stdout
+    assert left.strip() == ""
+
+
+def test_an_output_is_never_gpipe_plans_own_code_nor_a_loaded_module(tmp_path):
+    """`links -o cli.py` once replaced the tool's own entry point (and every later command then
+    did nothing, quietly); so could any command whose output named a module it runs."""
+    import json as loaded
+
+    import cli
+
+    for code in (
+        Path(cli.__file__),
+        ROOT / "planner" / "search.py",
+        ROOT / "profiler" / "links.py",
+    ):
+        with pytest.raises(InputError, match="gpipe-plan's own source files"):
+            check_output(code)
+    with pytest.raises(InputError, match="module json, which this command runs"):
+        check_output(loaded.__file__)
+    check_output(tmp_path / "fine.py")  # a new file of any name is fine
+
+
+def test_a_full_disk_on_stdout_or_a_name_not_in_utf8_is_one_line(plan_file, prof, tmp_path):
+    """`show plan.json > /dev/full` gave a traceback (and `check` exited 1, which a CI job reads
+    as over budget); a written file's name that is not UTF-8 failed its closing message."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8"}
+    cli_py = str(ROOT / "cli.py")
+    if os.path.exists("/dev/full"):
+        for command in ("show", "check"):
+            with open("/dev/full", "w") as full:
+                done = subprocess.run([sys.executable, cli_py, command, str(plan_file)],
+                                      stdout=full, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+            assert done.returncode == 2, done.stderr
+            assert done.stderr.splitlines() == [
+                "gpipe-plan: error: cannot write the output (No space left on device)"
+            ]
+    odd = os.fsencode(str(tmp_path)) + b"/\xfe.json"
+    done = subprocess.run([sys.executable, cli_py, "plan", str(prof), *PLAN_ARGS, "-o", odd],
+                          capture_output=True, text=True, env=env)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert os.path.exists(odd) and done.stdout.splitlines()[-1].endswith("\\udcfe.json")
+
+
+def test_a_factory_that_calls_sys_exit_is_reported_not_obeyed(run_cli, tmp_path):
+    model = tmp_path / "quits.py"
+    model.write_text("import sys\ndef make():\n    sys.exit(0)\n")
+    assert_bad_input(run_cli("profile", f"{model}:make", "-o", tmp_path / "p.json"),
+                     mentions="the factory raised SystemExit")  # fmt: skip
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_plans_input_shape_past_memory_is_refused_before_it_is_made():
+    """A hand-edited plan's input_shape of 10**12 reached torch.randn (a traceback from the
+    allocator); as profile's --input-shape, it is now one line."""
+    from profiler.models import capture_sample
+
+    with pytest.raises(InputError, match="two samples of the plan's input"):
+        capture_sample(torch.nn.Linear(2, 2), [10**12], "float32")
+    assert capture_sample(torch.nn.Linear(2, 2), [3], "float32").shape == (2, 3)
