@@ -135,6 +135,8 @@ def _given(argv: list[str], flag: str | None) -> str | None:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     out = check_output(args.output, inputs=_sources(args.model, args.loss))
+    for flag, spec in (("MODEL", args.model), ("--loss", args.loss)):
+        _recordable(flag, spec)  # the profile names them: refused now, not after the work
 
     from profiler.measure import profile_model
     from profiler.models import DTYPES, load_model, sample_input
@@ -759,6 +761,20 @@ def _int_list(text: str, flag: str) -> list[int]:
     if not values:
         raise InputError(f"{flag} {text!r}: expected whole numbers separated by commas")
     return values
+
+
+def _recordable(flag: str, spec: str | None) -> None:
+    """A name the profile records (its model, its loss) must be one line of at most 1024
+    characters (profiler.limits.Text)."""
+    if spec is None:
+        return
+    if any(ord(c) < 0x20 or ord(c) == 0x7F for c in spec):
+        raise InputError(f"{flag} {spec!r}: a control character in the name; rename or move it")
+    if len(spec) > 1024:
+        raise InputError(
+            f"{flag}: a name of {len(spec)} characters, past the 1024 a profile records; "
+            "move it somewhere shorter"
+        )
 
 
 def _sources(*specs: str | None) -> list[str]:

@@ -284,6 +284,9 @@ class Plan(Artifact):
         bad = [r for r in self.routes if not r[0] < r[1] < S]
         if bad:
             raise ValueError(f"route {list(bad[0])} is not (sender, later receiver) of {S} stages")
+        if self.routes and not self.captured:  # (its program would fail once it ran)
+            raise ValueError("routes: a sequential model's stages each send to the next; only a "
+                             "captured graph's plan lists routes")  # fmt: skip
         end = 0
         for s, st in enumerate(self.stages):
             i, j = st.layers

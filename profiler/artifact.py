@@ -108,8 +108,16 @@ class Artifact(BaseModel):
         if not isinstance(data, dict) or "kind" not in data:
             raise InputError(f"{source}: not a gpipe-plan {expected} file (no 'kind' field)")
         if data["kind"] != expected:
-            raise InputError(f"{source} is a {data['kind']!s}, but a {expected} is expected here")
+            kind = data["kind"]
+            odd = not isinstance(kind, str) or not kind.isprintable()
+            shown = _clipped(ascii(kind) if odd else kind)  # one short line, whatever it holds
+            raise InputError(f"{source} is a {shown}, but a {expected} is expected here")
         version = data.get("format_version")
+        if "format_version" in data and (isinstance(version, bool) or not isinstance(version, int)):
+            raise InputError(  # ("9" would be read as 9 past the checks below, True as 1)
+                f"{source}: format_version {_clipped(json.dumps(version))} is not a whole "
+                f"number; this gpipe-plan writes {cls.FORMAT_VERSION}"
+            )
         if isinstance(version, int) and version > cls.FORMAT_VERSION:
             raise InputError(
                 f"{source}: {expected} format version {version} is newer than this gpipe-plan "
@@ -129,6 +137,12 @@ class Artifact(BaseModel):
             raise InputError(
                 f"{source}: invalid {expected}: {where + ': ' if where else ''}{msg}"
             ) from None
+
+
+def _clipped(text: object, most: int = 60) -> str:
+    """A value from a file, shown in one short line."""
+    text = str(text)
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 MAX_FILE_BYTES = 2**30  # far past a 100 000-layer profile; /dev/zero is not a profile

@@ -831,3 +831,45 @@ def test_a_plans_input_shape_past_memory_is_refused_before_it_is_made():
     with pytest.raises(InputError, match="two samples of the plan's input"):
         capture_sample(torch.nn.Linear(2, 2), [10**12], "float32")
     assert capture_sample(torch.nn.Linear(2, 2), [3], "float32").shape == (2, 3)
+
+
+def test_a_model_or_loss_name_no_profile_can_record_is_refused_before_profiling(
+    run_cli, monkeypatch, tmp_path
+):
+    """A tab in the model's folder, or a path past 1024 characters, failed the profile's own
+    validation only after the whole profile was measured (a traceback)."""
+    import profiler.measure
+
+    monkeypatch.setattr(profiler.measure, "profile_model", _must_not_run)
+    odd = tmp_path / "tab\there"
+    odd.mkdir()
+    (odd / "m.py").write_text("def f(): pass\ndef loss(o, y): pass\n")
+    out = tmp_path / "p.json"
+    assert_bad_input(run_cli("profile", f"{odd}/m.py:f", "-o", out), mentions="control character")
+    assert_bad_input(run_cli("profile", "example:mlp", "--loss", f"{odd}/m.py:loss", "-o", out),
+                     mentions="control character")  # fmt: skip
+    long = "example:" + "x" * 1100
+    assert_bad_input(run_cli("profile", long, "-o", out), mentions="past the 1024")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "edit, mentions",
+    [
+        ({"format_version": "9"}, 'format_version "9" is not a whole number'),
+        ({"format_version": True}, "format_version true is not a whole number"),
+        ({"format_version": 1.5}, "format_version 1.5 is not a whole number"),
+        ({"routes": [[0, 1]]}, "only a captured graph's plan lists routes"),
+        ({"kind": "pl\nan" + "x" * 10_000}, "is a 'pl\\nanxxx"),
+    ],
+)
+def test_hand_edits_the_red_team_slipped_past_are_refused(run_cli, plan_file, edit, mentions):
+    """A future version written as text ("9") was read past the version check; a sequential
+    plan with routes was accepted and its program failed at run time; a kind with a newline cut
+    the message short, and a long one filled the terminal."""
+    data = json.loads(plan_file.read_text())
+    data.update(edit)
+    plan_file.write_text(json.dumps(data))
+    r = run_cli("show", plan_file)
+    assert_bad_input(r, mentions=mentions)
+    assert len(r.err) < 300
