@@ -138,6 +138,7 @@ class _Problem:
     summaries: dict[tuple[int, bool, float], tuple[float, float]] = field(default_factory=dict)
     # _solve's shortcuts, per shortcut (and schedule and recompute): [successes, misses]
     records: dict[tuple, list[int]] = field(default_factory=dict)
+    link_floors: dict[tuple[int, int], float] = field(default_factory=dict)  # _link_floor's
 
     def __post_init__(self) -> None:
         self.table = ProfileTable(self.profile)
@@ -191,6 +192,7 @@ def plan_pipeline(
     allow_reorder: bool = False,
     target: str = "streams",
     checkpoint: Sequence[int] | str = "auto",
+    _beat: float | None = None,
 ) -> Plan:
     """The fastest predicted plan for `profile` on `cluster` that fits every device's memory.
     `time_limit_s`: return the best plan found by then, marked not proven (the search goes on
@@ -273,7 +275,11 @@ def plan_pipeline(
     )  # fmt: skip
     _check_magnitude(problem.table, batch_size)
 
-    best, best_cand, visited = _search(problem, candidates, solve, method, time_limit_s, progress)
+    best, best_cand, visited = _search(
+        problem, candidates, solve, method, time_limit_s, progress, _beat
+    )
+    if (best is None or best_cand is None) and _beat is not None:
+        raise _Outrun(len(candidates), visited.solved, visited.pruned, visited.timed_out)
     if best is None or best_cand is None:
         err = _infeasible(problem, candidates)
         if err.closest is None or not err.closest.fits:
@@ -469,19 +475,31 @@ def _checkpoint_sets(profile: Profile) -> list[tuple[int, ...]]:
     return [tuple(sorted(ranked[:k])) for k in sizes if k <= n]
 
 
+class _Outrun(Exception):
+    """A device order none of whose candidates beats the plan already found for another."""
+
+    def __init__(self, candidates: int, solved: int, pruned: int, timed_out: bool) -> None:
+        super().__init__("outrun")
+        self.counts = (candidates, solved, pruned)
+        self.timed_out = timed_out  # (then not every candidate of it was searched)
+
+
 def _reordered(
     profile: Profile, cluster: Cluster, batch_size: int, started: float, **kw: Any
 ) -> Plan:
-    """plan_pipeline once per device order; the fastest (ties: the earlier order) wins."""
+    """plan_pipeline once per device order; the fastest (ties: the earlier order) wins. Each
+    order after the first plan is searched against that plan's time: its candidates whose bound
+    cannot beat it are pruned, so an order that cannot win costs its bounds, not its search.
+    `time_limit_s` holds for all the orders together, found or not."""
     orders, complete = cluster.placements()
     best: Plan | None = None
     error: InfeasibleError | None = None
     candidates = solved = pruned = 0
-    limit = kw.pop("time_limit_s", None)  # for all the orders together
+    limit = kw.pop("time_limit_s", None)
     tried = 0
     for order in orders:
         left = None if limit is None else limit - (time.perf_counter() - started)
-        if left is not None and left <= 0 and best is not None:
+        if left is not None and left <= 0 and tried:
             complete = False
             break
         tried += 1
@@ -491,8 +509,15 @@ def _reordered(
                 cluster.reordered(order),
                 batch_size,
                 time_limit_s=None if left is None else max(left, 0.0),
+                _beat=None if best is None else best.predicted.iteration_ms,
                 **kw,
             )
+        except _Outrun as e:
+            candidates, solved, pruned = (
+                a + b for a, b in zip((candidates, solved, pruned), e.counts)
+            )
+            complete = complete and not e.timed_out
+            continue
         except InfeasibleError as e:
             if error is None or e.needed_bytes < error.needed_bytes:
                 error = e
@@ -504,6 +529,12 @@ def _reordered(
             best = plan
     if best is None:
         assert error is not None
+        if not complete:
+            raise InfeasibleError(
+                f"{error} ({tried} of {len(orders)} device orders tried before the time limit)",
+                error.needed_bytes,
+                error.closest,
+            )
         raise error
     unproven = best.solver.unproven
     if not complete:
@@ -553,10 +584,12 @@ def _search(
     method: str,
     time_limit_s: float | None,
     progress: bool | None,
+    beat: float | None = None,
 ) -> tuple[Plan | None, Candidate | None, _Visited]:
     """Every candidate in the order of its prior bound (planner/bounds.py), skipping those whose
-    bound cannot beat the best plan so far. The winner is the same as an exhaustive search's:
-    the least predicted time, ties (within 1e-12) going to the candidate listed first."""
+    bound cannot beat the best plan so far (or `beat`, a plan found elsewhere: another device
+    order's). The winner is the same as an exhaustive search's: the least predicted time, ties
+    (within 1e-12) going to the candidate listed first; None where nothing beats `beat`."""
     started = time.perf_counter()
     speeds = [d.speed for d in problem.cluster.devices]
     prior = [_prior_bound(problem, c, speeds) for c in candidates]
@@ -573,7 +606,8 @@ def _search(
     settled: dict[tuple[int, str], tuple[_Outcome, Plan | None]] = {}  # see PER_STAGE below
 
     def beaten(bound: float) -> bool:
-        return best is not None and bound > best[0] * (1 + 1e-12)
+        ref = min(best[0] if best is not None else math.inf, math.inf if beat is None else beat)
+        return bound > ref * (1 + 1e-12)
 
     show = sys.stderr.isatty() if progress is None else progress
     with _progress_bar(len(order), show) as tick:
@@ -584,7 +618,7 @@ def _search(
                 outcomes.update((q, _Outcome("pruned", prior[q])) for q in order[n:])
                 break
             if time_limit_s is not None and time.perf_counter() - started > time_limit_s:
-                if best is not None:
+                if best is not None or beat is not None:
                     visited.timed_out = True
                     outcomes.update((q, _Outcome("unsearched", prior[q])) for q in order[n:])
                     break
@@ -993,13 +1027,36 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     per_mb = 3 * action if zb else 2 * action + call
     load = M * W / float(sum(speeds))  # (the cheapest mode's work)
     runtime = M * cand.per_device * per_mb
+    # every cut's link carries M transfers each way, one after another (the simulator's links)
+    links = M * _link_floor(problem, cand, chain)
     if not problem.chain_order:  # the devices' loads alone: no way through the stages holds
-        return step + max(M * granular + runtime, load + runtime)
+        return step + max(M * granular + runtime, load + runtime, links)
     # each device's two stages framed (bounds.py; a chain's: a captured graph's stage may take
     # nothing from the one before it)
     if cand.per_device == INTERLEAVE == 2 and not problem.profile.captured:
         spread = max(spread, interleaved_bound_of(W, rho, M, len(speeds), speeds))
-    return step + max(spread, M * granular + runtime, layer + M * per_mb, load + runtime)
+    return step + max(spread, M * granular + runtime, layer + M * per_mb, load + runtime, links)
+
+
+def _link_floor(problem: _Problem, cand: Candidate, chain: Chain) -> float:
+    """The least one transfer can take on the costliest cut of any split (as `_cut_costs`
+    prices it: a cut may go after any layer but the last model layer, when the loss follows),
+    once per micro-batch size and stages per device. A chain's only: a captured graph's stage
+    receives only what it reads, from wherever it was made."""
+    key = (chain.mb, cand.per_device)
+    if key not in problem.link_floors:
+        cluster = problem.cluster
+        K, S, n = cluster.size, cluster.size * cand.per_device, chain.num_layers
+        allowed = np.ones(n, dtype=bool)
+        allowed[0] = False  # (before the first layer: no stage is empty)
+        if chain.has_loss:
+            allowed[chain.num_model_layers] = False
+        floor = 0.0
+        if S > 1 and chain.flow is None and allowed.any():
+            least = float(chain.boundary[:n][allowed].min())
+            floor = max(_link_ms(cluster, s % K, (s + 1) % K, least) for s in range(S - 1))
+        problem.link_floors[key] = floor
+    return problem.link_floors[key]
 
 
 def _overhead(profile: Profile) -> tuple[float, float, float]:

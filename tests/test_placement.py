@@ -123,3 +123,33 @@ def test_a_time_limit_covers_all_the_orders_together():
     plan = plan_pipeline(profile, cluster, 4, allow_reorder=True, time_limit_s=0.0)
     assert not plan.solver.optimal and "1 device order" in plan.solver.method
     assert "not all of them" in plan.solver.unproven
+
+
+def test_where_nothing_fits_a_time_limit_still_ends_the_search_of_orders():
+    """No order fits: each order's search (and its search for the least memory that would do)
+    ran to the end whatever the time limit said (174 s on 8 devices for a limit of 1 s)."""
+    from planner.search import InfeasibleError
+
+    profile = synthetic_profile([4.0, 4.0, 1.0], sizes=(1, 2, 4))
+    cluster = Cluster(devices=[Device(name=f"d{k}", memory_bytes=1, speed=1 + k)
+                               for k in range(3)])  # fmt: skip
+    with pytest.raises(InfeasibleError, match="1 of 6 device orders tried before the time limit"):
+        plan_pipeline(profile, cluster, 4, allow_reorder=True, time_limit_s=0.0)
+
+
+def test_orders_searched_against_the_best_so_far_give_the_brute_force_plan():
+    """Each order after the first plan prunes the candidates that cannot beat it, and an order
+    none of whose candidates can is skipped: the plan is still the fastest over every order."""
+    profile = synthetic_profile([3.0, 1.0, 2.0, 5.0, 1.0], sizes=(1, 2, 4, 8))
+    cluster = Cluster(
+        devices=[Device(name=f"d{k}", memory_bytes=10**9, speed=s)
+                 for k, s in enumerate((1.0, 0.5, 2.0, 1.0))],
+        links=[Link(bandwidth_bytes_per_s=1e5, latency_ms=0.5)] * 3,
+    )  # fmt: skip
+    plan = plan_pipeline(profile, cluster, 8, allow_reorder=True)
+    every = [
+        plan_pipeline(profile, cluster.reordered(list(p)), 8).predicted.iteration_ms
+        for p in itertools.permutations(range(4))
+    ]
+    assert plan.predicted.iteration_ms == min(every) and plan.solver.optimal
+    assert plan.solver.pruned > 0
