@@ -13,6 +13,7 @@ import json
 import os
 import select
 import stat
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -148,6 +149,7 @@ def _clipped(text: object, most: int = 60) -> str:
 MAX_FILE_BYTES = 2**30  # far past a 100 000-layer profile; /dev/zero is not a profile
 FIFO_FIRST_S = 5.0  # how long a pipe may keep us waiting for its first bytes
 FIFO_WAIT_S = 30.0  # ... and for each next ones
+FIFO_TOTAL_S = 120.0  # ... and for the whole of it
 
 
 def _read_fifo(path: Path) -> bytes:
@@ -158,8 +160,11 @@ def _read_fifo(path: Path) -> bytes:
     try:
         chunks: list[bytes] = []
         total = 0
+        until = time.monotonic() + FIFO_TOTAL_S  # (a writer that trickles never pauses long)
         while total <= MAX_FILE_BYTES:
             wait = FIFO_WAIT_S if chunks else FIFO_FIRST_S
+            if time.monotonic() > until:
+                raise InputError(f"{path}: a pipe still sending after {FIFO_TOTAL_S:g} s")
             ready, _, _ = select.select([fd], [], [], wait)
             if not ready:
                 raise InputError(f"{path}: a pipe that sent nothing for {wait:g} s")
@@ -195,7 +200,10 @@ def _no_collection() -> Iterator[None]:
 
 def _read(path: Path) -> str:
     try:
-        data = _read_fifo(path) if stat.S_ISFIFO(os.stat(path).st_mode) else None
+        mode = os.stat(path).st_mode
+        if stat.S_ISCHR(mode):  # a terminal (/dev/stdin at a prompt), /dev/zero: no file ends
+            raise InputError(f"{path}: is a character device (a terminal?); give a file or a pipe")
+        data = _read_fifo(path) if stat.S_ISFIFO(mode) else None
         if data is None:
             with open(path, "rb") as f:
                 data = f.read(MAX_FILE_BYTES + 1)

@@ -873,3 +873,31 @@ def test_hand_edits_the_red_team_slipped_past_are_refused(run_cli, plan_file, ed
     r = run_cli("show", plan_file)
     assert_bad_input(r, mentions=mentions)
     assert len(r.err) < 300
+
+
+def test_a_trickling_pipe_or_a_character_device_as_input_is_refused(
+    run_cli, prof, tmp_path, monkeypatch
+):
+    """A pipe sending a byte now and then never paused long enough to be refused, and a
+    terminal (or /dev/zero) was read with no end."""
+    import contextlib
+    import threading
+    import time
+
+    import profiler.artifact as artifact
+
+    assert_bad_input(run_cli("show", "/dev/zero"), mentions="character device")
+    monkeypatch.setattr(artifact, "FIFO_TOTAL_S", 0.6)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+
+    def trickle() -> None:
+        with contextlib.suppress(BrokenPipeError), open(fifo, "wb", buffering=0) as f:
+            for _ in range(8):  # (the reader gives up first: then the pipe is broken)
+                f.write(b" ")
+                time.sleep(0.2)
+
+    writer = threading.Thread(target=trickle, daemon=True)
+    writer.start()
+    assert_bad_input(run_cli("plan", fifo, *PLAN_ARGS), mentions="still sending after 0.6 s")
+    writer.join(5)
