@@ -72,7 +72,10 @@ class Device(BaseModel):
     @field_validator("memory_bytes", "reserved_bytes", mode="before")
     @classmethod
     def _size_text(cls, v: object) -> object:
-        """Cluster files may write sizes as people do: "80GiB"."""
+        """Cluster files may write sizes as people do: "80GiB"; true is no size (pydantic
+        would read it as 1 byte)."""
+        if isinstance(v, bool):
+            raise ValueError("a size is a number of bytes or text such as 80GiB, not true/false")
         if isinstance(v, str):
             if v.strip() in ("0", "0B"):
                 return 0

@@ -901,3 +901,19 @@ def test_a_trickling_pipe_or_a_character_device_as_input_is_refused(
     writer.start()
     assert_bad_input(run_cli("plan", fifo, *PLAN_ARGS), mentions="still sending after 0.6 s")
     writer.join(5)
+
+
+def test_a_cluster_size_of_true_is_refused_not_read_as_one_byte():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="not true/false"):
+        Cluster.model_validate(
+            {"kind": "cluster", "devices": [{"name": "a", "memory_bytes": True}]}
+        )
+    with pytest.raises(ValidationError, match="not true/false"):
+        Cluster.model_validate(
+            {
+                "kind": "cluster",
+                "devices": [{"name": "a", "memory_bytes": 9, "reserved_bytes": False}],
+            }
+        )
