@@ -138,7 +138,7 @@ class _Problem:
     summaries: dict[tuple[int, bool, float], tuple[float, float]] = field(default_factory=dict)
     # _solve's shortcuts, per shortcut (and schedule and recompute): [successes, misses]
     records: dict[tuple, list[int]] = field(default_factory=dict)
-    link_floors: dict[tuple[int, int], float] = field(default_factory=dict)  # _link_floor's
+    link_floors: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.table = ProfileTable(self.profile)
@@ -1027,8 +1027,11 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     per_mb = 3 * action if zb else 2 * action + call
     load = M * W / float(sum(speeds))  # (the cheapest mode's work)
     runtime = M * cand.per_device * per_mb
-    # every cut's link carries M transfers each way, one after another (the simulator's links)
-    links = M * _link_floor(problem, cand, chain)
+    # The links: a cut carries M transfers each way, one after another (the simulator's links),
+    # the first once micro-batch 0 has crossed the cuts before it, and the last one's
+    # micro-batch must then cross the cuts after it and come back through every cut.
+    most, total = _link_floor(problem, cand, chain)
+    links = (M - 1) * most + 2 * total
     if not problem.chain_order:  # the devices' loads alone: no way through the stages holds
         return step + max(M * granular + runtime, load + runtime, links)
     # each device's two stages framed (bounds.py; a chain's: a captured graph's stage may take
@@ -1038,11 +1041,11 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     return step + max(spread, M * granular + runtime, layer + M * per_mb, load + runtime, links)
 
 
-def _link_floor(problem: _Problem, cand: Candidate, chain: Chain) -> float:
-    """The least one transfer can take on the costliest cut of any split (as `_cut_costs`
-    prices it: a cut may go after any layer but the last model layer, when the loss follows),
-    once per micro-batch size and stages per device. A chain's only: a captured graph's stage
-    receives only what it reads, from wherever it was made."""
+def _link_floor(problem: _Problem, cand: Candidate, chain: Chain) -> tuple[float, float]:
+    """The least one transfer can take on each cut of any split (as `_cut_costs` prices it: a
+    cut may go after any layer but the last model layer, when the loss follows): their largest
+    and their sum, once per micro-batch size and stages per device. A chain's only (else 0): a
+    captured graph's stage receives only what it reads, from wherever it was made."""
     key = (chain.mb, cand.per_device)
     if key not in problem.link_floors:
         cluster = problem.cluster
@@ -1051,11 +1054,11 @@ def _link_floor(problem: _Problem, cand: Candidate, chain: Chain) -> float:
         allowed[0] = False  # (before the first layer: no stage is empty)
         if chain.has_loss:
             allowed[chain.num_model_layers] = False
-        floor = 0.0
+        floors = [0.0]
         if S > 1 and chain.flow is None and allowed.any():
             least = float(chain.boundary[:n][allowed].min())
-            floor = max(_link_ms(cluster, s % K, (s + 1) % K, least) for s in range(S - 1))
-        problem.link_floors[key] = floor
+            floors = [_link_ms(cluster, s % K, (s + 1) % K, least) for s in range(S - 1)]
+        problem.link_floors[key] = (max(floors), sum(floors))
     return problem.link_floors[key]
 
 
