@@ -424,7 +424,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     from profiler.models import model_digest
 
     plan = Plan.load(args.plan)
-    tolerance = _fraction(args.tolerance, "--tolerance")
+    tolerance = _fraction(args.tolerance, "--tolerance") + 0.0  # (-0 is 0)
     model = _planned_model(args.model, plan)
     if args.output:
         check_output(args.output, inputs=[args.plan, *_sources(args.model)])

@@ -455,7 +455,7 @@ def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> Any:
         except subprocess.TimeoutExpired:
             _kill_all(proc, token)
             raise InputError(
-                f"the torchrun program ran past {timeout_s:g} s and was stopped"
+                f"the torchrun launch ran past {timeout_s:g} s and was stopped"
             ) from None
         except BaseException:
             _kill_all(proc, token)
