@@ -63,10 +63,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = _build_parser()
     args_list = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args_list
-    for stream in (sys.stdout, sys.stderr):  # a file name that is not UTF-8 is shown escaped
-        if hasattr(stream, "reconfigure"):
-            stream.reconfigure(errors="backslashreplace")
+    own = argv is None  # the process's own entry point (not a caller's, in process)
     try:
+        if own:  # a file name that is not UTF-8 is shown escaped, not an error at the end
+            for stream in (sys.stdout, sys.stderr):
+                if hasattr(stream, "reconfigure") and not stream.closed:
+                    stream.reconfigure(errors="backslashreplace")
         try:
             os.getcwd()
         except FileNotFoundError:
@@ -96,10 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
     except OSError as e:
-        if e.errno not in _UNWRITABLE or e.filename is not None:
+        if e.errno not in _UNWRITABLE or e.filename is not None or not own:
             raise
-        # the terminal's output cannot be written (`show plan.json > /dev/full`): one line, and
-        # not check's 1, which a CI job would read as over budget
+        # the terminal's output cannot be written (`show plan.json > /dev/full`; files written
+        # say so themselves): one line, and not check's 1, which a CI job reads as over budget
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         print(f"gpipe-plan: error: cannot write the output ({e.strerror})", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -441,28 +441,35 @@ def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> Any:
     def stop(signum: int, frame: Any) -> None:
         raise Stopped(signum)
 
+    signals = (signal.SIGTERM, signal.SIGHUP)
     kept = {}
     if threading.current_thread() is threading.main_thread():  # (only it may set handlers)
-        kept = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
+        kept = {sig: signal.signal(sig, stop) for sig in signals}
+
+    def quiet() -> None:  # a second signal must not stop the killing halfway
+        for sig in kept:
+            signal.signal(sig, signal.SIG_IGN)
+
     token = uuid.uuid4().hex  # every process of this launch inherits it: how they are found
+    proc = None
     try:
         proc = subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**env, _RUN_TOKEN: token}, start_new_session=True,
         )  # fmt: skip
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        quiet()
+        _kill_all(proc, token)
+        raise InputError(f"the torchrun launch ran past {timeout_s:g} s and was stopped") from None
+    except BaseException:
+        quiet()
+        if proc is not None:
             _kill_all(proc, token)
-            raise InputError(
-                f"the torchrun launch ran past {timeout_s:g} s and was stopped"
-            ) from None
-        except BaseException:
-            _kill_all(proc, token)
-            raise
+        raise
     finally:
-        for sig, handler in kept.items():
-            signal.signal(sig, handler)
+        for sig, handler in kept.items():  # (None: set from C; the default then)
+            signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, model_validator
 
 from profiler.artifact import Artifact
 from profiler.limits import MAX_BATCH, MAX_BYTES, MAX_MICROBATCHES, DType, Text
@@ -205,7 +205,7 @@ class Plan(Artifact):
         return data
 
     kind: Literal["plan"] = "plan"
-    format_version: int = 2
+    format_version: StrictInt = 2
     model: Text
     model_digest: Text
     profile_digest: Text

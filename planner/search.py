@@ -278,12 +278,22 @@ def plan_pipeline(
     best, best_cand, visited = _search(
         problem, candidates, solve, method, time_limit_s, progress, _beat
     )
-    if (best is None or best_cand is None) and _beat is not None:
-        raise _Outrun(len(candidates), visited.solved, visited.pruned, visited.timed_out)
+    outrun = _Outrun(len(candidates), visited.solved, visited.pruned, visited.timed_out)
+    if _beat is not None and best is not None and not _beats(best, _beat):
+        raise outrun  # (another order's plan is as fast: it wins the tie)
     if best is None or best_cand is None:
+        if _beat is not None and not any(  # only the memory search may still find one
+            candidates[k].per_device > 1 and o.kind in ("nofit", "over")
+            for k, o in visited.outcomes.items()
+        ):
+            raise outrun
         err = _infeasible(problem, candidates)
         if err.closest is None or not err.closest.fits:
+            if _beat is not None:
+                raise outrun
             raise err
+        if _beat is not None and not _beats(err.closest, _beat):
+            raise outrun
         # The memory search found an interleaved split that fits, which the split search
         # (exact per stage, not per device) missed: keep it, and say so.
         best = err.closest
@@ -347,9 +357,8 @@ def plan_pipeline(
             )
     unproven = best.solver.unproven
     if visited.timed_out:
-        unproven = (
-            f"the time limit stopped the search after {visited.solved} of {len(candidates)} "
-            "candidates" + (f"; {unproven}" if unproven else "")
+        unproven = f"{TIMED_OUT} after {visited.solved} of {len(candidates)} candidates" + (
+            f"; {unproven}" if unproven else ""
         )
     best.solver = best.solver.model_copy(
         update={
@@ -475,6 +484,9 @@ def _checkpoint_sets(profile: Profile) -> list[tuple[int, ...]]:
     return [tuple(sorted(ranked[:k])) for k in sizes if k <= n]
 
 
+TIMED_OUT = "the time limit stopped the search"  # (how a plan's `unproven` says so)
+
+
 class _Outrun(Exception):
     """A device order none of whose candidates beats the plan already found for another."""
 
@@ -491,16 +503,17 @@ def _reordered(
     order after the first plan is searched against that plan's time: its candidates whose bound
     cannot beat it are pruned, so an order that cannot win costs its bounds, not its search.
     `time_limit_s` holds for all the orders together, found or not."""
-    orders, complete = cluster.placements()
+    orders, complete = cluster.placements()  # (not complete: past the most it lists)
     best: Plan | None = None
     error: InfeasibleError | None = None
     candidates = solved = pruned = 0
     limit = kw.pop("time_limit_s", None)
     tried = 0
+    timed = False  # the time limit left an order unsearched, or one searched in part
     for order in orders:
         left = None if limit is None else limit - (time.perf_counter() - started)
         if left is not None and left <= 0 and tried:
-            complete = False
+            timed = True
             break
         tried += 1
         try:
@@ -516,7 +529,7 @@ def _reordered(
             candidates, solved, pruned = (
                 a + b for a, b in zip((candidates, solved, pruned), e.counts)
             )
-            complete = complete and not e.timed_out
+            timed = timed or e.timed_out
             continue
         except InfeasibleError as e:
             if error is None or e.needed_bytes < error.needed_bytes:
@@ -525,21 +538,22 @@ def _reordered(
         candidates += plan.solver.candidates
         solved += plan.solver.solved
         pruned += plan.solver.pruned
+        timed = timed or TIMED_OUT in plan.solver.unproven
         if best is None or _faster(plan, best):
             best = plan
+    if timed:
+        note = f"the time limit cut the search of the device orders short ({tried} searched)"
+    else:
+        note = f"{tried} device orders tried, not all of them"
     if best is None:
         assert error is not None
-        if not complete:
-            raise InfeasibleError(
-                f"{error} ({tried} of {len(orders)} device orders tried before the time limit)",
-                error.needed_bytes,
-                error.closest,
-            )
+        if timed or not complete:
+            raise InfeasibleError(f"{error} ({note})", error.needed_bytes, error.closest)
         raise error
     unproven = best.solver.unproven
-    if not complete:
-        unproven = (f"{tried} device orders tried, not all of them"
-                    + (f"; {unproven}" if unproven else ""))  # fmt: skip
+    if timed or not complete:
+        unproven = note + (f"; {unproven}" if unproven else "")
+        complete = False
     best.solver = best.solver.model_copy(
         update={
             "method": f"{best.solver.method}, {tried} device order" + ("s" if tried != 1 else ""),
@@ -584,12 +598,13 @@ def _search(
     method: str,
     time_limit_s: float | None,
     progress: bool | None,
-    beat: float | None = None,
+    outside: float | None = None,
 ) -> tuple[Plan | None, Candidate | None, _Visited]:
     """Every candidate in the order of its prior bound (planner/bounds.py), skipping those whose
-    bound cannot beat the best plan so far (or `beat`, a plan found elsewhere: another device
-    order's). The winner is the same as an exhaustive search's: the least predicted time, ties
-    (within 1e-12) going to the candidate listed first; None where nothing beats `beat`."""
+    bound cannot beat the best plan so far (or `outside`, the time of a plan found elsewhere:
+    another device order's). The winner is the same as an exhaustive search's: the least
+    predicted time, ties (within 1e-12) going to the candidate listed first (the caller drops
+    one that does not beat `outside`)."""
     started = time.perf_counter()
     speeds = [d.speed for d in problem.cluster.devices]
     prior = [_prior_bound(problem, c, speeds) for c in candidates]
@@ -605,9 +620,16 @@ def _search(
     timed: dict[tuple, _Later] = {}  # splits that fit by the bound, timed, not made yet
     settled: dict[tuple[int, str], tuple[_Outcome, Plan | None]] = {}  # see PER_STAGE below
 
+    def to_beat() -> float | None:
+        """The time a candidate must beat: the best so far's, or the outside plan's."""
+        ref = min(
+            best[0] if best is not None else math.inf, math.inf if outside is None else outside
+        )
+        return None if math.isinf(ref) else ref
+
     def beaten(bound: float) -> bool:
-        ref = min(best[0] if best is not None else math.inf, math.inf if beat is None else beat)
-        return bound > ref * (1 + 1e-12)
+        ref = to_beat()
+        return ref is not None and bound > ref * (1 + 1e-12)
 
     show = sys.stderr.isatty() if progress is None else progress
     with _progress_bar(len(order), show) as tick:
@@ -618,7 +640,7 @@ def _search(
                 outcomes.update((q, _Outcome("pruned", prior[q])) for q in order[n:])
                 break
             if time_limit_s is not None and time.perf_counter() - started > time_limit_s:
-                if best is not None or beat is not None:
+                if best is not None or outside is not None:
                     visited.timed_out = True
                     outcomes.update((q, _Outcome("unsearched", prior[q])) for q in order[n:])
                     break
@@ -681,7 +703,7 @@ def _search(
                 continue
             specs = _stage_specs(problem, cand, halve=False)
             plan = built.get(same) or _build_plan(
-                problem, cand, specs, part, method, beat=best[0] if best else None
+                problem, cand, specs, part, method, beat=to_beat()
             )
             built[same] = plan
             if plan._untimed:  # planned for torchrun: slower than the best already, untimed
@@ -692,7 +714,7 @@ def _search(
             if not plan.fits and cand.per_device > 1:
                 # the per-stage twin may fall back differently (every stage recomputing)
                 free = False
-                beat = best[0] if best else None
+                beat = to_beat()
                 plan, at_least = _interleaved_fallback(
                     problem, cand, times, specs, part, solve, method, plan, beat
                 )
@@ -892,7 +914,12 @@ def _interleaved_fallback(
 
 
 def _faster(a: Plan, b: Plan) -> bool:
-    return a.predicted.iteration_ms < b.predicted.iteration_ms * (1 - 1e-12)
+    return _beats(a, b.predicted.iteration_ms)
+
+
+def _beats(plan: Plan, ms: float) -> bool:
+    """Faster than `ms` by more than rounding."""
+    return plan.predicted.iteration_ms < ms * (1 - 1e-12)
 
 
 def _over_budget(plan: Plan) -> str:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
 
 
 class InputError(Exception):
@@ -38,7 +38,7 @@ class Artifact(BaseModel):
     # gpipe-plan of the same format version, and its digest does not move with the field
     LATER_FIELDS: ClassVar[tuple[str, ...]] = ()
     kind: str
-    format_version: int = 1
+    format_version: StrictInt = 1  # (lax, "9" or true would read as a number)
 
     def _unset_later(self) -> set[str]:
         """The later fields left out because unset."""

@@ -83,8 +83,12 @@ def _code(target: Path) -> str | None:
     ):
         return "one of gpipe-plan's own source files"
     for module in list(sys.modules.values()):
-        where = getattr(module, "__file__", None)
-        if where and os.path.realpath(where) == str(target):
+        where = getattr(module, "__file__", None)  # (by name first: realpath costs a stat)
+        if (
+            where
+            and os.path.basename(where) == target.name
+            and os.path.realpath(where) == str(target)
+        ):
             return f"the source of module {module.__name__}, which this command runs"
     return None
 
@@ -122,6 +126,9 @@ def write_output(
                 f.write(content.encode() if isinstance(content, str) else content)
         _take_mode(tmp, st)
         os.replace(tmp, target)
+    except OSError as e:  # a full disk, a file size limit: nothing written, one line
+        Path(tmp).unlink(missing_ok=True)
+        raise InputError(f"{path}: cannot write it ({e.strerror or e})") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from typing import Annotated, Any, ClassVar, Literal, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from .artifact import Artifact
 from .limits import MAX_BATCH, MAX_BYTES, MAX_LAYERS, MAX_MS, DType, Text
@@ -175,7 +175,7 @@ class Profile(Artifact):
     FORMAT_VERSION: ClassVar[int] = 2
     LATER_FIELDS: ClassVar[tuple[str, ...]] = ("runtime",)
     kind: Literal["profile"] = "profile"
-    format_version: int = 2
+    format_version: StrictInt = 2
     model: Text = Field(description="how the model was named: example:NAME, pkg.mod:fn, file.py:fn")
     model_digest: Text = Field(description="sha256 of layer types and parameter shapes")
     device: Text

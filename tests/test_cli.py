@@ -365,19 +365,11 @@ def test_failed_write_leaves_the_old_file(run_cli, transformer_profile_path, tmp
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError):
-        run_cli(
-            "plan",
-            transformer_profile_path,
-            "--devices",
-            2,
-            "--memory",
-            "1GiB",
-            "--batch-size",
-            8,
-            "-o",
-            out,
-        )
+    r = run_cli(
+        "plan", transformer_profile_path, "--devices", 2, "--memory", "1GiB", "--batch-size", 8,
+        "-o", out,
+    )  # fmt: skip
+    assert_bad_input(r, mentions="cannot write it (disk full)")
     assert out.read_text() == "old"
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
 

@@ -859,6 +859,8 @@ def test_a_model_or_loss_name_no_profile_can_record_is_refused_before_profiling(
         ({"format_version": "9"}, 'format_version "9" is not a whole number'),
         ({"format_version": True}, "format_version true is not a whole number"),
         ({"format_version": 1.5}, "format_version 1.5 is not a whole number"),
+        ({"format_version": "2"}, 'format_version "2" is not a whole number'),  # (lax: read
+        ({"format_version": 2.0}, "format_version 2.0 is not a whole number"),  # as this one's)
         ({"routes": [[0, 1]]}, "only a captured graph's plan lists routes"),
         ({"kind": "pl\nan" + "x" * 10_000}, "is a 'pl\\nanxxx"),
     ],

@@ -122,7 +122,7 @@ def test_a_time_limit_covers_all_the_orders_together():
                                for k in range(3)])  # fmt: skip
     plan = plan_pipeline(profile, cluster, 4, allow_reorder=True, time_limit_s=0.0)
     assert not plan.solver.optimal and "1 device order" in plan.solver.method
-    assert "not all of them" in plan.solver.unproven
+    assert "the time limit cut the search of the device orders short" in plan.solver.unproven
 
 
 def test_where_nothing_fits_a_time_limit_still_ends_the_search_of_orders():
@@ -133,7 +133,7 @@ def test_where_nothing_fits_a_time_limit_still_ends_the_search_of_orders():
     profile = synthetic_profile([4.0, 4.0, 1.0], sizes=(1, 2, 4))
     cluster = Cluster(devices=[Device(name=f"d{k}", memory_bytes=1, speed=1 + k)
                                for k in range(3)])  # fmt: skip
-    with pytest.raises(InfeasibleError, match="1 of 6 device orders tried before the time limit"):
+    with pytest.raises(InfeasibleError, match=r"cut the search of the device orders short \(1 "):
         plan_pipeline(profile, cluster, 4, allow_reorder=True, time_limit_s=0.0)
 
 
@@ -152,4 +152,25 @@ def test_orders_searched_against_the_best_so_far_give_the_brute_force_plan():
         for p in itertools.permutations(range(4))
     ]
     assert plan.predicted.iteration_ms == min(every) and plan.solver.optimal
-    assert plan.solver.pruned > 0
+    # (searched from scratch, the 24 orders solved 681 of their 1 152 candidates)
+    assert plan.solver.solved < plan.solver.candidates // 4, plan.solver
+
+
+def test_an_order_only_the_memory_search_finds_a_plan_for_still_wins():
+    """Found by the review: an order whose only plan is an interleaved split that the memory
+    search finds (the split search finds none) was dropped once another order had a plan."""
+    profile = synthetic_profile(
+        [1.3, 0.4, 2.0, 2.3, 1.6, 0.6, 1.1, 2.7, 0.4],
+        saved=[492, 165, 498, 590, 306, 149, 590, 433, 427],
+        params=[397, 240, 161, 349, 356, 353, 344, 145, 64],
+        sizes=(1, 2, 4, 8),
+    )
+    cluster = Cluster(devices=[Device(name="d0", memory_bytes=6346, speed=1.1),
+                               Device(name="d1", memory_bytes=6346, speed=1.0)])  # fmt: skip
+    kw = {"schedule": "interleaved-1f1b", "checkpoint": ()}
+    plan = plan_pipeline(profile, cluster, 8, allow_reorder=True, **kw)
+    every = [
+        plan_pipeline(profile, cluster.reordered(list(p)), 8, **kw).predicted.iteration_ms
+        for p in itertools.permutations(range(2))
+    ]
+    assert plan.predicted.iteration_ms == min(every) < max(every)
