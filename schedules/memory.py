@@ -54,7 +54,7 @@ from typing import Any
 import numpy as np
 
 from .ir import Action, Kind, Schedule
-from .order import canonical_order, issue_arrays, program_arrays, schedule_key
+from .order import canonical_order, issue_arrays, kept, program_arrays, schedule_key
 
 STATES = ("input", "activations", "during_i", "between_iw", "grad", "pulled", "early", "late")
 IN, ACT, DURING_I, IW, GRAD, PULLED, EARLY, LATE = range(len(STATES))
@@ -130,13 +130,7 @@ _STEPS: dict[tuple, list[_Step]] = {}
 
 def _once(cache: dict, build: Callable, schedule: Schedule, modes: Sequence[str]) -> Any:
     """build(schedule, modes), kept per schedule and recomputation (at most 256 kept)."""
-    key = schedule_key(schedule, tuple(modes))
-    hit = cache.get(key)
-    if hit is None:
-        if len(cache) > 256:
-            cache.clear()
-        hit = cache[key] = build(schedule, modes)
-    return hit
+    return kept(cache, schedule_key(schedule, tuple(modes)), lambda: build(schedule, modes))
 
 
 def _steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:

@@ -19,13 +19,16 @@ its layers and that choice (what keeps the per-stage search exact).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from itertools import chain
 from operator import attrgetter
+from typing import TypeVar
 
 import numpy as np
 
 from .ir import COMPUTE, Action, Schedule
+
+T = TypeVar("T")
 
 
 def issue_order(schedule: Schedule, start: dict[Action, float]) -> list[Action]:
@@ -83,12 +86,16 @@ def issue_arrays(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray
 def program_arrays(schedule: Schedule) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The compute actions rank after rank, each in program order, as issue_arrays has them
     (no issue order is made); kept per schedule, as the issue order is."""
-    key = schedule_key(schedule, ("program",))
-    hit = _PROGRAMS.get(key)
+    return kept(_PROGRAMS, schedule_key(schedule, ("program",)), lambda: _program_arrays(schedule))
+
+
+def kept(cache: dict[tuple, T], key: tuple, make: Callable[[], T]) -> T:
+    """make(), kept in `cache` under `key` (at most 256 kept: past that the cache starts over)."""
+    hit = cache.get(key)
     if hit is None:
-        if len(_PROGRAMS) > 256:
-            _PROGRAMS.clear()
-        hit = _PROGRAMS[key] = _program_arrays(schedule)
+        if len(cache) > 256:
+            cache.clear()
+        hit = cache[key] = make()
     return hit
 
 
@@ -187,12 +194,7 @@ _CACHE: dict[tuple, _Order] = {}
 
 
 def _cached(key: tuple, schedule: Schedule) -> _Order:
-    hit = _CACHE.get(key)
-    if hit is None:
-        if len(_CACHE) > 256:
-            _CACHE.clear()
-        hit = _CACHE[key] = _unit_cost_order(schedule)
-    return hit
+    return kept(_CACHE, key, lambda: _unit_cost_order(schedule))
 
 
 UNIT = (1.0, 2.0, 1.0, 1.0)  # F, B, I, W: the costs the order is simulated with
