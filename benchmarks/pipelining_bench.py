@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from measure_bench import print_table  # noqa: E402
 
 CASES = [  # (example, batch, micro-batches, our schedules: the first one's split is torch's)
-    ("transformer", 32, 8, ["1f1b", "zb-h1"]),
-    ("mlp", 256, 8, ["1f1b", "zb-h1"]),
+    ("transformer", 32, 8, ["1f1b", "gpipe", "zb-h1"]),
+    ("mlp", 256, 8, ["1f1b", "gpipe", "zb-h1"]),
 ]
 
 RANK = r"""

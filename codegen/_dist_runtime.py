@@ -8,6 +8,8 @@
 # program's batches are placed so that this cannot hang even where a send completes only once
 # its receive is posted, as with NCCL (schedules/comm.py; validate(..., rendezvous=True)
 # proves it for the program), and sent tensors are let go as soon as their batch completes.
+# Under GPipe, a rank that runs every forward first posts all its forward receives in `begin`
+# (PREPOSTED, schedules/comm.preposted): its sender's messages then go at once.
 #
 # A receive is posted with its buffer, so the receiver must know the shapes before anything
 # arrives: every rank works them out itself, once per input shape, by running the whole model
@@ -74,6 +76,7 @@ class DistPipelineRuntime(PipelineRuntime):
     DEVICES: list[str] = []  # per rank: the cluster's torch_device ("": this host's choice)
     PLAN = "0" * 16  # the plan and each rank's actions, hashed: the same on every rank
     PROFILED_ON = "cpu"  # the device type the plan's profile was measured on
+    PREPOSTED: tuple[int, ...] = ()  # stages whose forward receives are posted at begin
 
     def __init__(self, model: nn.Sequential, *, deferred_batch_norm: bool = False) -> None:
         if not dist.is_initialized():
@@ -204,6 +207,7 @@ class DistPipelineRuntime(PipelineRuntime):
     def _reset(self) -> None:
         super()._reset()
         self.outbox: dict[tuple[str, int, int], Any] = {}
+        self.ahead: dict[tuple[int, int], tuple[list[Any], list[torch.Tensor]]] = {}
         self.out_meta: dict[tuple[int, int], list[tuple[list[int], torch.dtype] | None]] = {}
 
     def begin(self, x: Any, y: Any, loss_fn: Callable[[Any, Any], torch.Tensor]) -> None:
@@ -250,6 +254,14 @@ class DistPipelineRuntime(PipelineRuntime):
             parts = torch.tensor_split(sized, M)
             self.weights = [p.shape[0] / sized.shape[0] for p in parts]
             self.targets = [_to(t, self.device) for t in _split_target(y, M)]
+        for s in self.PREPOSTED:  # (schedules.comm.preposted says when this is safe)
+            if s in self.local and not self.routed:
+                for m in range(M):
+                    ops: list[Any] = []
+                    bufs = self._recv(
+                        ops, self.specs[(s - 1, s, m)], s - 1, self._tag("F", s - 1, s, m)
+                    )
+                    self.ahead[(s, m)] = (self._post(ops), bufs)
 
     def _shapes(self, shape: tuple[int, ...], dtype: torch.dtype) -> dict[Any, list[Spec]]:
         """What each activation message of this step holds, (shape, dtype) per tensor, keyed
@@ -426,10 +438,7 @@ class DistPipelineRuntime(PipelineRuntime):
             self.sending = [(w, t) for w, t in self.sending if not w.is_completed()]
             for kind, stage, mb, *peer in actions:
                 getattr(self, f"_{kind}")(stage, mb, ops, done, *peer)
-            if self.post_each:
-                works = [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
-            else:
-                works = dist.batch_isend_irecv(ops) if ops else []
+            works = self._post(ops)
             one = len(works) != len(ops)  # one handle for the whole batch
             for work, op in zip(works, [None] * len(works) if one else ops):
                 if op is not None and op.op is dist.isend and not self.RENDEZVOUS:
@@ -441,6 +450,13 @@ class DistPipelineRuntime(PipelineRuntime):
         if self.action_log:  # each action of the batch took the batch's time
             *_, start, end = self.action_log[-1]
             self.action_log += [(a[0], a[1], a[2], start, end) for a in actions[1:]]
+
+    def _post(self, ops: list[Any]) -> list[Any]:
+        """Post a batch's operations: their work handles (one for the whole batch, or one
+        each where the backend coalesces nothing)."""
+        if self.post_each:
+            return [op.op(op.tensor, op.peer, op.group, op.tag) for op in ops]
+        return dist.batch_isend_irecv(ops) if ops else []
 
     def _send(self, ops: list[Any], ts: list[torch.Tensor], dst: int, tag: int) -> None:
         ops += [dist.P2POp(dist.isend, t.contiguous(), self.RANKS[dst], tag=tag) for t in ts]
@@ -486,10 +502,16 @@ class DistPipelineRuntime(PipelineRuntime):
                         lambda got=got, names=names, bufs=bufs: got.update(zip(names, bufs))
                     )
             return
-        bufs = self._recv(ops, self.specs[(s - 1, s, m)], s - 1, self._tag("F", s - 1, s, m))
+        works: list[Any] = []
+        if (s, m) in self.ahead:  # posted when the step began: here only waited for
+            works, bufs = self.ahead.pop((s, m))
+        else:
+            bufs = self._recv(ops, self.specs[(s - 1, s, m)], s - 1, self._tag("F", s - 1, s, m))
         tuple_out = self.tuple_out
 
         def finish() -> None:
+            for work in works:
+                work.wait()
             self.inputs[(s, m)] = tuple(bufs) if tuple_out[s - 1] else bufs[0]
 
         done.append(finish)

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from planner.plan import Plan
-from planner.search import schedule_of, torchrun_schedule
+from planner.search import schedule_of, stage_costs, torchrun_schedule
 from schedules import (
     Action,
     Kind,
@@ -23,7 +23,7 @@ from schedules import (
     canonical_order,
     validate,
 )
-from schedules.comm import batches
+from schedules.comm import batches, preposted
 
 RUNTIME = [Path(__file__).with_name(n) for n in ("_runtime.py", "_numerics.py")]
 STREAM_CHECK = [Path(__file__).with_name(n) for n in ("_fakecuda.py", "_streamcheck.py")]
@@ -237,6 +237,9 @@ def _torchrun_class(plan: Plan, lowered: Schedule) -> str:
     except ScheduleError:  # a captured graph's skips, at times: gloo only
         rendezvous = "\n    RENDEZVOUS = False  # may hang where sends block (NCCL): gloo only\n"
     devices = _py_list("DEVICES", [json.dumps(d.torch_device or "") for d in plan.cluster.devices])
+    ahead = sorted(preposted(lowered, stage_costs(plan.stages, plan.runtime)))
+    if ahead:  # the stages whose forward receives are all posted as the step begins
+        devices += f"\n    PREPOSTED = {tuple(ahead)}  # every forward receive posted at begin"
     methods = []
     for r in sorted(lowered.ranks):
         lines = []

@@ -53,6 +53,48 @@ def insert_comms(schedule: Schedule, costs: Costs | None = None) -> Schedule:
     return lowered  # validate(..., rendezvous=True) says where it would hang
 
 
+def preposted(schedule: Schedule, costs: Costs | None = None) -> frozenset[int]:
+    """The stages whose torchrun program posts every forward receive when the step begins, each
+    micro-batch's forward then waiting for its own: a sender whose receive is already posted
+    hands each message over at once, instead of waiting in its send for the receiver to reach
+    that micro-batch, so GPipe's first stage runs its forwards back to back.
+
+    A stage qualifies when the schedule is a chain (no routes), the stage is alone on its rank
+    and takes its input from another rank, and that rank runs every forward before any other
+    compute action (GPipe's order): nothing the rank sends or receives the other way can queue
+    behind those receives (NCCL runs a pair of ranks' operations in the order posted).
+
+    Memory: in the issue order the plan counts in, the stage's forward of micro-batch k
+    already holds the inputs of k + 1 (its sender is a micro-batch ahead); posted ahead, it
+    also holds those of k + 2 .. M - 1. Its forward of M - 2 holds them all either way, with
+    the activations of 0 .. M - 2 where those are kept: so the plan's peak is not raised
+    where each micro-batch's input weighs no more than its activations, or the stage
+    recomputes (every forward then keeps only its input). With `costs` (costs.memory,
+    costs.recompute), a stage that keeps its activations and whose input outweighs them is
+    left out (tests/test_memory_states.py holds the rule against the replay)."""
+    if schedule.routes:
+        return frozenset()
+    compute = schedule.compute_only()
+    place, M = compute.placement, compute.num_microbatches
+    memory = list(costs.memory) if costs is not None and costs.memory is not None else None
+    modes = list(costs.recompute) if costs is not None and costs.recompute is not None else None
+    out = set()
+    for t in range(1, compute.num_stages):
+        r = place[t]
+        if place[t - 1] == r or place.count(r) != 1:
+            continue
+        kinds = [a.kind for a in compute.ranks[r]]
+        first_other = next((i for i, k in enumerate(kinds) if k != Kind.F), len(kinds))
+        if Kind.F in kinds[first_other:]:
+            continue
+        if memory is not None and M > 1:
+            b, mode = memory[t], modes[t] if modes is not None else "never"
+            if mode == "never" and b.input > b.activations:
+                continue
+        out.add(t)
+    return frozenset(out)
+
+
 def _plain(schedule: Schedule) -> Schedule:
     """Each receive right before the action that reads it, each send right after the one that
     makes it."""

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .comm import action_messages, batches, insert_comms
+from .comm import action_messages, batches, insert_comms, preposted
 from .ir import Action, Kind, Schedule
 from .memory import StageBytes, peaks, recomputes, timed_levels
 from .validate import comms_of
@@ -158,7 +158,8 @@ def simulate(
     if rendezvous:
         if not comms_of(schedule):
             schedule = insert_comms(schedule, costs)
-        run_ = _as_it_runs(schedule, fwd, bwd, i_cost, w_cost, rec, link)
+        ahead = preposted(schedule, costs)
+        run_ = _as_it_runs(schedule, fwd, bwd, i_cost, w_cost, rec, link, preposted=ahead)
     elif w is not None:
         remat = np.array(rec, dtype=np.float64).reshape(S, M)
         run_ = _by_waves(w, durations(w, fwd, bwd, i_cost, w_cost, remat, link))
@@ -389,7 +390,7 @@ def blocking_makespan(lowered: Schedule, costs: Costs) -> float | None:
     except ScheduleError:
         return None
     times = _cost_lists(lowered, costs)
-    got = _rendezvous_loop(lowered, *times, sends_block=True)
+    got = _rendezvous_loop(lowered, *times, sends_block=True, preposted=preposted(lowered, costs))
     if got is None:
         return None
     ends = got[1]
@@ -397,9 +398,10 @@ def blocking_makespan(lowered: Schedule, costs: Costs) -> float | None:
     return last + costs.step_overhead
 
 
-def _as_it_runs(schedule: Schedule, *times: Any) -> _Run:
+def _as_it_runs(schedule: Schedule, *times: Any, preposted: frozenset[int] = frozenset()) -> _Run:
     """The torchrun program's timeline: its sends block where it is proven to meet there (it
-    then waits for them), else they go as on gloo (the program says RENDEZVOUS = False)."""
+    then waits for them), else they go as on gloo (the program says RENDEZVOUS = False);
+    `preposted`: stages whose forward receives are all posted when the step begins."""
     from .validate import ScheduleError, check_order, validate
 
     try:
@@ -407,9 +409,10 @@ def _as_it_runs(schedule: Schedule, *times: Any) -> _Run:
         ordered = True
     except ScheduleError:
         ordered = False
-    got = _rendezvous_loop(schedule, *times, sends_block=True) if ordered else None
+    ahead = {"preposted": preposted}
+    got = _rendezvous_loop(schedule, *times, sends_block=True, **ahead) if ordered else None
     if got is None:
-        got = _rendezvous_loop(schedule, *times, sends_block=False)
+        got = _rendezvous_loop(schedule, *times, sends_block=False, **ahead)
     if got is None:
         validate(schedule)  # raises with the grid
         raise AssertionError("simulation stalled on a schedule that validates")
@@ -425,6 +428,7 @@ def _rendezvous_loop(
     rec: list[list[float]],  # per stage and micro-batch: its re-materialisation's cost
     link: list[float],
     sends_block: bool = True,
+    preposted: frozenset[int] = frozenset(),
 ) -> _Run | None:
     """The timeline of a lowered schedule as the torchrun program runs it: each run of
     communication between two compute actions is one batch, posted when the rank reaches it
@@ -434,7 +438,9 @@ def _rendezvous_loop(
     neighbouring stages is charged all the next stage receives (skips included, as the default
     model charges it); a skip past a stage adds no time of its own. A rank waiting in a batch
     is not busy. A compute action waits for what it reads: its own rank's actions, or the
-    messages that brought the rest. None where a rank never gets past a batch."""
+    messages that brought the rest. A stage in `preposted` (comm.preposted) has every forward
+    receive posted at time 0; its RECV_F batches only wait. None where a rank never gets past
+    a batch."""
     S, R, place = schedule.num_stages, schedule.num_ranks, schedule.placement
     senders = [schedule.senders(t) for t in range(S)]
     receivers = [schedule.receivers(t) for t in range(S)]
@@ -461,6 +467,10 @@ def _rendezvous_loop(
     ends: list[list[float]] = [[] for _ in range(R)]
     transfers: list[tuple[int, int, int, float, float]] = []
     todo = list(range(R))
+    for t in preposted:
+        for m in range(schedule.num_microbatches):
+            end = (("F", t - 1, t, m), False)
+            posted[end] = avail[("posted", *end)] = 0.0
 
     def publish(key: tuple, t: float) -> None:
         avail[key] = t
@@ -504,8 +514,9 @@ def _rendezvous_loop(
                 if entered[r] < p:
                     entered[r] = p
                     for end in ops:
-                        posted[end] = t_rank
-                        publish(("posted", *end), t_rank)
+                        if end not in posted:  # (a receive posted ahead keeps its time)
+                            posted[end] = t_rank
+                            publish(("posted", *end), t_rank)
                 waited = [(msg, snd) for msg, snd in ops if sends_block or not snd]
                 late = next(((m_, not s_) for m_, s_ in waited if (m_, not s_) not in posted), None)
                 if late is not None:

@@ -618,7 +618,8 @@ def torchrun_available():
 def test_torchrun_gradient_parity(profiles, tmp_path, torchrun_available):
     """One process per device over gloo: every rank's gradients equal the un-pipelined model's."""
     cases = [
-        ("gpipe", "never", 4, ()),
+        ("gpipe", "never", 4, ()),  # stage 1's forward receives posted as the step begins
+        ("gpipe", "except_last", 3, ()),  # ... and micro-batches of 3, 3 and 2 samples
         ("1f1b", "except_last", 3, ()),
         ("zb-h1", "always", 4, ()),
         ("interleaved-1f1b", "never", 4, ()),
@@ -695,17 +696,22 @@ def test_a_cluster_device_this_host_lacks_is_refused_in_words():
     assert rank_device("cpu", 1) == torch.device("cpu")
 
 
-def test_torchrun_rank_that_raises_does_not_hang_the_others(profiles, tmp_path, torchrun_available):
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_torchrun_rank_that_raises_does_not_hang_the_others(
+    profiles, tmp_path, torchrun_available, schedule
+):
+    """(gpipe: with rank 1's forward receives posted as the step begins, still pending)"""
     plan = plan_pipeline(
         profiles["mlp"],
         Cluster.uniform(2, "1GiB"),
         N,
         microbatches=4,
-        schedule="1f1b",
+        schedule=schedule,
         recompute="never",
     )
     path = tmp_path / "p.py"
     path.write_text(emit_program(plan, target="torchrun"))
+    assert ("PREPOSTED = (1,)" in path.read_text()) == (schedule == "gpipe")
     t0 = time.perf_counter()
     r = torchrun(2, str(ROOT / "tests" / "dist_driver.py"), "--fail", str(path), timeout=120)
     assert r.returncode != 0 and time.perf_counter() - t0 < 60

@@ -394,3 +394,25 @@ def test_backward_holds_what_the_plan_counts_to_the_byte(shape):
     over = [d.measured_peak_bytes - d.predicted_peak_bytes for d in report.devices]
     # (the allocator's few bytes of scalars; the old counts were 64 KiB to 128 KiB off)
     assert all(-slack <= o <= 512 for o in over), (over, [st.layers for st in plan.stages])
+
+
+@pytest.mark.parametrize("mode", ["never", "except_last"])
+def test_torchrun_gpipe_with_receives_posted_ahead_holds_what_the_plan_counts(profiles, mode):
+    """GPipe's program posts rank 1's forward receives as the step begins (each input held
+    from then on): the peak is still the plan's, and the step predicted is the program's."""
+    pytest.importorskip("torch.distributed.run")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    from codegen.measure import measure_torchrun
+    from planner.search import schedule_of, stage_costs
+    from schedules.comm import preposted
+
+    plan = plan_pipeline(
+        profiles["transformer"], Cluster.uniform(2, "1GiB"), 8, microbatches=4,
+        schedule="gpipe", recompute=mode,
+    )  # fmt: skip
+    assert preposted(schedule_of(plan), stage_costs(plan.stages, plan.runtime)) == {1}
+    report = measure_torchrun(plan, f"{__file__}:small_transformer", steps=1)
+    for d in report.devices:
+        assert abs(d.memory_error) <= 0.05, d
+    assert report.predicted_step_ms == simulate_plan(plan, levels=False, rendezvous=True).makespan

@@ -740,6 +740,61 @@ def test_the_rendezvous_timeline_by_hand():
     assert simulate(plain, costs, memory=False, rendezvous=True).makespan == 13.0
 
 
+def test_gpipes_forward_receives_posted_ahead_by_hand(monkeypatch):
+    """gpipe, 2 ranks, 3 micro-batches; F 1 and 3 ms, B 2 ms, 1 ms on the link. Rank 1's
+    receives all posted at 0: rank 0 sends each activation as soon as it is made (its forwards
+    end at 1, 3, 5 ms) and every transfer but the first hides behind rank 1's forwards: 22 ms.
+    Posted as rank 1 reaches them, rank 0's SEND_F1 waits for rank 1's F0 to end (5 ms) and
+    rank 1 waits out F1's and F2's transfers: 24 ms."""
+    import importlib
+
+    from schedules import Costs, simulate
+
+    lowered = insert_comms(build_schedule("gpipe", 2, 3))
+    costs = Costs([1.0, 3.0], [2.0, 2.0], transfer=[1.0])
+    assert comm.preposted(lowered, costs) == {1}
+    tl = simulate(lowered, costs, memory=False, rendezvous=True)
+    forwards = [k for k, a in enumerate(lowered.ranks[0]) if a.kind.name == "F"]
+    assert [tl.ends[0][k] for k in forwards] == [1.0, 3.0, 5.0]
+    assert tl.ends[1][:6] == [2.0, 5.0, 5.0, 8.0, 8.0, 11.0]  # RECV_F0 F0 RECV_F1 F1 ...
+    assert tl.makespan == 22.0
+    monkeypatch.setattr(importlib.import_module("schedules.simulate"), "preposted",
+                        lambda *a: frozenset())  # fmt: skip
+    late = simulate(lowered, costs, memory=False, rendezvous=True)
+    assert [late.ends[0][k] for k in forwards] == [1.0, 3.0, 7.0]
+    assert late.ends[1][:6] == [2.0, 5.0, 6.0, 9.0, 10.0, 13.0]
+    assert late.makespan == 24.0
+
+
+def test_which_stages_post_their_forward_receives_ahead():
+    """Only a stage alone on its rank, fed from another rank, on a rank that runs every forward
+    first (GPipe), in a chain; and not one that keeps activations lighter than its input."""
+    from schedules import Costs
+    from schedules.memory import StageBytes
+
+    for K in (2, 3, 4):
+        assert comm.preposted(build_schedule("gpipe", K, 6)) == set(range(1, K))
+        for kind in ("1f1b", "zb-h1"):
+            assert comm.preposted(build_schedule(kind, K, 6)) == set()
+        assert comm.preposted(build_schedule("1f1b", K, 1)) == set(range(1, K))  # F then B
+    assert comm.preposted(build_schedule("interleaved-1f1b", 2, 4)) == set()  # 2 stages a rank
+    routed = build_schedule("gpipe", 3, 4)
+    routed.routes = [(0, 1), (0, 2), (1, 2)]
+    assert comm.preposted(routed) == set()
+    # by the bytes: a stage whose input outweighs its activations (never) ...
+    sched = build_schedule("gpipe", 2, 4)
+    big_input = StageBytes(input=10, activations=8, remat_live=1, forward_live=1)
+    fine = StageBytes(input=4, activations=8, remat_live=1, forward_live=1)
+    for b, mode, want in [
+        (big_input, "never", set()),
+        (fine, "never", {1}),
+        (big_input, "always", {1}),  # every forward keeps only its input
+        (big_input, "except_last", {1}),
+    ]:
+        costs = Costs([1.0, 1.0], [1.0, 1.0], recompute=["never", mode], memory=[fine, b])
+        assert comm.preposted(sched, costs) == want, (b, mode)
+
+
 def test_a_program_not_proven_to_meet_is_timed_as_gloo_runs_it():
     """CROSSED hangs where sends block; its program says RENDEZVOUS = False and runs on gloo,
     waiting for its receives only. Timed so, with free links, it is what the default model
