@@ -8,7 +8,7 @@
 # program's batches are placed so that this cannot hang even where a send completes only once
 # its receive is posted, as with NCCL (schedules/comm.py; validate(..., rendezvous=True)
 # proves it for the program), and sent tensors are let go as soon as their batch completes.
-# Under GPipe, a rank that runs every forward first posts all its forward receives in `begin`
+# A rank that runs every forward first (GPipe) posts all its forward receives in `begin`
 # (PREPOSTED, schedules/comm.preposted): its sender's messages then go at once.
 #
 # A receive is posted with its buffer, so the receiver must know the shapes before anything
@@ -254,8 +254,12 @@ class DistPipelineRuntime(PipelineRuntime):
             parts = torch.tensor_split(sized, M)
             self.weights = [p.shape[0] / sized.shape[0] for p in parts]
             self.targets = [_to(t, self.device) for t in _split_target(y, M)]
-        for s in self.PREPOSTED:  # (schedules.comm.preposted says when this is safe)
-            if s in self.local and not self.routed:
+        for s in self.PREPOSTED:  # (schedules.comm.preposted says when this pays)
+            # Where a rank's operations run in the order posted whatever their peer (NCCL
+            # batches: one communicator), a middle stage's sends would queue behind these:
+            # there only the last stage posts ahead, as for a plan profiled on a GPU.
+            last = s == len(self.STAGES) - 1
+            if s in self.local and not self.routed and (self.post_each or last):
                 for m in range(M):
                     ops: list[Any] = []
                     bufs = self._recv(

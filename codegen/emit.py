@@ -237,7 +237,8 @@ def _torchrun_class(plan: Plan, lowered: Schedule) -> str:
     except ScheduleError:  # a captured graph's skips, at times: gloo only
         rendezvous = "\n    RENDEZVOUS = False  # may hang where sends block (NCCL): gloo only\n"
     devices = _py_list("DEVICES", [json.dumps(d.torch_device or "") for d in plan.cluster.devices])
-    ahead = sorted(preposted(lowered, stage_costs(plan.stages, plan.runtime)))
+    costs = stage_costs(plan.stages, plan.runtime, plan.device_type)
+    ahead = [] if plan.captured else sorted(preposted(lowered, costs))
     if ahead:  # the stages whose forward receives are all posted as the step begins
         devices += f"\n    PREPOSTED = {tuple(ahead)}  # every forward receive posted at begin"
     methods = []

@@ -1553,7 +1553,7 @@ def _build_plan(
     lost = beat is not None and v == 1 and not routes and total_ms > beat * (1 + 1e-12)
     lost = lost and all(d.total <= d.budget for d in devices)
     if problem.target == "torchrun" and K > 1 and not lost:
-        costs = stage_costs(stages, profile.runtime)
+        costs = stage_costs(stages, profile.runtime, profile.device)
         sched = plan_schedule(cand.schedule, K, cand.microbatches, routes)
         lowered, ran = fastest_lowering(sched, costs)  # timed as it runs, where it meets
         if ran is None:  # as gloo runs a program not proven to meet
@@ -1653,10 +1653,15 @@ def stage_bytes(stage: StagePlan) -> StageBytes:
     return StageBytes(**got)
 
 
-def stage_costs(stages: list[StagePlan], runtime: RuntimeOverhead | None = None) -> Costs:
+def stage_costs(
+    stages: list[StagePlan], runtime: RuntimeOverhead | None = None, device_type: str = "cpu"
+) -> Costs:
     """What the simulator charges each of the plan's stages (per micro-batch) and cuts, and
-    what the runtime adds per action and per step (the profile's `runtime`)."""
+    what the runtime adds per action and per step (the profile's `runtime`); on a GPU
+    (`device_type`, the profile's) the torchrun program's communication runs over NCCL,
+    each rank's in the order posted (Costs.ordered_p2p)."""
     return Costs(
+        ordered_p2p=device_type.split(":")[0] == "cuda",
         forward=[st.forward_ms for st in stages],
         backward=[st.backward_ms for st in stages],
         input_grad=[st.input_grad_ms for st in stages],
@@ -1712,7 +1717,7 @@ def simulate_plan(plan: Plan, *, levels: bool = True, rendezvous: bool | None = 
         )  # fmt: skip
     return simulate(
         torchrun_schedule(plan),
-        stage_costs(plan.stages, plan.runtime),
+        stage_costs(plan.stages, plan.runtime, plan.device_type),
         levels=levels,
         rendezvous=True,
     )
@@ -1722,7 +1727,8 @@ def torchrun_schedule(plan: Plan, schedule: Schedule | None = None) -> Schedule:
     """`schedule` (by default the plan's own) with the communication the torchrun target
     posts: of the lowerings that meet where sends block, the one the simulator finds fastest
     under the plan's costs (insert_comms)."""
-    return insert_comms(schedule or schedule_of(plan), stage_costs(plan.stages, plan.runtime))
+    costs = stage_costs(plan.stages, plan.runtime, plan.device_type)
+    return insert_comms(schedule or schedule_of(plan), costs)
 
 
 _HOLDS_RANK = {"1f1b": 0, "zb-h1": 1, "interleaved-1f1b": 2, "gpipe": 3}

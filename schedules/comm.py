@@ -61,8 +61,12 @@ def preposted(schedule: Schedule, costs: Costs | None = None) -> frozenset[int]:
 
     A stage qualifies when the schedule is a chain (no routes), the stage is alone on its rank
     and takes its input from another rank, and that rank runs every forward before any other
-    compute action (GPipe's order): nothing the rank sends or receives the other way can queue
-    behind those receives (NCCL runs a pair of ranks' operations in the order posted).
+    compute action (GPipe's order; 1F1B's and zero bubble's too on a stage with no more
+    micro-batches than its warm-up takes). Then nothing the rank receives later, and no
+    gradient it sends back, needs a message that waits on those receives. Where a rank's
+    operations run in the order posted whatever their peer (`costs.ordered_p2p`: NCCL, whose
+    batches share one communicator), the activations a middle stage sends on would queue
+    behind them: there only a stage that sends nothing on (the last) posts ahead.
 
     Memory: in the issue order the plan counts in, the stage's forward of micro-batch k
     already holds the inputs of k + 1 (its sender is a micro-batch ahead); posted ahead, it
@@ -78,10 +82,13 @@ def preposted(schedule: Schedule, costs: Costs | None = None) -> frozenset[int]:
     place, M = compute.placement, compute.num_microbatches
     memory = list(costs.memory) if costs is not None and costs.memory is not None else None
     modes = list(costs.recompute) if costs is not None and costs.recompute is not None else None
+    ordered = costs is not None and costs.ordered_p2p
     out = set()
     for t in range(1, compute.num_stages):
         r = place[t]
         if place[t - 1] == r or place.count(r) != 1:
+            continue
+        if ordered and t < compute.num_stages - 1:
             continue
         kinds = [a.kind for a in compute.ranks[r]]
         first_other = next((i for i, k in enumerate(kinds) if k != Kind.F), len(kinds))

@@ -51,6 +51,10 @@ class Costs:
     # per stage, the autograd calls its I makes (default one each): none on a first stage of
     # one layer, whose input needs no gradient and whose layer's output gradient W takes
     input_calls: Sequence[int] | None = None
+    # the torchrun program's point-to-point operations run, on each rank, in the order posted
+    # whatever their peer (NCCL: its batches share one communicator): comm.preposted then
+    # posts ahead only where nothing the rank sends later could queue behind
+    ordered_p2p: bool = False
 
     @classmethod
     def uniform(

@@ -700,7 +700,8 @@ def test_a_cluster_device_this_host_lacks_is_refused_in_words():
 def test_torchrun_rank_that_raises_does_not_hang_the_others(
     profiles, tmp_path, torchrun_available, schedule
 ):
-    """(gpipe: with rank 1's forward receives posted as the step begins, still pending)"""
+    """(gpipe: rank 1 posts its forward receives as the step begins, then fails at its
+    first forward's loss)"""
     plan = plan_pipeline(
         profiles["mlp"],
         Cluster.uniform(2, "1GiB"),

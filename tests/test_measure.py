@@ -399,7 +399,7 @@ def test_backward_holds_what_the_plan_counts_to_the_byte(shape):
 @pytest.mark.parametrize("mode", ["never", "except_last"])
 def test_torchrun_gpipe_with_receives_posted_ahead_holds_what_the_plan_counts(profiles, mode):
     """GPipe's program posts rank 1's forward receives as the step begins (each input held
-    from then on): the peak is still the plan's, and the step predicted is the program's."""
+    from then on; test_rendezvous checks that it does): no rank holds more than its plan."""
     pytest.importorskip("torch.distributed.run")
     if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
@@ -413,6 +413,5 @@ def test_torchrun_gpipe_with_receives_posted_ahead_holds_what_the_plan_counts(pr
     )  # fmt: skip
     assert preposted(schedule_of(plan), stage_costs(plan.stages, plan.runtime)) == {1}
     report = measure_torchrun(plan, f"{__file__}:small_transformer", steps=1)
-    for d in report.devices:
-        assert abs(d.memory_error) <= 0.05, d
-    assert report.predicted_step_ms == simulate_plan(plan, levels=False, rendezvous=True).makespan
+    for d in report.devices:  # (measured exactly: what the plan leaves out would show)
+        assert -0.05 <= d.memory_error <= 0.001, d

@@ -352,12 +352,13 @@ def _with_inputs_posted_ahead(sched, modes, sizes, t):
 def test_receives_posted_ahead_raise_no_peak(data):
     """comm.preposted admits a stage only where holding every input from the start keeps its
     device under the peak the plan counts: checked against the replay itself, with drawn bytes
-    and modes (gpipe, and 1F1B of one micro-batch, whose ranks run forwards first too)."""
+    and modes (gpipe; 1F1B and zero bubble with no more micro-batches than stages, where some
+    ranks run every forward first too)."""
     from schedules.comm import preposted
 
     K, M = data.draw(st.integers(2, 4)), data.draw(st.integers(1, 6))
-    sched = build_schedule("gpipe" if M > 1 else data.draw(st.sampled_from(["gpipe", "1f1b"])),
-                           K, M)  # fmt: skip
+    kinds = ["gpipe", "1f1b", "zb-h1"] if M <= K else ["gpipe"]
+    sched = build_schedule(data.draw(st.sampled_from(kinds)), K, M)
     modes = data.draw(st.lists(st.sampled_from(["never", "except_last", "always"]),
                                min_size=K, max_size=K))  # fmt: skip
     b = st.integers(0, 1000)

@@ -583,6 +583,93 @@ def test_posting_one_message_at_a_time_hangs_on_the_blocking_transport(mlp_profi
     assert errors and any("deadlock" in str(e) for e in errors)
 
 
+_LOGGED = """
+
+_forward = Pipeline.forward
+
+
+def _logged_forward(self, s, m):
+    dist.log.append((self.rank, "F", m))
+    return _forward(self, s, m)
+
+
+Pipeline.forward = _logged_forward
+"""
+
+
+class _LoggedGloo(BufferedTransport):
+    """BufferedTransport, logging each receive as it is posted: (rank, "recv", tag)."""
+
+    def __init__(self, world: int) -> None:
+        super().__init__(world)
+        self.log: list[tuple] = []
+        plain = self._irecv
+
+        def irecv(buf: torch.Tensor, peer: int, group: Any = None, tag: int = 0) -> Any:
+            self.log.append((self.get_rank(), "recv", tag))
+            return plain(buf, peer, group, tag)
+
+        self.irecv = irecv  # type: ignore[method-assign]
+
+
+class _LoggedBlocking(BlockingTransport):
+    """BlockingTransport (a rank's operations in the order posted, as NCCL's batches run),
+    logging each receive as it is posted."""
+
+    def __init__(self, world: int) -> None:
+        super().__init__(world)
+        self.log: list[tuple] = []
+
+    def batch_isend_irecv(self, ops: list[Any]) -> list[_Work]:
+        self.log += [(self.get_rank(), "recv", op.tag) for op in ops if op.op is self.irecv]
+        return super().batch_isend_irecv(ops)
+
+
+@pytest.mark.parametrize("transport,ahead", [(_LoggedGloo, {1, 2}), (_LoggedBlocking, {2})])
+def test_which_ranks_post_their_forward_receives_as_the_step_begins(mlp_profile, transport, ahead):
+    """gpipe on 3 ranks: under gloo, ranks 1 and 2 post all 4 forward receives before their
+    first forward; where a rank's operations run in the order posted (NCCL's batches), the
+    middle rank does not (its sends on would queue behind them), the last one does. The
+    gradients are the un-pipelined model's either way."""
+    from codegen.emit import emit_program
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+
+    K, M = 3, 4
+    plan = plan_pipeline(mlp_profile, Cluster.uniform(K, "1GiB"), 8, microbatches=M,
+                         schedule="gpipe", recompute="never")  # fmt: skip
+    program = emit_program(plan, target="torchrun")
+    assert "PREPOSTED = (1, 2)" in program
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    t = transport(K)
+    losses, pipes, _, errors = _run_ranks(
+        program + _LOGGED, _models(K), x, y, torch.nn.CrossEntropyLoss(), transport=t
+    )
+    assert not errors, errors
+    for r in range(1, K):
+        mine = [e for e in t.log if e[0] == r]
+        first = mine.index((r, "F", 0))
+        forward_receives = {e[2] for e in mine if e[1] == "recv" and e[2] <= K * K * M}
+        before = {e[2] for e in mine[:first] if e[1] == "recv" and e[2] <= K * K * M}
+        assert len(forward_receives) == M
+        assert (before == forward_receives) == (r in ahead), (r, mine)
+        assert len(before) == (M if r in ahead else 1)
+    torch.manual_seed(0)
+    from profiler.examples import mlp
+
+    reference = mlp(width=32, depth=4, batch=8)
+    expected = torch.nn.CrossEntropyLoss()(reference(x), y)
+    expected.backward()
+    for r, pipe in enumerate(pipes):
+        assert abs(float(losses[r]) - float(expected.detach())) < 1e-5
+        for s in sorted(pipe.local):
+            a, b = pipe.STAGES[s]
+            for i in range(a, b):
+                for p_, q in zip(pipe.stages[s][i - a].parameters(), reference[i].parameters()):
+                    torch.testing.assert_close(p_.grad, q.grad)
+
+
 def _models(K: int) -> list:
     from profiler.examples import mlp
 
@@ -777,6 +864,9 @@ def test_which_stages_post_their_forward_receives_ahead():
         for kind in ("1f1b", "zb-h1"):
             assert comm.preposted(build_schedule(kind, K, 6)) == set()
         assert comm.preposted(build_schedule("1f1b", K, 1)) == set(range(1, K))  # F then B
+        # a rank's operations in the order posted (NCCL): only the last stage sends nothing on
+        ordered = Costs([1.0] * K, [1.0] * K, ordered_p2p=True)
+        assert comm.preposted(build_schedule("gpipe", K, 6), ordered) == {K - 1}
     assert comm.preposted(build_schedule("interleaved-1f1b", 2, 4)) == set()  # 2 stages a rank
     routed = build_schedule("gpipe", 3, 4)
     routed.routes = [(0, 1), (0, 2), (1, 2)]
