@@ -211,37 +211,6 @@ class Cluster(Artifact):
             )
         return Cluster(devices=devices, links=list(self.links))
 
-    def relaxed(self) -> Cluster:
-        """A cluster no order of these devices can beat: every position as fast, as large and
-        as little reserved as the best device, and every link the best any order can have
-        (between devices of one host, where a host has two; across hosts, where there are
-        two hosts). Plans for it are never slower (faster devices, more memory and faster
-        links only shorten or widen the search), so its optimal plan's time bounds every
-        order's from below."""
-        fastest = max(d.speed for d in self.devices)
-        largest = max(d.memory_bytes for d in self.devices)
-        least = min(d.reserved_bytes for d in self.devices)
-        devices = [
-            Device(name=d.name, memory_bytes=largest, speed=fastest, reserved_bytes=least)
-            for d in self.devices
-        ]
-        kinds = list(self.links)
-        if self.host_links is not None:
-            hosts = [d.host for d in self.devices]
-            kinds = []
-            if any(hosts.count(h) > 1 for h in hosts):
-                kinds.append(self.host_links.intra_host)
-            if len(set(hosts)) > 1:
-                kinds.append(self.host_links.inter_host)
-        link = Link()
-        if kinds:
-            widths = [k.bandwidth_bytes_per_s for k in kinds]
-            link = Link(
-                bandwidth_bytes_per_s=None if None in widths else max(widths),  # type: ignore[type-var]
-                latency_ms=min(k.latency_ms for k in kinds),
-            )
-        return Cluster(devices=devices, links=[link] * (self.size - 1))
-
     def placements(self, limit: int = 120) -> tuple[list[list[int]], bool]:
         """The device orders worth planning for: every distinct order (devices alike in memory,
         speed, reserve and host are interchangeable), each host's devices kept together when

@@ -502,11 +502,7 @@ def _reordered(
     """plan_pipeline once per device order; the fastest (ties: the earlier order) wins. Each
     order after the first plan is searched against that plan's time: its candidates whose bound
     cannot beat it are pruned, so an order that cannot win costs its bounds, not its search.
-    `time_limit_s` holds for all the orders together, found or not.
-
-    Once a plan is in hand, the orders left are searched only where they might beat it: not
-    where it is as fast as the best plan for Cluster.relaxed() (every device as fast and as
-    large as the best, every link the best), which no order can beat, found optimal."""
+    `time_limit_s` holds for all the orders together, found or not."""
     orders, complete = cluster.placements()  # (not complete: past the most it lists)
     best: Plan | None = None
     error: InfeasibleError | None = None
@@ -514,19 +510,10 @@ def _reordered(
     limit = kw.pop("time_limit_s", None)
     tried = 0
     timed = False  # the time limit left an order unsearched, or one searched in part
-    floor: float | None = None  # the relaxed cluster's optimal time (where proven)
-    floored = False  # ... worked out
-    unbeaten = False  # the plan in hand is as fast as that: no order left can beat it
     for order in orders:
         left = None if limit is None else limit - (time.perf_counter() - started)
         if left is not None and left <= 0 and tried:
             timed = True
-            break
-        if best is not None and not floored and len(orders) - tried > 1:  # (else: search it)
-            floor, floored = _relaxed_floor(profile, cluster, batch_size, left, kw), True
-        # no order's time is below the floor: none is faster than this plan (as _faster has it)
-        if best is not None and floor is not None and not _beats_ms(floor, best):
-            unbeaten = True
             break
         tried += 1
         try:
@@ -554,8 +541,6 @@ def _reordered(
         timed = timed or TIMED_OUT in plan.solver.unproven
         if best is None or _faster(plan, best):
             best = plan
-    if unbeaten:  # the orders left cannot beat the plan in hand
-        complete, timed = True, False
     if timed:
         note = f"the time limit cut the search of the device orders short ({tried} searched)"
     else:
@@ -571,14 +556,7 @@ def _reordered(
         complete = False
     best.solver = best.solver.model_copy(
         update={
-            "method": f"{best.solver.method}, {tried} device order"
-            + ("s" if tried != 1 else "")
-            + (
-                " (no other can beat it: as fast as with every device as fast and as large as "
-                "the best)"
-                if unbeaten
-                else ""
-            ),
+            "method": f"{best.solver.method}, {tried} device order" + ("s" if tried != 1 else ""),
             "candidates": candidates,
             "solved": solved,
             "pruned": pruned,
@@ -588,21 +566,6 @@ def _reordered(
     )
     best._solve_ms = (time.perf_counter() - started) * 1e3
     return best
-
-
-def _relaxed_floor(
-    profile: Profile, cluster: Cluster, batch_size: int, left: float | None, kw: dict[str, Any]
-) -> float | None:
-    """The optimal time for cluster.relaxed(), which no device order can beat; None where its
-    plan is not proven optimal (or nothing fits even there)."""
-    try:
-        plan = plan_pipeline(
-            profile, cluster.relaxed(), batch_size,
-            time_limit_s=None if left is None else max(left, 0.0), **kw,
-        )  # fmt: skip
-    except InfeasibleError:
-        return None
-    return plan.predicted.iteration_ms if plan.solver.optimal else None
 
 
 @dataclass
@@ -952,11 +915,6 @@ def _interleaved_fallback(
 
 def _faster(a: Plan, b: Plan) -> bool:
     return _beats(a, b.predicted.iteration_ms)
-
-
-def _beats_ms(ms: float, plan: Plan) -> bool:
-    """A time `ms` faster than `plan` by more than rounding (as _faster compares plans)."""
-    return ms < plan.predicted.iteration_ms * (1 - 1e-12)
 
 
 def _beats(plan: Plan, ms: float) -> bool:
