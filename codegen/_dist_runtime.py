@@ -40,7 +40,7 @@ from ._runtime import (  # emit: drop
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool]  # fmt: skip
-_SIGNATURE = 64  # int64 slots broadcast at each step: [seed, dtype, ndim, shape...]
+_SIGNATURE = 64  # int64 slots summed at each step: [seed, dtype, ndim, shape..., targets, refused]
 Spec = tuple[tuple[int, ...], torch.dtype]
 
 
@@ -77,6 +77,7 @@ class DistPipelineRuntime(PipelineRuntime):
     PLAN = "0" * 16  # the plan and each rank's actions, hashed: the same on every rank
     PROFILED_ON = "cpu"  # the device type the plan's profile was measured on
     PREPOSTED: tuple[int, ...] = ()  # stages whose forward receives are posted at begin
+    MAX_BATCH: int | None = None  # the most samples a step may take (a Pipe's: its plan's)
 
     def __init__(self, model: nn.Sequential, *, deferred_batch_norm: bool = False) -> None:
         if not dist.is_initialized():
@@ -228,7 +229,7 @@ class DistPipelineRuntime(PipelineRuntime):
             sig[0] = int(torch.randint(0, 2**62, (1,)))
             if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] < M:
                 problem = f"the first stage's rank needs the input batch, with at least {M} samples"
-            elif x.dtype not in _DTYPES or x.dim() > _SIGNATURE - 4:
+            elif x.dtype not in _DTYPES or x.dim() > _SIGNATURE - 5:
                 problem = f"an input of dtype {x.dtype} and {x.dim()} dimensions"
             else:
                 sig[1 : 3 + x.dim()] = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape])
@@ -236,6 +237,8 @@ class DistPipelineRuntime(PipelineRuntime):
             sized = y if isinstance(y, torch.Tensor) else x
             if not isinstance(sized, torch.Tensor) or sized.dim() < 1 or sized.shape[0] < M:
                 problem = "the last stage's rank needs the targets (batch first)"
+            elif isinstance(y, torch.Tensor) and y.dim() > 0:
+                sig[-2] = y.shape[0]  # checked against the input's on every rank, below
         sig[-1] = int(bool(problem))
         sig = sig.to(self.device)
         dist.all_reduce(sig)  # one rank's entries, summed with the others' zeros
@@ -244,6 +247,18 @@ class DistPipelineRuntime(PipelineRuntime):
             raise ValueError(problem)
         if head[-1]:
             raise ValueError("another rank refused this step's batch; see its message")
+        # What the summed signature alone settles, every rank settles alike: all refuse
+        n, targets = head[3], head[-2]
+        if targets and targets != n:
+            raise ValueError(
+                f"the target has {targets} samples but the input has {n}; pass one target per "
+                "sample (batch first)"
+            )
+        if self.MAX_BATCH is not None and n > self.MAX_BATCH:
+            raise ValueError(
+                f"the plan is for batches of {M} to {self.MAX_BATCH} samples ({M} micro-batches, "
+                f"its memory figures for {self.MAX_BATCH}); plan again with batch_size={n}"
+            )
         self.seed = head[0]
         if 0 in self.local:
             self.batch = list(torch.tensor_split(x, M))

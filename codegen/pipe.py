@@ -69,10 +69,14 @@ class Pipe:
         `loss_fn(output, target)` must average over the samples it is given. Distributed,
         every rank calls it: x matters on the first stage's rank, y on the last's (the others
         may pass None), and afterwards this rank's parameters hold their gradients."""
-        if not self.distributed or 0 in self.program.local:
-            self._check_batch(x)
         if not callable(loss_fn):
             raise ArgumentError("loss_fn", loss_fn, "expected a function (output, target) -> loss")
+        if self.distributed:  # every rank refuses a bad batch together, in the step's start
+            try:
+                return self.program.train_step(x, y, loss_fn)
+            except self._module.StageError as e:
+                raise StageError(str(e)) from e.__cause__
+        self._check_batch(x)
         if (
             isinstance(x, torch.Tensor)
             and isinstance(y, torch.Tensor)
@@ -258,6 +262,7 @@ def _distributed_pipe(
         program = namespace.Pipeline(model, deferred_batch_norm=deferred_batch_norm)
     except (RuntimeError, ValueError) as e:  # wrong world size, device or plan: every rank
         raise InputError(str(e)) from None
+    program.MAX_BATCH = plan.batch_size  # (the plan's memory holds up to it; checked in step)
     return Pipe(plan, schedule_of(plan), source, program, namespace, distributed=True)
 
 

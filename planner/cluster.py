@@ -213,11 +213,18 @@ class Cluster(Artifact):
 
     def placements(self, limit: int = 120) -> tuple[list[list[int]], bool]:
         """The device orders worth planning for: every distinct order (devices alike in memory,
-        speed, reserve and host are interchangeable), each host's devices kept together when
-        links are given by host (the pipeline crosses hosts no more than it must). At most
-        `limit`, the given order first; the flag says whether that is all of them."""
+        speed, reserve and host are interchangeable). Where there are more than `limit` and
+        links are given by host, those that keep each host's devices together (the pipeline
+        crosses hosts no more than it must), which need not hold the fastest: the flag says
+        whether the orders returned are all of them. At most `limit`, the given order first."""
         sig = [(d.memory_bytes, d.speed, d.reserved_bytes) for d in self.devices]
         if self.host_links is not None:
+            every = _distinct_orders([(*k, d.host) for k, d in zip(sig, self.devices)], limit)
+            if len(every) <= limit:  # (found by the red team: an intra-host link slower than
+                # the inter-host one, or a host's small device better placed elsewhere, makes
+                # an order that splits a host the fastest)
+                hosted = [(*k, d.host) for k, d in zip(sig, self.devices)]
+                return [_assign(list(range(self.size)), q, hosted) for q in every], True
             hosts: dict[str, list[int]] = {}
             for k, d in enumerate(self.devices):
                 hosts.setdefault(str(d.host), []).append(k)
@@ -226,7 +233,6 @@ class Cluster(Artifact):
             kind = [tuple(sorted(sig[k] for k in g)) for g in groups]
             outer = _distinct_orders(kind, limit)
             orders: list[list[int]] = []
-            complete = len(outer) <= limit
             for seq in outer[:limit]:
                 pools = {
                     i: [g for g, kd in zip(groups, kind) if kd == kind[i]]
@@ -242,11 +248,10 @@ class Cluster(Artifact):
                 combos = [[]]
                 for g, seqs in zip(picked, inner):
                     combos = [c + _assign(g, q, sig) for c in combos for q in seqs][: limit + 1]
-                    complete = complete and len(seqs) <= limit
                 orders += combos
                 if len(orders) > limit:
                     return orders[:limit], False
-            return orders, complete and len(orders) <= limit
+            return orders, False  # (more orders than `limit`: those splitting a host left out)
         seqs = _distinct_orders(sig, limit)
         return [_assign(list(range(self.size)), q, sig) for q in seqs[:limit]], len(seqs) <= limit
 

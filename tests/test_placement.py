@@ -174,3 +174,55 @@ def test_an_order_only_the_memory_search_finds_a_plan_for_still_wins():
         for p in itertools.permutations(range(2))
     ]
     assert plan.predicted.iteration_ms == min(every) < max(every)
+
+
+def test_an_order_that_splits_a_host_is_planned_where_it_is_the_fastest():
+    """Found by the red team: only orders keeping each host's devices together were planned,
+    and the plan said optimal. With the link inside a host slower than the one across (a
+    cluster file may say so), the fastest order alternates hosts; every order is planned where
+    there are at most 120, and the plan is brute force's."""
+    profile = synthetic_profile([1.0] * 8, output_bytes=[2000] * 8, sizes=(1, 2, 4))
+    cluster = Cluster.model_validate({
+        "kind": "cluster",
+        "devices": [{"name": f"{h}{k}", "memory_bytes": "1GiB", "host": h}
+                    for k, h in enumerate("aabb")],
+        "links": {"intra_host": {"bandwidth_bytes_per_s": 1e5, "latency_ms": 5.0},
+                  "inter_host": {"bandwidth_bytes_per_s": 1e9}},
+    })  # fmt: skip
+    orders, complete = cluster.placements()
+    assert complete and len(orders) == 6  # a's two alike, b's two alike: 4! / (2! 2!)
+    plan = plan_pipeline(profile, cluster, 4, allow_reorder=True)
+    every = [
+        plan_pipeline(profile, cluster.reordered(list(p)), 4).predicted.iteration_ms for p in orders
+    ]
+    assert plan.predicted.iteration_ms == min(every) < every[0] and plan.solver.optimal
+    hosts = [d.host for d in plan.cluster.devices]
+    assert hosts[0] != hosts[1] != hosts[2] != hosts[3]
+    # past the most it lists, the orders keeping hosts together only, and not proven
+    big = host_cluster(["a", "b"] * 4)  # 8 devices, 4 per host: 70 distinct orders
+    assert big.placements(limit=60)[1] is False
+
+
+def test_more_memory_can_give_a_slower_plan_so_no_order_is_skipped_for_it():
+    """Found by the red team, against a shortcut tried and dropped: skipping the orders left
+    once a plan is as fast as the plan for every device at the most memory. The split is the
+    least bottleneck, not the least step time: with every device large, the bottleneck's split
+    fills the pipe through a slow cut, and an order that keeps the small device first is
+    faster (27.5 ms against 35.5)."""
+    profile = synthetic_profile([1.0, 0.5, 1.0, 2.0, 1.0, 1.0],
+                                output_bytes=[100, 100, 500, 100, 100, 2000], sizes=(1, 2, 4))  # fmt: skip
+    cluster = Cluster(
+        devices=[Device(name=n, memory_bytes=m) for n, m in
+                 (("d0", 10**6), ("d1", 10**6), ("d2", 1668))],
+        links=[Link(bandwidth_bytes_per_s=1e5, latency_ms=1.0)] * 2,
+    )  # fmt: skip
+    kw = {"schedule": "gpipe", "recompute": "never", "checkpoint": ()}
+    plan = plan_pipeline(profile, cluster, 1, allow_reorder=True, **kw)
+    every = [
+        plan_pipeline(profile, cluster.reordered(list(p)), 1, **kw).predicted.iteration_ms
+        for p in itertools.permutations(range(3))
+    ]
+    large = Cluster(devices=[Device(name=f"d{k}", memory_bytes=10**6) for k in range(3)],
+                    links=cluster.links)  # fmt: skip
+    assert plan_pipeline(profile, large, 1, **kw).predicted.iteration_ms == 35.5
+    assert plan.predicted.iteration_ms == min(every) == 27.5

@@ -743,6 +743,35 @@ def test_a_rank_refusing_its_batch_stops_every_rank(mlp_profile):
     assert "the first stage's rank needs the input batch, with at least 4 samples" in texts[2]
 
 
+@pytest.mark.parametrize("case", ["too many samples", "targets of another size"])
+def test_a_batch_only_one_rank_can_judge_is_refused_by_every_rank(mlp_profile, case):
+    """Found by the red team: a distributed Pipe checked its batch size on the first stage's
+    rank alone, before the step's start, and a target of another size failed on the last
+    stage's rank alone: a caller catching that error went on a step out of line with the other
+    ranks (the wrong targets' gradients, then a hang). Both are now settled in the step's
+    start, from what every rank agreed on, so every rank refuses the step, nothing sent."""
+    from codegen.emit import emit_program
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+
+    plan = plan_pipeline(mlp_profile, Cluster.uniform(3, "1GiB"), 8, microbatches=4,
+                         schedule="gpipe")  # fmt: skip
+    program = emit_program(plan, target="torchrun") + "\nPipeline.MAX_BATCH = 8\n"
+    n, targets = (9, 9) if case == "too many samples" else (8, 9)
+    x, y = torch.randn(n, 32), torch.randint(0, 10, (targets,))
+    *_, transport, errors = _run_ranks(
+        program, _models(3), x, y, torch.nn.CrossEntropyLoss(), timeout=5
+    )
+    assert len(errors) == 3 and transport.posted == 0
+    want = (
+        "the plan is for batches of 4 to 8 samples (4 micro-batches, its memory figures for 8);"
+        " plan again with batch_size=9"
+        if case == "too many samples"
+        else "the target has 9 samples but the input has 8; pass one target per sample"
+    )
+    assert all(want in str(e) for e in errors), errors
+
+
 def test_the_shape_pass_leaves_the_model_as_it_was(mlp_profile):
     """Worked out on fake copies of the weights, in the model's own mode: the layers' training
     flags, weights and batch-norm statistics are untouched, and train() is never called."""
