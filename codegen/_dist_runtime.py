@@ -44,6 +44,16 @@ _SIGNATURE = 64  # int64 slots summed at each step: [seed, dtype, ndim, shape...
 Spec = tuple[tuple[int, ...], torch.dtype]
 
 
+def _samples(y: Any) -> int:
+    """How many samples `y` holds, batch first (a tuple's tensors: each as many), 0 where it
+    holds no tensor, -1 where one has no batch dimension or they disagree."""
+    leaves = [y] if isinstance(y, torch.Tensor) else list(y) if isinstance(y, (tuple, list)) else []
+    counts = {t.shape[0] if t.dim() > 0 else -1 for t in leaves if isinstance(t, torch.Tensor)}
+    if not counts:
+        return 0
+    return counts.pop() if len(counts) == 1 and -1 not in counts else -1
+
+
 def rank_device(named: str | None, rank: int) -> torch.device:
     """A rank's device: the one its cluster device names (torch_device), else the GPU of this
     host's LOCAL_RANK, else the CPU."""
@@ -62,6 +72,11 @@ def rank_device(named: str | None, rank: int) -> torch.device:
     if torch.cuda.is_available():
         return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}")
     return torch.device("cpu")
+
+
+class BatchRefused(ValueError):
+    """Every rank refuses this step's batch (one rank's own reason, or the others'), before
+    anything of the step is done: the model and its gradients are as they were."""
 
 
 class ProgramRefused(RuntimeError):
@@ -217,10 +232,6 @@ class DistPipelineRuntime(PipelineRuntime):
         M, last = self.MICROBATCHES, len(self.STAGES) - 1
         self.loss_fn = loss_fn
         self._reset()
-        # gradients accumulated over earlier steps are not summed across ranks again
-        self.tied_grads = {id(p): p.grad for p, _ in self.ties if p.grad is not None}
-        for p, _ in self.ties:
-            p.grad = None
         # From the first stage's rank: the dropout seed and the input's shape; from every rank:
         # whether it refuses this batch (so that all refuse together, none left waiting).
         sig = torch.zeros(_SIGNATURE, dtype=torch.int64)
@@ -234,40 +245,45 @@ class DistPipelineRuntime(PipelineRuntime):
             else:
                 sig[1 : 3 + x.dim()] = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape])
         if last in self.local and not problem:
-            sized = y if isinstance(y, torch.Tensor) else x
-            if not isinstance(sized, torch.Tensor) or sized.dim() < 1 or sized.shape[0] < M:
+            count = _samples(y)
+            if count < 0:
+                problem = "the targets' tensors must each be batch first, as many samples each"
+            elif max(count, _samples(x)) < M:
                 problem = "the last stage's rank needs the targets (batch first)"
-            elif isinstance(y, torch.Tensor) and y.dim() > 0:
-                sig[-2] = y.shape[0]  # checked against the input's on every rank, below
+            sig[-2] = max(count, 0)  # checked against the input's on every rank, below
         sig[-1] = int(bool(problem))
         sig = sig.to(self.device)
         dist.all_reduce(sig)  # one rank's entries, summed with the others' zeros
         head = sig.tolist()
         if problem:
-            raise ValueError(problem)
+            raise BatchRefused(problem)
         if head[-1]:
-            raise ValueError("another rank refused this step's batch; see its message")
+            raise BatchRefused("another rank refused this step's batch; see its message")
         # What the summed signature alone settles, every rank settles alike: all refuse
         n, targets = head[3], head[-2]
         if targets and targets != n:
-            raise ValueError(
+            raise BatchRefused(
                 f"the target has {targets} samples but the input has {n}; pass one target per "
                 "sample (batch first)"
             )
         if self.MAX_BATCH is not None and n > self.MAX_BATCH:
-            raise ValueError(
+            raise BatchRefused(
                 f"the plan is for batches of {M} to {self.MAX_BATCH} samples ({M} micro-batches, "
                 f"its memory figures for {self.MAX_BATCH}); plan again with batch_size={n}"
             )
+        # gradients accumulated over earlier steps are not summed across ranks again (set
+        # aside once the batch is agreed: a refused step leaves them as they were)
+        self.tied_grads = {id(p): p.grad for p, _ in self.ties if p.grad is not None}
+        for p, _ in self.ties:
+            p.grad = None
         self.seed = head[0]
         if 0 in self.local:
             self.batch = list(torch.tensor_split(x, M))
         self.specs = self._shapes(tuple(head[3 : 3 + head[2]]), _DTYPES[head[1]])
         self.rng = save_rng([self.device])
         if last in self.local:
-            sized = y if isinstance(y, torch.Tensor) else x
-            parts = torch.tensor_split(sized, M)
-            self.weights = [p.shape[0] / sized.shape[0] for p in parts]
+            # each micro-batch's share of the loss, by the samples it takes (n: the input's)
+            self.weights = [len(p) / n for p in torch.tensor_split(torch.empty(n, 0), M)]
             self.targets = [_to(t, self.device) for t in _split_target(y, M)]
         for s in self.PREPOSTED:  # (schedules.comm.preposted says when this pays)
             # Where a rank's operations run in the order posted whatever their peer (NCCL

@@ -76,6 +76,8 @@ class Pipe:
                 return self.program.train_step(x, y, loss_fn)
             except self._module.StageError as e:
                 raise StageError(str(e)) from e.__cause__
+            except self._module.BatchRefused as e:
+                raise InputError(str(e)) from None
         self._check_batch(x)
         if (
             isinstance(x, torch.Tensor)

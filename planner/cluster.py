@@ -250,8 +250,11 @@ class Cluster(Artifact):
                     combos = [c + _assign(g, q, sig) for c in combos for q in seqs][: limit + 1]
                 orders += combos
                 if len(orders) > limit:
-                    return orders[:limit], False
-            return orders, False  # (more orders than `limit`: those splitting a host left out)
+                    break
+            # (more orders than `limit`: those splitting a host left out, but the given one,
+            # which comes first, so that reordering never plans worse than the order given)
+            given = list(range(self.size))
+            return [given, *[o for o in orders if o != given]][:limit], False
         seqs = _distinct_orders(sig, limit)
         return [_assign(list(range(self.size)), q, sig) for q in seqs[:limit]], len(seqs) <= limit
 

@@ -200,7 +200,9 @@ def test_an_order_that_splits_a_host_is_planned_where_it_is_the_fastest():
     assert hosts[0] != hosts[1] != hosts[2] != hosts[3]
     # past the most it lists, the orders keeping hosts together only, and not proven
     big = host_cluster(["a", "b"] * 4)  # 8 devices, 4 per host: 70 distinct orders
-    assert big.placements(limit=60)[1] is False
+    orders, complete = big.placements(limit=60)
+    assert not complete and orders[0] == list(range(8))  # the order given, hosts alternating
+    assert len(orders) == len({tuple(o) for o in orders})
 
 
 def test_more_memory_can_give_a_slower_plan_so_no_order_is_skipped_for_it():

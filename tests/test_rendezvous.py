@@ -737,7 +737,7 @@ def test_a_rank_refusing_its_batch_stops_every_rank(mlp_profile):
     assert "the first stage's rank needs the input batch, with at least 4 samples" in texts[2]
 
 
-@pytest.mark.parametrize("case", ["too many samples", "targets of another size"])
+@pytest.mark.parametrize("case", ["too many samples", "targets of another size", "in a tuple"])
 def test_a_batch_only_one_rank_can_judge_is_refused_by_every_rank(mlp_profile, case):
     """Found by the red team: a distributed Pipe checked its batch size on the first stage's
     rank alone, before the step's start, and a target of another size failed on the last
@@ -753,10 +753,13 @@ def test_a_batch_only_one_rank_can_judge_is_refused_by_every_rank(mlp_profile, c
     program = emit_program(plan, target="torchrun") + "\nPipeline.MAX_BATCH = 8\n"
     n, targets = (9, 9) if case == "too many samples" else (8, 9)
     x, y = torch.randn(n, 32), torch.randint(0, 10, (targets,))
+    if case == "in a tuple":
+        y = (y,)
     *_, transport, errors = _run_ranks(
         program, _models(3), x, y, torch.nn.CrossEntropyLoss(), timeout=5
     )
     assert len(errors) == 3 and transport.posted == 0
+    assert all(type(e).__name__ == "BatchRefused" for e in errors)  # (a Pipe: InputError)
     want = (
         "the plan is for batches of 4 to 8 samples (4 micro-batches, its memory figures for 8);"
         " plan again with batch_size=9"
@@ -764,6 +767,29 @@ def test_a_batch_only_one_rank_can_judge_is_refused_by_every_rank(mlp_profile, c
         else "the target has 9 samples but the input has 8; pass one target per sample"
     )
     assert all(want in str(e) for e in errors), errors
+
+
+def test_a_refused_step_leaves_the_gradients_of_shared_weights_as_they_were(mlp_profile):
+    """Found by the review: the step set aside the accumulated gradient of a weight two ranks
+    share before its batch was agreed, so a refused step lost it on every rank."""
+    from codegen.emit import emit_program
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+
+    plan = plan_pipeline(mlp_profile, Cluster.uniform(2, "1GiB"), 8, microbatches=4,
+                         schedule="gpipe")  # fmt: skip
+    assert plan.stages[0].layers[1] <= 6  # layers 0 and 6 on different ranks
+    models = _models(2)
+    for m in models:
+        m[6].weight = m[0].weight  # tied across the two ranks
+        m[0].weight.grad = torch.full_like(m[0].weight, 3.0)  # accumulated by earlier steps
+    program = emit_program(plan, target="torchrun") + "\nPipeline.MAX_BATCH = 8\n"
+    x, y = torch.randn(9, 32), torch.randint(0, 10, (9,))
+    *_, transport, errors = _run_ranks(program, models, x, y, torch.nn.CrossEntropyLoss(),
+                                       timeout=5)  # fmt: skip
+    assert len(errors) == 2 and transport.posted == 0
+    for m in models:
+        assert m[0].weight.grad is not None and bool((m[0].weight.grad == 3.0).all())
 
 
 def test_the_shape_pass_leaves_the_model_as_it_was(mlp_profile):
@@ -1020,3 +1046,13 @@ def test_zero_bubble_takes_each_gradient_before_its_next_forward():
         first.index("0RECV_B1") < first.index("0F2") < first.index("0SEND_F2") < first.index("0I1")
     )
     assert [str(a) for a in plain.ranks[0]][8:10] == ["0SEND_F2", "0RECV_B1"]
+
+
+def test_the_targets_sample_count_every_rank_checks():
+    from codegen._dist_runtime import _samples
+
+    t = torch.zeros
+    assert _samples(None) == 0 and _samples("labels") == 0 and _samples(()) == 0
+    assert _samples(t(9)) == 9 and _samples((t(9, 2), t(9), "x")) == 9
+    assert _samples(t(())) == -1  # no batch dimension
+    assert _samples((t(9), t(8))) == -1  # tensors that disagree
