@@ -664,7 +664,10 @@ def _summary(plan: Any) -> str:
         + (" (the torchrun program)" if plan.target == "torchrun" else "")
         + f", bubble {p.bubble_fraction:.3f}, "
         f"{p.throughput_samples_per_s:.1f} samples/s "
-        f"(solver {plan.solver.method}, {'optimal' if plan.solver.optimal else 'not proven optimal'}, "
+        f"(solver {plan.solver.method}, "
+        # (what `optimal` proves: the least bottleneck; with few micro-batches and slow links a
+        # split with a larger one but cheaper fill and drain can take less time)
+        f"{'bottleneck proven minimal' if plan.solver.optimal else 'bottleneck not proven minimal'}, "
         f"{plan.solver.candidates} candidates, {plan.solver.solved} solved, "
         f"{plan.solver.pruned} pruned by their bound"
         + (f" in {plan.solve_ms:.0f} ms)" if plan.solve_ms else ")")
