@@ -219,11 +219,11 @@ class Cluster(Artifact):
         whether the orders returned are all of them. At most `limit`, the given order first."""
         sig = [(d.memory_bytes, d.speed, d.reserved_bytes) for d in self.devices]
         if self.host_links is not None:
-            every = _distinct_orders([(*k, d.host) for k, d in zip(sig, self.devices)], limit)
+            hosted = [(*k, d.host) for k, d in zip(sig, self.devices)]
+            every = _distinct_orders(hosted, limit)
             if len(every) <= limit:  # (found by the red team: an intra-host link slower than
                 # the inter-host one, or a host's small device better placed elsewhere, makes
                 # an order that splits a host the fastest)
-                hosted = [(*k, d.host) for k, d in zip(sig, self.devices)]
                 return [_assign(list(range(self.size)), q, hosted) for q in every], True
             hosts: dict[str, list[int]] = {}
             for k, d in enumerate(self.devices):
