@@ -66,7 +66,7 @@ class Device(BaseModel):
         default=None, description="where a compiled pipe puts this stage, e.g. cuda:3"
     )
     host: Text | None = Field(
-        default=None, description="the machine it is in, for links given by host"
+        default=None, min_length=1, description="the machine it is in, for links given by host"
     )
 
     @field_validator("memory_bytes", "reserved_bytes", mode="before")
@@ -84,6 +84,17 @@ class Device(BaseModel):
             except ArgumentError as e:
                 raise ValueError(e.problem) from None
         return v
+
+    @model_validator(mode="after")
+    def _room_left(self) -> Device:
+        """What the runtime takes first must leave room for a stage (found by the red team:
+        more than the device read as "no split fits", as if the model were too large)."""
+        if self.reserved_bytes >= self.memory_bytes:
+            raise ValueError(
+                f"device {self.name}: reserved_bytes ({self.reserved_bytes}) leaves nothing of "
+                f"memory_bytes ({self.memory_bytes}) for a stage"
+            )
+        return self
 
 
 class Link(BaseModel):

@@ -270,6 +270,9 @@ def test_profiles_with_impossible_values_are_refused_at_load(
         ({"memory_bytes": -1}, "greater than 0"),
         ({"reserved_bytes": -1}, "greater than or equal"),
         ({"name": "dev0"}, "names must differ"),
+        # found by the red team: read as "no split fits", and a host of no name accepted
+        ({"reserved_bytes": "1MiB"}, "reserved_bytes (1048576) leaves nothing of"),
+        ({"host": ""}, "at least 1 character"),
     ],
 )
 def test_cluster_files_with_impossible_values_are_refused(
