@@ -413,10 +413,11 @@ def _as_it_runs(schedule: Schedule, *times: Any, preposted: frozenset[int] = fro
         ordered = True
     except ScheduleError:
         ordered = False
-    ahead = {"preposted": preposted}
-    got = _rendezvous_loop(schedule, *times, sends_block=True, **ahead) if ordered else None
+    got = None
+    if ordered:
+        got = _rendezvous_loop(schedule, *times, sends_block=True, preposted=preposted)
     if got is None:
-        got = _rendezvous_loop(schedule, *times, sends_block=False, **ahead)
+        got = _rendezvous_loop(schedule, *times, sends_block=False, preposted=preposted)
     if got is None:
         validate(schedule)  # raises with the grid
         raise AssertionError("simulation stalled on a schedule that validates")
