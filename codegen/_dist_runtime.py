@@ -18,7 +18,6 @@
 from __future__ import annotations  # emit: drop
 
 import contextlib  # emit: drop
-import gc
 import os
 from collections.abc import Callable, Iterator  # emit: drop
 from typing import Any  # emit: drop
@@ -32,7 +31,6 @@ from ._runtime import (  # emit: drop
     RECEIVED,  # emit: drop
     Grads,  # emit: drop
     PipelineRuntime,  # emit: drop
-    StageError,  # emit: drop
     Value,  # emit: drop
     _shared_parameters,  # emit: drop
     _split_target,  # emit: drop
@@ -54,14 +52,6 @@ def _samples(y: Any) -> int:
     if not counts:
         return 0
     return counts.pop() if len(counts) == 1 and -1 not in counts else -1
-
-
-def _store() -> Any:
-    """The launch's key-value store (torchrun's), where a failing rank leaves its reason."""
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:
-        return None
 
 
 def rank_device(named: str | None, rank: int) -> torch.device:
@@ -110,10 +100,6 @@ class DistPipelineRuntime(PipelineRuntime):
                 "call torch.distributed.init_process_group first (torchrun sets it up)"
             )
         self.rank, world = dist.get_rank(), dist.get_world_size()
-        # The pipeline's own group, every message of a step on it: a rank whose step fails
-        # closes it, and each peer's wait on it fails at once (see `stepping`).
-        self.group = dist.new_group(list(range(world)))
-        self.stopped = ""  # why this pipeline no longer runs: a step failed on some rank
         ranks = max(self.RANKS) + 1
         layers = list(model)
         problem = ""
@@ -131,7 +117,7 @@ class DistPipelineRuntime(PipelineRuntime):
                 f"this program splits {self.STAGES[-1][1]} layers; the model has {len(layers)}"
             )
         elif not self.RENDEZVOUS and (
-            self.device.type != "cpu" or "nccl" in str(dist.get_backend(self.group)).lower()
+            self.device.type != "cpu" or "nccl" in str(dist.get_backend()).lower()
         ):
             problem = (
                 "this program's communication is not proven free of deadlock where a send "
@@ -168,7 +154,7 @@ class DistPipelineRuntime(PipelineRuntime):
                 defer_batch_norm(self.stages[s], self.MICROBATCHES)
         # gloo coalesces nothing: each operation of a batch posted by itself, all of them
         # before any wait as batch_isend_irecv posts them, costs a third less to post
-        self.post_each = str(dist.get_backend(self.group)).lower() == "gloo"
+        self.post_each = str(dist.get_backend()).lower() == "gloo"
         self.cuda = False  # one device per process: no streams of our own
         self.stage_context = lambda s: contextlib.nullcontext()
         self.action_log = None
@@ -194,8 +180,8 @@ class DistPipelineRuntime(PipelineRuntime):
             [int(self.PLAN[:15], 16), int(bool(problem))], dtype=torch.int64, device=device
         )
         lo, hi = mine.clone(), mine.clone()
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=self.group)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=self.group)
+        dist.all_reduce(lo, op=dist.ReduceOp.MIN)
+        dist.all_reduce(hi, op=dist.ReduceOp.MAX)
         if problem:
             raise ProgramRefused(f"rank {self.rank}: {problem}")
         if int(hi[1]):
@@ -228,67 +214,6 @@ class DistPipelineRuntime(PipelineRuntime):
                 if self.rank in ranks:
                     ties.append((p, groups[key]))
         return ties
-
-    @contextlib.contextmanager
-    def stepping(self) -> Iterator[None]:
-        """Around a whole step: where it fails on this rank (a refused batch aside, which every
-        rank refuses together), no peer may be left waiting on a message that will never come.
-        The failing rank leaves its reason in the launch's store and closes the pipeline's
-        groups; each peer's pending wait then fails at once (gloo: the connection closed), and
-        that peer stops too, naming the rank that failed first. The pipeline is stopped for
-        good on every rank (its groups are gone); the launch's default group still works.
-        NOTE: under NCCL a closed communicator is not seen by its peers: they wait until
-        NCCL's own timeout ends them."""
-        if self.stopped:
-            raise StageError(self.stopped)
-        try:
-            yield
-        except BatchRefused:
-            raise
-        except BaseException as e:
-            raise self._stop(e) from (e.__cause__ if isinstance(e, StageError) else e)
-
-    def _stop(self, e: BaseException) -> BaseException:
-        """Close this pipeline after `e` ended a step here: the error to raise instead."""
-        store, key = _store(), f"gpipe-plan/{getattr(self.group, 'group_name', '')}/stopped"
-        first = ""
-        with contextlib.suppress(Exception):  # no store (a test's transport): no reason shared
-            if store is not None and store.check([key]):
-                first = store.get(key).decode()
-        if first:  # a peer failed first, and closed the groups this rank waited on
-            self.stopped = f"rank {self.rank} stopped: rank {first}"
-            error: BaseException = StageError(self.stopped)
-        else:
-            why = str(e) if isinstance(e, StageError) else f"{type(e).__name__}: {e}"
-            self.stopped = f"rank {self.rank}: {why}"
-            with contextlib.suppress(Exception):
-                if store is not None:  # (before the groups close: a peer reads it then)
-                    store.set(key, f"{self.rank} failed: {why}")
-            error = StageError(self.stopped) if isinstance(e, StageError) else e
-        # gloo closes a group's connections once nothing refers to it. No operation is left
-        # pending on it first: the receives posted ahead come (their senders do not wait on
-        # this rank), the sends go; then every reference here is let go.
-        for works, _ in self.ahead.values():
-            for work in works:
-                with contextlib.suppress(Exception):
-                    work.wait()
-        for work, _ in self.sending:
-            with contextlib.suppress(Exception):
-                work.wait()
-        groups = [self.group, *{id(g): g for _, g in self.ties}.values()]
-        self.group, self.ties, self.sending = None, [], []
-        with contextlib.suppress(Exception):
-            self._reset()
-        for group in groups:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(group)
-        del groups, group
-        gc.collect()
-        self.stopped = (
-            f"{self.stopped} (the pipeline stopped on every rank: compile it again on every "
-            "rank, or launch again)"
-        )
-        return error
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters: give them to this rank's optimizer."""
@@ -328,7 +253,7 @@ class DistPipelineRuntime(PipelineRuntime):
             sig[-2] = max(count, 0)  # checked against the input's on every rank, below
         sig[-1] = int(bool(problem))
         sig = sig.to(self.device)
-        dist.all_reduce(sig, group=self.group)  # one rank's entries, summed with the others' zeros
+        dist.all_reduce(sig)  # one rank's entries, summed with the others' zeros
         head = sig.tolist()
         if problem:
             raise BatchRefused(problem)
@@ -456,7 +381,7 @@ class DistPipelineRuntime(PipelineRuntime):
         total = torch.zeros((), device=self.device)
         if last in self.local:
             total = sum(self.losses[m].float() for m in range(self.MICROBATCHES)) + total
-        dist.broadcast(total, src=self.RANKS[last], group=self.group)
+        dist.broadcast(total, src=self.RANKS[last])
         self._reset()
         return total
 
@@ -569,13 +494,11 @@ class DistPipelineRuntime(PipelineRuntime):
         return dist.batch_isend_irecv(ops) if ops else []
 
     def _send(self, ops: list[Any], ts: list[torch.Tensor], dst: int, tag: int) -> None:
-        ops += [
-            dist.P2POp(dist.isend, t.contiguous(), self.RANKS[dst], self.group, tag) for t in ts
-        ]
+        ops += [dist.P2POp(dist.isend, t.contiguous(), self.RANKS[dst], tag=tag) for t in ts]
 
     def _recv(self, ops: list[Any], specs: list[Spec], src: int, tag: int) -> list[torch.Tensor]:
         bufs = [torch.empty(shape, dtype=dtype, device=self.device) for shape, dtype in specs]
-        ops += [dist.P2POp(dist.irecv, b, self.RANKS[src], self.group, tag) for b in bufs]
+        ops += [dist.P2POp(dist.irecv, b, self.RANKS[src], tag=tag) for b in bufs]
         return bufs
 
     def _mine(self, key: tuple[str, int, int], peer: int) -> Any:

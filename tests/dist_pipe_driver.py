@@ -1,7 +1,7 @@
 """Run under torchrun by test_codegen: compile_pipe(model, plan, distributed=True) on every rank,
 one training step against the un-pipelined model; each rank writes what it found as JSON.
 
-    torchrun --nproc-per-node K tests/dist_pipe_driver.py [--torch | --fail] OUT_DIR PLAN [PLAN ...]
+    torchrun --nproc-per-node K tests/dist_pipe_driver.py OUT_DIR PLAN [PLAN ...]
 """
 
 from __future__ import annotations
@@ -64,58 +64,7 @@ def on_torch(path: str) -> dict:
     }
 
 
-def failing(out_dir: str, plans: list[str]) -> None:
-    """For each plan: a step whose loss fails on the last rank, the error caught on every rank
-    (as a user's loop might), a second step, then the pipe compiled again and a good step."""
-    import time
-
-    from codegen import StageError
-
-    rank, last = dist.get_rank(), dist.get_world_size() - 1
-    results = {}
-    for path in plans:
-        model, reference, x, y, loss_fn, expected = reference_step()
-
-        def broken(out, y):
-            if rank == last:
-                raise ValueError("bad label")
-            return nn.functional.cross_entropy(out, y)
-
-        def slow(module, args):  # the first rank's forwards come late: the last rank fails
-            if type(args[0]).__name__ != "FakeTensor":  # with receives still pending
-                time.sleep(0.3)
-
-        hook = model[0].register_forward_pre_hook(slow) if rank == 0 else None
-        pipe = compile_pipe(model, Plan.load(path), distributed=True)
-        seen = []
-        t0 = time.perf_counter()
-        for _ in range(2):
-            try:
-                pipe.train_step(x, y, broken)
-                seen.append("ran")
-            except StageError as e:
-                seen.append(str(e))
-        took = time.perf_counter() - t0
-        if hook is not None:
-            hook.remove()
-        for p in model.parameters():
-            p.grad = None
-        pipe = compile_pipe(model, Plan.load(path), distributed=True)
-        loss = pipe.train_step(x, y, loss_fn)
-        results[os.path.basename(path)] = {
-            "errors": seen, "seconds": took, "loss_err": abs(float(loss) - float(expected))
-        }  # fmt: skip
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
-
-
 def main() -> None:
-    if sys.argv[1] == "--fail":
-        dist.init_process_group("gloo")
-        failing(sys.argv[2], sys.argv[3:])
-        dist.barrier()
-        dist.destroy_process_group()
-        return
     torch_runtime = sys.argv[1] == "--torch"
     out_dir, plans = sys.argv[1 + torch_runtime], sys.argv[2 + torch_runtime :]
     dist.init_process_group("gloo")

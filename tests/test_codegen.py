@@ -368,8 +368,8 @@ def test_emitted_program_imports_only_torch_and_the_standard_library(profiles):
         modules = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert {m.partition(".")[0] for m in modules} <= {
-            "__future__", "argparse", "collections", "contextlib", "copy", "gc", "importlib", "os",
-            "re", "sys", "tempfile", "time", "torch", "typing", "warnings", "weakref",
+            "__future__", "argparse", "collections", "contextlib", "copy", "importlib", "os", "re",
+            "sys", "tempfile", "time", "torch", "typing", "warnings", "weakref",
         }, name  # fmt: skip
 
 
@@ -762,39 +762,6 @@ def test_compile_pipe_distributed_gives_each_rank_its_stages(
             assert res["params"] > 0 and res["others"] == 0, (rank, name, res)
             assert f"rank {rank} of 2" in res["repr"]
             assert "pipelined inference runs in one process" in res["inference"]
-
-
-def test_a_distributed_pipe_whose_step_fails_on_one_rank_stops_every_rank(
-    profiles, tmp_path, torchrun_available
-):
-    """Found by the review: a rank's failed step, caught by the caller, left the other ranks
-    waiting for ever. Now every rank's step fails within seconds, the others naming the rank
-    that failed; a second step says the pipeline stopped; compiled again, it trains. (gpipe:
-    the last rank posted its forward receives as the step began; gloo keeps a group open while
-    a receive is pending on it.)"""
-    import json
-
-    paths = []
-    for schedule in ("gpipe", "1f1b"):
-        plan = plan_pipeline(profiles["mlp"], Cluster.uniform(2, "1GiB"), N, microbatches=4,
-                             schedule=schedule, recompute="never")  # fmt: skip
-        path = tmp_path / f"{schedule}.json"
-        plan.save(path)
-        paths.append(str(path))
-    r = torchrun(2, str(ROOT / "tests" / "dist_pipe_driver.py"), "--fail", str(tmp_path), *paths,
-                 timeout=120)  # fmt: skip
-    assert r.returncode == 0, r.stderr[-3000:]
-    where = "forward of stage 1, micro-batch 0 failed: ValueError: bad label"
-    for rank in (0, 1):
-        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert len(results) == 2
-        for name, res in results.items():
-            first, second = res["errors"]
-            want = "rank 1: " if rank == 1 else "rank 0 stopped: rank 1 failed: "
-            assert first == want + where, (rank, name, first)
-            assert second.startswith(first) and "the pipeline stopped on every rank" in second
-            assert res["seconds"] < 30, (rank, name, res)
-            assert res["loss_err"] <= 1e-5, (rank, name, res)
 
 
 def test_compile_pipe_distributed_outside_torchrun_says_so(profiles):
