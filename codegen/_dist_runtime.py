@@ -14,11 +14,23 @@
 # A receive is posted with its buffer, so the receiver must know the shapes before anything
 # arrives: every rank works them out itself, once per input shape, by running the whole model
 # on fake tensors (no memory, no compute, no messages).
+#
+# A step that fails on one rank leaves its peers waiting on messages that will never come, and
+# neither gloo nor NCCL lets another thread end such a wait. So a failing rank writes why to the
+# launch's store, and on every other rank a watchdog thread that sees it while its rank is still
+# inside a step ends the process (exit 1, naming the failing rank, action, stage and
+# micro-batch): no rank is left waiting, whether or not the failing rank's caller catches the
+# error. A step ends on a rank only once every rank has reached its end (the loss is
+# all-reduced), so no rank completes a step another failed.
 # ---------------------------------------------------------------------------------------------
 from __future__ import annotations  # emit: drop
 
 import contextlib  # emit: drop
 import os
+import sys
+import threading
+import time
+import weakref
 from collections.abc import Callable, Iterator  # emit: drop
 from typing import Any  # emit: drop
 
@@ -31,6 +43,7 @@ from ._runtime import (  # emit: drop
     RECEIVED,  # emit: drop
     Grads,  # emit: drop
     PipelineRuntime,  # emit: drop
+    StageError,  # emit: drop
     Value,  # emit: drop
     _shared_parameters,  # emit: drop
     _split_target,  # emit: drop
@@ -72,6 +85,36 @@ def rank_device(named: str | None, rank: int) -> torch.device:
     if torch.cuda.is_available():
         return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', rank))}")
     return torch.device("cpu")
+
+
+# How often the watchdog looks at the store while its rank is in a step, and how long it lets
+# its rank go on after another rank failed (the rank's own failure, at the same moment, is
+# reported as its own), in seconds.
+WATCH_EVERY, WATCH_GRACE = 0.2, 1.0
+
+
+def _watch(
+    runtime: Any, in_step: threading.Event, store: Any, key: str, rank: int, halt: Any
+) -> None:
+    """The watchdog: while `runtime` lives, when another rank's failure is in the store and
+    this rank is still in a step a grace period later, halt the process. A rank outside a step
+    is let be: its next step says the pipeline stopped."""
+    while runtime() is not None:
+        if not in_step.wait(1.0):
+            continue
+        try:
+            why = store.get(key).decode() if store.check([key]) else ""
+        except Exception:  # noqa: BLE001 - the store is gone: the launcher ends the job
+            return
+        if not why or why.startswith(f"rank {rank} "):
+            time.sleep(WATCH_EVERY)
+            continue
+        end = time.monotonic() + WATCH_GRACE
+        while in_step.is_set() and time.monotonic() < end:
+            time.sleep(0.05)
+        if in_step.is_set():
+            halt(f"rank {rank} stopped: {why}")
+        return
 
 
 class BatchRefused(ValueError):
@@ -125,6 +168,9 @@ class DistPipelineRuntime(PipelineRuntime):
                 "under gloo"
             )
         self._agree(problem)
+        self.store, self.stop_key = self._stop_store()
+        self.in_step = threading.Event()  # set while this rank runs a step (for the watchdog)
+        self.watchdog: threading.Thread | None = None
         if self.rank == 0 and self.PROFILED_ON == "cpu" and self.device.type != "cpu":
             import warnings
 
@@ -194,6 +240,75 @@ class DistPipelineRuntime(PipelineRuntime):
                 "rank the same program"
             )
 
+    def _stop_store(self) -> tuple[Any, str]:
+        """The launch's store and this pipeline's key in it, where a rank whose step fails says
+        why. Every rank makes its pipelines in the same order (each agrees in _agree), so the
+        n-th on each shares a key."""
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            n = store.add(f"gpipe-plan/pipelines/{self.rank}", 1)
+        except Exception:  # noqa: BLE001 - no store: a failure ends the job only as torchrun does
+            return None, ""
+        return store, f"gpipe-plan/{self.PLAN}/{n}/failed"
+
+    def _failed(self) -> str:
+        """Why the pipeline stopped ("rank R failed: ..."), or ""."""
+        if self.store is None:
+            return ""
+        try:
+            if self.store.check([self.stop_key]):
+                return self.store.get(self.stop_key).decode()
+        except Exception:  # noqa: BLE001 - the store is gone: the launch is ending
+            pass
+        return ""
+
+    @contextlib.contextmanager
+    def stepping(self) -> Iterator[None]:
+        """Around a step: it does not start once any rank's step failed; a failure here (not a
+        refusal, which every rank makes together) is written to the store for the other ranks'
+        watchdogs, first writer wins."""
+        why = self._failed()
+        if why:
+            raise StageError(f"rank {self.rank}: the pipeline stopped: {why}")
+        if self.store is not None and self.watchdog is None:
+            self.watchdog = threading.Thread(
+                target=_watch,
+                args=(weakref.ref(self), self.in_step, self.store, self.stop_key, self.rank,
+                      type(self).halt),
+                name=f"gpipe-plan watchdog, rank {self.rank}",
+                daemon=True,
+            )  # fmt: skip
+            self.watchdog.start()
+        self.in_step.set()
+        try:
+            yield
+        except (BatchRefused, ProgramRefused):
+            raise
+        except BaseException as e:
+            self.in_step.clear()  # (before the store: this rank's watchdog must not halt it)
+            reason = str(e) if isinstance(e, StageError) else f"{type(e).__name__}: {e}"
+            if isinstance(e, KeyboardInterrupt):
+                reason = "interrupted"
+            if self.store is None:
+                raise
+            with contextlib.suppress(Exception):
+                self.store.compare_set(self.stop_key, "", f"rank {self.rank} failed: {reason}")
+            why = self._failed()
+            if why and not why.startswith(f"rank {self.rank} "):  # (as a peer that went first)
+                raise StageError(f"rank {self.rank} stopped: {why}") from e
+            raise
+        finally:
+            self.in_step.clear()
+
+    @staticmethod
+    def halt(message: str) -> None:
+        """End this process, which waits on a rank that failed and will never hear from it
+        (no thread can end a wait inside gloo or NCCL)."""
+        print(f"gpipe-plan: {message}", file=sys.stderr, flush=True)
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()
+        os._exit(1)
+
     def _tie_groups(self, layers: list[nn.Module]) -> list[tuple[nn.Parameter, Any]]:
         """A parameter that stages on several ranks use (tied weights): every rank holding it
         sums its gradient with the others' at the end of the step, so all of them take the same
@@ -244,6 +359,8 @@ class DistPipelineRuntime(PipelineRuntime):
                 problem = f"an input of dtype {x.dtype} and {x.dim()} dimensions"
             else:
                 sig[1 : 3 + x.dim()] = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape])
+        if last in self.local and not problem and not callable(loss_fn):
+            problem = "loss_fn: expected a function (output, target) -> loss"
         if last in self.local and not problem:
             count = _samples(y)
             if count < 0:
@@ -315,8 +432,8 @@ class DistPipelineRuntime(PipelineRuntime):
                 for b in sorted(set(sizes)):
                     x = torch.empty((b, *shape[1:]), dtype=dtype)
                     by_size[b] = self._fake_pass(x, mode)
-        except Exception as e:
-            raise RuntimeError(
+        except Exception as e:  # alike on every rank (each runs the same pass): all refuse
+            raise BatchRefused(
                 f"cannot work out the shapes the stages send each other from an input of shape "
                 f"{list(shape)}: {type(e).__name__}: {e}"
             ) from e
@@ -381,7 +498,9 @@ class DistPipelineRuntime(PipelineRuntime):
         total = torch.zeros((), device=self.device)
         if last in self.local:
             total = sum(self.losses[m].float() for m in range(self.MICROBATCHES)) + total
-        dist.broadcast(total, src=self.RANKS[last])
+        # summed with the other ranks' zeros: no rank returns before every rank reached here,
+        # so none completes a step that failed on another
+        dist.all_reduce(total)
         self._reset()
         return total
 

@@ -278,9 +278,10 @@ class Pipeline(DistPipelineRuntime):
         """One training step on every rank (same mini-batch everywhere; x matters on the first
         stage's rank, y on the last's). Afterwards this rank's parameters hold their gradients;
         every rank returns the mini-batch loss."""
-        self.begin(x, y, loss_fn)
-        getattr(self, f"_rank{{self.rank}}")()
-        return self.finish()
+        with self.stepping():  # a failure here halts every other rank still in the step
+            self.begin(x, y, loss_fn)
+            getattr(self, f"_rank{{self.rank}}")()
+            return self.finish()
 {"".join(methods)}'''
 
 

@@ -69,15 +69,16 @@ class Pipe:
         `loss_fn(output, target)` must average over the samples it is given. Distributed,
         every rank calls it: x matters on the first stage's rank, y on the last's (the others
         may pass None), and afterwards this rank's parameters hold their gradients."""
-        if not callable(loss_fn):
-            raise ArgumentError("loss_fn", loss_fn, "expected a function (output, target) -> loss")
         if self.distributed:  # every rank refuses a bad batch together, in the step's start
+            # (a loss function too: only the last stage's rank uses it, and judges it there)
             try:
                 return self.program.train_step(x, y, loss_fn)
             except self._module.StageError as e:
                 raise StageError(str(e)) from e.__cause__
             except self._module.BatchRefused as e:
                 raise InputError(str(e)) from None
+        if not callable(loss_fn):
+            raise ArgumentError("loss_fn", loss_fn, "expected a function (output, target) -> loss")
         self._check_batch(x)
         if (
             isinstance(x, torch.Tensor)

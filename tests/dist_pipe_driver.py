@@ -1,7 +1,8 @@
 """Run under torchrun by test_codegen: compile_pipe(model, plan, distributed=True) on every rank,
 one training step against the un-pipelined model; each rank writes what it found as JSON.
 
-    torchrun --nproc-per-node K tests/dist_pipe_driver.py OUT_DIR PLAN [PLAN ...]
+    torchrun --nproc-per-node K tests/dist_pipe_driver.py [--torch] OUT_DIR PLAN [PLAN ...]
+    torchrun --nproc-per-node K tests/dist_pipe_driver.py --fail OUT_DIR PLAN
 """
 
 from __future__ import annotations
@@ -64,7 +65,46 @@ def on_torch(path: str) -> dict:
     }
 
 
+def failing(out_dir: str, path: str) -> None:
+    """A step whose loss fails on the last rank, every rank's caller catching the error (as a
+    user's loop might); the failing rank tries a second step. The first rank's forwards come
+    late, so the last rank fails with receives still pending. Each rank writes what it saw
+    (the others are halted by their watchdogs before they can)."""
+    import time
+
+    from codegen import StageError
+
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+    model, _, x, y, _, _ = reference_step()
+
+    def broken(out, y):
+        raise ValueError("bad label")
+
+    def slow(module, args):
+        if type(args[0]).__name__ != "FakeTensor":  # (the shape pass runs it on fakes)
+            time.sleep(0.3)
+
+    if rank == 0:
+        model[0].register_forward_pre_hook(slow)
+    pipe = compile_pipe(model, Plan.load(path), distributed=True)
+    seen = []
+    for _ in range(2 if rank == last else 1):
+        try:
+            pipe.train_step(x if rank == 0 else None, y, broken)
+            seen.append("returned")
+        except StageError as e:
+            seen.append(str(e))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(seen, f)
+    if rank != last:
+        time.sleep(30)  # (not reached: the watchdog ends this process; if it does not, slow)
+
+
 def main() -> None:
+    if sys.argv[1] == "--fail":
+        dist.init_process_group("gloo")
+        failing(sys.argv[2], sys.argv[3])
+        return
     torch_runtime = sys.argv[1] == "--torch"
     out_dir, plans = sys.argv[1 + torch_runtime], sys.argv[2 + torch_runtime :]
     dist.init_process_group("gloo")

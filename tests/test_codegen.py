@@ -369,7 +369,7 @@ def test_emitted_program_imports_only_torch_and_the_standard_library(profiles):
         modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert {m.partition(".")[0] for m in modules} <= {
             "__future__", "argparse", "collections", "contextlib", "copy", "importlib", "os", "re",
-            "sys", "tempfile", "time", "torch", "typing", "warnings", "weakref",
+            "sys", "tempfile", "threading", "time", "torch", "typing", "warnings", "weakref",
         }, name  # fmt: skip
 
 
@@ -718,6 +718,39 @@ def test_torchrun_rank_that_raises_does_not_hang_the_others(
     assert r.returncode != 0 and time.perf_counter() - t0 < 60
     assert "forward of stage 1, micro-batch 0 failed: ValueError: bad label" in r.stderr
     assert "rank      : 1" in r.stderr  # torchrun's summary names the rank
+
+
+def test_a_distributed_pipe_whose_step_fails_on_one_rank_halts_the_others(
+    profiles, tmp_path, torchrun_available
+):
+    """Found by the review: a rank's failed step, caught by its caller, left the other ranks
+    waiting until gloo's 30-minute timeout. Now each other rank's watchdog ends its process
+    within seconds (exit 1), naming the rank, action, stage and micro-batch that failed; the
+    failing rank's next step says the pipeline stopped. 3 ranks: the first one two hops away."""
+    import json
+
+    plan = plan_pipeline(profiles["mlp"], Cluster.uniform(3, "1GiB"), N, microbatches=4,
+                         schedule="1f1b", recompute="never")  # fmt: skip
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    t0 = time.perf_counter()
+    r = torchrun(3, str(ROOT / "tests" / "dist_pipe_driver.py"), "--fail", str(tmp_path),
+                 str(path), timeout=120)  # fmt: skip
+    took = time.perf_counter() - t0
+    assert r.returncode != 0 and took < 25, (took, r.stderr[-3000:])
+    where = "forward of stage 2, micro-batch 0 failed: ValueError: bad label"
+    # the first rank halted ends the job: torchrun stops the rest (SIGTERM), if their own
+    # watchdogs have not yet
+    halted = [rank for rank in (0, 1) if f"gpipe-plan: rank {rank} stopped: rank 2 failed: "
+              f"{where}" in r.stderr]  # fmt: skip
+    assert halted, r.stderr[-3000:]
+    for rank in (0, 1):  # a rank whose wait failed first (its peer gone) names the cause too
+        seen = tmp_path / f"rank{rank}.json"
+        if seen.exists():
+            assert json.loads(seen.read_text()) == [f"rank {rank} stopped: rank 2 failed: {where}"]
+    first, second = json.loads((tmp_path / "rank2.json").read_text())
+    assert first == where
+    assert second == f"rank 2: the pipeline stopped: rank 2 failed: {where}"
 
 
 def test_torchrun_rank_killed_from_outside_ends_the_job(profiles, tmp_path, torchrun_available):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import re
 import threading
+import time
+import types
 from collections import deque
 from typing import Any
 
@@ -187,6 +189,32 @@ def test_skips_are_posted_one_message_per_action_in_the_step_that_made_them(monk
 # -- the runtime on a transport whose sends block -------------------------------------------
 
 
+class _Store:
+    """The launch's key-value store, as the runtime uses it."""
+
+    def __init__(self) -> None:
+        self.keys: dict[str, bytes] = {}
+        self.lock = threading.Lock()
+
+    def add(self, key: str, n: int) -> int:
+        with self.lock:
+            value = int(self.keys.get(key, b"0")) + n
+            self.keys[key] = str(value).encode()
+            return value
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.keys for k in keys)
+
+    def get(self, key: str) -> bytes:
+        return self.keys[key]
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        with self.lock:
+            if key not in self.keys and expected == "":
+                self.keys[key] = desired.encode()
+            return self.keys.get(key, b"")
+
+
 class _Work:
     def __init__(self, transport: BlockingTransport, parts: list[_Work] | None = None) -> None:
         self.transport, self._done, self.parts = transport, False, parts
@@ -230,6 +258,25 @@ class BlockingTransport:
         self.posted = 0
         self.queues: dict[int, deque] = {}  # per rank: its batches not yet complete
         self.crossed: list[tuple[int, int, int, int]] = []  # messages met out of order
+        self.store = _Store()
+        self.distributed_c10d = types.SimpleNamespace(_get_default_store=lambda: self.store)
+        self.halted: dict[int, tuple[str, float]] = {}  # rank: the watchdog's message, when
+        self.halts = 1  # how many ranks halt before every wait fails (the threads are let go)
+
+    def halt(self, message: str) -> None:
+        """What a rank's watchdog does in place of ending the process: noted, and once
+        `halts` ranks have halted, every rank's waits fail (the threads end)."""
+        with self.cond:
+            self.halted[self.rank_of_thread()] = (message, time.perf_counter())
+            if len(self.halted) < self.halts:
+                return
+            self.failed = True
+            self.cond.notify_all()
+        threading.Timer(1.0, self.barrier.abort).start()
+
+    def rank_of_thread(self) -> int:
+        """The rank a watchdog thread watches (from its name)."""
+        return int(threading.current_thread().name.rsplit(" ", 1)[1])
 
     class P2POp:
         def __init__(self, op: Any, tensor: torch.Tensor, peer: int, tag: int = 0) -> None:
@@ -361,8 +408,12 @@ class BufferedTransport(BlockingTransport):
             def wait(self) -> None:
                 with transport.cond:
                     box = transport.mail.setdefault((peer, me), deque())
-                    if not transport.cond.wait_for(lambda: box, timeout=transport.timeout):
+                    if not transport.cond.wait_for(
+                        lambda: box or transport.failed, timeout=transport.timeout
+                    ):
                         raise TimeoutError("a receive never got its message")
+                    if not box:
+                        raise RuntimeError("a rank failed: its message never came")
                     got, data = box.popleft()
                     if got != tag:
                         transport.crossed.append((peer, me, got, tag))
@@ -393,6 +444,7 @@ def _run_ranks(
         ns: dict = {}
         exec(compile(text, "program.py", "exec"), ns)
         ns["dist"] = transport
+        ns["Pipeline"].halt = staticmethod(transport.halt)
         spaces.append(ns)
     pipes: list[Any] = [None] * world
     losses: list[Any] = [None] * world
@@ -737,6 +789,26 @@ def test_a_rank_refusing_its_batch_stops_every_rank(mlp_profile):
     assert "the first stage's rank needs the input batch, with at least 4 samples" in texts[2]
 
 
+def test_a_loss_that_is_no_function_is_refused_by_every_rank(mlp_profile):
+    """Found by the review: a distributed Pipe checked loss_fn on each rank before the step, so
+    a rank given none refused alone while the others waited in the step's start. Only the last
+    stage's rank uses it: it judges it there, and every rank refuses the step together."""
+    from codegen.emit import emit_program
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+
+    plan = plan_pipeline(mlp_profile, Cluster.uniform(3, "1GiB"), 8, microbatches=4,
+                         schedule="1f1b")  # fmt: skip
+    program = emit_program(plan, target="torchrun")
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    *_, transport, errors = _run_ranks(program, _models(3), x, y, None, timeout=5)
+    assert len(errors) == 3 and transport.posted == 0 and not transport.halted
+    assert all(type(e).__name__ == "BatchRefused" for e in errors)
+    texts = sorted(str(e) for e in errors)
+    assert texts[:2] == ["another rank refused this step's batch; see its message"] * 2
+    assert texts[2] == "loss_fn: expected a function (output, target) -> loss"
+
+
 @pytest.mark.parametrize("case", ["too many samples", "targets of another size", "in a tuple"])
 def test_a_batch_only_one_rank_can_judge_is_refused_by_every_rank(mlp_profile, case):
     """Found by the red team: a distributed Pipe checked its batch size on the first stage's
@@ -767,6 +839,88 @@ def test_a_batch_only_one_rank_can_judge_is_refused_by_every_rank(mlp_profile, c
         else "the target has 9 samples but the input has 8; pass one target per sample"
     )
     assert all(want in str(e) for e in errors), errors
+
+
+@pytest.mark.parametrize("transport", [BufferedTransport, BlockingTransport])
+@pytest.mark.parametrize(
+    "schedule,K,where",
+    [("gpipe", 2, "loss"), ("1f1b", 3, "loss"), ("1f1b", 4, "middle"), ("zb-h1", 3, "middle"),
+     ("interleaved-1f1b", 2, "middle")],
+)  # fmt: skip
+def test_a_step_that_fails_on_one_rank_halts_every_rank_still_in_it(
+    mlp_profile, transport, schedule, K, where
+):
+    """Found by the review: a rank whose step failed, its caller catching the error (as a
+    distributed Pipe's user may), left the other ranks waiting for ever on messages that never
+    came. Now every other rank's watchdog halts its process within seconds, naming the rank,
+    action, stage and micro-batch that failed; no rank returns from the step; the failing
+    rank's next step says the pipeline stopped. (Here a halt makes the rank's waits fail.)"""
+    from codegen.emit import emit_program
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+
+    plan = plan_pipeline(mlp_profile, Cluster.uniform(K, "1GiB"), 8, microbatches=4,
+                         schedule=schedule, recompute="never")  # fmt: skip
+    program = emit_program(plan, target="torchrun")
+    models = _models(K)
+    bad = K - 1 if where == "loss" else 1
+    if where == "middle":  # the rank's first layer fails on its third forward
+        seen = []
+
+        def boom(module, args):
+            if type(args[0]).__name__ != "FakeTensor":  # (the shape pass runs it on fakes)
+                seen.append(1)
+                if len(seen) == 3:
+                    raise ValueError("boom")
+
+        first = plan.stages[bad]  # (on rank `bad`, interleaved or not)
+        models[bad][first.layers[0]].register_forward_pre_hook(boom)
+
+    def loss_fn(out, y):
+        if where == "loss":
+            raise ValueError("boom")
+        return torch.nn.functional.cross_entropy(out, y)
+
+    world = transport(K, timeout=20)
+    world.halts = K - 1  # (a halted process waits no more; the others still wait here)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    got: dict[int, list[str]] = {r: [] for r in range(K)}
+    spaces = []
+    for _ in range(K):
+        ns: dict = {}
+        exec(compile(program, "program.py", "exec"), ns)
+        ns["dist"] = world
+        ns["Pipeline"].halt = staticmethod(world.halt)
+        ns["WATCH_EVERY"], ns["WATCH_GRACE"] = 0.05, 0.3  # (1 s in use: quicker here)
+        spaces.append(ns)
+
+    def rank(r: int) -> None:
+        world.local.rank = r
+        pipe = spaces[r]["Pipeline"](models[r])
+        for _ in range(2 if r == bad else 1):
+            try:
+                pipe.train_step(x if r == 0 else None, y, loss_fn)
+                got[r].append("returned")
+            except Exception as e:  # noqa: BLE001 - what each rank's caller would see
+                got[r].append(f"{type(e).__name__}: {e}")
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(K)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank never finished"
+    first, second = got[bad]
+    assert first.startswith("StageError: ") and "ValueError: boom" in first, first
+    assert second.startswith(f"StageError: rank {bad}: the pipeline stopped: rank {bad} failed: ")
+    stage = first.removeprefix("StageError: ")
+    assert "forward of stage" in stage and "micro-batch" in stage
+    assert set(world.halted) == set(range(K)) - {bad}, (world.halted, got)
+    for r, (message, when) in world.halted.items():
+        assert message == f"rank {r} stopped: rank {bad} failed: {stage}", message
+        assert when - t0 < 10, (r, when - t0)  # the transport's own timeout is 20 s
+        assert got[r] != ["returned"], (r, got[r])  # no rank completes the failed step
 
 
 def test_a_refused_step_leaves_the_gradients_of_shared_weights_as_they_were(mlp_profile):
