@@ -388,6 +388,7 @@ class DistPipelineRuntime(PipelineRuntime):
                 f"the plan is for batches of {M} to {self.MAX_BATCH} samples ({M} micro-batches, "
                 f"its memory figures for {self.MAX_BATCH}); plan again with batch_size={n}"
             )
+        self.specs = self._shapes(tuple(head[3 : 3 + head[2]]), _DTYPES[head[1]])
         # gradients accumulated over earlier steps are not summed across ranks again (set
         # aside once the batch is agreed: a refused step leaves them as they were)
         self.tied_grads = {id(p): p.grad for p, _ in self.ties if p.grad is not None}
@@ -396,7 +397,6 @@ class DistPipelineRuntime(PipelineRuntime):
         self.seed = head[0]
         if 0 in self.local:
             self.batch = list(torch.tensor_split(x, M))
-        self.specs = self._shapes(tuple(head[3 : 3 + head[2]]), _DTYPES[head[1]])
         self.rng = save_rng([self.device])
         if last in self.local:
             # each micro-batch's share of the loss, by the samples it takes (n: the input's)
@@ -418,7 +418,10 @@ class DistPipelineRuntime(PipelineRuntime):
     def _shapes(self, shape: tuple[int, ...], dtype: torch.dtype) -> dict[Any, list[Spec]]:
         """What each activation message of this step holds, (shape, dtype) per tensor, keyed
         (sender stage, receiver stage, micro-batch): worked out on fake tensors through the
-        whole model (every rank holds it), once per input shape and dtype."""
+        whole model (every rank holds it), once per input shape and dtype. The ranks agree on
+        the outcome (each runs the pass with its own stages on its device: one may fail
+        alone), so all refuse the batch or none; each keeps only shapes all of them found, so
+        all of them agree again the next time a shape is new."""
         key = (shape, dtype)
         if key in self.spec_cache:
             return self.spec_cache[key]
@@ -427,16 +430,21 @@ class DistPipelineRuntime(PipelineRuntime):
         M = self.MICROBATCHES
         sizes = [len(part) for part in torch.tensor_split(torch.empty(shape[0], 0), M)]
         by_size: dict[int, dict[tuple[int, int], list[Spec]]] = {}
+        problem = ""
         try:
             with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 for b in sorted(set(sizes)):
                     x = torch.empty((b, *shape[1:]), dtype=dtype)
                     by_size[b] = self._fake_pass(x, mode)
-        except Exception as e:  # alike on every rank (each runs the same pass): all refuse
+        except Exception as e:  # noqa: BLE001 - said below, once every rank knows
+            problem = f"{type(e).__name__}: {e}"
+        failed = torch.tensor([int(bool(problem))], dtype=torch.int64, device=self.device)
+        dist.all_reduce(failed)
+        if problem or int(failed[0]):
             raise BatchRefused(
                 f"cannot work out the shapes the stages send each other from an input of shape "
-                f"{list(shape)}: {type(e).__name__}: {e}"
-            ) from e
+                f"{list(shape)}: {problem or 'another rank could not; see its message'}"
+            )
         specs = {
             (a, t, m): by_size[sizes[m]][(a, t)] for m in range(M) for a, t in by_size[sizes[m]]
         }

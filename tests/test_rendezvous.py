@@ -262,6 +262,8 @@ class BlockingTransport:
         self.distributed_c10d = types.SimpleNamespace(_get_default_store=lambda: self.store)
         self.halted: dict[int, tuple[str, float]] = {}  # rank: the watchdog's message, when
         self.halts = 1  # how many ranks halt before every wait fails (the threads are let go)
+        self.casts: list[torch.Tensor] = []  # what broadcasts sent, in turn
+        self.cast_seen: dict[int, int] = {}  # per rank: how many of them it took
 
     def halt(self, message: str) -> None:
         """What a rank's watchdog does in place of ending the process: noted, and once
@@ -321,12 +323,23 @@ class BlockingTransport:
         self.barrier.wait()
 
     def broadcast(self, t: torch.Tensor, src: int, group: Any = None) -> None:
-        self.barrier.wait()
-        if self.get_rank() == src:
-            self.shared[0] = t.clone()
-        self.barrier.wait()
-        t.copy_(self.shared[0])
-        self.barrier.wait()
+        """As gloo's: the root sends and goes on; the others wait for what it sent."""
+        me = self.get_rank()
+        with self.cond:
+            if me == src:
+                self.casts.append(t.clone())
+                self.cond.notify_all()
+                return
+            seen = self.cast_seen.get(me, 0)
+            if (
+                not self.cond.wait_for(
+                    lambda: len(self.casts) > seen or self.failed, timeout=self.timeout
+                )
+                or len(self.casts) <= seen
+            ):
+                raise TimeoutError("a broadcast never came")
+            t.copy_(self.casts[seen])
+            self.cast_seen[me] = seen + 1
 
     def batch_isend_irecv(self, ops: list[Any]) -> list[_Work]:
         """Queue the batch behind this rank's earlier ones (NCCL runs a rank's communication
@@ -841,11 +854,16 @@ def test_a_batch_only_one_rank_can_judge_is_refused_by_every_rank(mlp_profile, c
     assert all(want in str(e) for e in errors), errors
 
 
+def _boom(now: bool) -> None:
+    if now:
+        raise ValueError("boom")
+
+
 @pytest.mark.parametrize("transport", [BufferedTransport, BlockingTransport])
 @pytest.mark.parametrize(
     "schedule,K,where",
     [("gpipe", 2, "loss"), ("1f1b", 3, "loss"), ("1f1b", 4, "middle"), ("zb-h1", 3, "middle"),
-     ("interleaved-1f1b", 2, "middle")],
+     ("interleaved-1f1b", 2, "middle"), ("1f1b", 3, "last backward")],
 )  # fmt: skip
 def test_a_step_that_fails_on_one_rank_halts_every_rank_still_in_it(
     mlp_profile, transport, schedule, K, where
@@ -863,7 +881,16 @@ def test_a_step_that_fails_on_one_rank_halts_every_rank_still_in_it(
                          schedule=schedule, recompute="never")  # fmt: skip
     program = emit_program(plan, target="torchrun")
     models = _models(K)
-    bad = K - 1 if where == "loss" else 1
+    bad = {"loss": K - 1, "middle": 1, "last backward": 0}[where]
+    if where == "last backward":  # the first rank's last action, after its last send: the
+        # others would finish every action of theirs (the step's end must hold them)
+        grads = []
+
+        def watch(module, args, out):
+            if out.requires_grad:
+                out.register_hook(lambda g: grads.append(1) or _boom(len(grads) == 4))
+
+        models[0][plan.stages[0].layers[1] - 1].register_forward_hook(watch)
     if where == "middle":  # the rank's first layer fails on its third forward
         seen = []
 
@@ -915,7 +942,10 @@ def test_a_step_that_fails_on_one_rank_halts_every_rank_still_in_it(
     assert first.startswith("StageError: ") and "ValueError: boom" in first, first
     assert second.startswith(f"StageError: rank {bad}: the pipeline stopped: rank {bad} failed: ")
     stage = first.removeprefix("StageError: ")
-    assert "forward of stage" in stage and "micro-batch" in stage
+    if where == "last backward":
+        assert stage == "backward of stage 0, micro-batch 3 failed: ValueError: boom", stage
+    else:
+        assert "forward of stage" in stage and "micro-batch" in stage
     assert set(world.halted) == set(range(K)) - {bad}, (world.halted, got)
     for r, (message, when) in world.halted.items():
         assert message == f"rank {r} stopped: rank {bad} failed: {stage}", message
@@ -946,6 +976,74 @@ def test_a_refused_step_leaves_the_gradients_of_shared_weights_as_they_were(mlp_
         assert m[0].weight.grad is not None and bool((m[0].weight.grad == 3.0).all())
 
 
+def test_a_shape_pass_failing_on_one_rank_is_refused_by_every_rank(mlp_profile):
+    """Found by the review: each rank works out the step's shapes with its own stages on its
+    own device, so the pass can fail on one rank alone; that rank refused the batch while the
+    others went on into the step and waited for it for ever. Now the ranks agree: every one
+    refuses, nothing is sent, no watchdog halts anyone, a weight two ranks share keeps its
+    accumulated gradient, and once the cause is gone the same input's step runs everywhere
+    (no rank kept shapes the others do not have)."""
+    from codegen.emit import emit_program
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+
+    plan = plan_pipeline(mlp_profile, Cluster.uniform(2, "1GiB"), 8, microbatches=4,
+                         schedule="1f1b")  # fmt: skip
+    assert plan.stages[0].layers[1] <= 6  # layers 0 and 6 on different ranks
+    models = _models(2)
+    for m in models:
+        m[6].weight = m[0].weight  # tied across the two ranks
+        m[0].weight.grad = torch.full_like(m[0].weight, 3.0)  # accumulated by earlier steps
+
+    def fake_only(module, args):
+        if type(args[0]).__name__ == "FakeTensor":
+            raise ValueError("no fake form on this rank")
+
+    hook = models[1][0].register_forward_pre_hook(fake_only)  # rank 1 only
+    program = emit_program(plan, target="torchrun")
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    world = BufferedTransport(2, timeout=5)
+    spaces = []
+    for _ in range(2):
+        ns: dict = {}
+        exec(compile(program, "program.py", "exec"), ns)
+        ns["dist"] = world
+        ns["Pipeline"].halt = staticmethod(world.halt)
+        spaces.append(ns)
+    got: dict[int, list[str]] = {0: [], 1: []}
+    go = threading.Barrier(2, timeout=20)
+
+    def rank(r: int) -> None:
+        world.local.rank = r
+        pipe = spaces[r]["Pipeline"](models[r])
+        for step in range(2):
+            if step == 1:
+                go.wait()
+                if r == 1:
+                    hook.remove()
+                go.wait()
+            try:
+                pipe.train_step(x if r == 0 else None, y, torch.nn.CrossEntropyLoss())
+                got[r].append("returned")
+            except Exception as e:  # noqa: BLE001 - what each rank's caller would see
+                got[r].append(f"{type(e).__name__}: {e}")
+            if step == 0:
+                got[r].append(bool((models[r][0].weight.grad == 3.0).all()))
+                got[r].append(world.posted)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank never finished"
+    shape = "cannot work out the shapes the stages send each other from an input of shape [8, 32]"
+    assert got[1][0] == f"BatchRefused: {shape}: ValueError: no fake form on this rank"
+    assert got[0][0] == f"BatchRefused: {shape}: another rank could not; see its message"
+    assert got[0][1:3] == got[1][1:3] == [True, 0]  # the gradient kept, nothing sent
+    assert got[0][3] == got[1][3] == "returned" and not world.halted
+
+
 def test_the_shape_pass_leaves_the_model_as_it_was(mlp_profile):
     """Worked out on fake copies of the weights, in the model's own mode: the layers' training
     flags, weights and batch-norm statistics are untouched, and train() is never called."""
@@ -972,6 +1070,9 @@ def test_the_shape_pass_leaves_the_model_as_it_was(mlp_profile):
     probe = runtime.__new__(runtime)
     probe.layers, probe.routed = list(model), False
     probe.tuple_out, probe.spec_cache = [False, False], {}
+    probe.device = torch.device("cpu")
+    ns["dist"] = BufferedTransport(1)  # (the ranks agree on the pass's outcome: here one)
+    ns["dist"].local.rank = 0
     specs = probe._shapes((8, 32), torch.float32)
     cut = plan.stages[0].layers[1]
     width = 10 if cut == len(model) else 32
