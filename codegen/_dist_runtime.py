@@ -26,6 +26,7 @@
 from __future__ import annotations  # emit: drop
 
 import contextlib  # emit: drop
+import logging
 import os
 import sys
 import threading
@@ -168,7 +169,10 @@ class DistPipelineRuntime(PipelineRuntime):
                 "under gloo"
             )
         self._agree(problem)
-        self.store, self.stop_key = self._stop_store()
+        self.store, self.stop_key, serial = self._stop_store()
+        # each pipeline's messages carry tags of their own: a receive a failed step left posted
+        # (PREPOSTED) must not take a message of a pipeline made after it
+        self.tag_base = serial * 2 * len(self.STAGES) ** 2 * self.MICROBATCHES
         self.in_step = threading.Event()  # set while this rank runs a step (for the watchdog)
         self.watchdog: threading.Thread | None = None
         if self.rank == 0 and self.PROFILED_ON == "cpu" and self.device.type != "cpu":
@@ -240,16 +244,16 @@ class DistPipelineRuntime(PipelineRuntime):
                 "rank the same program"
             )
 
-    def _stop_store(self) -> tuple[Any, str]:
-        """The launch's store and this pipeline's key in it, where a rank whose step fails says
-        why. Every rank makes its pipelines in the same order (each agrees in _agree), so the
-        n-th on each shares a key."""
+    def _stop_store(self) -> tuple[Any, str, int]:
+        """The launch's store, this pipeline's key in it, where a rank whose step fails says
+        why, and how many pipelines this rank made before it. Every rank makes its pipelines
+        in the same order (each agrees in _agree), so the n-th on each shares a key."""
         try:
             store = dist.distributed_c10d._get_default_store()
             n = store.add(f"gpipe-plan/pipelines/{self.rank}", 1)
         except Exception:  # noqa: BLE001 - no store: a failure ends the job only as torchrun does
-            return None, ""
-        return store, f"gpipe-plan/{self.PLAN}/{n}/failed"
+            return None, "", 0
+        return store, f"gpipe-plan/{self.PLAN}/{n}/failed", n - 1
 
     def _failed(self) -> str:
         """Why the pipeline stopped ("rank R failed: ..."), or ""."""
@@ -280,21 +284,29 @@ class DistPipelineRuntime(PipelineRuntime):
             )  # fmt: skip
             self.watchdog.start()
         self.in_step.set()
+        self.doing = None
         try:
             yield
         except (BatchRefused, ProgramRefused):
             raise
         except BaseException as e:
             self.in_step.clear()  # (before the store: this rank's watchdog must not halt it)
+            doing = self.doing  # the action it failed in (None: between actions)
             reason = str(e) if isinstance(e, StageError) else f"{type(e).__name__}: {e}"
             if isinstance(e, KeyboardInterrupt):
-                reason = "interrupted"
+                reason = "interrupted" + (
+                    f" in {doing[0]} of stage {doing[1]}, micro-batch {doing[2]}" if doing else ""
+                )
             if self.store is None:
                 raise
             with contextlib.suppress(Exception):
                 self.store.compare_set(self.stop_key, "", f"rank {self.rank} failed: {reason}")
             why = self._failed()
-            if why and not why.startswith(f"rank {self.rank} "):  # (as a peer that went first)
+            # A failure in communication (in a batch of sends and receives, or a collective
+            # between actions) that follows another rank's is named after that one; one in
+            # this rank's own compute is its own.
+            talking = doing is None or doing[0].startswith(("send_", "recv_"))
+            if why and not why.startswith(f"rank {self.rank} ") and talking:
                 raise StageError(f"rank {self.rank} stopped: {why}") from e
             raise
         finally:
@@ -365,8 +377,13 @@ class DistPipelineRuntime(PipelineRuntime):
             count = _samples(y)
             if count < 0:
                 problem = "the targets' tensors must each be batch first, as many samples each"
-            elif max(count, _samples(x)) < M:
+            elif count == 0 and _samples(x) < M:
                 problem = "the last stage's rank needs the targets (batch first)"
+            elif 0 < count < M:
+                problem = (
+                    f"the targets hold {count} samples; this plan takes at least {M} (one per "
+                    "micro-batch)"
+                )
             sig[-2] = max(count, 0)  # checked against the input's on every rank, below
         sig[-1] = int(bool(problem))
         sig = sig.to(self.device)
@@ -431,6 +448,10 @@ class DistPipelineRuntime(PipelineRuntime):
         sizes = [len(part) for part in torch.tensor_split(torch.empty(shape[0], 0), M)]
         by_size: dict[int, dict[tuple[int, int], list[Spec]]] = {}
         problem = ""
+        # (torch logs every operation a fake tensor cannot run, with its traceback: the
+        # refusal below says it once)
+        quiet = logging.getLogger("torch._subclasses.fake_tensor")
+        level, quiet.level = quiet.level, logging.CRITICAL
         try:
             with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 for b in sorted(set(sizes)):
@@ -438,6 +459,8 @@ class DistPipelineRuntime(PipelineRuntime):
                     by_size[b] = self._fake_pass(x, mode)
         except Exception as e:  # noqa: BLE001 - said below, once every rank knows
             problem = f"{type(e).__name__}: {e}"
+        finally:
+            quiet.setLevel(level)
         failed = torch.tensor([int(bool(problem))], dtype=torch.int64, device=self.device)
         dist.all_reduce(failed)
         if problem or int(failed[0]):
@@ -517,7 +540,7 @@ class DistPipelineRuntime(PipelineRuntime):
     def _tag(self, kind: str, src: int, dst: int, m: int) -> int:
         """A captured graph's messages carry a tag each: a rank may send one rank several."""
         S = len(self.STAGES)
-        return (("FB".index(kind) * S + src) * S + dst) * self.MICROBATCHES + m + 1
+        return self.tag_base + (("FB".index(kind) * S + src) * S + dst) * self.MICROBATCHES + m + 1
 
     def push(self, value: Value, s: int, m: int) -> None:
         if self.routed:

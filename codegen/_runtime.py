@@ -477,6 +477,7 @@ class PipelineRuntime:
     @contextlib.contextmanager
     def _action(self, what: str, s: int, m: int) -> Iterator[None]:
         log = self.action_log
+        self.doing: tuple[str, int, int] | None = (what, s, m)  # (kept where it fails)
         try:
             with owner(s), self._stream(s):
                 if log is None:
@@ -492,6 +493,7 @@ class PipelineRuntime:
             raise StageError(
                 f"{what} of stage {s}, micro-batch {m} failed: {type(e).__name__}: {e}"
             ) from e
+        self.doing = None
 
     def _clock(self, s: int) -> Any:
         if not self.cuda:

@@ -420,7 +420,11 @@ def main() -> None:
         except ProgramRefused as e:  # every rank says why in one line, and stops
             print(f"{MODEL}: {e}", file=sys.stderr)
             raise SystemExit(2) from None
-        pipe.train_step(x, None, stand_in_loss)  # warm-up
+        try:
+            pipe.train_step(x, None, stand_in_loss)  # warm-up
+        except BatchRefused as e:  # every rank refuses the batch together: one line each
+            print(f"{MODEL}: rank {pipe.rank}: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
         dist.barrier()
         t0 = time.perf_counter()
         loss = pipe.train_step(x, None, stand_in_loss)

@@ -369,7 +369,8 @@ def test_emitted_program_imports_only_torch_and_the_standard_library(profiles):
         modules |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert {m.partition(".")[0] for m in modules} <= {
             "__future__", "argparse", "collections", "contextlib", "copy", "importlib", "os", "re",
-            "sys", "tempfile", "threading", "time", "torch", "typing", "warnings", "weakref",
+            "logging", "sys", "tempfile", "threading", "time", "torch", "typing", "warnings",
+            "weakref",
         }, name  # fmt: skip
 
 

@@ -854,6 +854,43 @@ def test_a_batch_only_one_rank_can_judge_is_refused_by_every_rank(mlp_profile, c
     assert all(want in str(e) for e in errors), errors
 
 
+def _steps(program, models, world, x, y, loss_fn, steps=None, pipes=None) -> dict[int, list]:
+    """Each rank of `program` in a thread on `world` (its watchdog's halt the transport's,
+    quicker than in use), taking steps[r] steps (1 by default), each with what its caller
+    would see: "returned" or the exception's type and text. `pipes`: a list that gets each
+    rank's pipeline."""
+    K = len(models)
+    spaces = []
+    for _ in range(K):
+        ns: dict = {}
+        exec(compile(program, "program.py", "exec"), ns)
+        ns["dist"] = world
+        ns["Pipeline"].halt = staticmethod(world.halt)
+        ns["WATCH_EVERY"], ns["WATCH_GRACE"] = 0.05, 0.3  # (1 s in use: quicker here)
+        spaces.append(ns)
+    got: dict[int, list] = {r: [] for r in range(K)}
+
+    def rank(r: int) -> None:
+        world.local.rank = r
+        pipe = spaces[r]["Pipeline"](models[r])
+        if pipes is not None:
+            pipes.append(pipe)
+        for _ in range((steps or {}).get(r, 1)):
+            try:
+                pipe.train_step(x if r == 0 else None, y, loss_fn)
+                got[r].append("returned")
+            except BaseException as e:  # noqa: BLE001 - what each rank's caller would see
+                got[r].append(f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(K)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank never finished"
+    return got
+
+
 def _boom(now: bool) -> None:
     if now:
         raise ValueError("boom")
@@ -911,33 +948,8 @@ def test_a_step_that_fails_on_one_rank_halts_every_rank_still_in_it(
     world = transport(K, timeout=20)
     world.halts = K - 1  # (a halted process waits no more; the others still wait here)
     x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
-    got: dict[int, list[str]] = {r: [] for r in range(K)}
-    spaces = []
-    for _ in range(K):
-        ns: dict = {}
-        exec(compile(program, "program.py", "exec"), ns)
-        ns["dist"] = world
-        ns["Pipeline"].halt = staticmethod(world.halt)
-        ns["WATCH_EVERY"], ns["WATCH_GRACE"] = 0.05, 0.3  # (1 s in use: quicker here)
-        spaces.append(ns)
-
-    def rank(r: int) -> None:
-        world.local.rank = r
-        pipe = spaces[r]["Pipeline"](models[r])
-        for _ in range(2 if r == bad else 1):
-            try:
-                pipe.train_step(x if r == 0 else None, y, loss_fn)
-                got[r].append("returned")
-            except Exception as e:  # noqa: BLE001 - what each rank's caller would see
-                got[r].append(f"{type(e).__name__}: {e}")
-
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(K)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert not any(t.is_alive() for t in threads), "a rank never finished"
+    got = _steps(program, models, world, x, y, loss_fn, {bad: 2})
     first, second = got[bad]
     assert first.startswith("StageError: ") and "ValueError: boom" in first, first
     assert second.startswith(f"StageError: rank {bad}: the pipeline stopped: rank {bad} failed: ")
@@ -951,6 +963,101 @@ def test_a_step_that_fails_on_one_rank_halts_every_rank_still_in_it(
         assert message == f"rank {r} stopped: rank {bad} failed: {stage}", message
         assert when - t0 < 10, (r, when - t0)  # the transport's own timeout is 20 s
         assert got[r] != ["returned"], (r, got[r])  # no rank completes the failed step
+
+
+def _fail_at(model, layer: int, call: int, error: type[BaseException] = ValueError) -> None:
+    """`layer` of `model` raises `error` at its `call`-th real forward (the shape pass's fake
+    ones aside)."""
+    calls = []
+
+    def hook(module, args):
+        if type(args[0]).__name__ != "FakeTensor":
+            calls.append(1)
+            if len(calls) == call:
+                raise error(f"boom at layer {layer}")
+
+    model[layer].register_forward_pre_hook(hook)
+
+
+@pytest.mark.parametrize("error", [ValueError, KeyboardInterrupt])
+def test_ranks_failing_at_once_each_report_their_own_failure(mlp_profile, error):
+    """Found by the red team: when two ranks failed in their own compute at the same moment,
+    the second to write said "rank 0 stopped: rank 1 failed: ..." and hid its own error. Only a
+    failure in communication is named after another rank's; an interrupt says where it came.
+    Nobody is halted: both ranks left the step."""
+    from codegen.emit import emit_program
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+
+    plan = plan_pipeline(mlp_profile, Cluster.uniform(2, "1GiB"), 8, microbatches=4,
+                         schedule="gpipe", recompute="never")  # fmt: skip
+    models = _models(2)
+    for r in range(2):  # rank 0 at its second forward, rank 1 at its first: at once
+        _fail_at(models[r], plan.stages[r].layers[0], 2 - r, error)
+    world = BufferedTransport(2, timeout=10)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    got = _steps(emit_program(plan, target="torchrun"), models, world, x, y,
+                 torch.nn.CrossEntropyLoss())  # fmt: skip
+    for r in range(2):
+        a = plan.stages[r].layers[0]
+        if error is ValueError:
+            assert got[r] == [f"StageError: forward of stage {r}, micro-batch {1 - r} failed: "
+                              f"ValueError: boom at layer {a}"], got  # fmt: skip
+        else:
+            assert got[r] == [f"KeyboardInterrupt: boom at layer {a}"], got
+    first = world.store.get(next(k for k in world.store.keys if k.endswith("/failed")))
+    if error is KeyboardInterrupt:
+        assert first.decode().split(": ", 1)[1].startswith("interrupted in forward of stage ")
+    assert not world.halted
+
+
+def test_each_pipeline_of_a_launch_has_message_tags_of_its_own(mlp_profile):
+    """Found by the red team: a GPipe step that failed on every rank left its forward receives
+    posted (gloo cannot take one back), and a pipeline compiled next in the same launch used
+    the same tags, so those stale receives took its messages and it waited for ever. Each
+    pipeline's tags now start past the previous one's (the ranks count pipelines alike)."""
+    from codegen.emit import emit_program
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+
+    plan = plan_pipeline(mlp_profile, Cluster.uniform(2, "1GiB"), 8, microbatches=4,
+                         schedule="gpipe", recompute="never")  # fmt: skip
+    program = emit_program(plan, target="torchrun")
+    assert "PREPOSTED = (1,)" in program
+    world = BufferedTransport(2, timeout=10)
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    pipes: list = []
+    for _ in range(2):
+        got = _steps(program, _models(2), world, x, y, torch.nn.CrossEntropyLoss(), pipes=pipes)
+        assert got == {0: ["returned"], 1: ["returned"]}
+    first, second = (
+        sorted(set(world.tags[: len(world.tags) // 2])),
+        sorted(set(world.tags[len(world.tags) // 2 :])),
+    )
+    assert first and second and max(first) < min(second), (first, second)
+    span = 2 * 2 * 2 * 4  # kinds x stages x stages x micro-batches
+    assert [p.tag_base for p in pipes if p.rank == 0] == [0, span]
+
+
+def test_too_few_targets_are_refused_in_words(mlp_profile):
+    """Found by the red team: targets with fewer samples than micro-batches were refused on
+    the last stage's rank as if there were none."""
+    from codegen.emit import emit_program
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+
+    plan = plan_pipeline(mlp_profile, Cluster.uniform(2, "1GiB"), 8, microbatches=4,
+                         schedule="1f1b")  # fmt: skip
+    world = BufferedTransport(2, timeout=10)
+    x, y = torch.randn(2, 32), torch.randint(0, 10, (2,))
+    got = _steps(emit_program(plan, target="torchrun"), _models(2), world, x, y,
+                 torch.nn.CrossEntropyLoss())  # fmt: skip
+    assert got[1] == [
+        "BatchRefused: the targets hold 2 samples; this plan takes at least 4 (one per micro-batch)"
+    ]
+    assert got[0] == [
+        "BatchRefused: the first stage's rank needs the input batch, with at least 4 samples"
+    ]
 
 
 def test_a_refused_step_leaves_the_gradients_of_shared_weights_as_they_were(mlp_profile):
