@@ -1060,6 +1060,17 @@ def test_too_few_targets_are_refused_in_words(mlp_profile):
     ]
 
 
+def _tied_models(plan) -> list:
+    """Two ranks' copies of the mlp, layer 6's weight layer 0's (on different ranks), with a
+    gradient of 3.0 accumulated by earlier steps."""
+    assert plan.stages[0].layers[1] <= 6  # layers 0 and 6 on different ranks
+    models = _models(2)
+    for m in models:
+        m[6].weight = m[0].weight  # tied across the two ranks
+        m[0].weight.grad = torch.full_like(m[0].weight, 3.0)
+    return models
+
+
 def test_a_refused_step_leaves_the_gradients_of_shared_weights_as_they_were(mlp_profile):
     """Found by the review: the step set aside the accumulated gradient of a weight two ranks
     share before its batch was agreed, so a refused step lost it on every rank."""
@@ -1069,11 +1080,7 @@ def test_a_refused_step_leaves_the_gradients_of_shared_weights_as_they_were(mlp_
 
     plan = plan_pipeline(mlp_profile, Cluster.uniform(2, "1GiB"), 8, microbatches=4,
                          schedule="gpipe")  # fmt: skip
-    assert plan.stages[0].layers[1] <= 6  # layers 0 and 6 on different ranks
-    models = _models(2)
-    for m in models:
-        m[6].weight = m[0].weight  # tied across the two ranks
-        m[0].weight.grad = torch.full_like(m[0].weight, 3.0)  # accumulated by earlier steps
+    models = _tied_models(plan)
     program = emit_program(plan, target="torchrun") + "\nPipeline.MAX_BATCH = 8\n"
     x, y = torch.randn(9, 32), torch.randint(0, 10, (9,))
     *_, transport, errors = _run_ranks(program, models, x, y, torch.nn.CrossEntropyLoss(),
@@ -1096,11 +1103,7 @@ def test_a_shape_pass_failing_on_one_rank_is_refused_by_every_rank(mlp_profile):
 
     plan = plan_pipeline(mlp_profile, Cluster.uniform(2, "1GiB"), 8, microbatches=4,
                          schedule="1f1b")  # fmt: skip
-    assert plan.stages[0].layers[1] <= 6  # layers 0 and 6 on different ranks
-    models = _models(2)
-    for m in models:
-        m[6].weight = m[0].weight  # tied across the two ranks
-        m[0].weight.grad = torch.full_like(m[0].weight, 3.0)  # accumulated by earlier steps
+    models = _tied_models(plan)
 
     def fake_only(module, args):
         if type(args[0]).__name__ == "FakeTensor":
