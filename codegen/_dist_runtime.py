@@ -451,7 +451,8 @@ class DistPipelineRuntime(PipelineRuntime):
         # (torch logs every operation a fake tensor cannot run, with its traceback: the
         # refusal below says it once)
         quiet = logging.getLogger("torch._subclasses.fake_tensor")
-        level, quiet.level = quiet.level, logging.CRITICAL
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)  # (setLevel: the logger caches what it lets through)
         try:
             with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
                 for b in sorted(set(sizes)):

@@ -1039,6 +1039,32 @@ def test_each_pipeline_of_a_launch_has_message_tags_of_its_own(mlp_profile):
     assert [p.tag_base for p in pipes if p.rank == 0] == [0, span]
 
 
+def test_an_input_the_model_cannot_take_is_refused_in_one_line(mlp_profile):
+    """Found by the red team: before its one-line refusal, every rank printed torch's own log
+    of the fake operation that failed, with a traceback."""
+    import logging
+
+    from codegen.emit import emit_program
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+
+    plan = plan_pipeline(mlp_profile, Cluster.uniform(2, "1GiB"), 8, microbatches=4,
+                         schedule="1f1b")  # fmt: skip
+    records: list = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    log.addHandler(handler)
+    try:
+        got = _steps(emit_program(plan, target="torchrun"), _models(2), BufferedTransport(2, 10),
+                     torch.randn(8, 31), torch.randint(0, 10, (8,)), torch.nn.CrossEntropyLoss())  # fmt: skip
+    finally:
+        log.removeHandler(handler)
+    want = "BatchRefused: cannot work out the shapes the stages send each other from an input of "
+    assert all(g[0].startswith(want + "shape [8, 31]: RuntimeError: ") for g in got.values()), got
+    assert records == []
+
+
 def test_too_few_targets_are_refused_in_words(mlp_profile):
     """Found by the red team: targets with fewer samples than micro-batches were refused on
     the last stage's rank as if there were none."""
