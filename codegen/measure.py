@@ -529,15 +529,19 @@ def _holding(token: str) -> list[int]:
 def rank_error(stderr: str) -> str:
     """The failing rank's own last error line in torchrun's output (its traceback's last line,
     which torch prefixes with `[rankN]:`), not the knock-on errors of the others nor torchrun's
-    summary: the rank torchrun names as the root cause, else the first to report an error;
-    "" if none did."""
+    summary: the rank torchrun names as the root cause (where that is a rank its watchdog
+    ended, the rank it names), else the first to report an error; "" if none did."""
     import re
 
     by_rank: dict[str, str] = {}
+    halted: dict[str, tuple[str, str]] = {}  # rank its watchdog ended: (failing rank, why)
     for line in stderr.splitlines():
         m = re.match(r"^\[(?:rank|default)?(\d+)\]:\s?(.*)$", line)
         who, text = (m.group(1), m.group(2).strip()) if m else ("", line.strip())
-        if (
+        stop = re.match(r"^gpipe-plan: rank (\d+) stopped: (rank (\d+) failed: .*)$", text)
+        if stop:
+            halted.setdefault(stop.group(1), (stop.group(3), stop.group(2)))
+        elif (
             re.match(r"^[\w.]*(Error|Exception|Interrupt)\b", text)
             and not text.startswith("Exception ignored")
             and not re.search(r"ChildFailedError|torch\.distributed\.elastic", text)
@@ -546,5 +550,8 @@ def rank_error(stderr: str) -> str:
     cause = re.search(r"Root Cause.*?\brank\s*:\s*(\d+).*?\bexitcode\s*:\s*(-?\d+)", stderr, re.S)
     if cause:  # a rank killed by a signal leaves no line of its own: say how it ended
         rank, code = cause.groups()
+        if rank not in by_rank and rank in halted:  # ended by its watchdog: the failing one's
+            failing, why = halted[rank]
+            return by_rank.get(failing, why)
         return by_rank.get(rank, f"rank {rank} ended with exit code {code}")
-    return next(iter(by_rank.values()), "")
+    return next(iter(by_rank.values()), next((why for _, why in halted.values()), ""))

@@ -237,6 +237,23 @@ def test_a_failing_rank_is_reported_by_its_own_error():
     # no root cause named: the first rank to report an error
     first = TORCHRUN_FAILURE.split("Root Cause")[0]
     assert rank_error(first) == "RuntimeError: rank one broke"
+    # the root cause a rank our watchdog ended (it exited first): the rank it names, whose own
+    # error line is there, or else what the watchdog said of it
+    halted = (
+        TORCHRUN_FAILURE.replace("exitcode  : 1 (pid: 27073)", "exitcode  : 1 (pid: 27072)")
+        .replace("rank      : 1 (local_rank: 1)", "rank      : 0 (local_rank: 0)")
+        .replace(
+            "[rank0]: Traceback (most recent call last):\n",
+            "gpipe-plan: rank 0 stopped: rank 1 failed: forward of stage 1, micro-batch 2 failed: "
+            "RuntimeError: rank one broke\n",
+        )
+    )
+    halted = "\n".join(line for line in halted.splitlines() if not line.startswith("[rank0]"))
+    assert rank_error(halted) == "RuntimeError: rank one broke"
+    alone = halted.replace("[rank1]: RuntimeError: rank one broke\n", "")
+    assert rank_error(alone) == (
+        "rank 1 failed: forward of stage 1, micro-batch 2 failed: RuntimeError: rank one broke"
+    )
     assert rank_error("[1]:ValueError: bad\n") == "ValueError: bad"
     assert rank_error("Exception ignored in: <function f>\nExit code 3\n") == ""
     assert rank_error("nothing to see\n") == ""
