@@ -697,7 +697,7 @@ def test_a_cluster_device_this_host_lacks_is_refused_in_words():
     assert rank_device("cpu", 1) == torch.device("cpu")
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("schedule", ["gpipe"])  # (1f1b: the caught failure's test below)
 def test_torchrun_rank_that_raises_does_not_hang_the_others(
     profiles, tmp_path, torchrun_available, schedule
 ):
