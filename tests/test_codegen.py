@@ -738,7 +738,7 @@ def test_a_distributed_pipe_whose_step_fails_on_one_rank_halts_the_others(
     r = torchrun(3, str(ROOT / "tests" / "dist_pipe_driver.py"), "--fail", str(tmp_path),
                  str(path), timeout=120)  # fmt: skip
     took = time.perf_counter() - t0
-    assert r.returncode != 0 and took < 25, (took, r.stderr[-3000:])
+    assert r.returncode != 0 and took < 60, (took, r.stderr[-3000:])  # the bound
     where = "forward of stage 2, micro-batch 0 failed: ValueError: bad label"
     # the first rank halted ends the job: torchrun stops the rest (SIGTERM), if their own
     # watchdogs have not yet
