@@ -94,6 +94,15 @@ def rank_device(named: str | None, rank: int) -> torch.device:
 WATCH_EVERY, WATCH_GRACE = 0.2, 1.0
 
 
+def _why_stopped(store: Any, key: str) -> str | None:
+    """What a failing rank wrote under `key` ("rank R failed: ..."), "" if none did yet, None
+    where the store cannot be reached."""
+    try:
+        return store.get(key).decode() if store.check([key]) else ""
+    except Exception:  # noqa: BLE001 - the store is gone
+        return None
+
+
 def _watch(
     runtime: Any, in_step: threading.Event, store: Any, key: str, rank: int, halt: Any
 ) -> None:
@@ -103,9 +112,8 @@ def _watch(
     while runtime() is not None:
         if not in_step.wait(1.0):
             continue
-        try:
-            why = store.get(key).decode() if store.check([key]) else ""
-        except Exception:  # noqa: BLE001 - the store is gone: the launcher ends the job
+        why = _why_stopped(store, key)
+        if why is None:  # the store is gone: the launcher ends the job
             return
         if not why or why.startswith(f"rank {rank} "):
             time.sleep(WATCH_EVERY)
@@ -259,12 +267,7 @@ class DistPipelineRuntime(PipelineRuntime):
         """Why the pipeline stopped ("rank R failed: ..."), or ""."""
         if self.store is None:
             return ""
-        try:
-            if self.store.check([self.stop_key]):
-                return self.store.get(self.stop_key).decode()
-        except Exception:  # noqa: BLE001 - the store is gone: the launch is ending
-            pass
-        return ""
+        return _why_stopped(self.store, self.stop_key) or ""  # (no store: the launch is ending)
 
     @contextlib.contextmanager
     def stepping(self) -> Iterator[None]:

@@ -928,17 +928,8 @@ def test_a_step_that_fails_on_one_rank_halts_every_rank_still_in_it(
                 out.register_hook(lambda g: grads.append(1) or _boom(len(grads) == 4))
 
         models[0][plan.stages[0].layers[1] - 1].register_forward_hook(watch)
-    if where == "middle":  # the rank's first layer fails on its third forward
-        seen = []
-
-        def boom(module, args):
-            if type(args[0]).__name__ != "FakeTensor":  # (the shape pass runs it on fakes)
-                seen.append(1)
-                if len(seen) == 3:
-                    raise ValueError("boom")
-
-        first = plan.stages[bad]  # (on rank `bad`, interleaved or not)
-        models[bad][first.layers[0]].register_forward_pre_hook(boom)
+    if where == "middle":  # the rank's first layer fails on its third forward (stage `bad`
+        _fail_at(models[bad], plan.stages[bad].layers[0], 3)  # is on rank `bad`, interleaved too)
 
     def loss_fn(out, y):
         if where == "loss":
