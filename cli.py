@@ -9,6 +9,7 @@ import argparse
 import errno
 import gc
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -247,11 +248,23 @@ def _held_as_planned(plan: Any, path: str) -> None:
     from planner.search import simulate_plan
 
     try:
-        peaks = simulate_plan(plan, levels=False).peak_memory
+        timeline = simulate_plan(plan, levels=False)
     except Exception as e:  # a plan that validates but that no schedule runs: refused too
         raise InputError(
             f"{path}: its stages cannot be simulated ({type(e).__name__}: {e}); plan again"
         ) from None
+    peaks = timeline.peak_memory
+    said = plan.predicted
+    for what, stated, got in (
+        ("step time", said.iteration_ms, timeline.makespan),
+        ("bubble fraction", said.bubble_fraction, timeline.bubble_fraction),
+    ):
+        if not math.isclose(stated, got, rel_tol=1e-9, abs_tol=1e-12):
+            raise InputError(
+                f"{path}: its predicted {what} ({stated:.6g}) is not what its schedule gives "
+                f"({got:.6g}): the plan was edited, or made by another version (gpipe-plan "
+                f"{plan.meta.tool_version}); plan again"
+            )
     for d, peak in zip(plan.devices, peaks):
         if d.total != peak:
             raise InputError(
@@ -360,6 +373,42 @@ def _planned_model(spec: str, plan: Any) -> Any:
     return as_layers(model, capture_sample(model, plan.input_shape, plan.input_dtype))
 
 
+def _runs_as_planned(model: Any, plan: Any, path: str) -> None:
+    """Refuse, before a program is written, a plan its model would refuse once the program ran:
+    a captured graph's routes that are not the model's, an input shape the model does not take
+    (a forward on fake tensors: no memory, no compute)."""
+    import logging
+
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from codegen._runtime import routes_of
+
+    if plan.captured:
+        routes = sorted(routes_of(list(model), [tuple(st.layers) for st in plan.stages]))
+        if routes != sorted(tuple(r) for r in plan.routes):
+            raise InputError(
+                f"{path}: its routes {[list(r) for r in plan.routes]} are not what the model's "
+                f"graph sends along its stages ({[list(r) for r in routes]}); plan it again"
+            )
+        return  # (its input shape: the graph was just captured from it)
+    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # (a traceback per failed op)
+    level = quiet.level
+    quiet.setLevel(logging.CRITICAL)
+    try:
+        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+            x = torch.empty((plan.microbatch_size, *plan.input_shape),
+                            dtype=getattr(torch, plan.input_dtype))  # fmt: skip
+            model(x)
+    except Exception as e:  # noqa: BLE001 - what the program would meet at its first step
+        raise InputError(
+            f"{path}: the model does not run on the plan's input shape {plan.input_shape} "
+            f"({type(e).__name__}: {e}); plan it again"
+        ) from None
+    finally:
+        quiet.setLevel(level)
+
+
 def cmd_codegen(args: argparse.Namespace) -> int:
     out = check_output(args.output, inputs=[args.plan, *_sources(args.model)])
     from codegen.emit import emit_program
@@ -374,6 +423,7 @@ def cmd_codegen(args: argparse.Namespace) -> int:
             f"{args.model} first"
         )
     check_output(args.output, inputs=[args.plan, *_sources(args.model)])
+    _runs_as_planned(model, plan, args.plan)
     args.target = args.target or plan.target
     if args.target == "torch-pipelining":
         from codegen.emit import pipelining_refusal
@@ -595,8 +645,14 @@ def _cluster(args: argparse.Namespace, num_layers: int) -> Any:
     from planner import Cluster, parse_bandwidth, parse_size
 
     if args.cluster:
-        if args.devices is not None or args.memory is not None:
-            raise InputError("give either --cluster or --devices/--memory, not both")
+        flags = {"--devices": args.devices, "--memory": args.memory,
+                 "--bandwidth": args.bandwidth, "--latency-ms": args.latency_ms}  # fmt: skip
+        given = [flag for flag, value in flags.items() if value is not None]
+        if given:
+            raise InputError(
+                f"give either --cluster or {given[0]} (the cluster file says what its devices "
+                "and links are), not both"
+            )
         return Cluster.load(args.cluster)
     if args.devices is None or args.memory is None:
         raise InputError("say where to run: --devices K --memory SIZE, or --cluster cluster.json")
@@ -612,7 +668,7 @@ def _cluster(args: argparse.Namespace, num_layers: int) -> Any:
         devices,
         parse_size(args.memory, "--memory"),
         bandwidth=parse_bandwidth(args.bandwidth, "--bandwidth") if args.bandwidth else None,
-        latency_ms=args.latency_ms,
+        latency_ms=0.0 if args.latency_ms is None else args.latency_ms,
     )
 
 
@@ -922,7 +978,7 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--devices")
     s.add_argument("--memory", help="per device, e.g. 16GiB")
     s.add_argument("--bandwidth", help="between neighbouring devices, e.g. 25GB/s")
-    s.add_argument("--latency-ms", type=_number("--latency-ms", 0, MAX_MS), default=0.0)
+    s.add_argument("--latency-ms", type=_number("--latency-ms", 0, MAX_MS))
     s.add_argument("--cluster", help="cluster.json (see: gpipe-plan schema cluster)")
     s.add_argument("--batch-size", type=_count("--batch-size", MAX_BATCH), required=True)
     s.add_argument("--microbatches", default="auto")

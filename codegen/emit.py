@@ -400,13 +400,41 @@ if __name__ == "__main__":
     main()
 """
 
-_TORCHRUN_MAIN = """
+_UNDER_TORCHRUN = """
 
-def main() -> None:
+def under_torchrun(argv: list[str] | None) -> None:
+    \"\"\"The program's options (none but --help), and a one-line refusal where it was started
+    without torchrun (which gives each process its rank and the launch's rendezvous).\"\"\"
+    import argparse
+    import os
+    import sys
+
+    name = os.path.basename(sys.argv[0] or "program.py")
+    launch = f"torchrun --nproc-per-node {NUM_DEVICES} {name}"
+    argparse.ArgumentParser(
+        description=f"{__doc__} Run it as: {launch} (on several hosts: --nnodes, --rdzv-endpoint)"
+    ).parse_args(argv)
+    needs = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what env:// reads
+    missing = [v for v in needs if v not in os.environ]
+    if missing:
+        print(
+            f"{MODEL}: this program runs one process per device under torchrun ({missing[0]} is "
+            f"not set): {launch}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+"""
+
+_TORCHRUN_MAIN = (
+    _UNDER_TORCHRUN
+    + """
+
+def main(argv: list[str] | None = None) -> None:
     \"\"\"One timed training step on random data of the planned shapes, on every rank.\"\"\"
     import sys
     import time
 
+    under_torchrun(argv)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -441,17 +469,22 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 """
+)
 
 
-_PIPELINING_MAIN = """
+_PIPELINING_MAIN = (
+    _UNDER_TORCHRUN
+    + """
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     \"\"\"One timed training step on random data of the planned shapes, on every rank, on
     torch.distributed.pipelining's runtime.\"\"\"
+    import sys
     import time
 
     import torch.distributed as dist
 
+    under_torchrun(argv)
     cuda = torch.cuda.is_available()
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cuda else "cpu")
     if cuda:
@@ -459,7 +492,12 @@ def main() -> None:
     dist.init_process_group("nccl" if cuda else "gloo")
     try:
         if dist.get_world_size() != NUM_DEVICES:
-            raise RuntimeError(f"this program runs on {NUM_DEVICES} processes")
+            print(
+                f"{MODEL}: rank {dist.get_rank()}: this program runs on {NUM_DEVICES} processes, "
+                f"not {dist.get_world_size()}: torchrun --nproc-per-node {NUM_DEVICES}",
+                file=sys.stderr,
+            )
+            raise SystemExit(2)
         torch.manual_seed(0)  # the same model and batch on every rank
         model = load_model()
         x = random_batch(model).to(device)
@@ -497,6 +535,7 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 """
+)
 
 
 def _model_loader(spec: str) -> str:

@@ -154,10 +154,17 @@ class Cluster(Artifact):
         if self.host_links is not None:
             if any(d.host is None for d in self.devices):
                 raise ValueError("links are given by host: every device needs its `host`")
-            self.links = [
+            derived = [
                 self.host_links.intra_host if a.host == b.host else self.host_links.inter_host
                 for a, b in zip(self.devices[:-1], self.devices[1:])
             ]
+            # (a saved cluster holds both: the links it derived, which must still be those)
+            if self.links and self.links != derived:
+                raise ValueError(
+                    "both `links` (a list) and `host_links` are given, and they differ: give "
+                    "the links one way"
+                )
+            self.links = derived
         if not self.links:
             self.links = [Link() for _ in range(len(self.devices) - 1)]
         if len(self.links) != len(self.devices) - 1:

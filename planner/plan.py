@@ -7,7 +7,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, model_validator
 
-from profiler.artifact import Artifact
+from profiler.artifact import Artifact, InputError
 from profiler.limits import MAX_BATCH, MAX_BYTES, MAX_MICROBATCHES, DType, Text
 from profiler.types import RuntimeOverhead
 
@@ -196,6 +196,22 @@ class Plan(Artifact):
     FORMAT_VERSION: ClassVar[int] = 2
     LATER_FIELDS: ClassVar[tuple[str, ...]] = ("runtime", "checkpointed")
 
+    @classmethod
+    def from_json_text(cls, text: str, *, source: str = "<input>") -> Plan:  # type: ignore[override]
+        """As every file; and each stage's budget is its device's (whole, or half of an
+        interleaved device's), which `show` prints beside the totals `check` gates (the search
+        makes plans under other budgets too, to say how much memory would do: not files)."""
+        plan = super().from_json_text(text, source=source)
+        K, v = len(plan.cluster.devices), plan.stages_per_device
+        for st in plan.stages:
+            whole = plan.cluster.devices[st.index % K].memory_bytes
+            if st.memory.budget not in (whole, whole // v):
+                raise InputError(
+                    f"{source}: invalid plan: stage {st.index}'s memory budget is "
+                    f"{st.memory.budget} bytes, but its device {st.device} has {whole}"
+                )
+        return plan
+
     def _data(self) -> dict[str, Any]:
         # a plan made before stop_live was counted reads, writes and digests as it did
         data = super()._data()
@@ -324,6 +340,22 @@ class Plan(Artifact):
         for st in self.stages:
             if len(st.layer_types) != st.layers[1] - st.layers[0]:
                 raise ValueError(f"stage {st.index}: {len(st.layer_types)} layer types listed")
+            held = st.memory.model_dump()
+            parts = sum(n for k, n in held.items() if k not in ("total", "budget"))
+            if held["total"] != parts:
+                raise ValueError(
+                    f"stage {st.index}: memory total {held['total']} is not the sum of its "
+                    f"parts ({parts})"
+                )
+            # the simulator counts each state's bytes up to M times on a device in int64: a
+            # stage past 2^60 bytes so counted (none is near: MAX_BYTES per device) overflows it
+            sb = st.state_bytes.model_dump(exclude={"foreach"})
+            most = sum(n for n in sb.values() if n is not None) * max(self.microbatches, 1)
+            if most + held["total"] > 2**60:
+                raise ValueError(
+                    f"stage {st.index}: its bytes ({sum(n or 0 for n in sb.values())} per "
+                    f"micro-batch, {self.microbatches} micro-batches) are past what a device holds"
+                )
         N, M = self.batch_size, self.microbatches
         if M > N or self.microbatch_size != -(-N // M):
             raise ValueError(

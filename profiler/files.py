@@ -4,16 +4,20 @@ An output is checked before any long work starts (`check_output`) and written al
 (`write_output`): into a temporary file beside the target, renamed over it only when it is a
 regular file or does not exist yet. A symlink is followed (the link stays, its target gets the
 new content). A device, FIFO, socket or directory is refused, and so is a path that names one of
-the command's own inputs, one of gpipe-plan's own source files, or a module the command has
-loaded. A new file gets the mode the umask allows, an existing file keeps its
-mode (and, where the process may, its owner).
+the command's own inputs, one of gpipe-plan's own source files, a module the command has
+loaded, or anything in the Python installation; so is a path that reaches an open file
+descriptor (/dev/stdout, /proc/self/fd/1), whose file a shell's redirect holds. A new file gets
+the mode the umask allows, an existing file keeps its mode (and, where the process may, its
+owner).
 
 Torch-free, like artifact.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import stat
 import sys
 import tempfile
@@ -50,15 +54,20 @@ def check_output(
         for test, kind in _KINDS:
             if test(st.st_mode):
                 raise InputError(f"{shown}: is {kind}, not a regular file; name a file to write")
+        if (fd := _through_descriptor(path)) is not None:
+            raise InputError(
+                f"{shown}: names an open file descriptor ({fd}), whose file a new one would "
+                f"replace (what a shell's >> redirect appends to, lost); name {target} itself"
+            )
         for source in inputs:
             if _same(path, source):
                 raise InputError(
                     f"{shown}: is also this command's input {source}; write to another file"
                 )
-        if (what := _code(target)) is not None:
-            raise InputError(f"{shown}: is {what}; write to another file")
         if not os.access(path, os.W_OK):
             raise InputError(f"{shown}: the file is not writable")
+    if (what := _code(target)) is not None:
+        raise InputError(f"{shown}: is {what}; write to another file")
     directory = target.parent
     if not directory.is_dir():
         raise InputError(f"{shown}: directory {directory} does not exist")
@@ -75,9 +84,48 @@ _ROOT = Path(__file__).resolve().parents[1]
 _PACKAGES = ("planner", "profiler", "schedules", "codegen")
 
 
+_DESCRIPTOR = re.compile(r"/(?:proc/[^/]+|dev)/fd/\d+|/dev/std(?:in|out|err)")
+
+
+def _through_descriptor(path: str | os.PathLike[str]) -> str | None:
+    """The /dev/fd/N, /proc/PID/fd/N or /dev/stdout-like path that `path` reaches through its
+    links, if any: what it names is an open descriptor's file (a redirect's), which write_output
+    would replace by a new file rather than write through."""
+    at = os.path.abspath(path)
+    for _ in range(40):  # (the kernel's own limit on links followed)
+        if _DESCRIPTOR.fullmatch(at):
+            return at
+        parent, name = os.path.split(at)
+        real = os.path.join(os.path.realpath(parent), name)
+        if _DESCRIPTOR.fullmatch(real):
+            return real
+        if not os.path.islink(real):
+            return None
+        at = os.path.normpath(os.path.join(os.path.dirname(real), os.readlink(real)))
+    return None
+
+
+def _installed() -> list[Path]:
+    """Where Python and its packages are installed: no output belongs there."""
+    import site
+    import sysconfig
+
+    kinds = ("stdlib", "platstdlib", "purelib", "platlib", "scripts")
+    places = {sysconfig.get_paths().get(k, "") for k in kinds}
+    if sys.prefix != sys.base_prefix:  # a virtual environment: all of it (a system prefix such
+        places.add(sys.prefix)  # as /usr holds the user's own folders too)
+    with contextlib.suppress(Exception):  # (a site module without them: an embedded Python)
+        places.update(site.getsitepackages())
+        places.add(site.getusersitepackages())
+    found = {Path(os.path.realpath(p)) for p in places if p and os.path.isdir(p)}
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)  # the most specific first
+
+
 def _code(target: Path) -> str | None:
     """What `target` is, if it is code this tool runs: one of its own source files (the ranks of
-    a torchrun launch import them afresh), or a module this process has loaded."""
+    a torchrun launch import them afresh), a module this process has loaded, or anything inside
+    the Python installation or its packages (torch's own modules, which a command that does not
+    load them would not see)."""
     if target.suffix == ".py" and (
         target == _ROOT / "cli.py" or any(target.is_relative_to(_ROOT / p) for p in _PACKAGES)
     ):
@@ -90,6 +138,9 @@ def _code(target: Path) -> str | None:
             and os.path.realpath(where) == str(target)
         ):
             return f"the source of module {module.__name__}, which this command runs"
+    for place in _installed():
+        if target.is_relative_to(place) and place != Path(place.anchor):
+            return f"inside the Python installation ({place})"
     return None
 
 

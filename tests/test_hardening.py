@@ -922,3 +922,137 @@ def test_a_cluster_size_of_true_is_refused_not_read_as_one_byte():
                 "devices": [{"name": "a", "memory_bytes": 9, "reserved_bytes": False}],
             }
         )
+
+
+def test_an_output_is_never_inside_the_python_installation(tmp_path):
+    """`plan` and `simulate` load no torch, so `-o .../site-packages/torch/__init__.py` replaced
+    torch itself (the red team's venv lost it): nothing in the installation is an output, a new
+    file there neither (it could shadow a module)."""
+    import sysconfig
+
+    inside = Path(torch.__file__).parent / "_VF.pyi"  # torch's own, and no module
+    assert inside.exists()
+    for where in (inside, Path(sysconfig.get_paths()["purelib"]) / "new.json"):
+        with pytest.raises(InputError, match="inside the Python installation"):
+            check_output(where)
+    check_output(tmp_path / "plan.json")
+
+
+def test_an_output_through_an_open_descriptor_is_refused_and_its_file_kept(tmp_path):
+    """`-o /dev/stdout >> log.txt` replaced log.txt by the plan (the redirect's file is what
+    /dev/stdout resolves to): a path through /dev/fd, /proc/PID/fd or /dev/std* is refused
+    whatever it leads to, also by a link of the user's own."""
+    log = tmp_path / "log.txt"
+    log.write_text("precious\n")
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    link = tmp_path / "out.json"
+    link.symlink_to(f"/proc/self/fd/{fd}")
+    try:
+        for path in (f"/proc/self/fd/{fd}", f"/dev/fd/{fd}", link):
+            with pytest.raises(InputError, match="open file descriptor"):
+                check_output(path)
+    finally:
+        os.close(fd)
+    assert log.read_text() == "precious\n"
+
+
+def test_check_refuses_a_plan_whose_time_or_bubble_was_edited(run_cli, plan_file, tmp_path):
+    """`check --max-bubble` read the bubble the file states: set to 0 by hand, the gate passed a
+    plan whose schedule idles 55% of the time. Both figures are now what the schedule gives."""
+    for field, value in (("bubble_fraction", 0.0), ("iteration_ms", 0.001)):
+        data = json.loads(plan_file.read_text())
+        data["predicted"][field] = value
+        edited = tmp_path / f"{field}.json"
+        edited.write_text(json.dumps(data))
+        r = run_cli("check", edited, "--max-bubble", "0.99")
+        assert_bad_input(r, mentions="the plan was edited")
+    assert run_cli("check", plan_file, "--max-bubble", "0.99").code == 0
+
+
+def test_a_plan_that_disagrees_with_itself_is_refused(run_cli, plan_file, tmp_path):
+    """`show` printed a stage's own budget and `check` its device's: a plan whose two differ, a
+    stage total that is not the sum of its parts, and state bytes past what the simulator's
+    int64 counts hold (it printed a peak of -8192 PiB) are refused in one line."""
+    edits = {
+        "budget": lambda d: d["stages"][0]["memory"].update(budget=d["devices"][0]["budget"] // 3),
+        "sum of its parts": lambda d: d["stages"][0]["memory"].update(
+            total=d["stages"][0]["memory"]["total"] + 1
+        ),
+        "past what a device holds": lambda d: d["stages"][1]["state_bytes"].update(
+            activations=2**61
+        ),
+    }
+    for says, edit in edits.items():
+        data = json.loads(plan_file.read_text())
+        edit(data)
+        edited = tmp_path / "edited.json"
+        edited.write_text(json.dumps(data))
+        for command in ("show", "check", "simulate"):
+            assert_bad_input(run_cli(command, edited), mentions=says)
+
+
+def test_link_flags_with_a_cluster_file_are_refused(run_cli, prof, tmp_path):
+    """--bandwidth and --latency-ms beside --cluster were dropped without a word; so was a
+    cluster file's list of links beside links by host that say otherwise."""
+    path = tmp_path / "c.json"
+    Cluster.uniform(2, "1MiB").save(path)
+    for flag, value in (("--bandwidth", "1GB/s"), ("--latency-ms", "5")):
+        r = run_cli("plan", prof, "--cluster", path, "--batch-size", 8, flag, value)
+        assert_bad_input(r, mentions=f"give either --cluster or {flag}")
+    devices = [{"name": f"d{k}", "memory_bytes": 2**20, "host": f"h{k}"} for k in range(2)]
+    by_host = {"intra_host": {"latency_ms": 0.1}, "inter_host": {"latency_ms": 5.0}}
+    mixed = {"kind": "cluster", "format_version": 1, "devices": devices,
+             "links": [{"latency_ms": 0.1}], "host_links": by_host}  # fmt: skip
+    path.write_text(json.dumps(mixed))
+    r = run_cli("plan", prof, "--cluster", path, "--batch-size", 8)
+    assert_bad_input(r, mentions="they differ")
+    mixed["links"] = [{"latency_ms": 5.0}]  # what the hosts give, as a saved cluster holds
+    path.write_text(json.dumps(mixed))
+    assert run_cli("plan", prof, "--cluster", path, "--batch-size", 8, "-o",
+                   tmp_path / "p.json").code == 0  # fmt: skip
+
+
+def test_codegen_refuses_an_input_shape_its_model_does_not_take(
+    run_cli, transformer_profile_path, tmp_path
+):
+    """An edited input shape passed codegen, and the program failed with a traceback at its
+    first step; the model now runs on fake tensors of the plan's shape first (no memory)."""
+    plan = tmp_path / "plan.json"
+    args = ("--devices", 2, "--memory", "1GiB", "--batch-size", 8, "--target", "torchrun")
+    assert run_cli("plan", transformer_profile_path, *args, "-o", plan).code == 0
+    out = tmp_path / "prog.py"
+    for shape in ([], [8, 8]):
+        bad = tmp_path / "bad.json"
+        bad.write_text(plan.read_text())
+        _edited_plan(bad, lambda d, shape=shape: d.update(input_shape=shape))
+        r = run_cli("codegen", bad, "--model", "example:transformer", "-o", out)
+        assert_bad_input(r, mentions="does not run on the plan's input shape", no_file=out)
+    assert run_cli("codegen", plan, "--model", "example:transformer", "-o", out).code == 0
+
+
+def test_a_torchrun_program_started_without_torchrun_says_how_in_one_line(
+    run_cli, transformer_profile_path, tmp_path, monkeypatch, capsys
+):
+    """`python program.py` of a torchrun program gave torch's traceback ("environment variable
+    RANK expected"); it now says how to launch it, and --help works."""
+    plan = tmp_path / "plan.json"
+    args = ("--devices", 2, "--memory", "1GiB", "--batch-size", 8, "--microbatches", 2)
+    assert run_cli("plan", transformer_profile_path, *args, "-o", plan).code == 0
+    for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr("sys.argv", ["prog.py"])
+    for target in ("torchrun", "torch-pipelining"):
+        out = tmp_path / "prog.py"
+        assert run_cli("codegen", plan, "--model", "example:transformer", "--target", target,
+                       "-o", out).code == 0  # fmt: skip
+        program: dict = {"__name__": "program"}
+        exec(compile(out.read_text(), str(out), "exec"), program)
+        with pytest.raises(SystemExit) as stop:
+            program["main"]([])
+        said = capsys.readouterr()
+        assert stop.value.code == 2 and said.out == "", said
+        assert said.err.count("\n") == 1 and "torchrun --nproc-per-node 2 prog.py" in said.err
+        with pytest.raises(SystemExit) as stop:
+            program["main"](["--help"])
+        assert stop.value.code == 0
+        assert "torchrun --nproc-per-node 2" in capsys.readouterr().out.replace("\n", " ")
