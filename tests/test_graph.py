@@ -377,13 +377,23 @@ def test_cli_profiles_plans_and_compiles_a_graph_example(run_cli, tmp_path):
     r = run_cli("profile", "example:resnet", "--batch-sizes", "2", "--repeats", "1",
                 "--warmup", "0", "-o", prof)  # fmt: skip
     assert r.code == 0, r.err
-    r = run_cli("plan", prof, "--devices", "2", "--memory", "256MiB", "--batch-size", "8",
+    r = run_cli("plan", prof, "--devices", "3", "--memory", "256MiB", "--batch-size", "8",
                 "-o", plan)  # fmt: skip
     assert r.code == 0, r.err
     assert "BasicBlock" in r.out  # the layers are named after the modules they run
     r = run_cli("codegen", plan, "--model", "example:resnet", "-o", prog)
     assert r.code == 0, r.err
     assert "def capture(" in prog.read_text()
+    # routes the model's graph does not send along: refused before a program is written (it
+    # failed with a traceback once it ran)
+    data = json.loads(plan.read_text())
+    assert data["routes"] == [[0, 1], [1, 2]]
+    data["routes"] = [[0, 1], [0, 2], [1, 2]]
+    edited = tmp_path / "edited.json"
+    edited.write_text(json.dumps(data))
+    r = run_cli("codegen", edited, "--model", "example:resnet", "-o", tmp_path / "e.py")
+    assert r.code == 2 and "are not what the model's graph sends" in r.err, r.err
+    assert not (tmp_path / "e.py").exists()
     # a plan of one model is refused for another graph model
     r = run_cli("codegen", plan, "--model", "example:unet", "-o", tmp_path / "other.py")
     assert r.code == 2 and "different model" in r.err
