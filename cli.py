@@ -380,7 +380,7 @@ def _runs_as_planned(model: Any, plan: Any, path: str) -> None:
     import logging
 
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch._subclasses import fake_tensor
 
     from codegen._runtime import routes_of
 
@@ -395,11 +395,17 @@ def _runs_as_planned(model: Any, plan: Any, path: str) -> None:
     quiet = logging.getLogger("torch._subclasses.fake_tensor")  # (a traceback per failed op)
     level = quiet.level
     quiet.setLevel(logging.CRITICAL)
+    # what fake tensors cannot tell (a value that depends on the data, an operator with no
+    # fake kernel): the run will; a model that does either is not refused for it
+    unknowable = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
+                  fake_tensor.UnsupportedOperatorException)  # fmt: skip
     try:
-        with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True):
+        with torch.no_grad(), fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
             x = torch.empty((plan.microbatch_size, *plan.input_shape),
                             dtype=getattr(torch, plan.input_dtype))  # fmt: skip
             model(x)
+    except unknowable:
+        pass
     except Exception as e:  # noqa: BLE001 - what the program would meet at its first step
         raise InputError(
             f"{path}: the model does not run on the plan's input shape {plan.input_shape} "

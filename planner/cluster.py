@@ -162,7 +162,8 @@ class Cluster(Artifact):
             if self.links and self.links != derived:
                 raise ValueError(
                     "both `links` (a list) and `host_links` are given, and they differ: give "
-                    "the links one way"
+                    "the links one way (a saved cluster's list is derived from its host_links: "
+                    "remove the list after editing them)"
                 )
             self.links = derived
         if not self.links:

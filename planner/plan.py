@@ -53,6 +53,11 @@ class MemoryBreakdown(_Strict):
     budget: int = Field(ge=0, le=MAX_BYTES, description="0 when a tiny device is split in two")
 
 
+# the states a stage holds once per micro-batch in flight (the rest: once, or one at a time)
+_PER_MICROBATCH = ("input", "activations", "during_i", "between_iw", "grad", "pulled", "early",
+                   "late")  # fmt: skip
+
+
 class StateBytes(_Strict):
     """Bytes one micro-batch holds on the stage's device in each state (schedules/memory.py)."""
 
@@ -209,6 +214,7 @@ class Plan(Artifact):
                 raise InputError(
                     f"{source}: invalid plan: stage {st.index}'s memory budget is "
                     f"{st.memory.budget} bytes, but its device {st.device} has {whole}"
+                    + (f" (or {whole // v} for each of its {v} stages)" if v > 1 else "")
                 )
         return plan
 
@@ -350,11 +356,12 @@ class Plan(Artifact):
             # the simulator counts each state's bytes up to M times on a device in int64: a
             # stage past 2^60 bytes so counted (none is near: MAX_BYTES per device) overflows it
             sb = st.state_bytes.model_dump(exclude={"foreach"})
-            most = sum(n for n in sb.values() if n is not None) * max(self.microbatches, 1)
-            if most + held["total"] > 2**60:
+            each = sum(sb[k] for k in _PER_MICROBATCH)
+            once = sum(n for k, n in sb.items() if n is not None and k not in _PER_MICROBATCH)
+            if each * max(self.microbatches, 1) + once + held["total"] > 2**60:
                 raise ValueError(
-                    f"stage {st.index}: its bytes ({sum(n or 0 for n in sb.values())} per "
-                    f"micro-batch, {self.microbatches} micro-batches) are past what a device holds"
+                    f"stage {st.index}: its bytes ({each} per micro-batch in flight, "
+                    f"{self.microbatches} micro-batches, {once} more) are past what a device holds"
                 )
         N, M = self.batch_size, self.microbatches
         if M > N or self.microbatch_size != -(-N // M):

@@ -5,7 +5,7 @@ An output is checked before any long work starts (`check_output`) and written al
 regular file or does not exist yet. A symlink is followed (the link stays, its target gets the
 new content). A device, FIFO, socket or directory is refused, and so is a path that names one of
 the command's own inputs, one of gpipe-plan's own source files, a module the command has
-loaded, or anything in the Python installation; so is a path that reaches an open file
+loaded, or anything in the Python installation (its libraries and scripts); so is a path that reaches an open file
 descriptor (/dev/stdout, /proc/self/fd/1), whose file a shell's redirect holds. A new file gets
 the mode the umask allows, an existing file keeps its mode (and, where the process may, its
 owner).
@@ -56,8 +56,9 @@ def check_output(
                 raise InputError(f"{shown}: is {kind}, not a regular file; name a file to write")
         if (fd := _through_descriptor(path)) is not None:
             raise InputError(
-                f"{shown}: names an open file descriptor ({fd}), whose file a new one would "
-                f"replace (what a shell's >> redirect appends to, lost); name {target} itself"
+                f"{shown}: names an open file descriptor ({fd}), whose file ({target}) a new "
+                "one would replace, losing what a redirect wrote there: name a file to write; "
+                "an output cannot go to a stream"
             )
         for source in inputs:
             if _same(path, source):
@@ -110,10 +111,10 @@ def _installed() -> list[Path]:
     import site
     import sysconfig
 
+    # (not the prefix itself: /usr, or a project that is its own virtual environment, holds
+    # the user's own folders too)
     kinds = ("stdlib", "platstdlib", "purelib", "platlib", "scripts")
     places = {sysconfig.get_paths().get(k, "") for k in kinds}
-    if sys.prefix != sys.base_prefix:  # a virtual environment: all of it (a system prefix such
-        places.add(sys.prefix)  # as /usr holds the user's own folders too)
     with contextlib.suppress(Exception):  # (a site module without them: an embedded Python)
         places.update(site.getsitepackages())
         places.add(site.getusersitepackages())

@@ -1020,6 +1020,7 @@ def test_codegen_refuses_an_input_shape_its_model_does_not_take(
     plan = tmp_path / "plan.json"
     args = ("--devices", 2, "--memory", "1GiB", "--batch-size", 8, "--target", "torchrun")
     assert run_cli("plan", transformer_profile_path, *args, "-o", plan).code == 0
+    assert run_cli("check", plan).code == 0  # (its time: the torchrun program's, as simulated)
     out = tmp_path / "prog.py"
     for shape in ([], [8, 8]):
         bad = tmp_path / "bad.json"
@@ -1056,3 +1057,26 @@ def test_a_torchrun_program_started_without_torchrun_says_how_in_one_line(
             program["main"](["--help"])
         assert stop.value.code == 0
         assert "torchrun --nproc-per-node 2" in capsys.readouterr().out.replace("\n", " ")
+
+
+def test_codegen_does_not_refuse_what_fake_tensors_cannot_tell():
+    """The check on the plan's input shape runs the model on fake tensors: a step that reads
+    its data (a NaN guard, `.item()`) cannot run there, yet runs for real. Such a model passes;
+    a shape it does not take is refused."""
+    from types import SimpleNamespace
+
+    from cli import _runs_as_planned
+
+    class Guard(torch.nn.Module):
+        def forward(self, x):
+            if not torch.isfinite(x).all():
+                raise ValueError("not finite")
+            return x * x.abs().max().item()
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), Guard(), torch.nn.Linear(4, 2))
+    plan = SimpleNamespace(captured=False, microbatch_size=2, input_shape=[4],
+                           input_dtype="float32")  # fmt: skip
+    _runs_as_planned(model, plan, "plan.json")
+    plan.input_shape = [5]
+    with pytest.raises(InputError, match=r"does not run on the plan's input shape \[5\]"):
+        _runs_as_planned(model, plan, "plan.json")
