@@ -373,6 +373,25 @@ def _planned_model(spec: str, plan: Any) -> Any:
     return as_layers(model, capture_sample(model, plan.input_shape, plan.input_dtype))
 
 
+def _host_available() -> int | None:
+    """Bytes of memory this host has available (Linux's MemAvailable), None where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _resident() -> int | None:
+    """Bytes this process holds in memory, None where unknown."""
+    try:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _runs_as_planned(model: Any, plan: Any, path: str) -> None:
     """Refuse, before a program is written, a plan its model would refuse once the program ran:
     a captured graph's routes that are not the model's, an input shape the model does not take
@@ -491,6 +510,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
             f"{args.plan} was made for a different model ({plan.model}); profile and plan "
             f"{args.model} first"
         )
+    _host_holds(plan, args.target or plan.target)
     if (args.target or plan.target) == "torchrun":
         report = measure_torchrun(plan, args.model, steps=args.steps, tolerance=tolerance)
     else:
@@ -520,6 +540,32 @@ def cmd_measure(args: argparse.Namespace) -> int:
         )
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _host_holds(plan: Any, target: str) -> None:
+    """Without a GPU every device of the run is this host's memory: refuse a plan whose
+    predicted peaks and mini-batch (one per rank under torchrun) are more than it has free,
+    instead of meeting the out-of-memory killer."""
+    import torch
+
+    free = _host_available()
+    if torch.cuda.is_available() or free is None:
+        return
+    batch = (
+        plan.batch_size
+        * math.prod(plan.input_shape)
+        * torch.empty((), dtype=getattr(torch, plan.input_dtype)).element_size()
+    )
+    copies = len(plan.devices) if target == "torchrun" else 1
+    need = sum(plan.predicted.peak_memory) + copies * batch
+    if need > free:
+        from planner import format_size
+
+        raise InputError(
+            f"measuring this plan here needs about {format_size(need)} (every device's "
+            f"predicted peak and the mini-batch, all in this host's memory), more than the "
+            f"{format_size(free)} it has free; measure a smaller batch"
+        )
 
 
 def _measure_table(report: Any) -> str:
@@ -609,6 +655,13 @@ def cmd_links(args: argparse.Namespace) -> int:
         )
     if device == "cpu" and args.memory is None:
         raise InputError("--memory is required on the CPU: what a stage may use, e.g. 16GiB")
+    free, rank = _host_available(), _resident()
+    if free is not None and rank is not None and args.nproc_per_node * rank > free:
+        raise InputError(
+            f"--nproc-per-node {args.nproc_per_node}: that many ranks of about {rank >> 20} "
+            f"MiB each (torch loaded, as in this process) are more than the {free >> 20} MiB "
+            "this host has free; measure fewer ranks"
+        )
     root = Path(__file__).resolve().parent
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     env["PYTHONPATH"] = os.pathsep.join([str(root), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)

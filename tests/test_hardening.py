@@ -1080,3 +1080,19 @@ def test_codegen_does_not_refuse_what_fake_tensors_cannot_tell():
     plan.input_shape = [5]
     with pytest.raises(InputError, match=r"does not run on the plan's input shape \[5\]"):
         _runs_as_planned(model, plan, "plan.json")
+
+
+def test_launches_the_host_cannot_hold_are_refused_before_they_start(
+    run_cli, transformer_profile_path, tmp_path
+):
+    """`links --nproc-per-node 1024` started that many torch processes whatever the host held,
+    and `measure` of a plan whose batch alone passed the allocation check went on to the
+    out-of-memory killer: both are refused, in one line, before anything is launched."""
+    r = run_cli("links", "--nproc-per-node", 1024, "--memory", "1GiB", "--device", "cpu")
+    assert_bad_input(r, mentions="this host has free")
+    plan = tmp_path / "plan.json"
+    args = ("--devices", 2, "--memory", "1PiB", "--batch-size", 2**24)
+    assert run_cli("plan", transformer_profile_path, *args, "-o", plan).code == 0
+    for target in ("streams", "torchrun"):
+        r = run_cli("measure", plan, "--model", "example:transformer", "--target", target)
+        assert_bad_input(r, mentions="all in this host's memory")
