@@ -5,10 +5,10 @@ An output is checked before any long work starts (`check_output`) and written al
 regular file or does not exist yet. A symlink is followed (the link stays, its target gets the
 new content). A device, FIFO, socket or directory is refused, and so is a path that names one of
 the command's own inputs, one of gpipe-plan's own source files, a module the command has
-loaded, or anything in the Python installation (its libraries and scripts); so is a path that reaches an open file
-descriptor (/dev/stdout, /proc/self/fd/1), whose file a shell's redirect holds. A new file gets
-the mode the umask allows, an existing file keeps its mode (and, where the process may, its
-owner).
+loaded, or anything in the Python installation (its libraries and scripts); so is a path that
+reaches an open file descriptor (/dev/stdout, /proc/self/fd/1), whose file a shell's redirect
+holds. A new file gets the mode the umask allows, an existing file keeps its mode (and, where
+the process may, its owner).
 
 Torch-free, like artifact.py.
 """
