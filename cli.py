@@ -396,11 +396,10 @@ def _runs_as_planned(model: Any, plan: Any, path: str) -> None:
     """Refuse, before a program is written, a plan its model would refuse once the program ran:
     a captured graph's routes that are not the model's, an input shape the model does not take
     (a forward on fake tensors: no memory, no compute)."""
-    import logging
-
     import torch
     from torch._subclasses import fake_tensor
 
+    from codegen._dist_runtime import quiet_fake_tensors
     from codegen._runtime import routes_of
 
     if plan.captured:
@@ -411,15 +410,16 @@ def _runs_as_planned(model: Any, plan: Any, path: str) -> None:
                 f"graph sends along its stages ({[list(r) for r in routes]}); plan it again"
             )
         return  # (its input shape: the graph was just captured from it)
-    quiet = logging.getLogger("torch._subclasses.fake_tensor")  # (a traceback per failed op)
-    level = quiet.level
-    quiet.setLevel(logging.CRITICAL)
     # what fake tensors cannot tell (a value that depends on the data, an operator with no
     # fake kernel): the run will; a model that does either is not refused for it
     unknowable = (fake_tensor.DataDependentOutputException, fake_tensor.DynamicOutputShapeException,
                   fake_tensor.UnsupportedOperatorException)  # fmt: skip
     try:
-        with torch.no_grad(), fake_tensor.FakeTensorMode(allow_non_fake_inputs=True):
+        with (
+            quiet_fake_tensors(),
+            torch.no_grad(),
+            fake_tensor.FakeTensorMode(allow_non_fake_inputs=True),
+        ):
             x = torch.empty((plan.microbatch_size, *plan.input_shape),
                             dtype=getattr(torch, plan.input_dtype))  # fmt: skip
             model(x)
@@ -430,8 +430,6 @@ def _runs_as_planned(model: Any, plan: Any, path: str) -> None:
             f"{path}: the model does not run on the plan's input shape {plan.input_shape} "
             f"({type(e).__name__}: {e}); plan it again"
         ) from None
-    finally:
-        quiet.setLevel(level)
 
 
 def cmd_codegen(args: argparse.Namespace) -> int:

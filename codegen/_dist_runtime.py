@@ -94,6 +94,19 @@ def rank_device(named: str | None, rank: int) -> torch.device:
 WATCH_EVERY, WATCH_GRACE = 0.2, 1.0
 
 
+@contextlib.contextmanager
+def quiet_fake_tensors() -> Iterator[None]:
+    """torch logs every operation a fake tensor cannot run, with its traceback: quiet while a
+    pass on fake tensors runs (its caller says what failed, once)."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)  # (setLevel: the logger caches what it lets through)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
+
+
 def _why_stopped(store: Any, key: str) -> str | None:
     """What a failing rank wrote under `key` ("rank R failed: ..."), "" if none did yet, None
     where the store cannot be reached."""
@@ -451,20 +464,17 @@ class DistPipelineRuntime(PipelineRuntime):
         sizes = [len(part) for part in torch.tensor_split(torch.empty(shape[0], 0), M)]
         by_size: dict[int, dict[tuple[int, int], list[Spec]]] = {}
         problem = ""
-        # (torch logs every operation a fake tensor cannot run, with its traceback: the
-        # refusal below says it once)
-        quiet = logging.getLogger("torch._subclasses.fake_tensor")
-        level = quiet.level
-        quiet.setLevel(logging.CRITICAL)  # (setLevel: the logger caches what it lets through)
         try:
-            with torch.no_grad(), FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            with (
+                quiet_fake_tensors(),
+                torch.no_grad(),
+                FakeTensorMode(allow_non_fake_inputs=True) as mode,
+            ):
                 for b in sorted(set(sizes)):
                     x = torch.empty((b, *shape[1:]), dtype=dtype)
                     by_size[b] = self._fake_pass(x, mode)
         except Exception as e:  # noqa: BLE001 - said below, once every rank knows
             problem = f"{type(e).__name__}: {e}"
-        finally:
-            quiet.setLevel(level)
         failed = torch.tensor([int(bool(problem))], dtype=torch.int64, device=self.device)
         dist.all_reduce(failed)
         if problem or int(failed[0]):
