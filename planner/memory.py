@@ -288,6 +288,12 @@ class _PairMax:
         return np.where(pair, np.maximum(got, 0), 0)
 
 
+def _static(p: np.ndarray, copied: np.ndarray, buffers: np.ndarray, slots: int) -> np.ndarray:
+    """A stage's weights, gradients, optimizer slots (not for parameters whose state another
+    stage keeps: `copied`) and buffers."""
+    return 2 * p + slots * (p - copied) + buffers
+
+
 def _prefix(values: np.ndarray) -> np.ndarray:
     return np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(values.astype(np.int64))])
 
@@ -750,10 +756,22 @@ class MemoryModel:
             held = _most(occ, mine)
             size = p[lo:hi] if shape.foreach else largest[lo:hi]  # type: ignore[index]
             step = np.ceil(shape.optimizer_step * size).astype(np.int64)  # optimizer_step()
-            weights = 2 * p[lo:hi] + shape.optimizer_slots * (p[lo:hi] - copied[lo:hi])
-            static = weights + self._buffers[j[lo:hi]] - self._buffers[i[lo:hi]]
+            buffers = self._buffers[j[lo:hi]] - self._buffers[i[lo:hi]]
+            static = _static(p[lo:hi], copied[lo:hi], buffers, shape.optimizer_slots)
             out[lo:hi] = static + np.maximum(held, step) + shape.reserved
         return out
+
+    def static(self, optimizer_slots: int) -> int:
+        """What every split holds in all, whatever its schedule: the weights, their gradients,
+        optimizer slots and buffers of the whole model. Each stage's total() is at least its
+        own share of these (the rest of it is never negative), and the shares of any split add
+        up to at least this (a tied parameter's weight and gradient are held by every stage
+        that uses it, its optimizer state by the first): a lower bound on the memory of all
+        devices together."""
+        n = self.chain.num_layers
+        i, j = np.array([0]), np.array([n])
+        buffers = self._buffers[j] - self._buffers[i]
+        return int(_static(self.params(i, j), self.copied(i, j), buffers, optimizer_slots)[0])
 
     def max_end(self, shape: StageShape, budget: int) -> np.ndarray:
         """For every start i: the largest end j with total(i, j) <= budget, or i if even [i, i+1)

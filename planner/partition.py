@@ -321,7 +321,155 @@ def feasible_split(
     cuts: Sequence[np.ndarray] | None = None,
 ) -> bool:
     """Whether any split fits every stage's budget and cuts only where allowed (time unbounded)."""
-    return _Prober(times, memory, stages, cuts).probe(math.inf) is not None
+    return fitting_split(times, memory, stages, cuts, split=False) is not None
+
+
+def fitting_split(
+    times: np.ndarray,
+    memory: MemoryModel,
+    stages: list[StageSpec],
+    cuts: Sequence[np.ndarray] | None = None,
+    split: bool = True,
+) -> list[int] | None:
+    """Some split (its bounds) that fits every stage's budget under some option and cuts only
+    where allowed, time unbounded; None where none does. memory_split's where it decides
+    (without the memory tables), else the probe's. `split`: as memory_split's."""
+    table = option_times(times, stages)
+    L, K = table.shape[1], len(stages)
+    if cuts is None or all(np.ndim(row) == 1 for row in cuts):
+        links = cut_table(cuts, L, K)
+        allowed = None if links is None else np.isfinite(links)
+        decided, bounds = memory_split(memory, stages, L, allowed, split)
+        if decided:
+            return bounds
+    return _Prober(times, memory, stages, cuts).probe(math.inf)
+
+
+def memory_split(
+    memory: MemoryModel,
+    stages: list[StageSpec],
+    layers: int,
+    allowed: np.ndarray | None = None,
+    split: bool = True,
+) -> tuple[bool, list[int] | None]:
+    """A split of `layers` layers whose every stage fits its budget under some option, time
+    aside, cutting only where `allowed` (per link and layer boundary; None: anywhere): (True,
+    bounds), or (True, None) where none does; (False, None) where this way cannot tell (then
+    the probe's reach over every start does). `split`: False where only whether one fits
+    matters (bounds are then [] for yes).
+
+    Where one layer fits from every start a stage may take, the positions s stages reach are an
+    interval [lo, r] (each start i adds (i, e(i)], and e(i) > i; past a start where no cut may
+    go, the next position must be reached from a start before it), so only its far end needs
+    finding: the farthest end any start fits. A start that does not fit end r + 1 fits no later
+    end (a stage's memory grows with its end), so the starts are filtered end by end, and the
+    last one left is followed to its own farthest end. That is about one evaluation per start
+    and a few windows of ends per stage, where the memory tables take a bisection per start,
+    stage shape and budget."""
+    K = len(stages)
+    kept: list[np.ndarray] = []  # per stage: the starts it may take
+    lo = hi = 0
+    width = max(64, 2 * (layers // K))
+    for s, spec in enumerate(stages):
+        hi = min(hi, layers - (K - s))  # later stages take a layer each
+        reached = np.arange(lo, hi + 1, dtype=np.int64)
+        cut = s > 0 and allowed is not None
+        starts = reached[allowed[s - 1][reached]] if cut else reached  # type: ignore[index]
+        if not starts.size:
+            return True, None
+        gaps = np.setdiff1d(reached[1:], starts) if len(starts) < len(reached) else starts[:0]
+        far = _reach(memory, spec, starts, gaps, hi + 1, layers - (K - s - 1), width)
+        if far is None:
+            return False, None
+        kept.append(starts)
+        lo, hi = int(starts[0]) + 1, far
+    if hi < layers:
+        return True, None
+    if not split:
+        return True, []
+    bounds = [layers]
+    for s in range(K - 1, -1, -1):  # back from the end: a start the stage may take that fits
+        end = bounds[-1]
+        starts = kept[s][kept[s] < end]
+        shapes = stages[s].shapes
+        n = len(starts)
+        fits = memory._totals(
+            np.tile(starts, len(shapes)), np.full(n * len(shapes), end), list(shapes),
+            np.arange(0, n * len(shapes) + 1, n),
+        ) <= stages[s].budget  # fmt: skip
+        ok = fits.reshape(len(shapes), n).any(axis=0)
+        bounds.append(int(starts[ok][-1]))  # (one does: end is in the reach of stage s)
+    return True, bounds[::-1]
+
+
+def _reach(
+    memory: MemoryModel,
+    spec: StageSpec,
+    starts: np.ndarray,
+    gaps: np.ndarray,
+    far: int,
+    last: int,
+    width: int,
+) -> int | None:
+    """The far end of what one stage reaches from `starts` (sorted), up to `last`, where `far`
+    is reached already (the position after the last start); `gaps`: the positions between
+    them where no cut may go. None where a start fits not even one layer, or the position
+    after a gap is not reached from the start before it (the reach may have a hole:
+    memory_split cannot tell).
+
+    Each pass is one evaluation of the memory model: every (start, option) pair still in the
+    running at the end past `far` (one that does not fit it fits no later end), and the pair
+    with the latest start over a window of ends (how far it goes); the first pass also checks
+    one layer from each start and the positions after the skipped ones."""
+    shapes = spec.shapes
+    n = len(starts)
+    gaps = gaps[gaps > starts[0]]  # (those before the first start are not passed)
+    before = starts[np.searchsorted(starts, gaps) - 1]
+    pair_i, pair_x = np.tile(starts, len(shapes)), np.repeat(np.arange(len(shapes)), n)
+    first = True
+    while first or (far < last and pair_i.size):
+        go = far < last and pair_i.size > 0
+        k = int(np.argmax(pair_i)) if go else -1  # (the first of the latest start's options)
+        ends = np.arange(far + 1, min(far + width, last) + 1, dtype=np.int64)
+        other = np.full(pair_i.shape, go)  # (nothing past `last` to evaluate)
+        if go:
+            other[k] = False
+        segments: list[list[tuple[np.ndarray, np.ndarray]]] = []
+        for x in range(len(shapes)):
+            mine = other & (pair_x == x)
+            seg = [(pair_i[mine], np.full(int(mine.sum()), far + 1))]
+            runs = go and pair_x[k] == x
+            seg.append((np.full(ends.shape, pair_i[k]), ends) if runs else (ends[:0], ends[:0]))
+            if first:
+                seg += [(starts, starts + 1), (before, gaps + 1)]
+            segments.append(seg)
+        i = np.concatenate([a for seg in segments for a, _ in seg])
+        j = np.concatenate([b for seg in segments for _, b in seg])
+        sizes = [sum(len(a) for a, _ in seg) for seg in segments]
+        fits = memory._totals(i, j, list(shapes), np.cumsum([0, *sizes])) <= spec.budget
+        one, covered = np.zeros(n, dtype=bool), np.zeros(gaps.shape, dtype=bool)
+        survived = np.zeros(pair_i.shape, dtype=bool)
+        taken, at = 0, 0
+        for x, seg in enumerate(segments):
+            lengths = np.cumsum([len(a) for a, _ in seg])[:-1]
+            parts = np.split(fits[at : at + sizes[x]], lengths)
+            at += sizes[x]
+            survived[other & (pair_x == x)] = parts[0]
+            if go and pair_x[k] == x:
+                taken = len(ends) if parts[1].all() else int(np.argmin(parts[1]))
+            if first:
+                one |= parts[2]
+                covered |= parts[3]
+        if first and not (one.all() and covered.all()):
+            return None
+        first = False
+        if go:
+            survived[k] = taken == len(ends) and far + taken < last  # it may go farther still
+            if survived[k]:
+                width *= 4
+            far += taken
+        pair_i, pair_x = pair_i[survived], pair_x[survived]
+    return far
 
 
 def solve_partition(

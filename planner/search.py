@@ -60,7 +60,14 @@ from .cluster import Cluster
 from .costs import OPTIMIZER_SLOTS, Chain, ProfileTable, chain_at, checkpoint_gain, checkpointed
 from .dp import solve_partition_dp
 from .memory import RECOMPUTE_MODES, MemoryModel, StageShape
-from .partition import Partition, StageSpec, feasible_split, solve_partition
+from .partition import (
+    Partition,
+    StageSpec,
+    feasible_split,
+    fitting_split,
+    solve_partition,
+)
+from .partition import stage_costs as partition_costs
 from .plan import (
     Alternative,
     DeviceUse,
@@ -139,6 +146,8 @@ class _Problem:
     # _solve's shortcuts, per shortcut (and schedule and recompute): [successes, misses]
     records: dict[tuple, list[int]] = field(default_factory=dict)
     link_floors: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    # per candidate and occupancy kind (_stage_specs): each stage's memory shapes
+    shapes: dict[tuple[Candidate, str], list[list[StageShape]]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.table = ProfileTable(self.profile)
@@ -275,9 +284,14 @@ def plan_pipeline(
     )  # fmt: skip
     _check_magnitude(problem.table, batch_size)
 
-    best, best_cand, visited = _search(
-        problem, candidates, solve, method, time_limit_s, progress, _beat
-    )
+    floor = _static_need(problem, candidates[0])
+    if floor:  # the devices cannot hold even the weights: nothing to search
+        best, best_cand, visited = None, None, _Visited()
+        visited.outcomes.update((k, _Outcome("nofit", math.inf)) for k in range(len(candidates)))
+    else:
+        best, best_cand, visited = _search(
+            problem, candidates, solve, method, time_limit_s, progress, _beat
+        )
     outrun = _Outrun(len(candidates), visited.solved, visited.pruned, visited.timed_out)
     if _beat is not None and best is not None and not _beats(best, _beat):
         raise outrun  # (another order's plan is as fast: it wins the tie)
@@ -287,7 +301,7 @@ def plan_pipeline(
             for k, o in visited.outcomes.items()
         ):
             raise outrun
-        err = _infeasible(problem, candidates)
+        err = _infeasible(problem, candidates, floor)
         if err.closest is None or not err.closest.fits:
             if _beat is not None:
                 raise outrun
@@ -1285,34 +1299,37 @@ def _stage_specs(
     below it: occupancy_floor)."""
     cluster, optimizer = problem.cluster, problem.optimizer
     K, v = cluster.size, cand.per_device
-    routes = _any_routes(K * v) if problem.profile.captured else ()
-    occ = [
-        _occupancy(cand.schedule, K, cand.microbatches, mode, routes, which) for mode in cand.modes
-    ]
-    step = problem.profile.optimizer_step.get(optimizer)
-    specs = []
-    for s in range(K * v):
-        d = cluster.devices[s % K]
-        shapes = [
-            StageShape(
-                occupancy=o[s],
-                optimizer_slots=OPTIMIZER_SLOTS[optimizer],
-                reserved=d.reserved_bytes // v,
-                optimizer_step=step.per_byte if step else 0.0,
-                foreach=step.foreach if step else False,
-                bound=which == "bound",
-            )
-            for o in occ
+    every = problem.shapes.get((cand, which))
+    if every is None:  # (the same for every budget: made once)
+        routes = _any_routes(K * v) if problem.profile.captured else ()
+        occ = [
+            _occupancy(cand.schedule, K, cand.microbatches, mode, routes, which)
+            for mode in cand.modes
         ]
-        specs.append(
-            StageSpec(
-                speed=d.speed,
-                budget=max(d.memory_bytes, budget or 0) // (v if halve else 1),
-                shape=shapes[0],
-                more=tuple(shapes[1:]),
-            )
+        step = problem.profile.optimizer_step.get(optimizer)
+        every = problem.shapes[(cand, which)] = [
+            [
+                StageShape(
+                    occupancy=o[s],
+                    optimizer_slots=OPTIMIZER_SLOTS[optimizer],
+                    reserved=cluster.devices[s % K].reserved_bytes // v,
+                    optimizer_step=step.per_byte if step else 0.0,
+                    foreach=step.foreach if step else False,
+                    bound=which == "bound",
+                )
+                for o in occ
+            ]
+            for s in range(K * v)
+        ]
+    return [
+        StageSpec(
+            speed=cluster.devices[s % K].speed,
+            budget=max(cluster.devices[s % K].memory_bytes, budget or 0) // (v if halve else 1),
+            shape=shapes[0],
+            more=tuple(shapes[1:]),
         )
-    return specs
+        for s, shapes in enumerate(every)
+    ]
 
 
 def _stage_speeds(problem: _Problem, cand: Candidate) -> list[float]:
@@ -1702,32 +1719,78 @@ def _likely_small(cand: Candidate) -> tuple[int, int, int]:
     )
 
 
-def _fits_within(
-    problem: _Problem, cand: Candidate
-) -> Callable[[int], tuple[list[StageSpec], Partition, bool] | None]:
+_Fit = tuple[list[StageSpec], Partition, bool, int]
+
+
+def _fits_within(problem: _Problem, cand: Candidate) -> Callable[..., _Fit | None]:
     """fits(budget): a split of `cand` that fits when every device with less memory than
-    `budget` is raised to it, the specs it was solved with, and whether those are halved:
-    interleaved stages first each on half a device (sufficient), then each free to use it all
-    and the device checked with both (what the search also tries)."""
+    `budget` is raised to it, the specs it was solved with, whether those are halved
+    (interleaved stages first each on half a device, sufficient; then each free to use it all
+    and the device checked with both, what the search also tries), and the least budget at
+    which the same split still fits the same way (at most `budget`): every budget from there
+    up fits, so a search for the least need not look between the two."""
     chain, memory = problem.chain(cand)
     times = _balance_times(chain, cand)
     cuts = _cut_costs(problem.cluster, cand, chain)
+    devices = problem.cluster.devices
+    v = cand.per_device
 
-    def fits(budget: int) -> tuple[list[StageSpec], Partition, bool] | None:
+    def fits(budget: int, solved: bool = False) -> _Fit | None:
+        """`solved`: the split is the fastest that fits (else any that fits, found faster)."""
         specs = _stage_specs(problem, cand, budget)
-        if feasible_split(times, memory, specs, cuts=cuts):
-            part = solve_partition(times, memory, specs, cuts=cuts)
-            assert part is not None
-            return specs, part, cand.per_device > 1
-        if cand.per_device == 1:
+        bounds = fitting_split(times, memory, specs, cuts=cuts)
+        if bounds is not None:
+            part = Partition(bounds=bounds, bottleneck=math.nan)
+            if solved:
+                part = fastest(specs)
+            # each raised device's stages at their least total over their options (a stage
+            # on half a device: twice it)
+            raised = [
+                (s, i, j) for s, (i, j) in enumerate(part.stages)
+                if devices[s % len(devices)].memory_bytes < budget
+            ]  # fmt: skip
+            shapes = [(s, i, j, sh) for s, i, j in raised for sh in specs[s].shapes]
+            totals = memory._totals(
+                np.array([i for _, i, _, _ in shapes], dtype=np.int64),
+                np.array([j for _, _, j, _ in shapes], dtype=np.int64),
+                [sh for *_, sh in shapes],
+                np.arange(len(shapes) + 1),
+            )
+            least: dict[int, int] = {}
+            for (s, *_), total in zip(shapes, totals.tolist()):
+                least[s] = min(least.get(s, total), total)
+            used = v * max(least.values(), default=0)
+            return specs, part, v > 1, used
+        if v == 1:
             return None
         whole = _stage_specs(problem, cand, budget, halve=False)
-        part = solve_partition(times, memory, whole, cuts=cuts)
-        if part is None:
+        some = fitting_split(times, memory, whole, cuts=cuts)
+        if some is None:  # no stage fits even its whole device
             return None
-        built = _build_plan(problem, cand, whole, part, "probe-bisection")
-        fit = all(d.total <= max(d.budget, budget) for d in built.devices)
-        return (whole, part, False) if fit else None
+
+        def held(part: Partition) -> bool:
+            built = _build_plan(problem, cand, whole, part, "probe-bisection")
+            return all(d.total <= max(d.budget, budget) for d in built.devices)
+
+        # Any split whose devices hold both their stages will do: the fastest of those whose
+        # stages fit, or the one found first (one mode: every stage's option is it); the
+        # first first, unless the fastest is asked for (either way, both are tried)
+        tries: list[Callable[[], Partition]] = [lambda: fastest(whole)]
+        if len(cand.modes) == 1:
+            speeds = [sp.speed for sp in whole]
+            cost = max(partition_costs(times[0], some, speeds))
+            tries.insert(0 if not solved else 1, lambda: Partition(bounds=some, bottleneck=cost))
+        for make in tries:
+            part = make()
+            if held(part):
+                # (another budget may find another split: this one is known to fit only here)
+                return whole, part, False, budget
+        return None
+
+    def fastest(specs: list[StageSpec]) -> Partition:
+        part = solve_partition(times, memory, specs, cuts=cuts)
+        assert part is not None
+        return part
 
     return fits
 
@@ -1737,7 +1800,7 @@ def _shown(
 ) -> Plan:
     """The plan of a split `_fits_within` found, against the cluster's own budgets."""
     assert found is not None
-    specs, part, halved = found
+    specs, part, halved, _ = found  # (solved: fits(budget, solved=True))
     real = [
         StageSpec(sp.speed, spec.budget, sp.shape, sp.more)
         for sp, spec in zip(specs, _stage_specs(problem, cand, halve=halved))
@@ -1745,29 +1808,53 @@ def _shown(
     return _build_plan(problem, cand, real, part, "probe-bisection")
 
 
-def _least(fits: Callable[[int], Any], need: int | None) -> int | None:
+def _least(fits: Callable[..., _Fit | None], need: int | None, floor: int = 1) -> int | None:
     """The least budget `fits` takes, by bisection; only if below `need` (then one try just
-    below it first, and a search only where that fits)."""
-    hi = need - 1 if need is not None else 1
+    below it first, and a search only where that fits). `floor`: a budget below which nothing
+    fits (_static_need). Each budget that fits says the least its split takes: the bisection
+    goes on from there."""
+    lo = max(floor, 1) - 1  # known not to fit (nothing fits in 0 bytes)
     if need is None:
-        while hi < INT64_SAFE and not fits(hi):
-            hi *= 2
+        hi = lo + 1
+        while hi < INT64_SAFE and not (found := fits(hi)):
+            lo, hi = hi, 2 * hi
         if hi >= INT64_SAFE:
             return None
-    elif hi < 1 or not fits(hi):  # no closer than the closest so far: one try, no search
-        return None
-    lo = 0  # nothing fits in 0 bytes
+    else:
+        hi = need - 1
+        if hi <= lo or not (found := fits(hi)):  # no closer than the closest so far: one try
+            return None
+    hi = max(found[3], lo + 1)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        found = fits(mid)
+        lo, hi = (lo, max(found[3], lo + 1)) if found else (mid, hi)
     return hi
 
 
-def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleError:
+def _static_need(problem: _Problem, cand: Candidate) -> int:
+    """The least budget, every device with less memory raised to it (as _stage_specs does), at
+    which the devices together can hold the model's weights, gradients, optimizer slots and
+    buffers (MemoryModel.static, the same for every candidate): below it no split fits. 0
+    where the cluster as it is holds them."""
+    _, memory = problem.chain(cand)
+    need = memory.static(OPTIMIZER_SLOTS[problem.optimizer])
+    mems = [d.memory_bytes for d in problem.cluster.devices]
+    if sum(mems) >= need:
+        return 0
+    lo, hi = 0, max(need, *mems)  # sum(max(m, hi)) >= len(mems) * hi >= need
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if sum(max(m, mid) for m in mems) >= need else (mid, hi)
+    return hi
+
+
+def _infeasible(problem: _Problem, candidates: list[Candidate], floor: int = 0) -> InfeasibleError:
     """Find the least memory per device that any candidate split needs (a min-max partition on
     memory, by bisection on a budget that every device with less is raised to: on equal devices
     the memory each needs, on mixed ones what the small ones need while the large keep theirs),
-    and say how far each device falls short."""
+    and say how far each device falls short. `floor`: a budget below which none fits
+    (_static_need)."""
     cluster = problem.cluster
     need: int | None = None
     closest: Plan | None = None
@@ -1777,9 +1864,9 @@ def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleErr
     chosen: Candidate | None = None
     for cand in sorted(candidates, key=_likely_small):
         fits = _fits_within(problem, cand)
-        least = _least(fits, need)
+        least = _least(fits, need, floor)
         if least is not None:
-            need, closest, chosen = least, _shown(problem, cand, fits(least)), cand
+            need, closest, chosen = least, _shown(problem, cand, fits(least, True)), cand
     if closest is not None and closest.fits:
         # An interleaved split fits the cluster as it is, its devices checked with both
         # stages (which the split search does not do). Each such candidate's split at its own
@@ -1789,9 +1876,9 @@ def _infeasible(problem: _Problem, candidates: list[Candidate]) -> InfeasibleErr
             if cand.per_device == 1 or cand == chosen:
                 continue
             fits = _fits_within(problem, cand)
-            least = _least(fits, None)
+            least = _least(fits, None, floor)
             if least is not None:
-                plan = _shown(problem, cand, fits(least))
+                plan = _shown(problem, cand, fits(least, True))
                 if plan.fits and plan.predicted.iteration_ms < closest.predicted.iteration_ms:
                     closest = plan
     if need is None or closest is None:

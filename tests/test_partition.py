@@ -923,3 +923,48 @@ def test_stages_of_real_schedules_grow_with_their_end_and_are_the_reference(prob
             assert total.tolist() == [
                 reference_memory(chain, i, j, shape) for j in range(i + 1, L + 1)
             ]
+
+
+def _fits_somehow(chain: Chain, specs: list[StageSpec], bounds: list[int]) -> bool:
+    return all(
+        any(reference_memory(chain, i, j, shape) <= spec.budget for shape in spec.shapes)
+        for spec, (i, j) in zip(specs, zip(bounds[:-1], bounds[1:]))
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems(), st.booleans())
+def test_the_memory_split_by_its_reach_matches_brute_force(problem, options):
+    """memory_split (feasible_split's way where every cut is allowed): decided, its answer is
+    brute force's over every split, any option per stage; undecided only where a start in
+    reach fits not even one layer, or no cut may go at a position its reach passes."""
+    from planner.partition import memory_split
+
+    chain, specs, cuts = problem
+    if options:  # each stage may also take the next stage's shape (per-stage recomputation)
+        specs = [
+            dataclasses.replace(sp, more=(specs[(s + 1) % len(specs)].shape,))
+            for s, sp in enumerate(specs)
+        ]
+    L, K = len(chain.forward), len(specs)
+    # where no cut may go (a link's infinite entries); a link costed per end: anywhere
+    allowed = None
+    if cuts is not None and all(np.ndim(row) == 1 for row in cuts):
+        allowed = np.isfinite(np.array(cuts)).reshape(K - 1, L + 1)
+    splits = [[0, *inner, L] for inner in itertools.combinations(range(1, L), K - 1)]
+    if allowed is not None:
+        splits = [b for b in splits if all(allowed[s][j] for s, j in enumerate(b[1:-1]))]
+    fitting = [b for b in splits if _fits_somehow(chain, specs, b)]
+    decided, bounds = memory_split(MemoryModel(chain), specs, L, allowed)
+    if not decided:
+        one = [
+            any(reference_memory(chain, i, i + 1, sh) <= sp.budget for sh in sp.shapes)
+            for sp in specs
+            for i in range(L)
+        ]
+        assert not all(one) or (allowed is not None and not allowed.all())
+        return
+    if bounds is None:
+        assert fitting == []
+    else:
+        assert bounds in splits and _fits_somehow(chain, specs, bounds)

@@ -698,3 +698,76 @@ def test_pruned_search_for_torchrun_returns_the_exhaustive_plan(
     for alt in full.alternatives:
         if alt.iteration_ms is not None:
             assert alt.iteration_ms >= full.predicted.iteration_ms * (1 - 1e-12)
+
+
+def _plain_least(fits) -> int:
+    """The least budget `fits` takes by bisection on its answer alone, from nothing (what
+    _least did before it took a floor and each split's own need)."""
+    hi = 1
+    while not fits(hi):
+        hi *= 2
+    lo = 0
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    st.integers(0, 10**6),
+    st.integers(2, 3),
+    st.booleans(),
+    st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]),
+)
+def test_the_least_memory_is_a_plain_bisections_from_the_floor_up(seed, K, mixed, schedule):
+    """_infeasible's search for the least memory starts at the floor the weights set and goes
+    on from the need of each split that fits: the same least budget as a bisection from
+    nothing on one device per stage (where a budget that fits fits every larger one); with two
+    stages per device (whose fallback checks a split that moves with the budget), a budget
+    that fits with one byte less that does not."""
+    rng = np.random.default_rng(seed)
+    L = 7
+    prof = synthetic_profile(
+        list(rng.uniform(0.2, 3.0, L)),
+        params=[int(x) for x in rng.integers(10, 400, L)],
+        saved=[int(x) for x in rng.integers(10, 600, L)],
+        sizes=(1, 2, 4),
+    )
+    mems = [int(x) for x in rng.integers(50, 3000, K)] if mixed else [1000] * K
+    cluster = Cluster.model_validate(
+        {"devices": [{"name": f"d{k}", "memory_bytes": m} for k, m in enumerate(mems)]}
+    )
+    problem = search._Problem(prof, cluster, 4, "adam", ("", ""), "streams", ())
+    for cand in (search.Candidate(M, schedule, r) for M in (2, 4) for r in search.SEARCH_MODES):
+        if not search._possible(cand, K, L):
+            continue
+        fits = search._fits_within(problem, cand)
+        floor = search._static_need(problem, cand)
+        least = search._least(fits, None, floor)
+        assert least is not None and least >= floor
+        if cand.per_device == 1:
+            assert least == _plain_least(fits)
+        assert fits(least) and not fits(least - 1)
+        assert fits(least, True)  # (and the fastest split is asked for where one fits)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 10**6), min_size=1, max_size=6), st.integers(0, 10**7))
+def test_the_floor_is_the_least_budget_at_which_the_devices_hold_the_weights(mems, weights):
+    """_static_need: every device with less raised to it, the devices together hold the
+    model's weights, gradients and optimizer slots, and one byte less they do not."""
+    prof = synthetic_profile([1.0] * 6, params=[weights // 6] * 6)
+    cluster = Cluster.model_validate(
+        {"devices": [{"name": f"d{k}", "memory_bytes": m} for k, m in enumerate(mems)]}
+    )
+    problem = search._Problem(prof, cluster, 4, "adam", ("", ""), "streams", ())
+    cand = search.Candidate(1, "gpipe", "never")
+    _, memory = problem.chain(cand)
+    held = memory.static(search.OPTIMIZER_SLOTS["adam"])
+    assert held == (2 + search.OPTIMIZER_SLOTS["adam"]) * 6 * (weights // 6)
+    floor = search._static_need(problem, cand)
+    if sum(mems) >= held:
+        assert floor == 0
+    else:
+        assert sum(max(m, floor) for m in mems) >= held > sum(max(m, floor - 1) for m in mems)
