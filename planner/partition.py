@@ -332,17 +332,22 @@ def fitting_split(
     split: bool = True,
 ) -> list[int] | None:
     """Some split (its bounds) that fits every stage's budget under some option and cuts only
-    where allowed, time unbounded; None where none does. memory_split's where it decides
-    (without the memory tables), else the probe's. `split`: as memory_split's."""
+    where allowed, time unbounded; None where none does. On long chains memory_split's where it
+    decides (without the memory tables), else the probe's (on short ones its tables are few
+    and small, and kept for the next probe of the same budget). `split`: as memory_split's."""
     table = option_times(times, stages)
     L, K = table.shape[1], len(stages)
-    if cuts is None or all(np.ndim(row) == 1 for row in cuts):
+    if L >= REACH_FROM and (cuts is None or all(np.ndim(row) == 1 for row in cuts)):
         links = cut_table(cuts, L, K)
         allowed = None if links is None else np.isfinite(links)
         decided, bounds = memory_split(memory, stages, L, allowed, split)
         if decided:
             return bounds
     return _Prober(times, memory, stages, cuts).probe(math.inf)
+
+
+REACH_FROM = 512  # layers from which fitting_split tries memory_split first
+WINDOW = 64  # the fewest ends _reach tries at once
 
 
 def memory_split(
@@ -369,7 +374,7 @@ def memory_split(
     K = len(stages)
     kept: list[np.ndarray] = []  # per stage: the starts it may take
     lo = hi = 0
-    width = max(64, 2 * (layers // K))
+    width = max(WINDOW, 2 * (layers // K))
     for s, spec in enumerate(stages):
         hi = min(hi, layers - (K - s))  # later stages take a layer each
         reached = np.arange(lo, hi + 1, dtype=np.int64)

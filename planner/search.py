@@ -67,7 +67,6 @@ from .partition import (
     fitting_split,
     solve_partition,
 )
-from .partition import stage_costs as partition_costs
 from .plan import (
     Alternative,
     DeviceUse,
@@ -1726,9 +1725,10 @@ def _fits_within(problem: _Problem, cand: Candidate) -> Callable[..., _Fit | Non
     """fits(budget): a split of `cand` that fits when every device with less memory than
     `budget` is raised to it, the specs it was solved with, whether those are halved
     (interleaved stages first each on half a device, sufficient; then each free to use it all
-    and the device checked with both, what the search also tries), and the least budget at
-    which the same split still fits the same way (at most `budget`): every budget from there
-    up fits, so a search for the least need not look between the two."""
+    and the fastest split the device checked with both, what the search also tries), and the
+    least budget at which the same split still fits the same way (at most `budget`; one stage
+    per device: every budget from there up fits, so a search for the least need not look
+    between the two; interleaved: `budget` itself, see _infeasible)."""
     chain, memory = problem.chain(cand)
     times = _balance_times(chain, cand)
     cuts = _cut_costs(problem.cluster, cand, chain)
@@ -1740,57 +1740,42 @@ def _fits_within(problem: _Problem, cand: Candidate) -> Callable[..., _Fit | Non
         specs = _stage_specs(problem, cand, budget)
         bounds = fitting_split(times, memory, specs, cuts=cuts)
         if bounds is not None:
-            part = Partition(bounds=bounds, bottleneck=math.nan)
-            if solved:
-                part = fastest(specs)
-            # each raised device's stages at their least total over their options (a stage
-            # on half a device: twice it)
-            raised = [
-                (s, i, j) for s, (i, j) in enumerate(part.stages)
-                if devices[s % len(devices)].memory_bytes < budget
-            ]  # fmt: skip
-            shapes = [(s, i, j, sh) for s, i, j in raised for sh in specs[s].shapes]
-            totals = memory._totals(
-                np.array([i for _, i, _, _ in shapes], dtype=np.int64),
-                np.array([j for _, _, j, _ in shapes], dtype=np.int64),
-                [sh for *_, sh in shapes],
-                np.arange(len(shapes) + 1),
-            )
-            least: dict[int, int] = {}
-            for (s, *_), total in zip(shapes, totals.tolist()):
-                least[s] = min(least.get(s, total), total)
-            used = v * max(least.values(), default=0)
-            return specs, part, v > 1, used
+            part = fastest(specs) if solved else Partition(bounds=bounds, bottleneck=math.nan)
+            return specs, part, v > 1, budget if v > 1 else need_of(specs, part, budget)
         if v == 1:
             return None
         whole = _stage_specs(problem, cand, budget, halve=False)
-        some = fitting_split(times, memory, whole, cuts=cuts)
-        if some is None:  # no stage fits even its whole device
-            return None
-
-        def held(part: Partition) -> bool:
-            built = _build_plan(problem, cand, whole, part, "probe-bisection")
-            return all(d.total <= max(d.budget, budget) for d in built.devices)
-
-        # Any split whose devices hold both their stages will do: the fastest of those whose
-        # stages fit, or the one found first (one mode: every stage's option is it); the
-        # first first, unless the fastest is asked for (either way, both are tried)
-        tries: list[Callable[[], Partition]] = [lambda: fastest(whole)]
-        if len(cand.modes) == 1:
-            speeds = [sp.speed for sp in whole]
-            cost = max(partition_costs(times[0], some, speeds))
-            tries.insert(0 if not solved else 1, lambda: Partition(bounds=some, bottleneck=cost))
-        for make in tries:
-            part = make()
-            if held(part):
-                # (another budget may find another split: this one is known to fit only here)
-                return whole, part, False, budget
-        return None
+        if fitting_split(times, memory, whole, cuts=cuts, split=False) is None:
+            return None  # no split fits with each stage on its whole device
+        part = fastest(whole)
+        built = _build_plan(problem, cand, whole, part, "probe-bisection")
+        fit = all(d.total <= max(d.budget, budget) for d in built.devices)
+        # (another budget may solve to another split: this one's is known to fit only here)
+        return (whole, part, False, budget) if fit else None
 
     def fastest(specs: list[StageSpec]) -> Partition:
         part = solve_partition(times, memory, specs, cuts=cuts)
         assert part is not None
         return part
+
+    def need_of(specs: list[StageSpec], part: Partition, budget: int) -> int:
+        """The largest of the raised devices' stages, each at its least total over its
+        options."""
+        raised = [
+            (s, i, j) for s, (i, j) in enumerate(part.stages)
+            if devices[s].memory_bytes < budget
+        ]  # fmt: skip
+        shapes = [(s, i, j, sh) for s, i, j in raised for sh in specs[s].shapes]
+        totals = memory._totals(
+            np.array([i for _, i, _, _ in shapes], dtype=np.int64),
+            np.array([j for _, _, j, _ in shapes], dtype=np.int64),
+            [sh for *_, sh in shapes],
+            np.arange(len(shapes) + 1),
+        )
+        least: dict[int, int] = {}
+        for (s, *_), total in zip(shapes, totals.tolist()):
+            least[s] = min(least.get(s, total), total)
+        return max(least.values(), default=0)
 
     return fits
 
@@ -1817,7 +1802,7 @@ def _least(fits: Callable[..., _Fit | None], need: int | None, floor: int = 1) -
     if need is None:
         hi = lo + 1
         while hi < INT64_SAFE and not (found := fits(hi)):
-            lo, hi = hi, 2 * hi
+            hi *= 2
         if hi >= INT64_SAFE:
             return None
     else:
@@ -1864,7 +1849,9 @@ def _infeasible(problem: _Problem, candidates: list[Candidate], floor: int = 0) 
     chosen: Candidate | None = None
     for cand in sorted(candidates, key=_likely_small):
         fits = _fits_within(problem, cand)
-        least = _least(fits, need, floor)
+        # (interleaved: whether a budget fits need not carry over to a larger one, so the
+        # least budget is a bisection's from nothing, as it always was)
+        least = _least(fits, need, floor if cand.per_device == 1 else 0)
         if least is not None:
             need, closest, chosen = least, _shown(problem, cand, fits(least, True)), cand
     if closest is not None and closest.fits:
@@ -1876,7 +1863,7 @@ def _infeasible(problem: _Problem, candidates: list[Candidate], floor: int = 0) 
             if cand.per_device == 1 or cand == chosen:
                 continue
             fits = _fits_within(problem, cand)
-            least = _least(fits, None, floor)
+            least = _least(fits, None)
             if least is not None:
                 plan = _shown(problem, cand, fits(least, True))
                 if plan.fits and plan.predicted.iteration_ms < closest.predicted.iteration_ms:

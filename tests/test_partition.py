@@ -302,13 +302,20 @@ def assert_optimal(part, expected, times, chain, specs, cuts=None):
 
 
 @settings(max_examples=220, deadline=None)
-@given(problems())
-def test_probe_and_dp_match_brute_force(problem):
+@given(problems(), st.booleans())
+def test_probe_and_dp_match_brute_force(problem, reach):
+    """(`reach`: feasible_split by memory_split first, as on long chains.)"""
+    from planner import partition
+
     chain, specs, cuts = problem
     times = chain.forward + chain.backward
     memory = MemoryModel(chain)
     expected = brute_force(times, chain, specs, cuts)
-    assert feasible_split(times, memory, specs, cuts) == math.isfinite(expected)
+    kept, partition.REACH_FROM = partition.REACH_FROM, 0 if reach else partition.REACH_FROM
+    try:
+        assert feasible_split(times, memory, specs, cuts) == math.isfinite(expected)
+    finally:
+        partition.REACH_FROM = kept
     for solve in (solve_partition, solve_partition_dp):
         assert_optimal(solve(times, memory, specs, cuts), expected, times, chain, specs, cuts)
 
@@ -933,11 +940,13 @@ def _fits_somehow(chain: Chain, specs: list[StageSpec], bounds: list[int]) -> bo
 
 
 @settings(max_examples=300, deadline=None)
-@given(problems(), st.booleans())
-def test_the_memory_split_by_its_reach_matches_brute_force(problem, options):
-    """memory_split (feasible_split's way where every cut is allowed): decided, its answer is
-    brute force's over every split, any option per stage; undecided only where a start in
-    reach fits not even one layer, or no cut may go at a position its reach passes."""
+@given(problems(), st.booleans(), st.sampled_from([1, 2, 64]))
+def test_the_memory_split_by_its_reach_matches_brute_force(problem, options, window):
+    """memory_split (feasible_split's way on long chains): decided, its answer is brute
+    force's over every split, any option per stage; undecided only where a start in reach fits
+    not even one layer, or no cut may go at a position its reach passes. (Its windows of ends
+    start as small as one, so that they grow past a stage's end here too.)"""
+    from planner import partition
     from planner.partition import memory_split
 
     chain, specs, cuts = problem
@@ -955,7 +964,11 @@ def test_the_memory_split_by_its_reach_matches_brute_force(problem, options):
     if allowed is not None:
         splits = [b for b in splits if all(allowed[s][j] for s, j in enumerate(b[1:-1]))]
     fitting = [b for b in splits if _fits_somehow(chain, specs, b)]
-    decided, bounds = memory_split(MemoryModel(chain), specs, L, allowed)
+    kept, partition.WINDOW = partition.WINDOW, window
+    try:
+        decided, bounds = memory_split(MemoryModel(chain), specs, L, allowed)
+    finally:
+        partition.WINDOW = kept
     if not decided:
         one = [
             any(reference_memory(chain, i, i + 1, sh) <= sp.budget for sh in sp.shapes)
