@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -110,11 +111,19 @@ def main() -> None:
                 now, then = [], []
                 for _ in range(args.repeats):  # alternated: the machine's drift hits both
                     if base:
-                        then.append(run(base, Path(tmp) / "base.json")[0])
-                    wall, rc, _ = run(exe, Path(tmp) / "plan.json")
+                        wall, _, told = run(base, Path(tmp) / "base.json")
+                        then.append(wall)
+                    wall, rc, said = run(exe, Path(tmp) / "plan.json")
                     now.append(wall)
+                if rc == 1 and base:  # no split fits: both must name the same least memory
+                    a, b = statistics.median(then), statistics.median(now)
+                    same = _need(told) == _need(said)
+                    print(f"| {L} | {K} | {a:.2f} | {b:.2f} | {a / b:.1f}x | | | | no split fits: "
+                          f"{_need(said)} bytes | {'yes' if same else 'NO'} |", flush=True)  # fmt: skip
+                    continue
                 if rc == 1:  # no split fits: the search ran to the end
-                    print(f"| {L} | {K} | {statistics.median(now):.2f} | no split fits |")
+                    print(f"| {L} | {K} | {statistics.median(now):.2f} | no split fits: "
+                          f"{_need(said)} bytes |", flush=True)  # fmt: skip
                     continue
                 plan = json.loads((Path(tmp) / "plan.json").read_text())
                 s = plan["solver"]
@@ -129,6 +138,12 @@ def main() -> None:
                 else:
                     print(f"| {L} | {K} | {statistics.median(now):.2f} | {counts} | {what} |",
                           flush=True)  # fmt: skip
+
+
+def _need(stderr: str) -> str:
+    """The least memory per device a "no split fits" message names, in bytes."""
+    found = re.search(r"\((\d+) bytes\)", stderr)
+    return found.group(1) if found else "?"
 
 
 def _timed(plan: dict) -> dict:

@@ -305,6 +305,7 @@ class MemoryModel:
         self.chain = chain
         # per (shape, budget): the ends found from each start, and the ends searched to
         self._ends: dict[tuple[StageShape, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._one_layer: dict[StageShape, np.ndarray] = {}  # (one_layer)
         self._params = _prefix(chain.params)
         # a parameter several layers use: how many of them lie before each position
         self._tied = [
@@ -769,9 +770,21 @@ class MemoryModel:
         that uses it, its optimizer state by the first): a lower bound on the memory of all
         devices together."""
         n = self.chain.num_layers
-        i, j = np.array([0]), np.array([n])
+        return int(self.static_of(np.array([0]), np.array([n]), optimizer_slots)[0])
+
+    def static_of(self, i: np.ndarray, j: np.ndarray, optimizer_slots: int) -> np.ndarray:
+        """The part of total(i, j) that does not depend on the schedule (weights, gradients,
+        optimizer slots, buffers): total() is at least this and the shape's reserved bytes."""
         buffers = self._buffers[j] - self._buffers[i]
-        return int(_static(self.params(i, j), self.copied(i, j), buffers, optimizer_slots)[0])
+        return _static(self.params(i, j), self.copied(i, j), buffers, optimizer_slots)
+
+    def one_layer(self, shape: StageShape) -> np.ndarray:
+        """total(i, i + 1) for every i, kept per shape."""
+        found = self._one_layer.get(shape)
+        if found is None:
+            every = np.arange(self.chain.num_layers, dtype=np.int64)
+            found = self._one_layer[shape] = self.total(every, every + 1, shape)
+        return found
 
     def max_end(self, shape: StageShape, budget: int) -> np.ndarray:
         """For every start i: the largest end j with total(i, j) <= budget, or i if even [i, i+1)

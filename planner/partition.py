@@ -333,8 +333,9 @@ def fitting_split(
 ) -> list[int] | None:
     """Some split (its bounds) that fits every stage's budget under some option and cuts only
     where allowed, time unbounded; None where none does. On long chains memory_split's where it
-    decides (without the memory tables), else the probe's (on short ones its tables are few
-    and small, and kept for the next probe of the same budget). `split`: as memory_split's."""
+    decides (without the memory tables), else the probe's (on shorter ones its tables cost
+    less, and are kept for the next candidate asked about the same stage shape and budget).
+    `split`: as memory_split's."""
     table = option_times(times, stages)
     L, K = table.shape[1], len(stages)
     if L >= REACH_FROM and (cuts is None or all(np.ndim(row) == 1 for row in cuts)):
@@ -346,7 +347,7 @@ def fitting_split(
     return _Prober(times, memory, stages, cuts).probe(math.inf)
 
 
-REACH_FROM = 512  # layers from which fitting_split tries memory_split first
+REACH_FROM = 4096  # layers from which fitting_split tries memory_split first (BENCHMARKS.md)
 WINDOW = 64  # the fewest ends _reach tries at once
 
 
@@ -423,56 +424,67 @@ def _reach(
     memory_split cannot tell).
 
     Each pass is one evaluation of the memory model: every (start, option) pair still in the
-    running at the end past `far` (one that does not fit it fits no later end), and the pair
-    with the latest start over a window of ends (how far it goes); the first pass also checks
-    one layer from each start and the positions after the skipped ones."""
+    running at the end past `far` (one that does not fit it fits no later end; nor one whose
+    weights alone, MemoryModel.static_of, are over the budget there: those are not evaluated),
+    and the pair with the latest start over a window of ends (how far it goes)."""
     shapes = spec.shapes
-    n = len(starts)
+    one = np.zeros(len(starts), dtype=bool)
+    for shape in shapes:
+        one |= memory.one_layer(shape)[starts] <= spec.budget
+    if not one.all():
+        return None
     gaps = gaps[gaps > starts[0]]  # (those before the first start are not passed)
-    before = starts[np.searchsorted(starts, gaps) - 1]
-    pair_i, pair_x = np.tile(starts, len(shapes)), np.repeat(np.arange(len(shapes)), n)
-    first = True
-    while first or (far < last and pair_i.size):
-        go = far < last and pair_i.size > 0
-        k = int(np.argmax(pair_i)) if go else -1  # (the first of the latest start's options)
+    if gaps.size:
+        before = starts[np.searchsorted(starts, gaps) - 1]
+        covered = np.zeros(gaps.shape, dtype=bool)
+        for shape in shapes:
+            covered |= memory.total(before, gaps + 1, shape) <= spec.budget
+        if not covered.all():
+            return None
+    pair_i = np.tile(starts, len(shapes))
+    pair_x = np.repeat(np.arange(len(shapes)), len(starts))
+    while far < last and pair_i.size:
+        # the weights alone rule out most starts far from the end, without an evaluation
+        room = np.array([spec.budget - sh.reserved for sh in shapes])[pair_x]
+        slots = np.array([sh.optimizer_slots for sh in shapes])[pair_x]
+        end = np.full(pair_i.shape, far + 1)
+        keep = (
+            memory.static_of(pair_i, end, 0)
+            + slots * (memory.params(pair_i, end) - memory.copied(pair_i, end))
+            <= room
+        )
+        pair_i, pair_x = pair_i[keep], pair_x[keep]
+        if not pair_i.size:
+            break
+        k = int(np.argmax(pair_i))  # (the first of the latest start's options)
         ends = np.arange(far + 1, min(far + width, last) + 1, dtype=np.int64)
-        other = np.full(pair_i.shape, go)  # (nothing past `last` to evaluate)
-        if go:
-            other[k] = False
-        segments: list[list[tuple[np.ndarray, np.ndarray]]] = []
+        other = np.ones(pair_i.shape, dtype=bool)
+        other[k] = False
+        i_parts, j_parts, sizes = [], [], []
         for x in range(len(shapes)):
             mine = other & (pair_x == x)
-            seg = [(pair_i[mine], np.full(int(mine.sum()), far + 1))]
-            runs = go and pair_x[k] == x
-            seg.append((np.full(ends.shape, pair_i[k]), ends) if runs else (ends[:0], ends[:0]))
-            if first:
-                seg += [(starts, starts + 1), (before, gaps + 1)]
-            segments.append(seg)
-        i = np.concatenate([a for seg in segments for a, _ in seg])
-        j = np.concatenate([b for seg in segments for _, b in seg])
-        sizes = [sum(len(a) for a, _ in seg) for seg in segments]
-        fits = memory._totals(i, j, list(shapes), np.cumsum([0, *sizes])) <= spec.budget
-        one, covered = np.zeros(n, dtype=bool), np.zeros(gaps.shape, dtype=bool)
+            runs = pair_x[k] == x
+            i_parts += [pair_i[mine], np.full(len(ends) if runs else 0, pair_i[k])]
+            j_parts += [np.full(int(mine.sum()), far + 1), ends if runs else ends[:0]]
+            sizes.append(int(mine.sum()) + (len(ends) if runs else 0))
+        fits = memory._totals(
+            np.concatenate(i_parts), np.concatenate(j_parts), list(shapes),
+            np.cumsum([0, *sizes]),
+        ) <= spec.budget  # fmt: skip
         survived = np.zeros(pair_i.shape, dtype=bool)
-        taken, at = 0, 0
-        for x, seg in enumerate(segments):
-            lengths = np.cumsum([len(a) for a, _ in seg])[:-1]
-            parts = np.split(fits[at : at + sizes[x]], lengths)
+        at = 0
+        for x in range(len(shapes)):
+            mine = other & (pair_x == x)
+            n = int(mine.sum())
+            survived[mine] = fits[at : at + n]
+            if pair_x[k] == x:
+                window = fits[at + n : at + n + len(ends)]
+                taken = len(ends) if window.all() else int(np.argmin(window))
             at += sizes[x]
-            survived[other & (pair_x == x)] = parts[0]
-            if go and pair_x[k] == x:
-                taken = len(ends) if parts[1].all() else int(np.argmin(parts[1]))
-            if first:
-                one |= parts[2]
-                covered |= parts[3]
-        if first and not (one.all() and covered.all()):
-            return None
-        first = False
-        if go:
-            survived[k] = taken == len(ends) and far + taken < last  # it may go farther still
-            if survived[k]:
-                width *= 4
-            far += taken
+        survived[k] = taken == len(ends) and far + taken < last  # it may go farther still
+        if survived[k]:
+            width *= 4
+        far += taken
         pair_i, pair_x = pair_i[survived], pair_x[survived]
     return far
 
