@@ -288,7 +288,9 @@ class _PairMax:
         return np.where(pair, np.maximum(got, 0), 0)
 
 
-def _static(p: np.ndarray, copied: np.ndarray, buffers: np.ndarray, slots: int) -> np.ndarray:
+def _static(
+    p: np.ndarray, copied: np.ndarray, buffers: np.ndarray, slots: int | np.ndarray
+) -> np.ndarray:
     """A stage's weights, gradients, optimizer slots (not for parameters whose state another
     stage keeps: `copied`) and buffers."""
     return 2 * p + slots * (p - copied) + buffers
@@ -772,9 +774,12 @@ class MemoryModel:
         n = self.chain.num_layers
         return int(self.static_of(np.array([0]), np.array([n]), optimizer_slots)[0])
 
-    def static_of(self, i: np.ndarray, j: np.ndarray, optimizer_slots: int) -> np.ndarray:
+    def static_of(
+        self, i: np.ndarray, j: np.ndarray, optimizer_slots: int | np.ndarray
+    ) -> np.ndarray:
         """The part of total(i, j) that does not depend on the schedule (weights, gradients,
-        optimizer slots, buffers): total() is at least this and the shape's reserved bytes."""
+        optimizer slots, per entry or for all, buffers): total() is at least this and the
+        shape's reserved bytes."""
         buffers = self._buffers[j] - self._buffers[i]
         return _static(self.params(i, j), self.copied(i, j), buffers, optimizer_slots)
 

@@ -448,11 +448,7 @@ def _reach(
         room = np.array([spec.budget - sh.reserved for sh in shapes])[pair_x]
         slots = np.array([sh.optimizer_slots for sh in shapes])[pair_x]
         end = np.full(pair_i.shape, far + 1)
-        keep = (
-            memory.static_of(pair_i, end, 0)
-            + slots * (memory.params(pair_i, end) - memory.copied(pair_i, end))
-            <= room
-        )
+        keep = memory.static_of(pair_i, end, slots) <= room
         pair_i, pair_x = pair_i[keep], pair_x[keep]
         if not pair_i.size:
             break
