@@ -109,14 +109,59 @@ class Link(BaseModel):
         description="None: transfers are free (not modelled)",
     )
     latency_ms: float = Field(default=0.0, ge=0, le=MAX_MS, allow_inf_nan=False)
+    # A message whose receive is posted after its send, the sender computing on meanwhile (the
+    # torchrun program's exchanges: a rank posts its send and its receive, gets its receive and
+    # computes; its peer's receive comes later). On gloo over a busy CPU such a message waits
+    # for the sender's process to move it: `links` measures it apart. None: as above.
+    late_latency_ms: float | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_MS,
+        allow_inf_nan=False,
+        description="latency of a message received late, its sender computing (None: latency_ms)",
+    )
+    late_bandwidth_bytes_per_s: float | None = Field(
+        default=None,
+        ge=MIN_BANDWIDTH,
+        le=MAX_BANDWIDTH,
+        allow_inf_nan=False,
+        description="bandwidth of a message received late (None: bandwidth_bytes_per_s)",
+    )
 
-    def transfer_ms(self, nbytes: Any) -> Any:
-        """ms to send `nbytes` (a number, or an array of them: then an array)."""
-        if self.bandwidth_bytes_per_s is None:
+    @model_validator(mode="after")
+    def _late_no_faster(self) -> Link:
+        """A late receive costs at least the hand-off (the planner's bounds price every message
+        at the hand-off's figures)."""
+        if self.late_latency_ms is not None and self.late_latency_ms < self.latency_ms:
+            raise ValueError(
+                f"late_latency_ms {self.late_latency_ms} is below latency_ms {self.latency_ms}"
+            )
+        late_bw, bw = self.late_bandwidth_bytes_per_s, self.bandwidth_bytes_per_s
+        if late_bw is not None and (bw is None or late_bw > bw):
+            raise ValueError(
+                f"late_bandwidth_bytes_per_s {late_bw} needs a bandwidth_bytes_per_s of at "
+                f"least as much (got {bw})"
+            )
+        return self
+
+    def transfer_ms(self, nbytes: Any, *, late: bool = False) -> Any:
+        """ms to send `nbytes` (a number, or an array of them: then an array); `late`: a
+        message whose receive is posted after its send (late_latency_ms ...)."""
+        latency, bandwidth = self.latency_ms, self.bandwidth_bytes_per_s
+        if late:
+            if self.late_latency_ms is not None:
+                latency = self.late_latency_ms
+            if self.late_bandwidth_bytes_per_s is not None:
+                bandwidth = self.late_bandwidth_bytes_per_s
+        if bandwidth is None:
             if isinstance(nbytes, np.ndarray):
-                return np.where(nbytes != 0, self.latency_ms, 0.0)
-            return self.latency_ms if nbytes else 0.0
-        return nbytes / self.bandwidth_bytes_per_s * 1e3 + self.latency_ms
+                return np.where(nbytes != 0, latency, 0.0)
+            return latency if nbytes else 0.0
+        return nbytes / bandwidth * 1e3 + latency
+
+    @property
+    def has_late(self) -> bool:
+        return self.late_latency_ms is not None or self.late_bandwidth_bytes_per_s is not None
 
 
 class HostLinks(BaseModel):

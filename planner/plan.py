@@ -123,6 +123,11 @@ class StagePlan(_Strict):
         "stage, and in a captured graph straight from the stages before it"
     )
     send_ms: Ms
+    late_send_ms: Ms | None = Field(
+        default=None,
+        description="the same transfer where the next stage posts its receive after this one's "
+        "send, this one computing on (the link's late figures; None: send_ms)",
+    )
     stash_bytes: Bytes = Field(description="what one micro-batch leaves saved for backward")
     input_bytes: Bytes = Field(description="one micro-batch entering the stage")
     state_bytes: StateBytes
@@ -346,6 +351,11 @@ class Plan(Artifact):
         for st in self.stages:
             if len(st.layer_types) != st.layers[1] - st.layers[0]:
                 raise ValueError(f"stage {st.index}: {len(st.layer_types)} layer types listed")
+            if st.late_send_ms is not None and st.late_send_ms < st.send_ms:
+                raise ValueError(
+                    f"stage {st.index}: late_send_ms {st.late_send_ms} is below its send_ms "
+                    f"{st.send_ms} (a late receive costs at least the hand-off)"
+                )
             held = st.memory.model_dump()
             parts = sum(n for k, n in held.items() if k not in ("total", "budget"))
             if held["total"] != parts:

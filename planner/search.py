@@ -1243,13 +1243,13 @@ def _balance_times(chain: Chain, cand: Candidate) -> np.ndarray:
     return np.stack([chain.forward * (1 + recomputed_share(m, M)) + back for m in cand.modes])
 
 
-def _link_ms(cluster: Cluster, rank: int, nxt: int, nbytes: float) -> float:
+def _link_ms(cluster: Cluster, rank: int, nxt: int, nbytes: float, late: bool = False) -> float:
     if rank == nxt:
         return 0.0
     if nxt == rank + 1:
-        return cluster.links[rank].transfer_ms(nbytes)
+        return cluster.links[rank].transfer_ms(nbytes, late=late)
     # The loop back from the last device to the first: assume the slowest link.
-    return max(link.transfer_ms(nbytes) for link in cluster.links)
+    return max(link.transfer_ms(nbytes, late=late) for link in cluster.links)
 
 
 def _cut_costs(cluster: Cluster, cand: Candidate, chain: Chain) -> list[np.ndarray] | None:
@@ -1479,6 +1479,7 @@ def _build_plan(
         # from the stages before (the simulator times it as one transfer after this forward)
         send_bytes = received[s + 1] if s < S - 1 else 0
         send = _link_ms(cluster, rank, (s + 1) % K, send_bytes) if s < S - 1 else 0.0
+        late = _link_ms(cluster, rank, (s + 1) % K, send_bytes, late=True) if s < S - 1 else 0.0
         states = memory.state_bytes(i, j, starts[s])
         raw = memory.terms(i, j, shape, starts[s], states)
         sizes = memory.stage_bytes(i, j, shape, starts[s], known=(states, raw))
@@ -1501,6 +1502,7 @@ def _build_plan(
                 },
                 send_bytes=send_bytes,
                 send_ms=send,
+                late_send_ms=late if late != send else None,
                 stash_bytes=int(states["saved"][0]),
                 input_bytes=received[s],
                 state_bytes=StateBytes(**vars(sizes)),
@@ -1642,6 +1644,11 @@ def stage_costs(
         weight_grad=[st.weight_grad_ms for st in stages],
         recompute=[st.recompute for st in stages],
         transfer=[st.send_ms for st in stages[:-1]],
+        late_transfer=(
+            [st.send_ms if st.late_send_ms is None else st.late_send_ms for st in stages[:-1]]
+            if any(st.late_send_ms is not None for st in stages[:-1])
+            else None
+        ),
         memory=[stage_bytes(st) for st in stages],
         action_overhead=runtime.action_ms if runtime is not None else 0.0,
         step_overhead=runtime.step_ms if runtime is not None else 0.0,

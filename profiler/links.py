@@ -11,6 +11,14 @@ size the mean is kept, not the median: a step pays every hand-off, slow ones
 included. Each link is then fitted to latency + bytes / bandwidth, the model the planner
 charges.
 
+A pipeline also receives late: in the torchrun program's exchanges a rank posts a send and
+a receive, gets what it receives and computes on, while its peer posts the matching receive
+later. Such a message waits for the sender's process to move it (on gloo over two busy
+vCPUs about three times a hand-off, on average). So each link is also timed that way
+(measure_late_receives: the receiver's own clock, from its receive's post to the arrival)
+and fitted apart: the link's late figures, which the torchrun model charges a message whose
+receive is posted after its send.
+
     gpipe-plan links --nproc-per-node 2 --memory 16GiB -o cluster.json          # one host
     torchrun --nnodes N ... -m profiler.links --memory 16GiB -o cluster.json   # many hosts
 """
@@ -124,6 +132,51 @@ def measure_hand_offs(
     return hosts, [{n: statistics.fmean(v) for n, v in link.items()} for link in got]
 
 
+def measure_late_receives(
+    *, rounds: int = 20, busy_ms: float = 1.0, sizes: Sequence[int] = SIZES, warmup: int = 2
+) -> list[dict[int, float]]:
+    """Run on every rank, as measure_hand_offs. Per link r -> r + 1, the mean time in ms from a
+    late receive's post to its message's arrival, per size, both directions together: the
+    sender computes `busy_ms`, posts its send, waits for it and computes `busy_ms` more; the
+    receiver computes 1.5 x `busy_ms` before it posts. Each time is read on the receiver's
+    clock alone. Every rank gets the result."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if _on_cuda() else torch.device("cpu")
+    )
+    bufs = {n: torch.zeros(max(n // 4, 1), device=device) for n in sizes}
+    rows = [
+        (r, r + 1, n, k)
+        for r in range(world - 1)
+        for n in sizes
+        for k in range(2 * (warmup + rounds))
+    ]
+    took = torch.zeros(len(rows), dtype=torch.float64)
+    for j, (a, b, n, k) in enumerate(rows):
+        src, dst = (a, b) if k % 2 == 0 else (b, a)
+        dist.barrier()
+        if rank == src:
+            _busy(busy_ms, device)
+            dist.isend(bufs[n], dst).wait()
+            _busy(busy_ms, device)
+        elif rank == dst:
+            _busy(1.5 * busy_ms, device)
+            posted = _stamp(device)
+            dist.recv(bufs[n], src)
+            took[j] = (_stamp(device) - posted) * 1e3
+    took = took.to(device)
+    dist.all_reduce(took)  # each entry was written on one rank only
+    got: list[dict[int, list[float]]] = [{n: [] for n in sizes} for _ in range(world - 1)]
+    for j, ms in enumerate(took.cpu().tolist()):
+        a, _, n, k = rows[j]
+        if k >= 2 * warmup:
+            got[a][n].append(ms)
+    return [{n: statistics.fmean(v) for n, v in link.items()} for link in got]
+
+
 def _on_cuda() -> bool:
     """Whether the process group moves CUDA tensors (NCCL): then each rank uses its GPU."""
     import torch
@@ -133,17 +186,33 @@ def _on_cuda() -> bool:
 
 
 def build_cluster(
-    hosts: list[str], means: list[dict[int, float]], memory: list[int], devices: list[str]
+    hosts: list[str],
+    means: list[dict[int, float]],
+    memory: list[int],
+    devices: list[str],
+    late: list[dict[int, float]] | None = None,
 ) -> Any:
     """The cluster file for the measured ranks, in rank order: one link per neighbouring pair,
-    fitted to its hand-offs; `host` named where the ranks span several."""
+    fitted to its hand-offs (and its late receives, `late`: never cheaper than a hand-off);
+    `host` named where the ranks span several."""
     from planner.cluster import Cluster, Device, Link
 
     several = len(set(hosts)) > 1
     links = []
-    for m in means:
+    for k, m in enumerate(means):
         latency, bandwidth = fit_link(list(m), list(m.values()))
-        links.append(Link(bandwidth_bytes_per_s=bandwidth, latency_ms=latency))
+        link = Link(bandwidth_bytes_per_s=bandwidth, latency_ms=latency)
+        if late is not None:
+            lat, bw = fit_link(list(late[k]), list(late[k].values()))
+            lat, bw = max(lat, latency), min(bw, bandwidth)
+            if (lat, bw) != (latency, bandwidth):
+                link = Link(
+                    bandwidth_bytes_per_s=bandwidth,
+                    latency_ms=latency,
+                    late_latency_ms=lat,
+                    late_bandwidth_bytes_per_s=bw if bw != bandwidth else None,
+                )
+        links.append(link)
     return Cluster(
         devices=[
             Device(
@@ -218,25 +287,36 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         sizes = [n for n in SIZES if n <= args.max_bytes] or [SIZES[0]]
         hosts, means = measure_hand_offs(rounds=args.rounds, busy_ms=args.busy_ms, sizes=sizes)
+        late = measure_late_receives(rounds=args.rounds, busy_ms=args.busy_ms, sizes=sizes)
         mems: list[Any] = [None] * world
         names: list[Any] = [None] * world
         dist.all_gather_object(mems, memory, group=_cpu_group())
         dist.all_gather_object(names, f"cuda:{local}" if cuda else "", group=_cpu_group())
         if rank == 0:
-            cluster = build_cluster(hosts, means, mems, names)
+            cluster = build_cluster(hosts, means, mems, names, late)
             write_output(args.output, cluster.model_dump_json(indent=1, exclude_none=True) + "\n")
             for r, (m, link) in enumerate(zip(means, cluster.links)):
                 shown = ", ".join(f"{n // 1024} KiB {ms:.3f}" for n, ms in m.items())
-                bw = link.bandwidth_bytes_per_s or MAX_BANDWIDTH
-                speed = "too fast to tell" if bw >= MAX_BANDWIDTH else f"{bw / 1e9:.2f} GB/s"
                 print(
                     f"rank{r} -> rank{r + 1}: latency {link.latency_ms:.3f} ms, bandwidth "
-                    f"{speed} (mean hand-off ms: {shown})"
+                    f"{_speed(link.bandwidth_bytes_per_s)} (mean hand-off ms: {shown})"
+                )
+                shown = ", ".join(f"{n // 1024} KiB {ms:.3f}" for n, ms in late[r].items())
+                lat = link.late_latency_ms if link.has_late else link.latency_ms
+                bw = link.late_bandwidth_bytes_per_s if link.has_late else None
+                print(
+                    f"  received late: latency {lat:.3f} ms, bandwidth "
+                    f"{_speed(bw or link.bandwidth_bytes_per_s)} (mean ms: {shown})"
                 )
         return 0
     finally:
         dist.destroy_process_group()
         _GROUP.clear()
+
+
+def _speed(bandwidth: float | None) -> str:
+    bw = bandwidth or MAX_BANDWIDTH
+    return "too fast to tell" if bw >= MAX_BANDWIDTH else f"{bw / 1e9:.2f} GB/s"
 
 
 _GROUP: list[Any] = []

@@ -41,6 +41,10 @@ class Costs:
     weight_grad: Sequence[float] | None = None
     recompute: Sequence[str] | None = None  # per stage: never | always | except_last
     transfer: Sequence[float] | None = None  # per cut s -> s+1, each direction
+    # per cut: the same transfer where its receive is posted after its send (the torchrun
+    # model only, `rendezvous`: the sender has gone on computing; cluster.Link's late
+    # figures). None: as `transfer`
+    late_transfer: Sequence[float] | None = None
     memory: Sequence[StageBytes] | None = None  # per stage (default: count stashed micro-batches)
     # what the runtime adds: to every compute action (F, B, I, W; a recomputation inside B or
     # I adds its forward's compute only), and once to the step
@@ -124,10 +128,11 @@ def _check_costs(S: int, **times: list[float]) -> None:
     """Every time a finite number >= 0, one per stage (per cut for transfers): a NaN or a
     negative time would not fail, it would quietly give a wrong timeline."""
     for name, values in times.items():
-        want = S - 1 if name == "transfer" else S
+        cuts = name in ("transfer", "late_transfer")
+        want = S - 1 if cuts else S
         if len(values) != want:
             raise ValueError(
-                f"costs.{name}: {len(values)} values for {want} {name == 'transfer' and 'cuts' or 'stages'}"
+                f"costs.{name}: {len(values)} values for {want} {'cuts' if cuts else 'stages'}"
             )
         bad = [v for v in values if not _finite_time(v)]
         if bad:
@@ -163,7 +168,10 @@ def simulate(
         if not comms_of(schedule):
             schedule = insert_comms(schedule, costs)
         ahead = preposted(schedule, costs)
-        run_ = _as_it_runs(schedule, fwd, bwd, i_cost, w_cost, rec, link, preposted=ahead)
+        late = _late_list(costs, link)
+        run_ = _as_it_runs(
+            schedule, fwd, bwd, i_cost, w_cost, rec, link, preposted=ahead, late=late
+        )
     elif w is not None:
         remat = np.array(rec, dtype=np.float64).reshape(S, M)
         run_ = _by_waves(w, durations(w, fwd, bwd, i_cost, w_cost, remat, link))
@@ -383,6 +391,18 @@ def _cost_lists(schedule: Schedule, costs: Costs) -> tuple:
     return fwd, bwd, i_cost, w_cost, remat, link
 
 
+def _late_list(costs: Costs, link: list[float]) -> list[float] | None:
+    """Per cut, a late receive's transfer time (Costs.late_transfer), checked; None: none
+    differs from the hand-off's."""
+    if costs.late_transfer is None:
+        return None
+    late = list(costs.late_transfer)
+    _check_costs(len(link) + 1, late_transfer=late)
+    if any(a < b for a, b in zip(late, link)):
+        raise ValueError("costs.late_transfer: each at least its cut's transfer time")
+    return late
+
+
 def blocking_makespan(lowered: Schedule, costs: Costs) -> float | None:
     """The makespan of `lowered` run with blocking sends, or None where it does not meet there
     (its ranks disagree on the order of their messages, or some rank never gets past a batch):
@@ -394,7 +414,13 @@ def blocking_makespan(lowered: Schedule, costs: Costs) -> float | None:
     except ScheduleError:
         return None
     times = _cost_lists(lowered, costs)
-    got = _rendezvous_loop(lowered, *times, sends_block=True, preposted=preposted(lowered, costs))
+    got = _rendezvous_loop(
+        lowered,
+        *times,
+        sends_block=True,
+        preposted=preposted(lowered, costs),
+        late_link=_late_list(costs, times[-1]),
+    )
     if got is None:
         return None
     ends = got[1]
@@ -402,10 +428,16 @@ def blocking_makespan(lowered: Schedule, costs: Costs) -> float | None:
     return last + costs.step_overhead
 
 
-def _as_it_runs(schedule: Schedule, *times: Any, preposted: frozenset[int] = frozenset()) -> _Run:
+def _as_it_runs(
+    schedule: Schedule,
+    *times: Any,
+    preposted: frozenset[int] = frozenset(),
+    late: list[float] | None = None,
+) -> _Run:
     """The torchrun program's timeline: its sends block where it is proven to meet there (it
     then waits for them), else they go as on gloo (the program says RENDEZVOUS = False);
-    `preposted`: stages whose forward receives are all posted when the step begins."""
+    `preposted`: stages whose forward receives are all posted when the step begins; `late`:
+    per cut, a message's time where its receive is posted after its send."""
     from .validate import ScheduleError, check_order, validate
 
     try:
@@ -415,9 +447,13 @@ def _as_it_runs(schedule: Schedule, *times: Any, preposted: frozenset[int] = fro
         ordered = False
     got = None
     if ordered:
-        got = _rendezvous_loop(schedule, *times, sends_block=True, preposted=preposted)
+        got = _rendezvous_loop(
+            schedule, *times, sends_block=True, preposted=preposted, late_link=late
+        )
     if got is None:
-        got = _rendezvous_loop(schedule, *times, sends_block=False, preposted=preposted)
+        got = _rendezvous_loop(
+            schedule, *times, sends_block=False, preposted=preposted, late_link=late
+        )
     if got is None:
         validate(schedule)  # raises with the grid
         raise AssertionError("simulation stalled on a schedule that validates")
@@ -434,6 +470,7 @@ def _rendezvous_loop(
     link: list[float],
     sends_block: bool = True,
     preposted: frozenset[int] = frozenset(),
+    late_link: list[float] | None = None,
 ) -> _Run | None:
     """The timeline of a lowered schedule as the torchrun program runs it: each run of
     communication between two compute actions is one batch, posted when the rank reaches it
@@ -444,8 +481,10 @@ def _rendezvous_loop(
     model charges it); a skip past a stage adds no time of its own. A rank waiting in a batch
     is not busy. A compute action waits for what it reads: its own rank's actions, or the
     messages that brought the rest. A stage in `preposted` (comm.preposted) has every forward
-    receive posted at time 0; its RECV_F batches only wait. None where a rank never gets past
-    a batch."""
+    receive posted at time 0; its RECV_F batches only wait. A message whose receive is
+    posted after its send takes `late_link`'s time for its cut (the sender, having posted,
+    computes on: cluster.Link's late figures), if given. None where a rank never gets past a
+    batch."""
     S, R, place = schedule.num_stages, schedule.num_ranks, schedule.placement
     senders = [schedule.senders(t) for t in range(S)]
     receivers = [schedule.receivers(t) for t in range(S)]
@@ -487,12 +526,14 @@ def _rendezvous_loop(
         kind, s, t, m = msg
         key = ("msg", msg)
         if key not in avail:
-            go = max(posted[(msg, True)], posted[(msg, False)])
+            sent, asked = posted[(msg, True)], posted[(msg, False)]
+            go = max(sent, asked)
             end = go
             if abs(s - t) == 1:
                 d, cut = (0 if kind == "F" else 1), min(s, t)
                 go = max(go, link_free.get((d, cut), 0.0))
-                end = go + link[cut]
+                slow = late_link is not None and asked > sent
+                end = go + (late_link[cut] if slow else link[cut])  # type: ignore[index]
                 link_free[(d, cut)] = end
                 transfers.append((d, cut, m, go, end))
             publish(key, end)

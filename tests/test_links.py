@@ -8,11 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from planner.cluster import Cluster
+from planner.cluster import Cluster, Link
 from profiler.limits import MAX_BANDWIDTH
-from profiler.links import SIZES, fit_link
+from profiler.links import SIZES, build_cluster, fit_link
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,6 +56,42 @@ def test_fit_link_of_latency_alone():
         fit_link([1024], [])
 
 
+def test_a_late_receive_costs_at_least_a_hand_off():
+    """A link's late figures price a message received late; a file that makes one cheaper
+    than a hand-off (or gives a late bandwidth without a bandwidth) is refused."""
+    link = Link(bandwidth_bytes_per_s=1e6, latency_ms=0.5, late_latency_ms=2.0,
+                late_bandwidth_bytes_per_s=5e5)  # fmt: skip
+    assert link.transfer_ms(1000) == 1.5 and link.transfer_ms(1000, late=True) == 4.0
+    assert list(link.transfer_ms(np.array([0.0, 1000.0]), late=True)) == [2.0, 4.0]
+    only = Link(latency_ms=0.5, late_latency_ms=1.25)  # transfers otherwise free
+    assert (only.transfer_ms(8), only.transfer_ms(8, late=True), only.transfer_ms(0, late=True)) \
+        == (0.5, 1.25, 0.0)  # fmt: skip
+    assert Link(latency_ms=0.5).transfer_ms(8, late=True) == 0.5  # no late figures: a hand-off
+    for bad, said in [
+        ({"latency_ms": 1.0, "late_latency_ms": 0.5}, "below latency_ms"),
+        ({"bandwidth_bytes_per_s": 1e6, "late_bandwidth_bytes_per_s": 2e6}, "at least as much"),
+        ({"late_bandwidth_bytes_per_s": 2e6}, "at least as much"),
+    ]:
+        with pytest.raises(ValueError, match=said):
+            Link(**bad)
+
+
+def test_the_cluster_keeps_late_figures_no_cheaper_than_the_hand_offs():
+    """build_cluster fits the late receives apart; a fit below the hand-off's (noise) is raised
+    to it, and where both agree the link states no late figures."""
+    hand = {1024: 0.2 + 1024 / 1e6, 4096: 0.2 + 4096 / 1e6}  # 0.2 ms, 1 GB/s
+    late = {1024: 0.6 + 1024 / 5e5, 4096: 0.6 + 4096 / 5e5}  # 0.6 ms, 0.5 GB/s
+    faster = {1024: 0.1 + 1024 / 2e6, 4096: 0.1 + 4096 / 2e6}
+    cluster = build_cluster(["h", "h", "h"], [hand, hand], [2**30] * 3, ["", "", ""],
+                            [late, faster])  # fmt: skip
+    a, b = cluster.links
+    assert a.latency_ms == pytest.approx(0.2) and a.bandwidth_bytes_per_s == pytest.approx(1e9)
+    assert a.late_latency_ms == pytest.approx(0.6)
+    assert a.late_bandwidth_bytes_per_s == pytest.approx(5e8)
+    assert (b.late_latency_ms, b.late_bandwidth_bytes_per_s) == (None, None)
+    assert build_cluster(["h", "h"], [hand], [1, 1], ["", ""]).links[0].has_late is False
+
+
 def test_links_measures_two_gloo_ranks_and_plans_with_them(tmp_path, run_cli):
     out = tmp_path / "cluster.json"
     busy = 20.0
@@ -68,6 +105,9 @@ def test_links_measures_two_gloo_ranks_and_plans_with_them(tmp_path, run_cli):
     (link,) = cluster.links
     # a hand-off takes some time, and not the sender's compute before it
     assert 0 < link.latency_ms < busy and link.transfer_ms(4096) < busy
+    # a late receive from its post on (not the receiver's 1.5 x busy of compute before it)
+    assert "received late: latency" in r.out
+    assert link.transfer_ms(4096, late=True) < 1.5 * busy
 
 
 DRIVER = """

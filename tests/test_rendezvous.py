@@ -1284,6 +1284,62 @@ def test_gpipes_forward_receives_posted_ahead_by_hand(monkeypatch):
     assert late.makespan == 24.0
 
 
+def test_a_late_receive_takes_the_links_late_time_by_hand():
+    """1f1b, 2 ranks, 2 micro-batches; F 1 ms, B 2 ms, 0.5 ms on the link, 1.5 ms for a message
+    received late. Rank 0 posts SEND_F1 with RECV_B0 at 2.5; rank 1 posts RECV_F1 with SEND_B0
+    at 4.5, after its send: activation 1 takes 1.5 ms (4.5 to 6.0), gradient 0, whose receive
+    was posted first, 0.5 (4.5 to 5.0). Both ranks leave the batch at 6.0, a millisecond later
+    than where every message takes 0.5 ms, and the step ends at 11.5, not 10.5."""
+    from schedules import Costs, simulate
+
+    plain = Costs([1.0, 1.0], [2.0, 2.0], transfer=[0.5])
+    late = Costs([1.0, 1.0], [2.0, 2.0], transfer=[0.5], late_transfer=[1.5])
+    lowered = insert_comms(build_schedule("1f1b", 2, 2), plain)
+    assert str(lowered) == (
+        "0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1\n"
+        "1: 1RECV_F0 1F0 1B0 1SEND_B0 1RECV_F1 1F1 1B1 1SEND_B1"
+    )
+    tl = simulate(lowered, late, memory=False, rendezvous=True)
+    assert sorted(tl.raw_transfers) == [
+        (0, 0, 0, 1.0, 1.5), (0, 0, 1, 4.5, 6.0), (1, 0, 0, 4.5, 5.0), (1, 0, 1, 9.0, 9.5),
+    ]  # fmt: skip
+    assert tl.ends == [
+        [1.0, 1.5, 2.5, 6.0, 6.0, 8.0, 9.5, 11.5],
+        [1.5, 2.5, 4.5, 6.0, 6.0, 7.0, 9.0, 9.5],
+    ]
+    assert tl.makespan == 11.5
+    assert simulate(lowered, plain, memory=False, rendezvous=True).makespan == 10.5
+    # the default model (sends never wait for their receive) has no late receives
+    assert (
+        simulate(lowered, late, memory=False).makespan
+        == simulate(lowered, plain, memory=False).makespan
+    )
+    # lowered knowing the late time, rank 1 posts RECV_F1 before B0: a 0.5 ms hand-off while
+    # rank 0 waits anyway, B0 half a millisecond later, and no late message: 11.0
+    chosen = insert_comms(build_schedule("1f1b", 2, 2), late)
+    assert str(chosen).splitlines()[1] == "1: 1RECV_F0 1F0 1RECV_F1 1B0 1SEND_B0 1F1 1B1 1SEND_B1"
+    assert simulate(chosen, late, memory=False, rendezvous=True).makespan == 11.0
+    # GPipe's last stage posts its receives as the step begins: none is late
+    gpipe = insert_comms(build_schedule("gpipe", 2, 4), plain)
+    assert (
+        simulate(gpipe, late, memory=False, rendezvous=True).makespan
+        == simulate(gpipe, plain, memory=False, rendezvous=True).makespan
+    )
+
+
+@pytest.mark.parametrize(
+    "late, said",
+    [([0.4], "each at least its cut's transfer time"), ([float("nan")], "not a finite time"),
+     ([1.0, 1.0], "2 values for 1 cuts")],
+)  # fmt: skip
+def test_late_transfer_times_are_checked(late, said):
+    from schedules import Costs, simulate
+
+    costs = Costs([1.0, 1.0], [2.0, 2.0], transfer=[0.5], late_transfer=late)
+    with pytest.raises(ValueError, match=said):
+        simulate(build_schedule("1f1b", 2, 2), costs, memory=False, rendezvous=True)
+
+
 def test_which_stages_post_their_forward_receives_ahead():
     """Only a stage alone on its rank, fed from another rank, on a rank that runs every forward
     first (GPipe), in a chain; and not one that keeps activations lighter than its input."""

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import planner.search as search
-from planner import Cluster, format_size, plan_pipeline
+from planner import Cluster, Plan, format_size, plan_pipeline
 from planner.bounds import interleaved_bound, least_bottleneck, prior_bound
 from planner.cluster import Device, Link
 from planner.memory import RECOMPUTE_MODES
@@ -626,6 +626,48 @@ def test_planned_for_torchrun_the_plan_is_the_fastest_there():
     assert not slow.solver.optimal and "wait for each other" in slow.solver.unproven
 
 
+def _with_late(cluster: Cluster, extra_ms: float, bandwidth: float | None = None) -> Cluster:
+    """`cluster` whose links take `extra_ms` more for a message received late (and
+    `bandwidth` then)."""
+    links = [
+        Link(
+            bandwidth_bytes_per_s=link.bandwidth_bytes_per_s,
+            latency_ms=link.latency_ms,
+            late_latency_ms=link.latency_ms + extra_ms,
+            late_bandwidth_bytes_per_s=bandwidth,
+        )
+        for link in cluster.links
+    ]
+    return Cluster(devices=cluster.devices, links=links)
+
+
+def test_a_late_receive_is_priced_in_the_torchrun_plan():
+    """A link's late figures price each stage's transfer received late (late_send_ms), and the
+    plan's predicted time is the simulator's for its program; the streams plan has no late
+    receives. A plan file whose late transfer undercuts its hand-off is refused."""
+    profile = synthetic_profile([0.5, 1, 1.5, 2, 1, 1, 0.5, 2], sizes=(1, 2, 4, 8))
+    base = Cluster.uniform(2, "1GiB", bandwidth=1e6, latency_ms=0.5)
+    cluster = _with_late(base, 2.0, bandwidth=5e5)
+    plain = plan_pipeline(profile, base, 8, microbatches=8, schedule="1f1b", target="torchrun")
+    plan = plan_pipeline(profile, cluster, 8, microbatches=8, schedule="1f1b", target="torchrun")
+    first = plan.stages[0]
+    assert first.late_send_ms == cluster.links[0].transfer_ms(first.send_bytes, late=True)
+    assert first.late_send_ms == first.send_bytes / 5e5 * 1e3 + 2.5 > first.send_ms
+    assert plan.stages[1].late_send_ms is None and plain.stages[0].late_send_ms is None
+    assert plan.predicted.iteration_ms == search.simulate_plan(plan).makespan
+    assert plan.predicted.iteration_ms > plain.predicted.iteration_ms
+    assert Plan.from_json_text(plan.model_dump_json()).stages == plan.stages
+    streams = plan_pipeline(profile, cluster, 8, microbatches=8, schedule="1f1b")
+    assert (
+        streams.predicted.iteration_ms
+        == plan_pipeline(profile, base, 8, microbatches=8, schedule="1f1b").predicted.iteration_ms
+    )
+    data = json.loads(plan.model_dump_json())
+    data["stages"][0]["late_send_ms"] = first.send_ms / 2
+    with pytest.raises(ValueError, match="late_send_ms .* is below its send_ms"):
+        Plan.model_validate(data)
+
+
 def test_planned_for_torchrun_plans_that_already_lost_are_not_timed():
     """A chain's plan slower where sends never wait than the best program so far is left
     untimed (its time there bounds its program's); the plan is the one timing them all gives,
@@ -661,17 +703,21 @@ def test_planned_for_torchrun_plans_that_already_lost_are_not_timed():
     N=st.sampled_from([3, 4, 8]),
     latency=st.sampled_from([0.0, 0.5, 5.0]),
     memory=st.sampled_from(["1GiB", 3_000]),
+    late=st.sampled_from([None, 2.0]),
 )
 def test_pruned_search_for_torchrun_returns_the_exhaustive_plan(
-    forward, backward_ratio, K, N, latency, memory
+    forward, backward_ratio, K, N, latency, memory, late
 ):
     """The bounds are of the split where sends never wait, so they stay below the torchrun
-    program's time: pruning by them still returns what solving every candidate returns."""
+    program's time: pruning by them still returns what solving every candidate returns (also
+    where a message received late costs more than a hand-off: `late` ms more)."""
     fwd = [round(x, 3) for x in forward]
     profile = synthetic_profile(
         fwd, [round(x * backward_ratio, 3) for x in fwd], sizes=(1, 2, 4, 8)
     )
     cluster = Cluster.uniform(K, memory, bandwidth=1e6, latency_ms=latency)
+    if late is not None:
+        cluster = _with_late(cluster, late)
     try:
         pruned = plan_pipeline(profile, cluster, N, target="torchrun")
     except search.InfeasibleError:
