@@ -335,6 +335,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     note = ""
     if torchrun and len(plan.devices) > 1:
         free = simulate_plan(plan, levels=False, rendezvous=False).makespan
+        free += plan.cluster.step_sync_ms or 0.0  # (the step's all-reduces: paid either way)
         note = f" (the torchrun program; {free:.3f} ms where sends never wait)"
     print(
         f"{plan.schedule}, {len(plan.devices)} devices x {plan.stages_per_device} stage(s), "

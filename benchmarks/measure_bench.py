@@ -145,10 +145,17 @@ def main() -> None:
             run = reports.get("torchrun", mem)
             planned = Plan.load(plan)
             free = simulate_plan(planned, levels=False, rendezvous=False).makespan
+            free += (planned.cluster.step_sync_ms or 0.0) if torchrun else 0.0
             # the same program without the runtime's own costs (profile.runtime), as before
             bare = simulate_plan(
                 planned.model_copy(update={"runtime": None}), levels=False, rendezvous=torchrun
             ).makespan
+            # the model before late receives and the step's all-reduces were in it
+            older = planned.model_copy(update={
+                "cluster": planned.cluster.model_copy(update={"step_sync_ms": None}),
+                "stages": [st.model_copy(update={"late_send_ms": None}) for st in planned.stages],
+            })  # fmt: skip
+            before = simulate_plan(older, levels=False, rendezvous=torchrun).makespan
             if not cuda:  # one process on the CPU: the stages take turns, no link to wait on
                 turns = simulate_plan(planned, levels=False, rendezvous=False)
                 rt = planned.runtime
@@ -172,6 +179,8 @@ def main() -> None:
                     f"{run['predicted_step_ms']:.1f}",
                     f"{run['measured_step_ms']:.1f}",
                     f"{100 * run['step_error']:+.1f}%",
+                    f"{before:.1f}",
+                    f"{100 * (run['measured_step_ms'] - before) / before:+.1f}%",
                     f"{100 * (run['measured_step_ms'] - bare) / bare:+.1f}%",
                 ])  # fmt: skip
             print(" | ".join(rows[-1]), flush=True)
@@ -179,6 +188,7 @@ def main() -> None:
             "memory error", "memory error (torchrun)", "step ms where sends never wait",
             "predicted step ms (the program)",
             "measured step ms (torchrun, median)", "step error",
+            "predicted without late receives and the step's all-reduces", "its error",
             "step error without the runtime's overhead"]  # fmt: skip
     print_table(head, rows)
     if serial:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from profiler.artifact import Artifact
+from profiler.artifact import Artifact, LaterFields
 from profiler.limits import (
     MAX_BANDWIDTH,
     MAX_BYTES,
@@ -97,10 +97,11 @@ class Device(BaseModel):
         return self
 
 
-class Link(BaseModel):
+class Link(LaterFields):
     """The link from device k to device k+1 (pipeline neighbours)."""
 
     model_config = ConfigDict(extra="forbid")
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("late_latency_ms", "late_bandwidth_bytes_per_s")
     bandwidth_bytes_per_s: float | None = Field(
         default=None,
         ge=MIN_BANDWIDTH,
@@ -109,16 +110,17 @@ class Link(BaseModel):
         description="None: transfers are free (not modelled)",
     )
     latency_ms: float = Field(default=0.0, ge=0, le=MAX_MS, allow_inf_nan=False)
-    # A message whose receive is posted after its send, the sender computing on meanwhile (the
-    # torchrun program's exchanges: a rank posts its send and its receive, gets its receive and
-    # computes; its peer's receive comes later). On gloo over a busy CPU such a message waits
-    # for the sender's process to move it: `links` measures it apart. None: as above.
+    # A message whose receive is posted after its send (the torchrun program's exchanges: a
+    # rank posts its send and its receive and waits for both; its peer's receive comes later,
+    # after some compute). gloo moves the bytes only once told the receive is posted, and
+    # that notice must wake the sender's side: `links` measures such messages apart. None: as
+    # above.
     late_latency_ms: float | None = Field(
         default=None,
         ge=0,
         le=MAX_MS,
         allow_inf_nan=False,
-        description="latency of a message received late, its sender computing (None: latency_ms)",
+        description="latency of a message received late (None: latency_ms)",
     )
     late_bandwidth_bytes_per_s: float | None = Field(
         default=None,
@@ -172,19 +174,28 @@ class HostLinks(BaseModel):
     inter_host: Link
 
 
-class Cluster(Artifact):
+class Cluster(LaterFields, Artifact):
     """Devices in pipeline order: stage k runs on devices[k]. Links are given between
     neighbours in that order, or by host (`links: {"intra_host": ..., "inter_host": ...}`,
     each device naming its `host`), which lets the planner reorder the devices."""
 
     model_config = ConfigDict(extra="forbid", json_schema_extra=_links_as_written)
 
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("step_sync_ms",)
     kind: Literal["cluster"] = "cluster"
     devices: list[Device] = Field(min_length=1, max_length=MAX_DEVICES)
     links: list[Link] = Field(
         default_factory=list, description="len(devices) - 1 (derived when given by host), or empty"
     )
     host_links: HostLinks | None = Field(default=None, description="links given by host")
+    step_sync_ms: float | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_MS,
+        allow_inf_nan=False,
+        description="what a step of the torchrun program spends in its two small all-reduces "
+        "among all ranks (its start and end); None: not modelled",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -264,7 +275,12 @@ class Cluster(Artifact):
             raise ValueError(f"{order} is not an order of {self.size} devices")
         devices = [self.devices[k] for k in order]
         if self.host_links is not None:
-            return Cluster(devices=devices, links=[], host_links=self.host_links)
+            return Cluster(
+                devices=devices,
+                links=[],
+                host_links=self.host_links,
+                step_sync_ms=self.step_sync_ms,
+            )
         if any(link != self.links[0] for link in self.links):
             raise ArgumentError(
                 "cluster",
@@ -273,7 +289,7 @@ class Cluster(Artifact):
                 'known links; describe them by host ({"intra_host": ..., "inter_host": ...}) '
                 "to let the planner reorder devices",
             )
-        return Cluster(devices=devices, links=list(self.links))
+        return Cluster(devices=devices, links=list(self.links), step_sync_ms=self.step_sync_ms)
 
     def placements(self, limit: int = 120) -> tuple[list[list[int]], bool]:
         """The device orders worth planning for: every distinct order (devices alike in memory,

@@ -7,7 +7,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, model_validator
 
-from profiler.artifact import Artifact, InputError
+from profiler.artifact import Artifact, InputError, LaterFields
 from profiler.limits import MAX_BATCH, MAX_BYTES, MAX_MICROBATCHES, DType, Text
 from profiler.types import RuntimeOverhead
 
@@ -91,7 +91,9 @@ class StateBytes(_Strict):
     static: Bytes = Field(description="weights, gradients, optimizer state and workspace")
 
 
-class StagePlan(_Strict):
+class StagePlan(_Strict, LaterFields):
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("late_send_ms",)
+
     index: Count
     rank: Count = Field(description="position of the stage's device in the cluster")
     device: Text
@@ -126,7 +128,7 @@ class StagePlan(_Strict):
     late_send_ms: Ms | None = Field(
         default=None,
         description="the same transfer where the next stage posts its receive after this one's "
-        "send, this one computing on (the link's late figures; None: send_ms)",
+        "send (the link's late figures; None: send_ms)",
     )
     stash_bytes: Bytes = Field(description="what one micro-batch leaves saved for backward")
     input_bytes: Bytes = Field(description="one micro-batch entering the stage")

@@ -1526,10 +1526,13 @@ def _build_plan(
     waits = ""
     # (one stage per device, and it fits: else the search goes on to the interleaved
     # fallback, or reports by how much it is over budget)
+    # a step's all-reduces under torchrun: the same for every plan
+    sync = (cluster.step_sync_ms or 0.0) if problem.target == "torchrun" and K > 1 else 0.0
+    total_ms += sync
     lost = beat is not None and v == 1 and not routes and total_ms > beat * (1 + 1e-12)
     lost = lost and all(d.total <= d.budget for d in devices)
     if problem.target == "torchrun" and K > 1 and not lost:
-        costs = stage_costs(stages, profile.runtime, profile.device)
+        costs = stage_costs(stages, profile.runtime, profile.device, step_sync_ms=sync)
         sched = plan_schedule(cand.schedule, K, cand.microbatches, routes)
         lowered, ran = fastest_lowering(sched, costs)  # timed as it runs, where it meets
         if ran is None:  # as gloo runs a program not proven to meet
@@ -1630,10 +1633,15 @@ def stage_bytes(stage: StagePlan) -> StageBytes:
 
 
 def stage_costs(
-    stages: list[StagePlan], runtime: RuntimeOverhead | None = None, device_type: str = "cpu"
+    stages: list[StagePlan],
+    runtime: RuntimeOverhead | None = None,
+    device_type: str = "cpu",
+    *,
+    step_sync_ms: float | None = None,
 ) -> Costs:
     """What the simulator charges each of the plan's stages (per micro-batch) and cuts, and
-    what the runtime adds per action and per step (the profile's `runtime`); on a GPU
+    what the runtime adds per action and per step (the profile's `runtime`, and for the
+    torchrun program its all-reduces, the cluster's `step_sync_ms`); on a GPU
     (`device_type`, the profile's) the torchrun program's communication runs over NCCL,
     each rank's in the order posted (Costs.ordered_p2p)."""
     return Costs(
@@ -1651,7 +1659,7 @@ def stage_costs(
         ),
         memory=[stage_bytes(st) for st in stages],
         action_overhead=runtime.action_ms if runtime is not None else 0.0,
-        step_overhead=runtime.step_ms if runtime is not None else 0.0,
+        step_overhead=(runtime.step_ms if runtime is not None else 0.0) + (step_sync_ms or 0.0),
         call_overhead=runtime.call_ms if runtime is not None else 0.0,
         input_calls=[
             input_calls(st.index, st.layers, len(stages), st.state_bytes.grad) for st in stages
@@ -1698,7 +1706,9 @@ def simulate_plan(plan: Plan, *, levels: bool = True, rendezvous: bool | None = 
         )  # fmt: skip
     return simulate(
         torchrun_schedule(plan),
-        stage_costs(plan.stages, plan.runtime, plan.device_type),
+        stage_costs(
+            plan.stages, plan.runtime, plan.device_type, step_sync_ms=plan.cluster.step_sync_ms
+        ),
         levels=levels,
         rendezvous=True,
     )
@@ -1708,7 +1718,9 @@ def torchrun_schedule(plan: Plan, schedule: Schedule | None = None) -> Schedule:
     """`schedule` (by default the plan's own) with the communication the torchrun target
     posts: of the lowerings that meet where sends block, the one the simulator finds fastest
     under the plan's costs (insert_comms)."""
-    costs = stage_costs(plan.stages, plan.runtime, plan.device_type)
+    costs = stage_costs(
+        plan.stages, plan.runtime, plan.device_type, step_sync_ms=plan.cluster.step_sync_ms
+    )  # (the search's own: the same lowering, whatever the sync does to near ties)
     return insert_comms(schedule or schedule_of(plan), costs)
 
 

@@ -18,7 +18,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, StrictInt, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    SerializerFunctionWrapHandler,
+    StrictInt,
+    ValidationError,
+    model_serializer,
+)
 
 
 class InputError(Exception):
@@ -26,6 +33,22 @@ class InputError(Exception):
 
 
 A = TypeVar("A", bound="Artifact")
+
+
+class LaterFields(BaseModel):
+    """A part of a file (a cluster's link, a plan's stage) that gained fields later: each is
+    left out of its JSON where unset, so a file that does not use it keeps its bytes, its
+    digest and its readability by an older gpipe-plan of the same format version."""
+
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    @model_serializer(mode="wrap")
+    def _leave_out_unset_later(self, handler: SerializerFunctionWrapHandler) -> Any:
+        data = handler(self)
+        for name in self.LATER_FIELDS:
+            if getattr(self, name) is None:
+                data.pop(name, None)
+        return data
 
 
 class Artifact(BaseModel):

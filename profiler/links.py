@@ -12,12 +12,16 @@ included. Each link is then fitted to latency + bytes / bandwidth, the model the
 charges.
 
 A pipeline also receives late: in the torchrun program's exchanges a rank posts a send and
-a receive, gets what it receives and computes on, while its peer posts the matching receive
-later. Such a message waits for the sender's process to move it (on gloo over two busy
-vCPUs about three times a hand-off, on average). So each link is also timed that way
+a receive and waits for both, while its peer posts the matching receive later, after some
+compute. gloo moves the bytes only once told that the receive is posted, and that notice
+must wake the sender's side (over two busy vCPUs about three times a hand-off, on average). So each link is also timed that way
 (measure_late_receives: the receiver's own clock, from its receive's post to the arrival)
 and fitted apart: the link's late figures, which the torchrun model charges a message whose
 receive is posted after its send.
+
+And every step of the torchrun program begins and ends with a small all-reduce among all
+ranks (the batch's signature; the loss), which the pipeline's own schedule does not hold:
+measure_step_syncs times the pair, the cluster's `step_sync_ms`.
 
     gpipe-plan links --nproc-per-node 2 --memory 16GiB -o cluster.json          # one host
     torchrun --nnodes N ... -m profiler.links --memory 16GiB -o cluster.json   # many hosts
@@ -177,6 +181,39 @@ def measure_late_receives(
     return [{n: statistics.fmean(v) for n, v in link.items()} for link in got]
 
 
+def measure_step_syncs(*, rounds: int = 20, busy_ms: float = 1.0, warmup: int = 2) -> float:
+    """Run on every rank, as measure_hand_offs. The median ms a step spends in the torchrun
+    program's two small all-reduces: one as the step begins (16 int64, the batch's
+    signature) and one as it ends (the loss), with compute between them that ends later on
+    rank 0 (as a pipeline's last backward does) than on the others. Per round, the longest
+    rank's wall less the longest compute. Every rank gets the result."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = (
+        torch.device("cuda", torch.cuda.current_device()) if _on_cuda() else torch.device("cpu")
+    )
+    signature = torch.zeros(16, dtype=torch.int64, device=device)
+    loss = torch.zeros((), device=device)
+    took = torch.zeros(2, world, warmup + rounds, dtype=torch.float64)  # wall, then compute
+    for j in range(warmup + rounds):
+        dist.barrier()
+        t0 = _stamp(device)
+        dist.all_reduce(signature)
+        signature.tolist()  # (the program reads it)
+        t1 = _stamp(device)
+        _busy(busy_ms * (1.5 if rank == 0 else 1.0), device)
+        t2 = _stamp(device)
+        dist.all_reduce(loss)
+        took[0, rank, j] = (_stamp(device) - t0) * 1e3
+        took[1, rank, j] = (t2 - t1) * 1e3
+    took = took.to(device)
+    dist.all_reduce(took)  # each entry was written on one rank only
+    wall, busy = took.cpu().amax(dim=1).tolist()
+    return statistics.median(w - b for w, b in zip(wall[warmup:], busy[warmup:]))
+
+
 def _on_cuda() -> bool:
     """Whether the process group moves CUDA tensors (NCCL): then each rank uses its GPU."""
     import torch
@@ -191,10 +228,11 @@ def build_cluster(
     memory: list[int],
     devices: list[str],
     late: list[dict[int, float]] | None = None,
+    step_sync_ms: float | None = None,
 ) -> Any:
     """The cluster file for the measured ranks, in rank order: one link per neighbouring pair,
     fitted to its hand-offs (and its late receives, `late`: never cheaper than a hand-off);
-    `host` named where the ranks span several."""
+    `host` named where the ranks span several; `step_sync_ms` as measure_step_syncs found."""
     from planner.cluster import Cluster, Device, Link
 
     several = len(set(hosts)) > 1
@@ -202,8 +240,9 @@ def build_cluster(
     for k, m in enumerate(means):
         latency, bandwidth = fit_link(list(m), list(m.values()))
         link = Link(bandwidth_bytes_per_s=bandwidth, latency_ms=latency)
-        if late is not None:
-            lat, bw = fit_link(list(late[k]), list(late[k].values()))
+        if late is not None:  # each size no cheaper than its hand-off (noise), then fitted
+            floor = {n: max(t, m.get(n, t)) for n, t in late[k].items()}
+            lat, bw = fit_link(list(floor), list(floor.values()))
             lat, bw = max(lat, latency), min(bw, bandwidth)
             if (lat, bw) != (latency, bandwidth):
                 link = Link(
@@ -224,6 +263,7 @@ def build_cluster(
             for r in range(len(hosts))
         ],
         links=links,
+        step_sync_ms=None if step_sync_ms is None else min(max(step_sync_ms, 0.0), MAX_MS),
     )
 
 
@@ -288,12 +328,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sizes = [n for n in SIZES if n <= args.max_bytes] or [SIZES[0]]
         hosts, means = measure_hand_offs(rounds=args.rounds, busy_ms=args.busy_ms, sizes=sizes)
         late = measure_late_receives(rounds=args.rounds, busy_ms=args.busy_ms, sizes=sizes)
+        sync = measure_step_syncs(rounds=args.rounds, busy_ms=args.busy_ms)
         mems: list[Any] = [None] * world
         names: list[Any] = [None] * world
         dist.all_gather_object(mems, memory, group=_cpu_group())
         dist.all_gather_object(names, f"cuda:{local}" if cuda else "", group=_cpu_group())
         if rank == 0:
-            cluster = build_cluster(hosts, means, mems, names, late)
+            cluster = build_cluster(hosts, means, mems, names, late, sync)
             write_output(args.output, cluster.model_dump_json(indent=1, exclude_none=True) + "\n")
             for r, (m, link) in enumerate(zip(means, cluster.links)):
                 shown = ", ".join(f"{n // 1024} KiB {ms:.3f}" for n, ms in m.items())
@@ -308,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"  received late: latency {lat:.3f} ms, bandwidth "
                     f"{_speed(bw or link.bandwidth_bytes_per_s)} (mean ms: {shown})"
                 )
+            print(f"a step's two all-reduces (its start and end): {sync:.3f} ms (median)")
         return 0
     finally:
         dist.destroy_process_group()

@@ -482,8 +482,8 @@ def _rendezvous_loop(
     is not busy. A compute action waits for what it reads: its own rank's actions, or the
     messages that brought the rest. A stage in `preposted` (comm.preposted) has every forward
     receive posted at time 0; its RECV_F batches only wait. A message whose receive is
-    posted after its send takes `late_link`'s time for its cut (the sender, having posted,
-    computes on: cluster.Link's late figures), if given. None where a rank never gets past a
+    posted after its send takes `late_link`'s time for its cut (gloo moves it only once told
+    that the receive is posted: cluster.Link's late figures), if given. None where a rank never gets past a
     batch."""
     S, R, place = schedule.num_stages, schedule.num_ranks, schedule.placement
     senders = [schedule.senders(t) for t in range(S)]

@@ -90,6 +90,45 @@ def test_the_cluster_keeps_late_figures_no_cheaper_than_the_hand_offs():
     assert a.late_bandwidth_bytes_per_s == pytest.approx(5e8)
     assert (b.late_latency_ms, b.late_bandwidth_bytes_per_s) == (None, None)
     assert build_cluster(["h", "h"], [hand], [1, 1], ["", ""]).links[0].has_late is False
+    # late receives quicker than hand-offs when small but slower when large: each size is
+    # raised to its hand-off before the fit, which then prices every size near what was
+    # measured (raising the fitted latency alone overpriced 64 KiB by 25%)
+    sizes = [1024, 4096, 65536, 262144]
+    hand = {n: 0.2 + n / 1e6 for n in sizes}
+    late = {n: 0.1 + n / 5e5 for n in sizes}
+    (link,) = build_cluster(["h", "h"], [hand], [1, 1], ["", ""], [late]).links
+    for n in sizes:
+        priced = link.transfer_ms(n, late=True)
+        assert hand[n] <= priced <= 1.15 * max(hand[n], late[n]), n
+
+
+def test_a_cluster_file_from_before_the_later_figures_keeps_its_bytes():
+    """A cluster written before links stated late figures and a step's all-reduces reads
+    and writes back as it was (no new keys: its digest holds, and an older gpipe-plan still
+    reads what this one writes); figures given are written."""
+    old = {
+        "kind": "cluster",
+        "format_version": 1,
+        "devices": [
+            {"name": f"d{k}", "memory_bytes": 2**30, "speed": 1.0, "reserved_bytes": 0,
+             "torch_device": None, "host": None}
+            for k in range(2)
+        ],
+        "links": [{"bandwidth_bytes_per_s": 1e9, "latency_ms": 0.25}],
+        "host_links": None,
+    }  # fmt: skip
+    text = json.dumps(old, sort_keys=True, indent=1) + "\n"
+    cluster = Cluster.from_json_text(text)
+    assert cluster.canonical_json() == text
+    late = {1024: 0.6 + 1024 / 5e5, 4096: 0.6 + 4096 / 5e5}
+    hand = {1024: 0.2 + 1024 / 1e6, 4096: 0.2 + 4096 / 1e6}
+    made = build_cluster(["h", "h"], [hand], [1, 1], ["", ""], [late], step_sync_ms=0.4)
+    data = json.loads(made.canonical_json())
+    assert data["step_sync_ms"] == 0.4
+    assert set(data["links"][0]) == {"bandwidth_bytes_per_s", "latency_ms", "late_latency_ms",
+                                     "late_bandwidth_bytes_per_s"}  # fmt: skip
+    assert Cluster.from_json_text(made.canonical_json()) == made
+    assert build_cluster(["h", "h"], [hand], [1, 1], ["", ""], step_sync_ms=-0.1).step_sync_ms == 0
 
 
 def test_links_measures_two_gloo_ranks_and_plans_with_them(tmp_path, run_cli):
@@ -108,6 +147,9 @@ def test_links_measures_two_gloo_ranks_and_plans_with_them(tmp_path, run_cli):
     # a late receive from its post on (not the receiver's 1.5 x busy of compute before it)
     assert "received late: latency" in r.out
     assert link.transfer_ms(4096, late=True) < 1.5 * busy
+    # a step's two all-reduces, without the compute between them (rank 0's 1.5 x busy)
+    assert "a step's two all-reduces" in r.out
+    assert 0 < cluster.step_sync_ms < busy
 
 
 DRIVER = """

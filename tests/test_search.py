@@ -657,6 +657,12 @@ def test_a_late_receive_is_priced_in_the_torchrun_plan():
     assert plan.predicted.iteration_ms == search.simulate_plan(plan).makespan
     assert plan.predicted.iteration_ms > plain.predicted.iteration_ms
     assert Plan.from_json_text(plan.model_dump_json()).stages == plan.stages
+    # a stage without late figures leaves the field out: plans made before it keep their bytes
+    assert [("late_send_ms" in st) for st in json.loads(plan.canonical_json())["stages"]] == [
+        True,
+        False,
+    ]
+    assert all("late_send_ms" not in st for st in json.loads(plain.canonical_json())["stages"])
     streams = plan_pipeline(profile, cluster, 8, microbatches=8, schedule="1f1b")
     assert (
         streams.predicted.iteration_ms
@@ -666,6 +672,46 @@ def test_a_late_receive_is_priced_in_the_torchrun_plan():
     data["stages"][0]["late_send_ms"] = first.send_ms / 2
     with pytest.raises(ValueError, match="late_send_ms .* is below its send_ms"):
         Plan.model_validate(data)
+
+
+def test_a_steps_all_reduces_are_in_the_torchrun_plans_time():
+    """The cluster's step_sync_ms (the torchrun program's all-reduces as a step begins and
+    ends) adds to the torchrun plan's time, once per step, and changes no choice: the search,
+    pruned by bounds that leave it out, picks what it picks without it. Streams plans do not
+    pay it; the simulator of the plan's program does."""
+    profile = synthetic_profile([0.5, 1, 1.5, 2, 1, 1, 0.5, 2], sizes=(1, 2, 4, 8))
+    base = Cluster.uniform(2, "1GiB", bandwidth=1e6, latency_ms=0.5)
+    synced = Cluster(devices=base.devices, links=base.links, step_sync_ms=0.75)
+    for kw in (
+        {"microbatches": 8, "schedule": "1f1b"},
+        {"microbatches": 4, "schedule": "interleaved-1f1b"},
+        {},
+    ):
+        plain = plan_pipeline(profile, base, 8, target="torchrun", **kw)
+        plan = plan_pipeline(profile, synced, 8, target="torchrun", **kw)
+        assert (plan.schedule, plan.microbatches, plan.stages) == (
+            plain.schedule,
+            plain.microbatches,
+            plain.stages,
+        )
+        assert plan.predicted.iteration_ms - plain.predicted.iteration_ms == pytest.approx(
+            0.75, abs=1e-9
+        )
+        assert plan.predicted.iteration_ms == search.simulate_plan(plan).makespan
+        # the plan file holds the cluster, and the figure only where given
+        assert json.loads(plan.canonical_json())["cluster"]["step_sync_ms"] == 0.75
+        assert "step_sync_ms" not in json.loads(plain.canonical_json())["cluster"]
+        back = Plan.from_json_text(plan.canonical_json())
+        assert (back.cluster, back.predicted) == (plan.cluster, plan.predicted)
+        streams = plan_pipeline(profile, synced, 8, **kw)
+        assert (
+            streams.predicted.iteration_ms
+            == plan_pipeline(profile, base, 8, **kw).predicted.iteration_ms
+        )
+    assert "step_sync_ms" not in json.loads(base.canonical_json())
+    assert json.loads(synced.canonical_json())["step_sync_ms"] == 0.75
+    with pytest.raises(ValueError, match="step_sync_ms"):
+        Cluster(devices=base.devices, links=base.links, step_sync_ms=-1.0)
 
 
 def test_planned_for_torchrun_plans_that_already_lost_are_not_timed():
