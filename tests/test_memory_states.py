@@ -382,3 +382,30 @@ def test_receives_posted_ahead_would_raise_this_peak():
     assert preposted(sched, costs) == set()
     peak, held = _with_inputs_posted_ahead(sched, ["never"] * 2, sizes, 1)
     assert held > peak
+
+
+def test_steady_schedules_occupancy_stops_growing_past_the_stage_count():
+    """1F1B's and zero bubble's exact occupancy and floor are the same for every micro-batch
+    count from K + 1 on (each further micro-batch repeats the steady state): the planner reads
+    them at K + 1 (planner/search.py `_occupancy`). GPipe's grows with M, as it must; the
+    bound above (occupancy_bound) is not read this way, since it differs."""
+    from planner.search import _occupancy
+    from schedules.memory import occupancy_floor
+
+    for name, K, mode in itertools.product(
+        ("1f1b", "zb-h1"), (1, 2, 3, 5, 8), ("never", "always", "except_last")
+    ):
+        for made in (occupancy, occupancy_floor):
+            at = made(build_schedule(name, K, K + 1), mode)
+            for M in range(K + 2, 3 * K + 4):
+                assert made(build_schedule(name, K, M), mode) == at, (name, K, mode, M)
+        # and the planner's tables at a large M are those of the schedule itself
+        direct = occupancy(build_schedule(name, K, 4 * K + 3), mode)
+        assert _occupancy(name, K, 4 * K + 3, mode) == direct
+    # a count below K + 1 is its own (the warm-up does not fill), and GPipe's keeps growing
+    assert occupancy(build_schedule("1f1b", 4, 3), "never") != occupancy(
+        build_schedule("1f1b", 4, 5), "never"
+    )
+    assert occupancy(build_schedule("gpipe", 3, 5), "never") != occupancy(
+        build_schedule("gpipe", 3, 6), "never"
+    )
