@@ -1213,7 +1213,15 @@ def _received(memory: MemoryModel, part: Partition, grad: bool = False) -> list[
     return [int(memory.inputs(np.array([i]), np.array([j]))[at][0]) for i, j in part.stages]
 
 
-_STEADY = ("1f1b", "zb-h1")
+def _steady_count(name: str, num_devices: int) -> int | None:
+    """The micro-batch count from which a schedule's exact occupancy and floor stop changing
+    on a chain (None: they grow with M, as GPipe's do): K + 1 for 1F1B and zero bubble, three
+    rounds of K for the interleaved schedule (whose counts past K are multiples of K)."""
+    if name in ("1f1b", "zb-h1"):
+        return num_devices + 1
+    if name == "interleaved-1f1b":
+        return 3 * num_devices
+    return None
 
 
 @lru_cache(maxsize=2048)
@@ -1226,13 +1234,14 @@ def _occupancy(
     which: str = "exact",
 ) -> list:
     """The exact occupancy of a plan's schedule, or the bound above it or the floor below it
-    (schedules/memory.py). 1F1B's and zero bubble's exact occupancy and floor on a chain are
-    the same for every micro-batch count past the stages' (each further micro-batch repeats
-    the steady state; the last one's except_last is in the drain either way): read at
-    K + 1, the tables stay a size that does not grow with M (tests/test_memory_states.py
-    holds them equal up to 3K + 3)."""
-    if name in _STEADY and not routes and which != "bound" and microbatches > num_devices + 1:
-        return _occupancy(name, num_devices, num_devices + 1, recompute, routes, which)
+    (schedules/memory.py). Past a count (_steady_count) a steady schedule's exact occupancy
+    and floor on a chain are the same for every micro-batch count (each further micro-batch
+    repeats the steady state; the last one's except_last is in the drain either way): read
+    there, the tables stay a size that does not grow with M (tests/test_memory_states.py
+    holds them equal well past it)."""
+    steady = _steady_count(name, num_devices)
+    if steady is not None and not routes and which != "bound" and microbatches > steady:
+        return _occupancy(name, num_devices, steady, recompute, routes, which)
     schedule = plan_schedule(name, num_devices, microbatches, routes)
     made = {"exact": occupancy, "bound": occupancy_bound, "floor": occupancy_floor}[which]
     return made(schedule, recompute)

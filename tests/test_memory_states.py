@@ -386,8 +386,9 @@ def test_receives_posted_ahead_would_raise_this_peak():
 
 def test_steady_schedules_occupancy_stops_growing_past_the_stage_count():
     """1F1B's and zero bubble's exact occupancy and floor are the same for every micro-batch
-    count from K + 1 on (each further micro-batch repeats the steady state): the planner reads
-    them at K + 1 (planner/search.py `_occupancy`). GPipe's grows with M, as it must; the
+    count from K + 1 on (each further micro-batch repeats the steady state), the interleaved
+    schedule's from 3 rounds on: the planner reads them there (planner/search.py
+    `_occupancy`). GPipe's grows with M, as it must; the
     bound above (occupancy_bound) is not read this way, since it differs."""
     from planner.search import _occupancy
     from schedules.memory import occupancy_floor
@@ -402,6 +403,18 @@ def test_steady_schedules_occupancy_stops_growing_past_the_stage_count():
         # and the planner's tables at a large M are those of the schedule itself
         direct = occupancy(build_schedule(name, K, 4 * K + 3), mode)
         assert _occupancy(name, K, 4 * K + 3, mode) == direct
+    # the interleaved schedule (two stages on each of R devices; counts past R are multiples
+    # of R) from three rounds on
+    for R, mode in itertools.product((1, 2, 3, 4, 6), ("never", "always", "except_last")):
+
+        def inter(M, R=R):
+            return build_schedule("interleaved-1f1b", 2 * R, M, stages_per_rank=2)
+
+        for made in (occupancy, occupancy_floor):
+            at = made(inter(3 * R), mode)
+            for M in range(4 * R, 7 * R, R):
+                assert made(inter(M), mode) == at, ("interleaved", R, mode, M)
+        assert _occupancy("interleaved-1f1b", R, 7 * R, mode) == occupancy(inter(7 * R), mode)
     # a count below K + 1 is its own (the warm-up does not fill), and GPipe's keeps growing
     assert occupancy(build_schedule("1f1b", 4, 3), "never") != occupancy(
         build_schedule("1f1b", 4, 5), "never"
