@@ -415,6 +415,13 @@ def test_steady_schedules_occupancy_stops_growing_past_the_stage_count():
             for M in range(4 * R, 7 * R, R):
                 assert made(inter(M), mode) == at, ("interleaved", R, mode, M)
         assert _occupancy("interleaved-1f1b", R, 7 * R, mode) == occupancy(inter(7 * R), mode)
+    # deep pipelines, as the planner meets them (a few counts each)
+    for name, K in (("1f1b", 32), ("zb-h1", 64)):
+        at = occupancy(build_schedule(name, K, K + 1), "except_last")
+        for M in (K + 2, 2 * K + 3, 3 * K):
+            assert occupancy(build_schedule(name, K, M), "except_last") == at, (name, K, M)
+    at = occupancy(build_schedule("interleaved-1f1b", 32, 48, stages_per_rank=2), "never")
+    assert occupancy(build_schedule("interleaved-1f1b", 32, 80, stages_per_rank=2), "never") == at
     # a count below K + 1 is its own (the warm-up does not fill), and GPipe's keeps growing
     assert occupancy(build_schedule("1f1b", 4, 3), "never") != occupancy(
         build_schedule("1f1b", 4, 5), "never"
