@@ -775,7 +775,7 @@ def _summary(plan: Any) -> str:
         )
         + f", optimizer {plan.optimizer}\n"
         f"predicted {p.iteration_ms:.2f} ms/iteration"
-        + (" (the torchrun program)" if plan.target == "torchrun" else "")
+        + (" (the torchrun program" + _synced(plan) + ")" if plan.target == "torchrun" else "")
         + f", bubble {p.bubble_fraction:.3f}, "
         f"{p.throughput_samples_per_s:.1f} samples/s "
         f"(solver {plan.solver.method}, "
@@ -788,6 +788,14 @@ def _summary(plan: Any) -> str:
         + (f"\nnot proven: {plan.solver.unproven}" if plan.solver.unproven else "")
         + (f"\nthe last stage includes the loss ({plan.loss})" if plan.loss else "")
     )
+
+
+def _synced(plan: Any) -> str:
+    """What of a torchrun plan's step is its two all-reduces (the cluster's step_sync_ms)."""
+    sync = plan.cluster.step_sync_ms
+    if not sync or len(plan.devices) < 2:
+        return ""
+    return f", {sync:.2f} ms of it the step's two all-reduces"
 
 
 def _runners_up(plan: Any) -> str:

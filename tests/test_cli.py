@@ -425,6 +425,20 @@ def test_plan_for_the_torchrun_program(run_cli, transformer_profile_path, tmp_pa
     r = run_cli("simulate", out)
     assert f"makespan {timed.makespan:.3f} ms" in r.out and "the torchrun program" in r.out
     assert "(the torchrun program)" in run_cli("show", out).out
+    # a cluster that states the step's all-reduces: the plan's time holds them, show says so,
+    # and simulate's time where sends never wait holds them too
+    cluster = plan.cluster.model_copy(update={"step_sync_ms": 0.75})
+    cluster.save(tmp_path / "cluster.json")
+    synced = tmp_path / "synced.json"
+    r = run_cli("plan", transformer_profile_path, "--cluster", tmp_path / "cluster.json",
+                "--batch-size", 8, "--target", "torchrun", "-o", synced)  # fmt: skip
+    assert r.code == 0, r.err
+    assert "(the torchrun program, 0.75 ms of it the step's two all-reduces)" in r.out
+    again = Plan.load(synced)
+    assert again.predicted.iteration_ms == simulate_plan(again).makespan
+    assert again.predicted.iteration_ms == pytest.approx(plan.predicted.iteration_ms + 0.75)
+    free = simulate_plan(again, rendezvous=False).makespan + 0.75
+    assert f"{free:.3f} ms where sends never wait" in run_cli("simulate", synced).out
     r = run_cli("plan", transformer_profile_path, "--devices", 2, "--memory", "1GiB",
                 "--batch-size", 8, "--target", "nccl", "-o", tmp_path / "x.json")  # fmt: skip
     assert_bad_input(r, mentions="--target")
