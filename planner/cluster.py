@@ -120,6 +120,7 @@ class Link(LaterFields):
         ge=0,
         le=MAX_MS,
         allow_inf_nan=False,
+        strict=True,  # (as fields added later: true or "0.5" is no time)
         description="latency of a message received late (None: latency_ms)",
     )
     late_bandwidth_bytes_per_s: float | None = Field(
@@ -127,6 +128,7 @@ class Link(LaterFields):
         ge=MIN_BANDWIDTH,
         le=MAX_BANDWIDTH,
         allow_inf_nan=False,
+        strict=True,
         description="bandwidth of a message received late (None: bandwidth_bytes_per_s)",
     )
 
@@ -193,6 +195,7 @@ class Cluster(LaterFields, Artifact):
         ge=0,
         le=MAX_MS,
         allow_inf_nan=False,
+        strict=True,
         description="what a step of the torchrun program spends in its two small all-reduces "
         "among all ranks (its start and end); None: not modelled",
     )

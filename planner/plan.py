@@ -127,6 +127,7 @@ class StagePlan(_Strict, LaterFields):
     send_ms: Ms
     late_send_ms: Ms | None = Field(
         default=None,
+        strict=True,
         description="the same transfer where the next stage posts its receive after this one's "
         "send (the link's late figures; None: send_ms)",
     )

@@ -71,6 +71,8 @@ def test_a_late_receive_costs_at_least_a_hand_off():
         ({"latency_ms": 1.0, "late_latency_ms": 0.5}, "below latency_ms"),
         ({"bandwidth_bytes_per_s": 1e6, "late_bandwidth_bytes_per_s": 2e6}, "at least as much"),
         ({"late_bandwidth_bytes_per_s": 2e6}, "at least as much"),
+        ({"latency_ms": 0.5, "late_latency_ms": True}, "valid number"),  # (not 1 ms)
+        ({"bandwidth_bytes_per_s": 1e6, "late_bandwidth_bytes_per_s": "5e5"}, "valid number"),
     ]:
         with pytest.raises(ValueError, match=said):
             Link(**bad)

@@ -669,6 +669,9 @@ def test_a_late_receive_is_priced_in_the_torchrun_plan():
         == plan_pipeline(profile, base, 8, microbatches=8, schedule="1f1b").predicted.iteration_ms
     )
     data = json.loads(plan.model_dump_json())
+    data["stages"][0]["late_send_ms"] = True
+    with pytest.raises(ValueError, match="late_send_ms"):
+        Plan.model_validate(data)
     data["stages"][0]["late_send_ms"] = first.send_ms / 2
     with pytest.raises(ValueError, match="late_send_ms .* is below its send_ms"):
         Plan.model_validate(data)
@@ -710,8 +713,9 @@ def test_a_steps_all_reduces_are_in_the_torchrun_plans_time():
         )
     assert "step_sync_ms" not in json.loads(base.canonical_json())
     assert json.loads(synced.canonical_json())["step_sync_ms"] == 0.75
-    with pytest.raises(ValueError, match="step_sync_ms"):
-        Cluster(devices=base.devices, links=base.links, step_sync_ms=-1.0)
+    for bad in (-1.0, True, "0.5"):  # (true is no time, nor text)
+        with pytest.raises(ValueError, match="step_sync_ms"):
+            Cluster(devices=base.devices, links=base.links, step_sync_ms=bad)
 
 
 def test_planned_for_torchrun_plans_that_already_lost_are_not_timed():
