@@ -108,8 +108,9 @@ class Link(LaterFields):
         le=MAX_BANDWIDTH,
         allow_inf_nan=False,
         description="None: transfers are free (not modelled)",
+        strict=True,  # (true or "1e9" is no bandwidth: found by the red team)
     )
-    latency_ms: float = Field(default=0.0, ge=0, le=MAX_MS, allow_inf_nan=False)
+    latency_ms: float = Field(default=0.0, ge=0, le=MAX_MS, allow_inf_nan=False, strict=True)
     # A message whose receive is posted after its send (the torchrun program's exchanges: a
     # rank posts its send and its receive and waits for both; its peer's receive comes later,
     # after some compute). gloo moves the bytes only once told the receive is posted, and
@@ -120,7 +121,7 @@ class Link(LaterFields):
         ge=0,
         le=MAX_MS,
         allow_inf_nan=False,
-        strict=True,  # (as fields added later: true or "0.5" is no time)
+        strict=True,
         description="latency of a message received late (None: latency_ms)",
     )
     late_bandwidth_bytes_per_s: float | None = Field(

@@ -415,6 +415,14 @@ def test_steady_schedules_occupancy_stops_growing_past_the_stage_count():
             for M in range(4 * R, 7 * R, R):
                 assert made(inter(M), mode) == at, ("interleaved", R, mode, M)
         assert _occupancy("interleaved-1f1b", R, 7 * R, mode) == occupancy(inter(7 * R), mode)
+    # stages recomputing each their own way: each stage's tuples are its own mode's (the
+    # planner reads them from the one-mode tables), from K + 1 on too
+    for name in ("1f1b", "zb-h1"):
+        mixed = ["always", "never", "except_last", "never", "always"]
+        at = occupancy(build_schedule(name, 5, 6), mixed)
+        for M in (7, 11, 17):
+            assert occupancy(build_schedule(name, 5, M), mixed) == at, (name, M)
+        assert at == [_occupancy(name, 5, 17, mode)[s] for s, mode in enumerate(mixed)]
     # deep pipelines, as the planner meets them (a few counts each)
     for name, K in (("1f1b", 32), ("zb-h1", 64)):
         at = occupancy(build_schedule(name, K, K + 1), "except_last")
