@@ -102,19 +102,10 @@ def measure_hand_offs(
     import torch
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if _on_cuda() else torch.device("cpu")
-    )
+    rank, world, device = _placed()
     hosts: list[Any] = [None] * world
     dist.all_gather_object(hosts, socket.gethostname(), group=_cpu_group())
-    bufs = {n: torch.zeros(max(n // 4, 1), device=device) for n in sizes}
-    rows = [
-        (r, r + 1, n, k)
-        for r in range(world - 1)
-        for n in sizes
-        for k in range(2 * (warmup + rounds))
-    ]
+    bufs, rows = _turns(world, sizes, rounds + warmup, device)
     stamps = torch.zeros(2, len(rows), dtype=torch.float64)  # the post, then the arrival
     for j, (a, b, n, k) in enumerate(rows):
         src, dst = (a, b) if k % 2 == 0 else (b, a)
@@ -147,17 +138,8 @@ def measure_late_receives(
     import torch
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if _on_cuda() else torch.device("cpu")
-    )
-    bufs = {n: torch.zeros(max(n // 4, 1), device=device) for n in sizes}
-    rows = [
-        (r, r + 1, n, k)
-        for r in range(world - 1)
-        for n in sizes
-        for k in range(2 * (warmup + rounds))
-    ]
+    rank, world, device = _placed()
+    bufs, rows = _turns(world, sizes, rounds + warmup, device)
     took = torch.zeros(len(rows), dtype=torch.float64)
     for j, (a, b, n, k) in enumerate(rows):
         src, dst = (a, b) if k % 2 == 0 else (b, a)
@@ -190,10 +172,7 @@ def measure_step_syncs(*, rounds: int = 20, busy_ms: float = 1.0, warmup: int = 
     import torch
     import torch.distributed as dist
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if _on_cuda() else torch.device("cpu")
-    )
+    rank, world, device = _placed()
     signature = torch.zeros(16, dtype=torch.int64, device=device)
     loss = torch.zeros((), device=device)
     took = torch.zeros(2, world, warmup + rounds, dtype=torch.float64)  # wall, then compute
@@ -212,6 +191,26 @@ def measure_step_syncs(*, rounds: int = 20, busy_ms: float = 1.0, warmup: int = 
     dist.all_reduce(took)  # each entry was written on one rank only
     wall, busy = took.cpu().amax(dim=1).tolist()
     return statistics.median(w - b for w, b in zip(wall[warmup:], busy[warmup:]))
+
+
+def _placed() -> tuple[int, int, Any]:
+    """This rank, the world's size and the device it measures on (its GPU on NCCL)."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = _on_cuda()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _turns(world: int, sizes: Sequence[int], count: int, device: Any) -> tuple[dict, list]:
+    """A buffer per message size, and the turns of a measurement: (r, r + 1, size, k) per link,
+    size and turn, `count` each way (the directions alternate with k)."""
+    import torch
+
+    bufs = {n: torch.zeros(max(n // 4, 1), device=device) for n in sizes}
+    rows = [(r, r + 1, n, k) for r in range(world - 1) for n in sizes for k in range(2 * count)]
+    return bufs, rows
 
 
 def _on_cuda() -> bool:
