@@ -587,7 +587,8 @@ def _measure_table(report: Any) -> str:
     return "\n".join(
         [
             f"measured {report.steps} step(s) with the {report.target} target ({how}): step "
-            f"{report.measured_step_ms:.2f} ms, predicted {report.predicted_step_ms:.2f} ms "
+            f"{report.measured_step_ms:.2f} ms (median; {report.step_range_ms[0]:.2f} to "
+            f"{report.step_range_ms[1]:.2f}), predicted {report.predicted_step_ms:.2f} ms "
             f"({100 * report.step_error:+.1f}%)",
             _table(head, rows),
             "",

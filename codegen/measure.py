@@ -74,6 +74,9 @@ class MeasureReport(_Strict):
     concurrent: bool = Field(description="whether the devices ran at the same time")
     predicted_step_ms: float
     measured_step_ms: float = Field(description="median wall time of one step")
+    step_range_ms: tuple[float, float] = Field(
+        description="the fastest and the slowest step measured (how noisy the machine was)"
+    )
     step_error: float
     devices: list[DeviceMeasure]
     actions: list[ActionMeasure]
@@ -220,7 +223,7 @@ def measure_in_process(
         program.action_log = None
     concurrent = program.cuda and len(set(map(str, program.devices))) > 1
     return build_report(
-        plan, "streams", steps, tolerance, concurrent, statistics.median(walls),
+        plan, "streams", steps, tolerance, concurrent, walls,
         [static[k] + dynamic.get(k, 0) for k in range(K)], static, other, log,
     )  # fmt: skip
 
@@ -231,14 +234,15 @@ def build_report(
     steps: int,
     tolerance: float,
     concurrent: bool,
-    step_ms: float,
+    walls: list[float],
     peaks: list[int],
     static: list[int],
     other: int,
     log: list[tuple[str, int, int, float, float]],
 ) -> MeasureReport:
-    """Put measured peaks and the action log (what, stage, micro-batch, start, end in ms, over
-    `steps` steps) next to the plan's predictions."""
+    """Put measured peaks, step times (`walls`, ms) and the action log (what, stage,
+    micro-batch, start, end in ms, over `steps` steps) next to the plan's predictions."""
+    step_ms = statistics.median(walls)
     ranks = [st.rank for st in plan.stages]
     # torchrun's ranks wait in their batches of communication for each other (simulate_plan)
     tl = simulate_plan(plan, levels=False, rendezvous=target == "torchrun")
@@ -293,6 +297,7 @@ def build_report(
         concurrent=concurrent,
         predicted_step_ms=tl.makespan,
         measured_step_ms=step_ms,
+        step_range_ms=(min(walls), max(walls)),
         step_error=_error(step_ms, tl.makespan),
         devices=devices,
         actions=actions,
@@ -414,7 +419,7 @@ def measure_torchrun(
     walls = [max(by_rank[r]["walls"][k] for r in range(K)) for k in range(steps)]
     log = [tuple(entry) for r in range(K) for entry in by_rank[r]["log"]]
     return build_report(
-        plan, "torchrun", steps, tolerance, True, statistics.median(walls),
+        plan, "torchrun", steps, tolerance, True, walls,
         [by_rank[r]["static"] + by_rank[r]["dynamic_peak"] for r in range(K)],
         [by_rank[r]["static"] for r in range(K)], 0, log,  # type: ignore[arg-type]
     )  # fmt: skip

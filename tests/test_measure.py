@@ -219,14 +219,18 @@ def test_report_json_and_a_failing_gate(tmp_path, run_cli):
                 "--microbatches", 2, "--schedule", "1f1b", "-o", plan_path)  # fmt: skip
     assert r.code == 0, r.err
     report = tmp_path / "report.json"
-    r = run_cli("measure", plan_path, "--model", "example:mlp", "--steps", 1, "-o", report)
+    r = run_cli("measure", plan_path, "--model", "example:mlp", "--steps", 3, "-o", report)
     assert r.code == 0, r.err + r.out
     data = json.loads(report.read_text())
+    # the median step between the fastest and the slowest, all three told
+    fast, slow = data["step_range_ms"]
+    assert 0 < fast <= data["measured_step_ms"] <= slow
+    assert f"{data['measured_step_ms']:.2f} ms (median; {fast:.2f} to {slow:.2f})" in r.out
     assert {d["name"] for d in data["devices"]} == {"dev0", "dev1"}
     assert {(a["stage"], a["kind"]) for a in data["actions"]} == {
         (s, k) for s in (0, 1) for k in ("F", "B")
     }
-    assert all(a["count"] == 2 for a in data["actions"])  # two micro-batches, one step
+    assert all(a["count"] == 6 for a in data["actions"])  # two micro-batches, three steps
     # A plan that claims less memory than the run needs fails the gate.
     plan = Plan.load(plan_path)
     plan.devices[1].total = int(plan.devices[1].total * 0.9)
