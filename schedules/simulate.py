@@ -42,8 +42,8 @@ class Costs:
     recompute: Sequence[str] | None = None  # per stage: never | always | except_last
     transfer: Sequence[float] | None = None  # per cut s -> s+1, each direction
     # per cut: the same transfer where its receive is posted after its send (the torchrun
-    # model only, `rendezvous`: the sender has gone on computing; cluster.Link's late
-    # figures). None: as `transfer`
+    # model only, `rendezvous`: gloo moves it only once told that the receive is posted;
+    # cluster.Link's late figures). None: as `transfer`
     late_transfer: Sequence[float] | None = None
     memory: Sequence[StageBytes] | None = None  # per stage (default: count stashed micro-batches)
     # what the runtime adds: to every compute action (F, B, I, W; a recomputation inside B or
@@ -483,8 +483,8 @@ def _rendezvous_loop(
     messages that brought the rest. A stage in `preposted` (comm.preposted) has every forward
     receive posted at time 0; its RECV_F batches only wait. A message whose receive is
     posted after its send takes `late_link`'s time for its cut (gloo moves it only once told
-    that the receive is posted: cluster.Link's late figures), if given. None where a rank never gets past a
-    batch."""
+    that the receive is posted: cluster.Link's late figures), if given. None where a rank
+    never gets past a batch."""
     S, R, place = schedule.num_stages, schedule.num_ranks, schedule.placement
     senders = [schedule.senders(t) for t in range(S)]
     receivers = [schedule.receivers(t) for t in range(S)]
