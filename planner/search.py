@@ -1061,7 +1061,7 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     layer = float((M * work + before).max()) / max(speeds) if cand.per_device == 1 else 0.0
     # The runtime's own cost: every device runs M A v compute actions (A per micro-batch and
     # stage), each adding `action`; a layer's stage, M A of them. The fill term gets none.
-    action, call, step = _overhead(problem.profile)
+    action, call, step = _overhead(problem)
     # per micro-batch and stage (zero bubble's I may make no call: a stage of one layer that
     # receives no gradient)
     per_mb = 3 * action if zb else 2 * action + call
@@ -1102,11 +1102,15 @@ def _link_floor(problem: _Problem, cand: Candidate, chain: Chain) -> tuple[float
     return problem.link_floors[key]
 
 
-def _overhead(profile: Profile) -> tuple[float, float, float]:
+def _overhead(problem: _Problem) -> tuple[float, float, float]:
     """What the runtime adds per compute action, per B or I (its autograd call) and per step
-    (the profile's `runtime`)."""
-    rt = profile.runtime
-    return (rt.action_ms, rt.call_ms, rt.step_ms) if rt is not None else (0.0, 0.0, 0.0)
+    (the profile's `runtime`; and the torchrun program's all-reduces, which every plan for it
+    pays: the cluster's step_sync_ms)."""
+    rt = problem.profile.runtime
+    action, call, step = (rt.action_ms, rt.call_ms, rt.step_ms) if rt else (0.0, 0.0, 0.0)
+    if problem.target == "torchrun" and problem.cluster.size > 1:
+        step += problem.cluster.step_sync_ms or 0.0
+    return action, call, step
 
 
 @contextmanager
@@ -1405,7 +1409,7 @@ def _lower_bound(problem: _Problem, cand: Candidate, speeds: list[float], part: 
     modes = _stage_modes(cand, part)
     # the runtime's cost per compute action (A per micro-batch and stage, two on its trip),
     # and per B or I, its autograd call
-    action, call, step = _overhead(problem.profile)
+    action, call, step = _overhead(problem)
     zb = cand.schedule == "zb-h1"
     A = 3 if zb else 2
     forward, trips = [0.0] * S, [0.0] * S  # per stage: one micro-batch's forward; F then B

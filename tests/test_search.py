@@ -706,6 +706,17 @@ def test_a_steps_all_reduces_are_in_the_torchrun_plans_time():
         assert "step_sync_ms" not in json.loads(plain.canonical_json())["cluster"]
         back = Plan.from_json_text(plan.canonical_json())
         assert (back.cluster, back.predicted) == (plan.cluster, plan.predicted)
+        # the runners-up shift alike: their times, and the bounds of those not solved
+        assert len(plan.alternatives) == len(plain.alternatives)
+        for a, b in zip(plan.alternatives, plain.alternatives):
+            assert (a.schedule, a.microbatches, a.recompute) == (
+                b.schedule,
+                b.microbatches,
+                b.recompute,
+            )
+            for x, y in ((a.iteration_ms, b.iteration_ms), (a.at_least_ms, b.at_least_ms)):
+                assert (x is None) == (y is None)
+                assert x is None or x - y == pytest.approx(0.75, abs=1e-9)
         streams = plan_pipeline(profile, synced, 8, **kw)
         assert (
             streams.predicted.iteration_ms
@@ -754,13 +765,15 @@ def test_planned_for_torchrun_plans_that_already_lost_are_not_timed():
     latency=st.sampled_from([0.0, 0.5, 5.0]),
     memory=st.sampled_from(["1GiB", 3_000]),
     late=st.sampled_from([None, 2.0]),
+    sync=st.sampled_from([None, 3.0]),
 )
 def test_pruned_search_for_torchrun_returns_the_exhaustive_plan(
-    forward, backward_ratio, K, N, latency, memory, late
+    forward, backward_ratio, K, N, latency, memory, late, sync
 ):
     """The bounds are of the split where sends never wait, so they stay below the torchrun
     program's time: pruning by them still returns what solving every candidate returns (also
-    where a message received late costs more than a hand-off: `late` ms more)."""
+    where a message received late costs more than a hand-off: `late` ms more; and where the
+    step's all-reduces, which the bounds count, take `sync` ms)."""
     fwd = [round(x, 3) for x in forward]
     profile = synthetic_profile(
         fwd, [round(x * backward_ratio, 3) for x in fwd], sizes=(1, 2, 4, 8)
@@ -768,6 +781,8 @@ def test_pruned_search_for_torchrun_returns_the_exhaustive_plan(
     cluster = Cluster.uniform(K, memory, bandwidth=1e6, latency_ms=latency)
     if late is not None:
         cluster = _with_late(cluster, late)
+    if sync is not None:
+        cluster = Cluster(devices=cluster.devices, links=cluster.links, step_sync_ms=sync)
     try:
         pruned = plan_pipeline(profile, cluster, N, target="torchrun")
     except search.InfeasibleError:
