@@ -20,6 +20,7 @@ back to the first, which looping needs, is taken to be as slow as the slowest li
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import sys
 import time
@@ -632,6 +633,7 @@ def _search(
     built: dict[tuple, Plan] = {}
     timed: dict[tuple, _Later] = {}  # splits that fit by the bound, timed, not made yet
     settled: dict[tuple[int, str], tuple[_Outcome, Plan | None]] = {}  # see PER_STAGE below
+    waiting_pairs: dict[tuple[int, str], float] = {}  # never twins waiting, memory free
 
     def to_beat() -> float | None:
         """The time a candidate must beat: the best so far's, or the outside plan's."""
@@ -644,10 +646,123 @@ def _search(
         ref = to_beat()
         return ref is not None and bound > ref * (1 + 1e-12)
 
+    # A split whose bound (after it is solved) exceeds the next candidates' prior bounds waits
+    # for them: a faster plan found meanwhile may rule it out before its plan is made.
+    waiting: list[tuple[float, int, int, tuple]] = []  # (bound, order, k, state): a heap
+
+    def take_settled(k: int, pair: tuple[int, str]) -> None:
+        """A per-stage candidate whose never twin proved memory free: that twin's answer."""
+        nonlocal best
+        visited.solved += 1
+        outcomes[k], twin = settled[pair]
+        if isinstance(twin, _Later):
+            visited.later[k] = twin
+        if twin is not None and (best is None or _better(_ms(twin), k, best[0], best[1])):
+            best = (_ms(twin), k, twin, candidates[k])
+
+    def finish(k: int, state: tuple) -> None:
+        """The rest of a solved candidate: ruled out by its split's bound, or timed / made."""
+        nonlocal best
+        cand = candidates[k]
+        pair = (cand.microbatches, cand.schedule)
+        if state[0] == "twin":  # a per-stage candidate that waited behind its never twin
+            if pair in settled:
+                take_settled(k, pair)
+            else:  # (the twin's plan did not settle it: over budget, or a fallback)
+                attempt(k, defer=False)
+            return
+        waiting_pairs.pop(pair, None)
+        _, part, fits, free, bound, chain, times = state
+        if beaten(bound):  # it cannot beat the best so far: no simulation
+            outcomes[k] = _Outcome("bound", bound)
+            if free:
+                settled[pair] = (outcomes[k], None)
+            return
+        # a per-stage split that chose what a single-mode candidate's did is that plan
+        same = (cand.microbatches, cand.schedule, tuple(part.bounds),
+                tuple(_stage_modes(cand, part)), part.bottleneck, tuple(part.extra.items()))  # fmt: skip
+        if fits and cand.per_device == 1 and chain.flow is None and problem.target != "torchrun":
+            # It fits by the bound: time it alone, and make the plan (its issue order, its
+            # memory) only if it wins or is listed as a runner-up (_alternatives)
+            later = timed.get(same)
+            if later is None:
+                modes = _stage_modes(cand, part)
+                label = modes[0] if len(set(modes)) == 1 else PER_STAGE
+                later = timed[same] = _Later(cand, part, _plan_time(problem, cand, part), label)
+            t = _ms(later)
+            outcomes[k] = _Outcome("plan", t, recompute=later.recompute)
+            visited.later[k] = later
+            if free:
+                settled[pair] = (outcomes[k], later)
+            if best is None or _better(t, k, best[0], best[1]):
+                best = (t, k, later, cand)
+            return
+        specs = _stage_specs(problem, cand, halve=False)
+        plan = built.get(same) or _build_plan(problem, cand, specs, part, method, beat=to_beat())
+        built[same] = plan
+        if plan._untimed:  # planned for torchrun: slower than the best already, untimed
+            outcomes[k] = _Outcome("bound", plan.predicted.iteration_ms)
+            if free:
+                settled[pair] = (outcomes[k], None)
+            return
+        if not plan.fits and cand.per_device > 1:
+            # the per-stage twin may fall back differently (every stage recomputing)
+            free = False
+            plan, at_least = _interleaved_fallback(
+                problem, cand, times, specs, part, solve, method, plan, to_beat()
+            )
+            if not plan.fits and at_least is not None:  # what might fit cannot win
+                outcomes[k] = _Outcome("bound", at_least)
+                return
+        t = plan.predicted.iteration_ms
+        peak = max(plan.predicted.peak_memory)
+        if not plan.fits:
+            outcomes[k] = _Outcome("over", t, peak, _over_budget(plan))
+            return
+        outcomes[k] = _Outcome("plan", t, peak, recompute=plan.recompute)
+        if free:
+            settled[pair] = (outcomes[k], plan)
+        if best is None or _better(t, k, best[0], best[1]):
+            best = (t, k, plan, cand)
+
+    def attempt(k: int, defer: bool, following: float = math.inf, at: int = 0) -> None:
+        """Solve candidate k's split; then finish it, or (`defer`) let it wait where its
+        split's bound exceeds `following`, the next candidate's prior bound."""
+        cand = candidates[k]
+        chain, memory = problem.chain(cand)
+        # Interleaved: each stage may first use its whole device (a relaxation: a device
+        # holds at least either of its stages); the plan then checks each device's stages
+        # together, along the issue order.
+        cuts = _cut_costs(problem.cluster, cand, chain)
+        times = _balance_times(chain, cand)
+        part, fits = _solve(problem, cand, solve, method, times, memory, cuts)
+        visited.solved += 1
+        if part is None:
+            outcomes[k] = _Outcome("nofit", math.inf)
+            return
+        # memory bound no end of the never split: the per-stage twin would find it again
+        # (an interleaved one, only where that split's devices then fit: see below)
+        free = cand.recompute == "never" and part.extra.get("memory_free") == 1.0
+        bound = _lower_bound(problem, cand, _stage_speeds(problem, cand), part)
+        state = ("split", part, fits, free, bound, chain, times)
+        if defer and not beaten(bound) and bound > following * (1 + 1e-12):
+            heapq.heappush(waiting, (bound, at, k, state))
+            if free:
+                waiting_pairs[(cand.microbatches, cand.schedule)] = bound
+            return
+        finish(k, state)
+
+    def resume(upto: float) -> None:
+        """Finish the waiting splits whose bound is at most `upto`, least bound first."""
+        while waiting and waiting[0][0] <= upto:
+            _, _, k, state = heapq.heappop(waiting)
+            finish(k, state)
+
     show = sys.stderr.isatty() if progress is None else progress
     with _progress_bar(len(order), show) as tick:
         for n, k in enumerate(order):
             cand = candidates[k]
+            resume(prior[k])
             if beaten(prior[k]):
                 visited.pruned = len(order) - n  # the rest are sorted by this bound
                 outcomes.update((q, _Outcome("pruned", prior[q])) for q in order[n:])
@@ -660,90 +775,22 @@ def _search(
             tick()
             pair = (cand.microbatches, cand.schedule)
             if cand.recompute == PER_STAGE and pair in settled:
-                # Its never twin's solve proved that memory does not bind (partition.py,
-                # `memory_free`): recomputation only adds time, so no per-stage choice beats
-                # that split with every stage choosing never, which is this candidate's answer.
-                visited.solved += 1
-                outcomes[k], twin = settled[pair]
-                if isinstance(twin, _Later):
-                    visited.later[k] = twin
-                if twin is not None and (best is None or _better(_ms(twin), k, best[0], best[1])):
-                    best = (_ms(twin), k, twin, cand)
+                take_settled(k, pair)
                 continue
-            chain, memory = problem.chain(cand)
-            # Interleaved: each stage may first use its whole device (a relaxation: a device
-            # holds at least either of its stages); the plan then checks each device's stages
-            # together, along the issue order.
-            cuts = _cut_costs(problem.cluster, cand, chain)
-            times = _balance_times(chain, cand)
-            part, fits = _solve(problem, cand, solve, method, times, memory, cuts)
-            visited.solved += 1
-            if part is None:
-                outcomes[k] = _Outcome("nofit", math.inf)
+            if cand.recompute == PER_STAGE and pair in waiting_pairs:
+                # its never twin waits (memory free there): so does it, right behind
+                heapq.heappush(waiting, (waiting_pairs[pair], n, k, ("twin",)))
                 continue
-            # memory bound no end of the never split: the per-stage twin would find it again
-            # (an interleaved one, only where that split's devices then fit: see below)
-            free = cand.recompute == "never" and part.extra.get("memory_free") == 1.0
-            bound = _lower_bound(problem, cand, _stage_speeds(problem, cand), part)
-            if beaten(bound):  # it cannot beat the best so far: no simulation
-                outcomes[k] = _Outcome("bound", bound)
-                if free:
-                    settled[pair] = (outcomes[k], None)
-                continue
-            # a per-stage split that chose what a single-mode candidate's did is that plan
-            same = (cand.microbatches, cand.schedule, tuple(part.bounds),
-                    tuple(_stage_modes(cand, part)), part.bottleneck, tuple(part.extra.items()))  # fmt: skip
-            if (
-                fits
-                and cand.per_device == 1
-                and chain.flow is None
-                and problem.target != "torchrun"
-            ):
-                # It fits by the bound: time it alone, and make the plan (its issue order, its
-                # memory) only if it wins or is listed as a runner-up (_alternatives)
-                later = timed.get(same)
-                if later is None:
-                    modes = _stage_modes(cand, part)
-                    label = modes[0] if len(set(modes)) == 1 else PER_STAGE
-                    later = timed[same] = _Later(cand, part, _plan_time(problem, cand, part), label)
-                t = _ms(later)
-                outcomes[k] = _Outcome("plan", t, recompute=later.recompute)
-                visited.later[k] = later
-                if free:
-                    settled[pair] = (outcomes[k], later)
-                if best is None or _better(t, k, best[0], best[1]):
-                    best = (t, k, later, cand)
-                continue
-            specs = _stage_specs(problem, cand, halve=False)
-            plan = built.get(same) or _build_plan(
-                problem, cand, specs, part, method, beat=to_beat()
-            )
-            built[same] = plan
-            if plan._untimed:  # planned for torchrun: slower than the best already, untimed
-                outcomes[k] = _Outcome("bound", plan.predicted.iteration_ms)
-                if free:
-                    settled[pair] = (outcomes[k], None)
-                continue
-            if not plan.fits and cand.per_device > 1:
-                # the per-stage twin may fall back differently (every stage recomputing)
-                free = False
-                beat = to_beat()
-                plan, at_least = _interleaved_fallback(
-                    problem, cand, times, specs, part, solve, method, plan, beat
-                )
-                if not plan.fits and at_least is not None:  # what might fit cannot win
-                    outcomes[k] = _Outcome("bound", at_least)
-                    continue
-            t = plan.predicted.iteration_ms
-            peak = max(plan.predicted.peak_memory)
-            if not plan.fits:
-                outcomes[k] = _Outcome("over", t, peak, _over_budget(plan))
-                continue
-            outcomes[k] = _Outcome("plan", t, peak, recompute=plan.recompute)
-            if free:
-                settled[pair] = (outcomes[k], plan)
-            if best is None or _better(t, k, best[0], best[1]):
-                best = (t, k, plan, cand)
+            following = prior[order[n + 1]] if n + 1 < len(order) else math.inf
+            # (past the time limit, nothing waits: the plan in hand is what is returned)
+            late = time_limit_s is not None and time.perf_counter() - started > time_limit_s
+            attempt(k, defer=WAIT_FOR_BOUNDS and not late, following=following, at=n)
+    # what still waits: finished now (ruled out by its bound, or made), unless the time ran out
+    if visited.timed_out:
+        for bound, _, k, _state in waiting:
+            outcomes[k] = _Outcome("bound", bound)
+        waiting.clear()
+    resume(math.inf)
     if best is None:
         return None, None, visited
     visited.build = lambda later: later.make(problem, method)
@@ -821,6 +868,8 @@ def _plan_time(problem: _Problem, cand: Candidate, part: Partition) -> float:
 
 
 BOUND_FIRST = True  # solve with occupancy_bound first (False: the exact occupancy at once)
+# a solved split whose bound exceeds the next candidates' prior bounds waits for them (_search)
+WAIT_FOR_BOUNDS = True
 
 
 def _solve(

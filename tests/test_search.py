@@ -591,6 +591,11 @@ def test_an_interleaved_fallback_that_cannot_win_is_not_made_and_changes_no_plan
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(search, "_interleaved_fallback", spy)
+        waited = json.loads(plan_pipeline(profile, cluster, 8).canonical_json())
+        # (splits waiting for the candidates after them rule this one out before its
+        # fallback: visited in the order of their prior bounds alone, it gets there)
+        mp.setattr(search, "WAIT_FOR_BOUNDS", False)
+        ruled_out.clear()
         pruned = json.loads(plan_pipeline(profile, cluster, 8).canonical_json())
         assert any(ruled_out)
         mp.setattr(search, "_prior_bound", lambda *a: 0.0)
@@ -598,9 +603,41 @@ def test_an_interleaved_fallback_that_cannot_win_is_not_made_and_changes_no_plan
         ruled_out.clear()
         full = json.loads(plan_pipeline(profile, cluster, 8).canonical_json())
         assert not any(ruled_out)
-    for plan in (pruned, full):
+    for plan in (waited, pruned, full):
         plan["solver"].pop("solved"), plan["solver"].pop("pruned"), plan.pop("alternatives")
-    assert pruned == full
+    assert waited == pruned == full
+
+
+def test_a_split_whose_bound_loses_waits_and_is_never_made():
+    """A candidate visited first by its prior bound whose split's bound then exceeds the next
+    candidates' waits for them: the faster plan found meanwhile rules it out by that bound,
+    and its plan is never made. The same plan as visiting by prior bounds alone (found by
+    search: interleaved 1F1B's split on 4 devices loses to zero bubble's)."""
+    profile = synthetic_profile([2.32, 0.66, 1.87, 0.4, 1.31, 2.26, 2.26, 1.54], sizes=(1, 2, 4, 8))
+    cluster = Cluster.uniform(4, "1GiB")
+    build, made = search._build_plan, []
+
+    def watch(problem, cand, *a, **k):
+        made.append(cand.schedule)
+        return build(problem, cand, *a, **k)
+
+    plans = {}
+    for wait in (True, False):
+        made.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(search, "_build_plan", watch)
+            mp.setattr(search, "WAIT_FOR_BOUNDS", wait)
+            plan = plan_pipeline(profile, cluster, 16)
+        plans[wait] = (json.loads(plan.canonical_json()), list(made))
+    (waited, made_waiting), (plain, made_plain) = plans[True], plans[False]
+    assert made_waiting == ["zb-h1"] and made_plain == ["interleaved-1f1b", "zb-h1"]
+    # its runner-up entry says it lost by its bound (where the plain order timed it)
+    inter = [a for a in waited["alternatives"] if a["schedule"] == "interleaved-1f1b"]
+    assert inter and inter[0]["iteration_ms"] is None and "by its bound" in inter[0]["reason"]
+    for p in (waited, plain):
+        p["solver"].pop("solved"), p["solver"].pop("pruned"), p.pop("alternatives")
+    assert waited == plain
+    assert waited["schedule"] == "zb-h1"
 
 
 def test_planned_for_torchrun_the_plan_is_the_fastest_there():
