@@ -616,9 +616,11 @@ def _search(
 ) -> tuple[Plan | None, Candidate | None, _Visited]:
     """Every candidate in the order of its prior bound (planner/bounds.py), skipping those whose
     bound cannot beat the best plan so far (or `outside`, the time of a plan found elsewhere:
-    another device order's). The winner is the same as an exhaustive search's: the least
-    predicted time, ties (within 1e-12) going to the candidate listed first (the caller drops
-    one that does not beat `outside`)."""
+    another device order's). A solved split whose own bound is above the next candidate's
+    prior bound waits (least bound first) until the candidates before it are visited
+    (WAIT_FOR_BOUNDS). The winner is the same as an exhaustive search's: the least predicted
+    time, ties (within 1e-12) going to the candidate listed first (the caller drops one that
+    does not beat `outside`)."""
     started = time.perf_counter()
     speeds = [d.speed for d in problem.cluster.devices]
     prior = [_prior_bound(problem, c, speeds) for c in candidates]
@@ -769,6 +771,7 @@ def _search(
                 break
             if time_limit_s is not None and time.perf_counter() - started > time_limit_s:
                 if best is not None or outside is not None:
+                    resume(math.inf)  # (solved already: finished, as they would have been)
                     visited.timed_out = True
                     outcomes.update((q, _Outcome("unsearched", prior[q])) for q in order[n:])
                     break
@@ -781,16 +784,13 @@ def _search(
                 # its never twin waits (memory free there): so does it, right behind
                 heapq.heappush(waiting, (waiting_pairs[pair], n, k, ("twin",)))
                 continue
+            # (waits behind the next candidate, or behind a split already waiting)
             following = prior[order[n + 1]] if n + 1 < len(order) else math.inf
+            following = min(following, waiting[0][0]) if waiting else following
             # (past the time limit, nothing waits: the plan in hand is what is returned)
             late = time_limit_s is not None and time.perf_counter() - started > time_limit_s
             attempt(k, defer=WAIT_FOR_BOUNDS and not late, following=following, at=n)
-    # what still waits: finished now (ruled out by its bound, or made), unless the time ran out
-    if visited.timed_out:
-        for bound, _, k, _state in waiting:
-            outcomes[k] = _Outcome("bound", bound)
-        waiting.clear()
-    resume(math.inf)
+    resume(math.inf)  # what still waits: ruled out by its bound now, or made
     if best is None:
         return None, None, visited
     visited.build = lambda later: later.make(problem, method)

@@ -410,6 +410,40 @@ def test_time_limit_returns_a_plan_marked_not_proven():
     assert "time limit" in plan.solver.unproven
 
 
+def test_splits_waiting_when_the_time_runs_out_are_finished():
+    """Splits solved before the time limit and left waiting for better candidates are finished
+    when the search stops (as the plain order would have): the same plan, and no runner-up
+    said to lose by a bound below the winner's time (found by the cold review). A clock that
+    ticks a second per reading makes the limit fall at the same point each run."""
+
+    class Clock:
+        t = 0.0
+
+        def perf_counter(self):
+            Clock.t += 1.0
+            return Clock.t
+
+    profile = synthetic_profile(
+        [1.72, 1.24, 1.89, 1.95, 0.38], saved=[530, 315, 289, 246, 531], sizes=(1, 2, 4, 8),
+        loss={"forward": 0.2, "saved": 16},
+    )  # fmt: skip
+    cluster = Cluster.uniform(4, 5931, bandwidth=1e6)
+    for N in (8, 16):
+        got = {}
+        for wait in (True, False):
+            Clock.t = 0.0
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(search, "time", Clock())
+                mp.setattr(search, "WAIT_FOR_BOUNDS", wait)
+                plan = plan_pipeline(profile, cluster, N, time_limit_s=17)
+            assert "time limit" in plan.solver.unproven
+            for a in plan.alternatives:  # (those not solved in time may have lower bounds)
+                if "lower bound" in a.reason:
+                    assert a.at_least_ms >= plan.predicted.iteration_ms * (1 - 1e-12), a
+            got[wait] = (plan.schedule, plan.microbatches, plan.recompute, plan.stages)
+        assert got[True] == got[False], N
+
+
 def test_runners_up_say_why_each_lost():
     """One runner-up per (schedule, recompute) but the chosen one, best first; each reason is
     what the search established: a simulated time, a bound, or that no split fits."""
