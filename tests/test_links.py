@@ -149,9 +149,10 @@ def test_links_measures_two_gloo_ranks_and_plans_with_them(tmp_path, run_cli):
     # a late receive from its post on (not the receiver's 1.5 x busy of compute before it)
     assert "received late: latency" in r.out
     assert link.transfer_ms(4096, late=True) < 1.5 * busy
-    # a step's two all-reduces, without the compute between them (rank 0's 1.5 x busy)
+    # a step's two all-reduces, without the compute between them: rank 0 computes 1.5 x busy,
+    # rank 1 busy, so a figure that took the shorter compute off would be 10 ms or more
     assert "a step's two all-reduces" in r.out
-    assert 0 < cluster.step_sync_ms < busy
+    assert 0 < cluster.step_sync_ms < 0.4 * busy
 
 
 DRIVER = """
