@@ -177,7 +177,8 @@ def main() -> None:
                     f"{100 * t['memory_error']:+.1f}%",
                     f"{free:.1f}",
                     f"{run['predicted_step_ms']:.1f}",
-                    f"{run['measured_step_ms']:.1f}",
+                    f"{run['measured_step_ms']:.1f} ({run['step_range_ms'][0]:.1f}-"
+                    f"{run['step_range_ms'][1]:.1f})",
                     f"{100 * run['step_error']:+.1f}%",
                     f"{before:.1f}",
                     f"{100 * (run['measured_step_ms'] - before) / before:+.1f}%",
@@ -187,7 +188,7 @@ def main() -> None:
     head = ["example", "schedule", "device", "predicted peak MiB", "measured peak MiB",
             "memory error", "memory error (torchrun)", "step ms where sends never wait",
             "predicted step ms (the program)",
-            "measured step ms (torchrun, median)", "step error",
+            "measured step ms (torchrun, median (fastest-slowest))", "step error",
             "predicted without late receives and the step's all-reduces", "its error",
             "step error without the runtime's overhead"]  # fmt: skip
     print_table(head, rows)
