@@ -653,7 +653,9 @@ def _search(
     waiting: list[tuple[float, int, int, tuple]] = []  # (bound, order, k, state): a heap
 
     def take_settled(k: int, pair: tuple[int, str]) -> None:
-        """A per-stage candidate whose never twin proved memory free: that twin's answer."""
+        """A per-stage candidate whose never twin's solve proved that memory does not bind
+        (partition.py, `memory_free`): recomputation only adds time, so no per-stage choice
+        beats that split with every stage choosing never, the twin's answer."""
         nonlocal best
         visited.solved += 1
         outcomes[k], twin = settled[pair]
@@ -1157,9 +1159,15 @@ def _overhead(problem: _Problem) -> tuple[float, float, float]:
     pays: the cluster's step_sync_ms)."""
     rt = problem.profile.runtime
     action, call, step = (rt.action_ms, rt.call_ms, rt.step_ms) if rt else (0.0, 0.0, 0.0)
+    return action, call, step + _step_sync(problem)
+
+
+def _step_sync(problem: _Problem) -> float:
+    """What the torchrun program's two all-reduces add to each step (the cluster's
+    step_sync_ms): nothing for another target, or for one device."""
     if problem.target == "torchrun" and problem.cluster.size > 1:
-        step += problem.cluster.step_sync_ms or 0.0
-    return action, call, step
+        return problem.cluster.step_sync_ms or 0.0
+    return 0.0
 
 
 @contextmanager
@@ -1597,8 +1605,7 @@ def _build_plan(
     waits = ""
     # (one stage per device, and it fits: else the search goes on to the interleaved
     # fallback, or reports by how much it is over budget)
-    # a step's all-reduces under torchrun: the same for every plan
-    sync = (cluster.step_sync_ms or 0.0) if problem.target == "torchrun" and K > 1 else 0.0
+    sync = _step_sync(problem)  # (the same for every plan)
     total_ms += sync
     lost = beat is not None and v == 1 and not routes and total_ms > beat * (1 + 1e-12)
     lost = lost and all(d.total <= d.budget for d in devices)

@@ -14,10 +14,10 @@ charges.
 A pipeline also receives late: in the torchrun program's exchanges a rank posts a send and
 a receive and waits for both, while its peer posts the matching receive later, after some
 compute. gloo moves the bytes only once told that the receive is posted, and that notice
-must wake the sender's side (over two busy vCPUs about three times a hand-off, on average). So each link is also timed that way
-(measure_late_receives: the receiver's own clock, from its receive's post to the arrival)
-and fitted apart: the link's late figures, which the torchrun model charges a message whose
-receive is posted after its send.
+must wake the sender's side (over two busy vCPUs about three times a hand-off, on average).
+So each link is also timed that way (measure_late_receives: the receiver's own clock, from
+its receive's post to the arrival) and fitted apart: the link's late figures, which the
+torchrun model charges a message whose receive is posted after its send.
 
 And every step of the torchrun program begins and ends with a small all-reduce among all
 ranks (the batch's signature; the loss), which the pipeline's own schedule does not hold:
