@@ -82,19 +82,25 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
     # to its last save (st: torch's early stop)
     st = c.stop
     stop = m.new_int_var(0, top(f, f + u), f"stop{s}")  # type: ignore[attr-defined]
+    # live and stop are exactly the largest of their bounds (each at most 0 where it does not
+    # apply: `off` takes a condition's bound below 0): a tight pulled gradient counts them
+    # with a minus sign (_tight_pulled), where a solver free to raise them would undercount
+    off = top(f, f + u, st, st + u) + 1
+    lives, stops = [0], [0]
     for k in range(L):
         whole_k = int(f[k]) * first[k][s] + int(f[k] + u[k]) * inner[k] - later[k]
         m.add(remat >= whole_k)  # type: ignore[attr-defined]
         if k + 1 < L:  # k + 1 in the stage: k runs whole
-            m.add(stop >= whole_k).only_enforce_if(x[k + 1][s])  # type: ignore[attr-defined]
-        ends = [x[k][s]] + ([x[k + 1][s].Not()] if k + 1 < L else [])
-        m.add(stop >= int(st[k]) * first[k][s] + int(st[k] + u[k]) * inner[k]).only_enforce_if(ends)  # type: ignore[attr-defined]
-        m.add(inp >= int(it[k]) * x[k][s] - before[k])  # type: ignore[attr-defined]
+            stops.append(whole_k - off * (1 - x[k + 1][s]))
         # layer k ends the stage when k + 1 is not in it (or k is the last layer)
         ends = x[k][s] - (x[k + 1][s] if k + 1 < L else 0)
-        m.add(live >= int(max(b[k] - z[k], 0)) * ends)  # type: ignore[attr-defined]
+        stops.append(int(st[k]) * first[k][s] + int(st[k] + u[k]) * inner[k] - off * (1 - ends))
+        m.add(inp >= int(it[k]) * x[k][s] - before[k])  # type: ignore[attr-defined]
+        lives.append(int(max(b[k] - z[k], 0)) * ends)
         if k + 1 < L:
-            m.add(live >= int(b[k]) * (x[k + 1][s] + x[k][s] - 1) - later[k])  # type: ignore[attr-defined]
+            lives.append(int(b[k]) * (x[k + 1][s] + x[k][s] - 1) - later[k])
+    m.add_max_equality(live, lives)  # type: ignore[attr-defined]
+    m.add_max_equality(stop, stops)  # type: ignore[attr-defined]
     return live, remat, inp, later, stop
 
 

@@ -799,56 +799,74 @@ class MemoryModel:
         return self.max_ends([(shape, budget)])[0]
 
     def max_ends(
-        self, wanted: list[tuple[StageShape, int]], cap: np.ndarray | None = None
+        self,
+        wanted: list[tuple[StageShape, int]],
+        cap: np.ndarray | None = None,
+        starts: list[np.ndarray | None] | None = None,
     ) -> list[np.ndarray]:
         """max_end of every (shape, budget), those not known yet searched together: one pass
         of state bytes per bisection step serves them all (a split of 64 stages has 64).
         `cap`: per start, the last end the caller will ask about; each end is then
-        min(max_end, cap), found in fewer steps (one, where the cap fits).
+        min(max_end, cap), found in fewer steps (one, where the cap fits). `starts`: per key,
+        the starts (sorted) whose ends the caller will read, None for all; each answer is
+        exact there only (elsewhere it may be the start itself, as if nothing fitted).
 
         What a search finds is kept per shape and budget, with the ends it searched to:
-        a later search of the same key (another candidate's, or under a larger cap) starts
-        from it, and searches only the starts whose end lay past the cap it had."""
+        a later search of the same key (another candidate's, or under a larger cap, or from
+        other starts) starts from it, and searches only the starts whose end lay past the cap
+        it had (a start never searched counts as searched to itself)."""
         n = self.chain.num_layers
         every = np.arange(n, dtype=np.int64)
         top = np.full(n, n, dtype=np.int64) if cap is None else np.clip(cap, every + 1, n)
         kept = self._ends
-        answers: dict[tuple[StageShape, int], np.ndarray] = {}
+        asked: dict[tuple[StageShape, int], list[np.ndarray] | None] = {}
+        for g, key in enumerate(wanted):
+            mine = None if starts is None else starts[g]
+            if mine is None:
+                asked[key] = None
+            elif asked.setdefault(key, []) is not None:
+                asked[key].append(mine)  # type: ignore[union-attr]
+        known: dict[tuple[StageShape, int], tuple[np.ndarray, np.ndarray]] = {}
         todo = []
-        for key in dict.fromkeys(wanted):
-            known = kept.get(key)
-            if known is None:
-                todo.append((key, every, np.full(n, n + 1, dtype=np.int64)))
-                continue
-            found, to = known  # found = min(max_end, to): max_end itself where below `to`
-            exact = found < to
-            if (exact | (top <= to)).all():
-                answers[key] = np.minimum(found, top)
-                continue
-            # known to fit up to found; known not to fit past it where exact
-            todo.append((key, found, np.where(exact, found + 1, n + 1)))
+        for key, parts in asked.items():
+            if parts is None:
+                at = every
+            elif len(parts) == 1:
+                at = np.asarray(parts[0], dtype=np.int64)
+            else:
+                at = np.flatnonzero(np.bincount(np.concatenate(parts), minlength=n))
+            found, to = kept.get(key, (every, every))  # found = min(max_end, to)
+            known[key] = (found, to)
+            # exact where found < to (max_end itself); known to reach past the cap where not
+            search = at[(found[at] >= to[at]) & (top[at] > to[at])]
+            if search.size:  # from what is known to fit, up to the cap
+                todo.append((key, search, found[search]))
         size = sum(found.size for found, _ in kept.values())
         if size + 2 * n * len(todo) > self.KEEP:  # past what is worth keeping: start over
             kept.clear()
         # in batches of about 2^16 entries: larger arrays only spill out of the caches
-        per = max(1, (1 << 16) // max(n, 1))
-        for at in range(0, len(todo), per):
-            batch = todo[at : at + per]
-            found = self._max_ends(
-                [key for key, _, _ in batch],
-                top,
-                np.concatenate([lo for _, lo, _ in batch]),
-                np.concatenate([hi for _, _, hi in batch]),
-            )
-            for (key, _, _), new in zip(batch, found):
-                answers[key] = new
-                old = kept.get(key)
-                to = top if old is None else np.maximum(old[1], top)
-                if old is not None:  # what either search knows (see above)
-                    new = np.where(old[0] < old[1], old[0], np.where(new < top, new, to))
-                new.setflags(write=False)
-                to.setflags(write=False)
-                kept[key] = (new, to)
+        batch: list = []
+        for at, item in enumerate(todo):
+            batch.append(item)
+            entries = sum(len(search) for _, search, _ in batch)
+            if entries < (1 << 16) and at + 1 < len(todo):
+                continue
+            results = self._max_ends(
+                [key for key, _, _ in batch], top, [search for _, search, _ in batch],
+                np.concatenate([lo for _, _, lo in batch]),
+            )  # fmt: skip
+            for (key, search, _), new in zip(batch, results):
+                found, to = (x.copy() for x in known[key])
+                found[search], to[search] = new, top[search]
+                known[key] = (found, to)
+            batch = []
+        answers = {}
+        for key in asked:
+            found, to = known[key]
+            found.setflags(write=False)
+            to.setflags(write=False)
+            kept[key] = (found, to)
+            answers[key] = np.minimum(found, top)
         return [answers[k] for k in wanted]
 
     KEEP = 1 << 25  # entries of found ends and their limits kept at most (256 MiB)
@@ -871,32 +889,37 @@ class MemoryModel:
         return out
 
     def _max_ends(
-        self, keys: list[tuple[StageShape, int]], top: np.ndarray, lo: np.ndarray, hi: np.ndarray
+        self,
+        keys: list[tuple[StageShape, int]],
+        top: np.ndarray,
+        starts: list[np.ndarray],
+        lo: np.ndarray,
     ) -> list[np.ndarray]:
-        """min(max_end, top) per key and start, where each key's end is known to fit at lo (or
-        lo is the start) and not to fit at hi (or hi is n + 1): flat arrays, key after key."""
+        """min(max_end, top) per key at its `starts`, where each end is known to fit at lo (or
+        lo is the start; flat, key after key) and nothing past the cap is known."""
         n, G = self.chain.num_layers, len(keys)
         shapes = [shape for shape, _ in keys]
-        budget = np.repeat(np.array([b for _, b in keys], dtype=np.int64), n)
-        i = np.tile(np.arange(n, dtype=np.int64), G)
+        sizes = np.array([len(at) for at in starts], dtype=np.int64)
+        budget = np.repeat(np.array([b for _, b in keys], dtype=np.int64), sizes)
+        i = np.concatenate(starts)
         # total(i, lo) fits (or lo = i); hi does not, or lies past the cap. The weights,
         # gradients and optimizer slots alone bound the end from above (prefix sums; with tied
         # parameters counted once they do not); a start whose end at the cap fits is done.
         caps = []
-        for shape, b in keys:
+        for (shape, b), at in zip(keys, starts):
             weights = (2 + shape.optimizer_slots) * self._params + self._buffers
             if self._tied:
-                caps.append(np.full(n, n + 1))
+                caps.append(np.full(len(at), n + 1))
             else:
                 caps.append(
-                    np.searchsorted(weights, weights[:n] + (b - shape.reserved), side="right")
+                    np.searchsorted(weights, weights[at] + (b - shape.reserved), side="right")
                 )
-        hi = np.minimum(np.minimum(np.maximum(np.concatenate(caps), i + 1), n + 1), hi)
-        top = np.tile(top, G)
+        hi = np.minimum(np.maximum(np.concatenate(caps), i + 1), n + 1)
+        top = top[i]
         # min(max_end, top) is top where top fits: where lo reaches it, or where it fits
         lo = np.minimum(lo, top)
         hi = np.where(lo == top, top + 1, hi)
-        group = np.repeat(np.arange(G), n)
+        group = np.repeat(np.arange(G), sizes)
 
         def probe(idx: np.ndarray, mid: np.ndarray) -> None:
             """Try end mid (strictly between lo and hi) for the entries idx (in group order, as
@@ -910,9 +933,9 @@ class MemoryModel:
         if len(check):
             probe(check, top[check])
         hi = np.where(lo == top, top + 1, np.minimum(hi, top))  # past the top: as good as it
-        pos = np.arange(G * n)
+        pos = np.arange(len(i))
         while len(pos):
             pos = pos[hi[pos] - lo[pos] > 1]
             if len(pos):
                 probe(pos, (lo[pos] + hi[pos]) // 2)
-        return [lo[g * n : (g + 1) * n] for g in range(G)]
+        return np.split(lo, np.cumsum(sizes)[:-1])

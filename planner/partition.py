@@ -27,6 +27,7 @@ best bottleneck is feasible, so the answer is the exact optimum, not an approxim
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -156,11 +157,8 @@ class _Prober:
         self.memory_cut = False  # whether memory lowered some stage's end in the last probe
         self._every = np.arange(self.L + 1, dtype=np.int64)
         self._memory, self._keys = memory, [[(sh, s.budget) for sh in s.shapes] for s in stages]
-        self._cap: np.ndarray | None = None  # per start: the last end the tables are exact to
-        if math.isfinite(cap_bound):
-            least = np.concatenate([[0.0], np.cumsum(self.least)])
-            self._cap = self._time_end(least, max(self.speeds), self._every, cap_bound)[: self.L]
-        self._load_tables()
+        self._least = np.concatenate([[0.0], np.cumsum(self.least)])
+        self.reach_to(cap_bound)
         self._bound = math.nan  # the bound _time_ends holds ends for (nan: none yet)
         self._time_ends: dict[tuple[int, float], np.ndarray] = {}
         self._link_ends: dict[int, np.ndarray] = {}
@@ -170,8 +168,47 @@ class _Prober:
             later = np.triu(np.ones((self.L + 1, self.L + 1), dtype=bool), 1)
             self.cuts = np.where(later, self.cuts, 0.0)
 
+    def reach_to(self, cap_bound: float) -> None:
+        """Make the memory tables exact for every probe up to cap_bound (math.inf: any).
+
+        Under a finite bound they are searched only as far as any stage could reach (the
+        cheapest option at the fastest speed), and only from the starts a split within the
+        bound may give each stage, time alone deciding (memory and links only take starts
+        away): stage s starts at most where s stages filled as far as they go end
+        (`_window[s][1]`), and at least where the stages after it, filled so, still reach the
+        end (`_window[s][0]`). On long chains and many stages, near the optimum, that is a few
+        starts per stage, where the whole chain is L."""
+        L, K = self.L, self.K
+        self._loads = getattr(self, "_loads", 0) + 1
+        self._cap: np.ndarray | None = None  # per start: the last end the tables are exact to
+        self._window: list[tuple[int, int]] | None = None  # per stage: its first and last start
+        if math.isfinite(cap_bound):
+            # (each option costs at least the cheapest per layer: its time ends come no later)
+            # (a little past the bound: a float sum over the cheapest options may round
+            # differently from an option's own, and the windows have no second check)
+            wide = cap_bound * (1 + 1e-9) + 1e-12 * self.prefixes[:, -1].max() / min(self.speeds)
+            ends = {
+                sp: self._time_end(self._least, sp, self._every, wide) for sp in set(self.speeds)
+            }
+            self._cap = ends[max(self.speeds)][:L]
+            first, last, far = [0] * K, [0] * K, 0
+            for s in range(K):
+                last[s] = min(far, L - (K - s))
+                far = int(ends[self.speeds[s]][last[s]])
+            near = L
+            for s in range(K - 1, -1, -1):  # the first start whose greedy stages reach `near`
+                near = first[s] = int(np.searchsorted(ends[self.speeds[s]], near, side="left"))
+            self._window = list(zip(first, last))
+        self._load_tables()
+
     def _load_tables(self) -> None:
-        found = self._memory.max_ends([k for row in self._keys for k in row], cap=self._cap)
+        keys, starts = [], []
+        for s, row in enumerate(self._keys):
+            keys += row
+            if self._window is not None:
+                first, last = self._window[s]
+                starts += [np.arange(first, last + 1, dtype=np.int64)] * len(row)
+        found = self._memory.max_ends(keys, cap=self._cap, starts=starts or None)
         self.mem_end: list[list[np.ndarray]] = []
         for row in self._keys:
             self.mem_end.append(found[: len(row)])
@@ -180,8 +217,19 @@ class _Prober:
     def _exact_to(self, starts: np.ndarray, j: np.ndarray) -> None:
         """Make the memory tables exact up to end j from each start (searching them in full)."""
         if self._cap is not None and (j > self._cap[np.minimum(starts, self.L - 1)]).any():
-            self._cap = None
-            self._load_tables()
+            self.reach_to(math.inf)
+
+    def _starts(self, s: int, reach: np.ndarray, room: int) -> np.ndarray:
+        """The positions stage s may start at: reached, leaving each later stage a layer, and
+        within its window (where the tables are exact)."""
+        starts = np.nonzero(reach[: room + 1])[0]
+        if self._window is not None:
+            first, last = self._window[s]
+            if starts.size and starts[-1] > last:  # (cannot happen under the bound: in full)
+                self.reach_to(math.inf)
+                return starts
+            starts = starts[starts >= first]
+        return starts
 
     def ends(self, s: int, starts: np.ndarray, bound: float) -> np.ndarray:
         """Largest j per start with cost(s, i, j) <= bound and stage s's memory fitting, under
@@ -232,6 +280,13 @@ class _Prober:
         """A split with every stage cost <= bound and every stage fitting, or None (then
         `next_bound()` says how far the bound must rise to change that)."""
         self.probes += 1
+        while True:  # again where the tables were searched in full on the way (see _starts)
+            loads = self._loads
+            found = self._probe(bound)
+            if loads == self._loads:
+                return found
+
+    def _probe(self, bound: float) -> list[int] | None:
         self.memory_cut = False
         L, K = self.L, self.K
         reach = np.zeros(L + 1, dtype=bool)
@@ -242,7 +297,7 @@ class _Prober:
         self._seen_cap = cap
         for s in range(K):
             room = L - (K - s)  # a later stage needs at least one layer each
-            starts = np.nonzero(reach[: room + 1])[0]
+            starts = self._starts(s, reach, room)
             if starts.size == 0:
                 return None
             e = np.minimum(self.ends(s, starts, bound), room + 1)
@@ -485,6 +540,49 @@ def _reach(
     return far
 
 
+LADDER = (
+    1.0,
+    1.02,
+    1.05,
+    1.1,
+    1.2,
+    1.4,
+    1.8,
+    2.6,
+)  # the first probes' bounds, times the split time alone makes
+
+
+def _time_alone(least: np.ndarray, speeds: list[float]) -> tuple[float, float]:
+    """(below, about): a bound below every split's bottleneck, each layer at its cheapest
+    option, and about the least one (within 1e-4 above) at which the stages may reach the end
+    on time alone when a stage may also stay empty (memory and links only take splits away;
+    an empty stage only adds some). Each test fills the stages in turn as far as the bound
+    lets them: where it fails, so does every split (a farther end is never reached from an
+    earlier start); a bisection on the prefix sums."""
+    L, K = len(least), len(speeds)
+    prefix = np.concatenate([[0.0], np.cumsum(least)]).tolist()
+
+    def fits(bound: float) -> bool:
+        at = 0
+        for s, sp in enumerate(speeds):
+            end = bisect.bisect_right(prefix, prefix[at] + bound * sp, at) - 1
+            at = max(at, min(end, L - (K - s - 1)))
+        return at == L
+
+    lo = max(float(np.max(least)) / max(speeds), float(least.sum()) / sum(speeds))
+    hi = float(least.sum()) / min(speeds)
+    if lo <= 0 or not fits(hi * (1 + 1e-9)):
+        return 0.0, 0.0  # (zero-time layers, or rounding: no guess)
+    hi = hi * (1 + 1e-9)
+    while hi - lo > 1e-4 * hi:
+        mid = (lo + hi) / 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo * (1 - 1e-9), hi  # (the greedy test's sums round a little unlike the probe's)
+
+
 def solve_partition(
     times: np.ndarray,
     memory: MemoryModel,
@@ -499,15 +597,22 @@ def solve_partition(
         raise ValueError(f"cannot split {L} layers into {K} non-empty stages")
     least = option_times(times, stages).min(axis=0)
     speeds = [s.speed for s in stages]
-    # A bound on compute alone (each layer at its cheapest option), at most the optimum.
-    lo = max(float(np.max(least)) / max(speeds), float(least.sum()) / sum(speeds))
-    # First a bound that usually admits a split on equal devices (each stage filled past half
-    # of it): then no probe reaches past it, and memory is searched only that far.
-    first = 2 * lo if lo > 0 else math.inf
-    prober = _Prober(times, memory, stages, cuts, cap_bound=first)
-    bounds = prober.probe(first) if math.isfinite(first) else None
-    if bounds is None:
-        bounds = prober.probe(math.inf)
+    # Bounds on compute alone (each layer at its cheapest option, no memory, no links): at
+    # most the optimum, lo below any split and `fast` about the best split's
+    lo, fast = _time_alone(least, speeds)
+    # First probe near the split time alone would make: when memory and links let it stand,
+    # no probe reaches past it, and memory is searched only that far, and only from the
+    # starts a split within it may give each stage. Where they do not, wider, then in full.
+    prober, bounds = None, None
+    for first in [fast * f for f in LADDER if fast > 0] + [math.inf]:
+        if prober is None:
+            prober = _Prober(times, memory, stages, cuts, cap_bound=first)
+        else:
+            prober.reach_to(first)
+        bounds = prober.probe(first)
+        if bounds is not None:
+            break
+        lo = max(lo, first)  # nothing fits within it
     if bounds is None:
         return None
     hi = prober.bottleneck(bounds)
