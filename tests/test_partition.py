@@ -1110,3 +1110,36 @@ def test_probe_matches_dp_where_memory_binds_far_from_the_time_alone_split(seed)
         assert (probe is None) == (dp is None)
         if probe is not None:
             assert probe.bottleneck == dp.bottleneck  # type: ignore[union-attr]
+
+
+def test_cpsat_counts_a_tight_pulled_gradient_beside_a_recomputed_forward_in_full():
+    """Found by the brute-force comparison: B's tight pulled gradient (pulled_paired) is its
+    whole less the larger of its own and the re-materialising forward's transients; CP-SAT
+    once left those transients free to rise, which lowered the pulled gradient of a tuple
+    holding only the forward's, and took the first stage 1 byte over its budget."""
+    from planner.cpsat import solve_partition_cpsat
+    from planner.memory import pulled_with
+
+    chain = make_chain(
+        5, forward=np.ones(5), backward=np.array([0.0, 0.0, 1.0, 0.0, 4.0]),
+        params=np.array([0, 0, 23, 17, 21]), buffers=np.array([0, 1, 5, 2, 2]),
+        saved=np.array([0, 0, 0, 0, 21]), input_saved=np.array([1, 0, 0, 1, 1]),
+        forward_transient=np.array([0, 0, 0, 1, 1]), backward_transient=np.array([0, 0, 3, 0, 4]),
+        input_unsaved=np.array([3, 0, 0, 0, 0]), forward_peak=np.array([0, 0, 2, 18, 0]),
+        zgrad=np.array([0, 2, 0, 0, 0]), grad_in=np.array([0, 1, 1, 1, 1]),
+    )  # fmt: skip
+    first = StageShape(occupancy=(running_on([0, 1, 0, 0, 0, 1], 6),), optimizer_slots=0)
+    assert pulled_with(first.occupancy) == "pulled_paired"
+    rest = [
+        StageSpec(0.5, 52, StageShape(occupancy=(running_on([0, 1, 0, 0, 0, 0], 1),),
+                                      optimizer_slots=0)),
+        StageSpec(0.5, 44, StageShape(occupancy=(running_on([0] * 6, 0),), optimizer_slots=0)),
+    ]  # fmt: skip
+    times = chain.forward + chain.backward
+    # the only split the later stages allow puts layers 0-2 on the first: 52 bytes
+    assert reference_memory(chain, 0, 3, first) == 52
+    for budget in (51, 52):
+        specs = [StageSpec(0.5, budget, first), *rest]
+        part = solve_partition_cpsat(times, MemoryModel(chain), specs)
+        assert brute_force(times, chain, specs) == (math.inf if budget == 51 else 10.0)
+        assert (part is None) == (budget == 51)
