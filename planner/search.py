@@ -1944,13 +1944,28 @@ def _infeasible(problem: _Problem, candidates: list[Candidate], floor: int = 0) 
     # far, and a bisection only where it does better): whole-stage recomputation, the
     # schedules that hold fewer micro-batches, smaller micro-batches.
     chosen: Candidate | None = None
+    chosen_fits: Callable[..., _Fit | None] | None = None
+    alike: set[tuple] = set()
     for cand in sorted(candidates, key=_likely_small):
+        if cand.per_device == 1:
+            # Candidates alike in memory (the same micro-batch size and stage shapes: 1F1B's
+            # and zero bubble's past their steady state) need the same least budget: the
+            # first is searched, and the others cannot need less (a budget that fits one
+            # stage per device, every larger one fits too)
+            _stage_specs(problem, cand)  # (its shapes, kept in problem.shapes)
+            key = (problem.costs(cand).mb, tuple(map(tuple, problem.shapes[(cand, "exact")])))
+            if key in alike:
+                continue
+            alike.add(key)
         fits = _fits_within(problem, cand)
         # (interleaved: whether a budget fits need not carry over to a larger one, so the
         # least budget is a bisection's from nothing, as it always was)
         least = _least(fits, need, floor if cand.per_device == 1 else 0)
         if least is not None:
-            need, closest, chosen = least, _shown(problem, cand, fits(least, True)), cand
+            need, chosen, chosen_fits = least, cand, fits
+    if chosen is not None and chosen_fits is not None and need is not None:
+        # (only the closest one's split is solved for speed and made a plan)
+        closest = _shown(problem, chosen, chosen_fits(need, True))
     if closest is not None and closest.fits:
         # An interleaved split fits the cluster as it is, its devices checked with both
         # stages (which the split search does not do). Each such candidate's split at its own

@@ -232,6 +232,39 @@ def test_needed_memory_is_exactly_the_least_that_fits():
         plan_pipeline(prof, Cluster.uniform(3, need - 1), 8, **kwargs)
 
 
+def test_candidates_alike_in_memory_need_the_same_least_memory():
+    """The search for the least memory tries only the first of the candidates with the same
+    micro-batch size and stage shapes (1F1B and zero bubble past their steady state): each
+    of the others, searched here on its own, needs exactly as much, and the least over every
+    candidate so searched is the need the error states."""
+    from planner.search import (
+        Candidate, _fits_within, _least, _Problem, _stage_specs, microbatch_candidates,
+    )  # fmt: skip
+
+    prof = synthetic_profile(
+        [1, 1, 4, 1, 1, 2, 3], params=[50, 10, 300, 20, 10, 90, 40], saved=[30, 8, 40, 5, 60, 9, 12]
+    )
+    cluster, batch = Cluster.uniform(3, 200), 12
+    with pytest.raises(InfeasibleError) as info:
+        plan_pipeline(prof, cluster, batch, schedule="auto", recompute="auto")
+    problem = _Problem(prof, cluster, batch, "adam")
+    needs: dict[tuple, set[int]] = {}
+    least_of_all = None
+    for m in microbatch_candidates(batch, 3):
+        for schedule in ("gpipe", "1f1b", "zb-h1"):
+            for recompute in ("never", "except_last", "always", "per_stage"):
+                cand = Candidate(m, schedule, recompute)
+                _stage_specs(problem, cand)
+                key = (problem.costs(cand).mb, tuple(map(tuple, problem.shapes[(cand, "exact")])))
+                least = _least(_fits_within(problem, cand), None)
+                assert least is not None
+                needs.setdefault(key, set()).add(least)
+                least_of_all = least if least_of_all is None else min(least_of_all, least)
+    assert all(len(found) == 1 for found in needs.values())
+    assert len(needs) < sum(1 for _ in microbatch_candidates(batch, 3)) * 12  # some are alike
+    assert info.value.needed_bytes == least_of_all
+
+
 def test_on_mixed_devices_the_need_is_the_small_ones_and_exact():
     """Found by a user trial: with one small device beside large ones the message asked for
     the large ones' need on every device (14.9 MiB where 1.8 MiB on the small one fitted).
