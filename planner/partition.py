@@ -540,16 +540,9 @@ def _reach(
     return far
 
 
-LADDER = (
-    1.0,
-    1.02,
-    1.05,
-    1.1,
-    1.2,
-    1.4,
-    1.8,
-    2.6,
-)  # the first probes' bounds, times the split time alone makes
+# The first probes' bounds, times the split time alone makes: each failed one's tables are
+# a fraction of the next's (the windows grow with the bound's excess over it)
+LADDER = (1.0, 1.02, 1.05, 1.1, 1.2, 1.4, 1.8, 2.6)
 
 
 def _time_alone(least: np.ndarray, speeds: list[float]) -> tuple[float, float]:
