@@ -180,6 +180,7 @@ class _Prober:
         starts per stage, where the whole chain is L."""
         L, K = self.L, self.K
         self._loads = getattr(self, "_loads", 0) + 1
+        self._cap_bound = cap_bound
         self._cap: np.ndarray | None = None  # per start: the last end the tables are exact to
         self._window: list[tuple[int, int]] | None = None  # per stage: its first and last start
         if math.isfinite(cap_bound):
@@ -280,6 +281,8 @@ class _Prober:
         """A split with every stage cost <= bound and every stage fitting, or None (then
         `next_bound()` says how far the bound must rise to change that)."""
         self.probes += 1
+        if bound > self._cap_bound:  # (the windows hold for bounds up to theirs only)
+            self.reach_to(math.inf)
         while True:  # again where the tables were searched in full on the way (see _starts)
             loads = self._loads
             found = self._probe(bound)
@@ -542,7 +545,7 @@ def _reach(
 
 # The first probes' bounds, times the split time alone makes: each failed one's tables are
 # a fraction of the next's (the windows grow with the bound's excess over it)
-LADDER = (1.0, 1.02, 1.05, 1.1, 1.2, 1.4, 1.8, 2.6)
+LADDER = (1.0, 1.05, 1.2, 1.5, 2.0)  # (fewer: where no split fits, each is a probe lost)
 
 
 def _time_alone(least: np.ndarray, speeds: list[float]) -> tuple[float, float]:
@@ -647,7 +650,9 @@ def solve_partition(
     # `memory_free`: memory lowered no stage's end in the proof (time alone rules out anything
     # faster) nor in the probe that made the split (so further options, each costing at least
     # as much per layer, reach exactly the same ends there: the same split, every stage on its
-    # first option).
+    # first option). Only starts within the windows count: from the others no split within
+    # the bound reaches the end on time alone, at each layer's cheapest option, whatever
+    # memory lets them take.
     memory_free = 0.0 if proof_cut or prober.memory_cut else 1.0
     return Partition(
         bounds=bounds, bottleneck=prober.bottleneck(bounds, hi), probes=prober.probes,

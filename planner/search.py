@@ -1948,10 +1948,10 @@ def _infeasible(problem: _Problem, candidates: list[Candidate], floor: int = 0) 
     alike: set[tuple] = set()
     for cand in sorted(candidates, key=_likely_small):
         if cand.per_device == 1:
-            # Candidates alike in memory (the same micro-batch size and stage shapes: 1F1B's
-            # and zero bubble's past their steady state) need the same least budget: the
-            # first is searched, and the others cannot need less (a budget that fits one
-            # stage per device, every larger one fits too)
+            # What fits reads of a candidate with one stage per device is the chain at its
+            # micro-batch size, its stage shapes and where cuts may go (never its times, nor
+            # its schedule's name): candidates alike in those (1F1B's and zero bubble's past
+            # their steady state) need the same least budget, and only the first is searched
             _stage_specs(problem, cand)  # (its shapes, kept in problem.shapes)
             key = (problem.costs(cand).mb, tuple(map(tuple, problem.shapes[(cand, "exact")])))
             if key in alike:

@@ -232,19 +232,32 @@ def test_needed_memory_is_exactly_the_least_that_fits():
         plan_pipeline(prof, Cluster.uniform(3, need - 1), 8, **kwargs)
 
 
-def test_candidates_alike_in_memory_need_the_same_least_memory():
+@pytest.mark.parametrize("mixed", [False, True])
+def test_candidates_alike_in_memory_need_the_same_least_memory(mixed):
     """The search for the least memory tries only the first of the candidates with the same
     micro-batch size and stage shapes (1F1B and zero bubble past their steady state): each
-    of the others, searched here on its own, needs exactly as much, and the least over every
-    candidate so searched is the need the error states."""
+    of the others, searched here on its own, needs exactly as much (what it fits depends on
+    nothing else: not its schedule's name, nor M itself), and the least over every candidate
+    so searched is the need the error states, on equal devices and on mixed ones."""
     from planner.search import (
-        Candidate, _fits_within, _least, _Problem, _stage_specs, microbatch_candidates,
+        Candidate,
+        _fits_within,
+        _least,
+        _Problem,
+        _stage_specs,
+        microbatch_candidates,
     )  # fmt: skip
 
     prof = synthetic_profile(
         [1, 1, 4, 1, 1, 2, 3], params=[50, 10, 300, 20, 10, 90, 40], saved=[30, 8, 40, 5, 60, 9, 12]
     )
     cluster, batch = Cluster.uniform(3, 200), 12
+    if mixed:
+        cluster = Cluster.model_validate(
+            {"devices": [{"name": "big", "memory_bytes": 10**6},
+                         {"name": "mid", "memory_bytes": 3000},
+                         {"name": "small", "memory_bytes": 50}]}
+        )  # fmt: skip
     with pytest.raises(InfeasibleError) as info:
         plan_pipeline(prof, cluster, batch, schedule="auto", recompute="auto")
     problem = _Problem(prof, cluster, batch, "adam")
