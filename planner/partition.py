@@ -434,7 +434,10 @@ def memory_split(
     kept: list[np.ndarray] = []  # per stage: the starts it may take
     lo = hi = 0
     width = max(WINDOW, 2 * (layers // K))
+    least = _weights_need(memory, stages, layers)
     for s, spec in enumerate(stages):
+        if hi < least[s]:  # the stages from s on cannot hold the rest's weights: none fits
+            return True, None
         hi = min(hi, layers - (K - s))  # later stages take a layer each
         reached = np.arange(lo, hi + 1, dtype=np.int64)
         cut = s > 0 and allowed is not None
@@ -464,6 +467,28 @@ def memory_split(
         ok = fits.reshape(len(shapes), n).any(axis=0)
         bounds.append(int(starts[ok][-1]))  # (one does: end is in the reach of stage s)
     return True, bounds[::-1]
+
+
+def _weights_need(memory: MemoryModel, stages: list[StageSpec], layers: int) -> list[int]:
+    """Per stage s: the first start from which stages s, s + 1, ... could reach the end by
+    their weights alone (gradients, optimizer slots, buffers and reserved bytes, each a
+    prefix sum: MemoryModel.total() is at least them), each as far as its budget lets it;
+    0 for all with tied parameters (not a prefix sum there). A split whose stage s starts
+    before it fits nowhere: where the weights all but fill the devices, that shows within a
+    few stages, without the memory model."""
+    K = len(stages)
+    least = [0] * (K + 1)
+    if memory._tied:
+        return least
+    least[K] = layers
+    for s in range(K - 1, -1, -1):
+        at = layers + 1  # (no option: past every start)
+        for shape in stages[s].shapes:
+            weights = (2 + shape.optimizer_slots) * memory._params + memory._buffers
+            room = stages[s].budget - shape.reserved
+            at = min(at, int(np.searchsorted(weights, weights[least[s + 1]] - room, "left")))
+        least[s] = at
+    return least
 
 
 def _reach(

@@ -1199,3 +1199,47 @@ def test_cpsat_counts_a_tight_pulled_gradient_beside_a_recomputed_forward_in_ful
         part = solve_partition_cpsat(times, MemoryModel(chain), specs)
         assert brute_force(times, chain, specs) == (math.inf if budget == 51 else 10.0)
         assert (part is None) == (budget == 51)
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems(), st.floats(0.5, 1.6))
+def test_a_memory_split_whose_weights_cannot_fit_is_decided_before_the_memory_model(problem, tight):
+    """Budgets about the weights' share (gradients, optimizer slots, buffers, reserved): where
+    the stages from some point on cannot hold the rest's weights, memory_split says so before
+    it asks the memory model there, and its answer is brute force's either way."""
+    from planner import partition
+    from planner.partition import memory_split
+
+    chain, specs, _ = problem
+    L, K = len(chain.forward), len(specs)
+    memory = MemoryModel(chain)
+    specs = [
+        dataclasses.replace(
+            sp,
+            budget=int(tight * int(memory.static_of(np.array([0]), np.array([L]),
+                                                     sp.shape.optimizer_slots)[0]) / K)
+            + sp.shape.reserved,
+        )
+        for sp in specs
+    ]  # fmt: skip
+    splits = [[0, *inner, L] for inner in itertools.combinations(range(1, L), K - 1)]
+    fitting = [b for b in splits if _fits_somehow(chain, specs, b)]
+    asked: list[int] = []
+    reach = partition._reach
+
+    def counted(*a, **k):
+        asked.append(1)
+        return reach(*a, **k)
+
+    kept, partition._reach = partition._reach, counted
+    try:
+        decided, bounds = memory_split(memory, specs, L)
+    finally:
+        partition._reach = kept
+    least = partition._weights_need(memory, specs, L)
+    if least[0] > 0:  # the whole chain's weights do not fit the stages: no memory model asked
+        assert (decided, bounds, asked) == (True, None, [])
+    if decided:
+        assert (bounds is None) == (fitting == [])
+        if bounds is not None:
+            assert all(b[s] >= least[s] for b in [bounds] for s in range(K))
