@@ -89,7 +89,7 @@ candidate stages in one call; scalars work too.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -314,40 +314,26 @@ class MemoryModel:
             (nbytes, _prefix(np.isin(np.arange(chain.num_layers), layers).astype(np.int64)))
             for nbytes, layers in chain.tied
         ]
-        self._largest = _RangeMax(chain.largest_param)
         self._buffers = _prefix(chain.buffers)
         self._saved = _prefix(chain.saved)
         self._shared = _prefix(chain.shared)
         self._loss = _prefix(chain.loss_saved)
         self._zgrad = _prefix(chain.zgrad)
         f, b = chain.forward_transient, chain.backward_transient
-        self._pulled = _RangeMax(chain.zgrad)
         # held[l]: what layers 0..l save, each tensor once; while layer l's backward runs the
         # stage still holds its own layers' share of it (those after l have let theirs go)
         self._held = self._saved[1:] - self._shared[1:]
-        self._backward = _RangeMax(self._held + b)
         self._last_backward = np.maximum(b - chain.zgrad, 0).astype(np.int64)
-        # B's pulled gradient, activations and transient together, a chain's stage from i
-        # ending at k (see pulled_with): the largest over every k up to an end
-        self._ends_b = _RangeMax(self._held + np.maximum(b, chain.zgrad))
-        self._pairs_b = _PairMax(self._held + b, chain.zgrad)
         self._walk = None if chain.flow is None else self._walk_table()
         self._flow_pulled_table: np.ndarray | None = None
         # a forward that keeps what it saves, layer by layer: layer l's peak comes on top of
         # what the layers before it saved (and, inside the stage, its input while it runs)
         self._first_remat = (self._held + f).astype(np.int64)
-        self._inner_remat = _RangeMax(self._held + f + chain.input_unsaved)
         # A recomputed B's re-materialising forward is a checkpoint's: it ends at the stage's
         # last layer's last save (torch's early stop), that layer's peak up to there (stop)
-        z = chain.zgrad.astype(np.int64)
         stop = chain.stop.astype(np.int64)
         self._stop_last = self._held + stop + chain.input_unsaved  # (inside the stage)
         self._stop_first = self._held + stop  # (the stage's only layer)
-        # ... and beside the gradient it pulled (pulled_with): a layer l's whole forward peak
-        # before a later layer m's output gradient, l < m; or m's peak up to its last save
-        q = self._held + f + chain.input_unsaved
-        self._pairs_r = _PairMax(q, z)
-        self._ends_s = _RangeMax(self._stop_last + z)
         # zero bubble's I, layer by layer from the last: layer l's peak comes on top of the
         # gradients kept so far: its own output's, those of the layers after it, and its
         # input's, which it makes (the stage's counts all of them: those of layers i .. l - 2
@@ -355,11 +341,65 @@ class MemoryModel:
         it = chain.input_grad_transient.astype(np.int64)
         self._first_input_live = it
         before = np.concatenate([[0], self._zgrad[:-2]])[: chain.num_layers]
-        self._inner_input_live = _RangeMax(it - before + self._zgrad[-1])  # (not negative)
+        self._input_live_values = it - before + self._zgrad[-1]  # (not negative)
         self._flow_input_live = None if chain.flow is None else self._flow_input_table()
-        self._weight_live = _RangeMax(chain.weight_grad_transient)
         self._forward_peak = chain.forward_peak.astype(np.int64)
-        self._inner_forward = _RangeMax(chain.forward_peak + chain.boundary[:-1])
+
+    # The range-maximum tables, each made the first time a state that reads it is asked for
+    # (a model made for one feasibility test reads only its occupancy's states)
+
+    @cached_property
+    def _largest(self) -> _RangeMax:
+        return _RangeMax(self.chain.largest_param)
+
+    @cached_property
+    def _pulled(self) -> _RangeMax:
+        return _RangeMax(self.chain.zgrad)
+
+    @cached_property
+    def _backward(self) -> _RangeMax:
+        return _RangeMax(self._held + self.chain.backward_transient)
+
+    @cached_property
+    def _ends_b(self) -> _RangeMax:
+        """B's pulled gradient, activations and transient together, a chain's stage from i
+        ending at k (see pulled_with): the largest over every k up to an end."""
+        c = self.chain
+        return _RangeMax(self._held + np.maximum(c.backward_transient, c.zgrad))
+
+    @cached_property
+    def _pairs_b(self) -> _PairMax:
+        return _PairMax(self._held + self.chain.backward_transient, self.chain.zgrad)
+
+    @cached_property
+    def _inner_remat(self) -> _RangeMax:
+        c = self.chain
+        return _RangeMax(self._held + c.forward_transient + c.input_unsaved)
+
+    @cached_property
+    def _pairs_r(self) -> _PairMax:
+        """A recomputed B's forward beside the gradient it pulled (pulled_with): a layer l's
+        whole forward peak before a later layer m's output gradient, l < m (_ends_s: or m's
+        peak up to its last save)."""
+        c = self.chain
+        q = self._held + c.forward_transient + c.input_unsaved
+        return _PairMax(q, c.zgrad.astype(np.int64))
+
+    @cached_property
+    def _ends_s(self) -> _RangeMax:
+        return _RangeMax(self._stop_last + self.chain.zgrad.astype(np.int64))
+
+    @cached_property
+    def _inner_input_live(self) -> _RangeMax:
+        return _RangeMax(self._input_live_values)
+
+    @cached_property
+    def _weight_live(self) -> _RangeMax:
+        return _RangeMax(self.chain.weight_grad_transient)
+
+    @cached_property
+    def _inner_forward(self) -> _RangeMax:
+        return _RangeMax(self.chain.forward_peak + self.chain.boundary[:-1])
 
     def _walk_table(self) -> np.ndarray:
         """A captured graph's _backward_live(i, k) for every start and end: as a chain's, but
