@@ -1051,6 +1051,18 @@ def test_the_time_alone_bounds_bracket_the_best_split_on_time_alone(times, speed
     assert below < best and about <= best * (1 + 2e-4)
 
 
+def _random_chain(
+    rng: np.random.Generator, L: int, forward: np.ndarray, backward: np.ndarray, saved: int
+) -> Chain:
+    """A chain of the given times whose parameters, saved bytes, backward transients and
+    boundaries are drawn (saved below `saved`)."""
+    return make_chain(
+        L, forward=forward, backward=backward, params=rng.integers(1, 100, L),
+        saved=rng.integers(1, saved, L), backward_transient=rng.integers(0, 20, L),
+        boundary=rng.integers(1, 10, L + 1),
+    )  # fmt: skip
+
+
 def test_a_long_chain_searches_memory_only_from_the_starts_near_its_split(monkeypatch):
     """Near the split time alone makes, a stage may start only within a window a few layers
     wide: the memory tables are searched from those starts, not from every start, where
@@ -1059,11 +1071,7 @@ def test_a_long_chain_searches_memory_only_from_the_starts_near_its_split(monkey
 
     rng = np.random.default_rng(2)
     L, K = 3000, 24
-    chain = make_chain(
-        L, forward=rng.lognormal(0.0, 0.5, L), backward=rng.lognormal(0.5, 0.5, L),
-        params=rng.integers(1, 100, L), saved=rng.integers(1, 50, L),
-        backward_transient=rng.integers(0, 20, L), boundary=rng.integers(1, 10, L + 1),
-    )  # fmt: skip
+    chain = _random_chain(rng, L, rng.lognormal(0.0, 0.5, L), rng.lognormal(0.5, 0.5, L), 50)
     times = chain.forward + chain.backward
     shapes = [StageShape(occupancy=(occ(0, K - s),), optimizer_slots=1) for s in range(K)]
     memory = MemoryModel(chain)
@@ -1102,11 +1110,7 @@ def test_probe_matches_dp_where_memory_binds_far_from_the_time_alone_split(seed,
 
     rng = np.random.default_rng(seed)
     L, K = 90, 6
-    chain = make_chain(
-        L, forward=rng.uniform(0.5, 2.0, L), backward=rng.uniform(1.0, 4.0, L),
-        params=rng.integers(1, 100, L), saved=rng.integers(1, 60, L),
-        backward_transient=rng.integers(0, 20, L), boundary=rng.integers(1, 10, L + 1),
-    )  # fmt: skip
+    chain = _random_chain(rng, L, rng.uniform(0.5, 2.0, L), rng.uniform(1.0, 4.0, L), 60)
     base = chain.forward + chain.backward
     table = np.stack([base * rng.uniform(1.0, 1.4, L) for _ in range(3)])
     assert all((table[x] > table.min(axis=0)).any() for x in range(3))
