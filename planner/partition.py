@@ -184,9 +184,10 @@ class _Prober:
         self._cap: np.ndarray | None = None  # per start: the last end the tables are exact to
         self._window: list[tuple[int, int]] | None = None  # per stage: its first and last start
         if math.isfinite(cap_bound):
-            # (each option costs at least the cheapest per layer: its time ends come no later)
-            # (a little past the bound: a float sum over the cheapest options may round
-            # differently from an option's own, and the windows have no second check)
+            # Each option costs at least the cheapest per layer, so its time ends come no
+            # later; taken a little past the bound, as a float sum over the cheapest options
+            # may round unlike an option's own (a window too narrow at its first start would
+            # go unnoticed: one too narrow at its last is searched in full, _starts)
             wide = cap_bound * (1 + 1e-9) + 1e-12 * self.prefixes[:, -1].max() / min(self.speeds)
             ends = {
                 sp: self._time_end(self._least, sp, self._every, wide) for sp in set(self.speeds)
@@ -593,7 +594,7 @@ def _time_alone(least: np.ndarray, speeds: list[float]) -> tuple[float, float]:
     lo = max(float(np.max(least)) / max(speeds), float(least.sum()) / sum(speeds))
     hi = float(least.sum()) / min(speeds)
     if lo <= 0 or not fits(hi * (1 + 1e-9)):
-        return 0.0, 0.0  # (zero-time layers, or rounding: no guess)
+        return max(lo, 0.0) * (1 - 1e-9), 0.0  # (zero-time layers, or rounding: no guess)
     hi = hi * (1 + 1e-9)
     while hi - lo > 1e-4 * hi:
         mid = (lo + hi) / 2

@@ -1046,7 +1046,7 @@ def test_the_time_alone_bounds_bracket_the_best_split_on_time_alone(times, speed
         for b in ([0, *inner, L] for inner in itertools.combinations(range(1, L), K - 1))
     )
     if best == 0:
-        assert (below, about) == (0.0, 0.0)  # no guess: the solver's ladder starts at math.inf
+        assert (below, about) == (0.0, 0.0)  # no guess: the solver probes without a bound
         return
     assert below < best and about <= best * (1 + 2e-4)
 
