@@ -1949,9 +1949,10 @@ def _infeasible(problem: _Problem, candidates: list[Candidate], floor: int = 0) 
     for cand in sorted(candidates, key=_likely_small):
         if cand.per_device == 1:
             # What fits reads of a candidate with one stage per device is the chain at its
-            # micro-batch size, its stage shapes and where cuts may go (never its times, nor
-            # its schedule's name): candidates alike in those (1F1B's and zero bubble's past
-            # their steady state) need the same least budget, and only the first is searched
+            # micro-batch size, its stage shapes and where cuts may go (the same for every
+            # candidate of that size; never its times, nor its schedule's name): candidates
+            # alike in those (1F1B's and zero bubble's past their steady state) need the
+            # same least budget, and only the first is searched
             _stage_specs(problem, cand)  # (its shapes, kept in problem.shapes)
             key = (problem.costs(cand).mb, tuple(map(tuple, problem.shapes[(cand, "exact")])))
             if key in alike:
