@@ -308,6 +308,7 @@ class MemoryModel:
         # per (shape, budget): the ends found from each start, and the ends searched to
         self._ends: dict[tuple[StageShape, int], tuple[np.ndarray, np.ndarray]] = {}
         self._one_layer: dict[StageShape, np.ndarray] = {}  # (one_layer)
+        self._weights: dict[int, np.ndarray] = {}  # (weights)
         self._params = _prefix(chain.params)
         # a parameter several layers use: how many of them lie before each position
         self._tied = [
@@ -886,9 +887,10 @@ class MemoryModel:
             kept.clear()
         # in batches of about 2^16 entries: larger arrays only spill out of the caches
         batch: list = []
+        entries = 0
         for at, item in enumerate(todo):
             batch.append(item)
-            entries = sum(len(search) for _, search, _ in batch)
+            entries += len(item[1])
             if entries < (1 << 16) and at + 1 < len(todo):
                 continue
             results = self._max_ends(
@@ -899,7 +901,7 @@ class MemoryModel:
                 found, to = (x.copy() for x in known[key])
                 found[search], to[search] = new, top[search]
                 known[key] = (found, to)
-            batch = []
+            batch, entries = [], 0
         answers = {}
         for key in asked:
             found, to = known[key]
@@ -910,6 +912,16 @@ class MemoryModel:
         return [answers[k] for k in wanted]
 
     KEEP = 1 << 25  # entries of found ends and their limits kept at most (256 MiB)
+
+    def weights(self, optimizer_slots: int) -> np.ndarray:
+        """Prefix sums of each layer's weights, gradients, optimizer slots and buffers: with
+        no tied parameters, static_of(i, j) is weights[j] - weights[i] (kept per slot count)."""
+        found = self._weights.get(optimizer_slots)
+        if found is None:
+            found = self._weights[optimizer_slots] = (
+                2 + optimizer_slots
+            ) * self._params + self._buffers
+        return found
 
     def params(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """The parameter bytes of stages [i, j): a parameter several of its layers use, once."""
@@ -947,7 +959,7 @@ class MemoryModel:
         # parameters counted once they do not); a start whose end at the cap fits is done.
         caps = []
         for (shape, b), at in zip(keys, starts):
-            weights = (2 + shape.optimizer_slots) * self._params + self._buffers
+            weights = self.weights(shape.optimizer_slots)
             if self._tied:
                 caps.append(np.full(len(at), n + 1))
             else:

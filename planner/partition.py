@@ -485,7 +485,7 @@ def _weights_need(memory: MemoryModel, stages: list[StageSpec], layers: int) -> 
     for s in range(K - 1, -1, -1):
         at = layers + 1  # (no option: past every start)
         for shape in stages[s].shapes:
-            weights = (2 + shape.optimizer_slots) * memory._params + memory._buffers
+            weights = memory.weights(shape.optimizer_slots)
             room = stages[s].budget - shape.reserved
             at = min(at, int(np.searchsorted(weights, weights[least[s + 1]] - room, "left")))
         least[s] = at
