@@ -237,6 +237,15 @@ def _plan(args: argparse.Namespace, out: Path, profile: Profile) -> int:
             "(profile with --loss)",
             file=sys.stderr,
         )
+    sizes = profile.batch_sizes
+    mb = plan.microbatch_size
+    if mb not in sizes and (len(sizes) == 1 or not sizes[0] < mb < sizes[-1]):
+        print(
+            f"note: micro-batches of {mb} lie outside the profiled batch sizes "
+            f"({', '.join(map(str, sizes))}): their costs are extended from them, not measured "
+            f"(profile with --batch-sizes including {mb})",
+            file=sys.stderr,
+        )
     print(f"wrote {out}")
     return EXIT_OK
 

@@ -473,8 +473,9 @@ def test_a_profile_in_another_dtype_plans_compiles_and_runs(tmp_path, run_cli, c
     r = run_cli("profile", "example:mlp", "--dtype", "bfloat16", "--batch-sizes", "2",
                 "--repeats", "1", "-o", prof)  # fmt: skip
     assert r.code == 0, r.err
-    r = run_cli("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 4, "-o",
-                plan_path)  # fmt: skip
+    # micro-batches of the one profiled size: the measure's memory gate reads measured bytes
+    r = run_cli("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 4,
+                "--microbatches", 2, "-o", plan_path)  # fmt: skip
     assert r.code == 0, r.err
     program = tmp_path / "program.py"
     r = run_cli("codegen", plan_path, "--model", "example:mlp", "-o", program)
