@@ -605,15 +605,26 @@ def _time_alone(least: np.ndarray, speeds: list[float]) -> tuple[float, float]:
     return lo * (1 - 1e-9), hi  # (the greedy test's sums round a little unlike the probe's)
 
 
+class NoneWithin(Exception):
+    """No split that fits has a bottleneck within the limit the caller set (solve_partition)."""
+
+    def __init__(self, limit: float) -> None:
+        super().__init__(f"no split fits with a bottleneck within {limit}")
+        self.limit = limit
+
+
 def solve_partition(
     times: np.ndarray,
     memory: MemoryModel,
     stages: list[StageSpec],
     cuts: Sequence[np.ndarray] | None = None,
+    limit: float = math.inf,
 ) -> Partition | None:
     """The split of len(times) layers into len(stages) non-empty contiguous stages that minimises
     the slowest stage (or link, with cuts: see the module docstring), with every stage within its
-    budget; None when no split fits in memory at allowed cuts."""
+    budget; None when no split fits in memory at allowed cuts. `limit`: a bottleneck past which
+    the caller has no use for a split; NoneWithin is raised where no split that fits reaches
+    it (a search that already holds a plan this fast: the split's bound could not beat it)."""
     L, K = np.atleast_2d(times).shape[1], len(stages)
     if not 1 <= K <= L:
         raise ValueError(f"cannot split {L} layers into {K} non-empty stages")
@@ -622,11 +633,15 @@ def solve_partition(
     # Bounds on compute alone (each layer at its cheapest option, no memory, no links): at
     # most the optimum, lo below any split and `fast` about the best split's
     lo, fast = _time_alone(least, speeds)
+    if lo > limit:
+        raise NoneWithin(limit)
     # First probe near the split time alone would make: when memory and links let it stand,
     # no probe reaches past it, and memory is searched only that far, and only from the
-    # starts a split within it may give each stage. Where they do not, wider, then in full.
+    # starts a split within it may give each stage. Where they do not, wider, then in full
+    # (up to the limit: a probe there that fails ends the search).
     prober, bounds = None, None
-    for first in [fast * f for f in LADDER if fast > 0] + [math.inf]:
+    ladder = [fast * f for f in LADDER if fast > 0 and fast * f < limit] + [limit]
+    for first in ladder:
         if prober is None:
             prober = _Prober(times, memory, stages, cuts, cap_bound=first)
         else:
@@ -636,7 +651,9 @@ def solve_partition(
             break
         lo = max(lo, first)  # nothing fits within it
     if bounds is None:
-        return None
+        if math.isinf(limit):
+            return None
+        raise NoneWithin(limit)
     hi = prober.bottleneck(bounds)
     lo = min(lo, hi) * (1 - 1e-12)
     tried, proven = math.nan, False  # the best bottleneck a proof was last tried at

@@ -62,6 +62,7 @@ from .costs import OPTIMIZER_SLOTS, Chain, ProfileTable, chain_at, checkpoint_ga
 from .dp import solve_partition_dp
 from .memory import RECOMPUTE_MODES, MemoryModel, StageShape
 from .partition import (
+    NoneWithin,
     Partition,
     StageSpec,
     feasible_split,
@@ -739,7 +740,13 @@ def _search(
         # together, along the issue order.
         cuts = _cut_costs(problem.cluster, cand, chain)
         times = _balance_times(chain, cand)
-        part, fits = _solve(problem, cand, solve, method, times, memory, cuts)
+        limit = _bottleneck_limit(problem, cand, chain, to_beat())
+        try:
+            part, fits = _solve(problem, cand, solve, method, times, memory, cuts, limit)
+        except NoneWithin:
+            visited.solved += 1
+            outcomes[k] = _Outcome("bound", limit * cand.microbatches)
+            return
         visited.solved += 1
         if part is None:
             outcomes[k] = _Outcome("nofit", math.inf)
@@ -882,9 +889,12 @@ def _solve(
     times: np.ndarray,
     memory: MemoryModel,
     cuts: list[np.ndarray] | None,
+    limit: float = math.inf,
 ) -> tuple[Partition | None, bool]:
     """The candidate's split, and whether it fits by the bound (then every stage fits its
-    device by the exact occupancy too, which is never larger: StageShape.bound).
+    device by the exact occupancy too, which is never larger: StageShape.bound). `limit`: the
+    bottleneck past which the split cannot win (_bottleneck_limit); NoneWithin where no split
+    that fits its device by the exact occupancy is within it.
 
     The probe first solves with a bound on each stage's occupancy from the program alone
     (occupancy_bound), which needs no issue order. Where memory then lowered no end
@@ -901,8 +911,11 @@ def _solve(
     kind = (cand.schedule, cand.recompute)
     records = problem.records
     if _worth(records, "bound", kind):
-        bounded = solve(times, memory, _stage_specs(problem, cand, halve=False, which="bound"),
-                        cuts=cuts)  # fmt: skip
+        try:
+            bounded = solve(times, memory, _stage_specs(problem, cand, halve=False,
+                            which="bound"), cuts=cuts, limit=limit)  # fmt: skip
+        except NoneWithin:  # (the bound holds more than the exact occupancy: no proof)
+            bounded = None
         fits = bounded is not None and bounded.extra.get("memory_free") == 1.0
         _count(records, "bound", kind, fits)
         if fits:
@@ -915,7 +928,22 @@ def _solve(
         _count(records, "floor", kind, proved)
         if proved:
             return None, False
-    return solve(times, memory, _stage_specs(problem, cand, halve=False), cuts=cuts), False
+    exact = _stage_specs(problem, cand, halve=False)
+    return solve(times, memory, exact, cuts=cuts, limit=limit), False
+
+
+def _bottleneck_limit(
+    problem: _Problem, cand: Candidate, chain: Chain, beat: float | None
+) -> float:
+    """The bottleneck past which a candidate's split cannot beat `beat` (the best time so far):
+    each stage runs its work (what the partition balances, on its device) once per micro-batch
+    and each link carries a transfer per micro-batch, so the split's lower bound (_lower_bound,
+    which _search prunes by) is at least M times its bottleneck. A captured graph's links past
+    ROUTED_LINKS are costed above what the bound charges: no limit there. A margin of 1e-9
+    keeps rounding on the side of solving."""
+    if beat is None or (chain.flow is not None and chain.num_layers > ROUTED_LINKS):
+        return math.inf
+    return beat * (1 + 1e-9) / cand.microbatches
 
 
 def _worth(records: dict[tuple, list[int]], shortcut: str, kind: tuple[str, str]) -> bool:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from planner.costs import Chain
 from planner.dp import solve_partition_dp
 from planner.memory import MemoryModel, StageShape
-from planner.partition import StageSpec, feasible_split, solve_partition
+from planner.partition import NoneWithin, StageSpec, feasible_split, solve_partition
 
 
 def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
@@ -318,6 +318,27 @@ def test_probe_and_dp_match_brute_force(problem, reach):
         partition.REACH_FROM = kept
     for solve in (solve_partition, solve_partition_dp):
         assert_optimal(solve(times, memory, specs, cuts), expected, times, chain, specs, cuts)
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems(), st.sampled_from([0.0, 0.5, 0.999, 1.0, 1.001, 1.5, 3.0]))
+def test_a_limit_on_the_bottleneck_returns_the_optimum_or_proves_none_within(problem, scale):
+    """Brute force: with a limit at or above the optimum the solve returns the split it returns
+    without one; below it (or where nothing fits) it raises NoneWithin, from the first probes on
+    (the ladder stops at the limit; a limit below the time-alone bound needs no probe)."""
+    chain, specs, cuts = problem
+    times = chain.forward + chain.backward
+    memory = MemoryModel(chain)
+    expected = brute_force(times, chain, specs, cuts)
+    free = solve_partition(times, memory, specs, cuts)
+    limit = scale * (expected if math.isfinite(expected) else 1.0 + float(times.sum()))
+    if math.isfinite(expected) and expected <= limit:
+        part = solve_partition(times, memory, specs, cuts, limit=limit)
+        assert_optimal(part, expected, times, chain, specs, cuts)
+        assert part.bounds == free.bounds and part.choices == free.choices
+    else:
+        with pytest.raises(NoneWithin):
+            solve_partition(times, memory, specs, cuts, limit=limit)
 
 
 @settings(max_examples=150, deadline=None)
