@@ -654,6 +654,7 @@ def test_an_interleaved_fallback_that_cannot_win_is_not_made_and_changes_no_plan
         assert any(ruled_out)
         mp.setattr(search, "_prior_bound", lambda *a: 0.0)
         mp.setattr(search, "_lower_bound", lambda *a: 0.0)  # every try made into a plan
+        mp.setattr(search, "_bottleneck_limit", lambda *a: math.inf)
         ruled_out.clear()
         full = json.loads(plan_pipeline(profile, cluster, 8).canonical_json())
         assert not any(ruled_out)
@@ -890,6 +891,7 @@ def test_pruned_search_for_torchrun_returns_the_exhaustive_plan(
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(search, "_prior_bound", lambda *a: 0.0)
         mp.setattr(search, "_lower_bound", lambda *a: 0.0)
+        mp.setattr(search, "_bottleneck_limit", lambda *a: math.inf)
         # and every plan's program timed, even one already slower where sends never wait
         mp.setattr(search, "_build_plan", lambda *a, beat=None, **k: build(*a, **k))
         try:
