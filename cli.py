@@ -190,11 +190,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     )
     from profiler.types import Profile
 
-    profile = Profile.load(args.profile)
     # The profile lives until the plan is made (on 10 000 layers about a million objects, no
     # cycles among them): the collector need not rescan them each time the search's own
-    # objects trigger it. Given back after, for a caller that goes on in this process.
-    gc.freeze()
+    # objects trigger it, nor once as it is switched back on after the load (0.2 s there).
+    # Given back after, for a caller that goes on in this process.
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        profile = Profile.load(args.profile)
+        gc.freeze()
+    finally:
+        if was:
+            gc.enable()
     try:
         return _plan(args, out, profile)
     finally:
