@@ -1831,6 +1831,7 @@ def torchrun_schedule(plan: Plan, schedule: Schedule | None = None) -> Schedule:
 
 
 _HOLDS_RANK = {"1f1b": 0, "zb-h1": 1, "interleaved-1f1b": 2, "gpipe": 3}
+# (_infeasible relies on per-stage candidates coming before never and except_last)
 _SMALL_RANK = {"always": 0, PER_STAGE: 1, "except_last": 2, "never": 3}
 
 
@@ -1974,7 +1975,18 @@ def _infeasible(problem: _Problem, candidates: list[Candidate], floor: int = 0) 
     chosen: Candidate | None = None
     chosen_fits: Callable[..., _Fit | None] | None = None
     alike: set[tuple] = set()
+    tried: set[tuple[int, str]] = set()  # (M, schedule) of the per-stage candidates tried
     for cand in sorted(candidates, key=_likely_small):
+        if (
+            cand.per_device == 1
+            and cand.recompute in ("never", "except_last")
+            and ((cand.microbatches, cand.schedule) in tried)
+        ):
+            # its per-stage twin, tried before it (_SMALL_RANK), may choose its mode on every
+            # stage: it fits every budget this one fits, so this one needs no less
+            continue
+        if cand.per_device == 1 and cand.recompute == PER_STAGE:
+            tried.add((cand.microbatches, cand.schedule))
         if cand.per_device == 1:
             # What fits reads of a candidate with one stage per device is the chain at its
             # micro-batch size, its stage shapes and where cuts may go (the same for every

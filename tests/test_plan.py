@@ -265,6 +265,7 @@ def test_candidates_alike_in_memory_need_the_same_least_memory(mixed):
     least_of_all = None
     for m in microbatch_candidates(batch, 3):
         for schedule in ("gpipe", "1f1b", "zb-h1"):
+            leasts: dict[str, int] = {}
             for recompute in ("never", "except_last", "always", "per_stage"):
                 cand = Candidate(m, schedule, recompute)
                 _stage_specs(problem, cand)
@@ -273,6 +274,10 @@ def test_candidates_alike_in_memory_need_the_same_least_memory(mixed):
                 assert least is not None
                 needs.setdefault(key, set()).add(least)
                 least_of_all = least if least_of_all is None else min(least_of_all, least)
+                leasts[recompute] = least
+            # the per-stage candidate needs no more than never's or except_last's (_infeasible
+            # skips those where it was tried)
+            assert leasts["per_stage"] <= min(leasts["never"], leasts["except_last"])
     assert all(len(found) == 1 for found in needs.values())
     assert len(needs) < sum(1 for _ in microbatch_candidates(batch, 3)) * 12  # some are alike
     assert info.value.needed_bytes == least_of_all
