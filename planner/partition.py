@@ -606,11 +606,12 @@ def _time_alone(least: np.ndarray, speeds: list[float]) -> tuple[float, float]:
 
 
 class NoneWithin(Exception):
-    """No split that fits has a bottleneck within the limit the caller set (solve_partition)."""
+    """No split that fits has a bottleneck within the limit the caller set (solve_partition).
+    `by_time`: not even by time alone (each layer at its cheapest option, memory aside)."""
 
-    def __init__(self, limit: float) -> None:
+    def __init__(self, limit: float, by_time: bool = False) -> None:
         super().__init__(f"no split fits with a bottleneck within {limit}")
-        self.limit = limit
+        self.limit, self.by_time = limit, by_time
 
 
 def solve_partition(
@@ -634,7 +635,7 @@ def solve_partition(
     # most the optimum, lo below any split and `fast` about the best split's
     lo, fast = _time_alone(least, speeds)
     if lo > limit:
-        raise NoneWithin(limit)
+        raise NoneWithin(limit, by_time=True)
     # First probe near the split time alone would make: when memory and links let it stand,
     # no probe reaches past it, and memory is searched only that far, and only from the
     # starts a split within it may give each stage. Where they do not, wider, then in full

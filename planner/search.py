@@ -586,7 +586,8 @@ def _reordered(
 @dataclass
 class _Outcome:
     """What the search learnt of one candidate: `ms` is its predicted time ("plan", "over"), a
-    lower bound on it ("bound": after its split; "pruned", "unsearched": before), or inf
+    lower bound on it ("bound": after its split; "limit": no split that fits is within the
+    bottleneck that could beat the best plan so far; "pruned", "unsearched": before), or inf
     ("nofit": no split fits)."""
 
     kind: str
@@ -745,7 +746,7 @@ def _search(
             part, fits = _solve(problem, cand, solve, method, times, memory, cuts, limit)
         except NoneWithin:
             visited.solved += 1
-            outcomes[k] = _Outcome("bound", limit * cand.microbatches)
+            outcomes[k] = _Outcome("limit", limit * cand.microbatches)
             return
         visited.solved += 1
         if part is None:
@@ -914,12 +915,16 @@ def _solve(
         try:
             bounded = solve(times, memory, _stage_specs(problem, cand, halve=False,
                             which="bound"), cuts=cuts, limit=limit)  # fmt: skip
-        except NoneWithin:  # (the bound holds more than the exact occupancy: no proof)
-            bounded = None
-        fits = bounded is not None and bounded.extra.get("memory_free") == 1.0
-        _count(records, "bound", kind, fits)
-        if fits:
-            return bounded, True
+        except NoneWithin as e:
+            if e.by_time:  # (memory aside: so for the exact occupancy too)
+                raise
+            # the bound holds more than the exact occupancy: no proof, and no miss either
+            # (without the limit it might have let memory go free)
+        else:
+            fits = bounded is not None and bounded.extra.get("memory_free") == 1.0
+            _count(records, "bound", kind, fits)
+            if fits:
+                return bounded, True
     # Where even occupancy_floor, never more than the exact occupancy, lets no split fit, none
     # fits (the search's "nofit"), and no issue order is needed.
     if _worth(records, "floor", kind):
@@ -939,9 +944,12 @@ def _bottleneck_limit(
     each stage runs its work (what the partition balances, on its device) once per micro-batch
     and each link carries a transfer per micro-batch, so the split's lower bound (_lower_bound,
     which _search prunes by) is at least M times its bottleneck. A captured graph's links past
-    ROUTED_LINKS are costed above what the bound charges: no limit there. A margin of 1e-9
-    keeps rounding on the side of solving."""
+    ROUTED_LINKS are costed above what the bound charges, and a torchrun program that need not
+    keep the chain's order is bounded without its links (_lower_bound): no limit there. A
+    margin of 1e-9 keeps rounding on the side of solving."""
     if beat is None or (chain.flow is not None and chain.num_layers > ROUTED_LINKS):
+        return math.inf
+    if not problem.chain_order:  # (links carry skips the bound counts as nothing: no link term)
         return math.inf
     return beat * (1 + 1e-9) / cand.microbatches
 
@@ -1041,7 +1049,7 @@ def _alternatives(
         if not same and o is not None:
             groups.setdefault((c.schedule, c.recompute), []).append(k)
     # within a group, what is known to be faster first: a predicted time beats a bound
-    rank = {"plan": 0, "over": 3, "bound": 1, "pruned": 1, "unsearched": 1, "nofit": 2}
+    rank = {"plan": 0, "over": 3, "bound": 1, "limit": 1, "pruned": 1, "unsearched": 1, "nofit": 2}
     picks = []
     for members in groups.values():
         members.sort(key=lambda k: (rank[visited.outcomes[k].kind], visited.outcomes[k].ms, k))
@@ -1068,6 +1076,11 @@ def _alternatives(
             reason = "no split fits the memory budgets" + _fastest_need(problem, c)
         elif o.kind == "bound":
             reason = f"at least {slower:.1f}% slower (its split's lower bound)"
+        elif o.kind == "limit":
+            reason = (
+                "cannot beat the plan chosen: no split that fits has its slowest stage or link "
+                f"within {o.ms / c.microbatches:.4g} ms per micro-batch"
+            )
         elif o.kind == "pruned":
             reason = f"at least {slower:.1f}% slower by its bound (not solved)"
         else:
@@ -1079,7 +1092,7 @@ def _alternatives(
                 schedule=c.schedule,  # type: ignore[arg-type]
                 recompute=c.recompute,  # type: ignore[arg-type]
                 iteration_ms=o.ms if timed else None,
-                at_least_ms=o.ms if o.kind in ("bound", "pruned", "unsearched") else None,
+                at_least_ms=o.ms if o.kind in ("bound", "limit", "pruned", "unsearched") else None,
                 peak_bytes=o.peak,
                 reason=reason,
             )

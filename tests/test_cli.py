@@ -490,7 +490,14 @@ def test_a_working_directory_that_is_gone_is_one_line(tmp_path):
 
 @pytest.mark.parametrize(
     ("sizes", "microbatches", "noted"),
-    [((2,), 8, True), ((2,), 4, False), ((1, 4), 4, False), ((1, 2), 8, False), ((2, 4), 1, True)],
+    [
+        ((2,), 8, True),
+        ((2,), 4, False),
+        ((1, 4), 4, False),
+        ((1, 2), 8, False),
+        ((2, 4), 1, True),
+        ((2, 4), 8, True),
+    ],
 )
 def test_plan_notes_micro_batches_outside_the_profiled_sizes(
     run_cli, tmp_path, sizes, microbatches, noted

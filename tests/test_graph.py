@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import math
 import subprocess
 import sys
 import warnings
@@ -786,7 +787,7 @@ def test_the_search_bounds_hold_for_a_captured_graph_whose_stages_need_not_wait(
     they took the stages in chain order; now the devices' loads and the longest way along the
     split's routes bound it there, and its plans say the split is not proven."""
     from planner import search
-    from planner.partition import Partition
+    from planner.partition import Partition, cut_table, split_cuts
 
     model = ReadsNothing()
     x = model.example_input
@@ -804,6 +805,10 @@ def test_the_search_bounds_hold_for_a_captured_graph_whose_stages_need_not_wait(
                     cand = search.Candidate(M, schedule, "never")
                     specs = search._stage_specs(problem, cand)
                     prior = search._prior_bound(problem, cand, [1.0] * K)
+                    chain, _ = problem.chain(cand)
+                    times = search._balance_times(chain, cand)[0]
+                    links = cut_table(search._cut_costs(cluster, cand, chain), L, K)
+                    limited = math.isfinite(search._bottleneck_limit(problem, cand, chain, 1.0))
                     for cuts in itertools.combinations(range(1, 4), K - 1):  # (4 layers)
                         part = Partition([0, *cuts, L], 0.0, choices=[0] * K)
                         after = search._lower_bound(problem, cand, [1.0] * K, part)
@@ -811,11 +816,53 @@ def test_the_search_bounds_hold_for_a_captured_graph_whose_stages_need_not_wait(
                         got = plan.predicted.iteration_ms
                         assert prior <= got * (1 + 1e-9), (k, K, M, schedule, cuts, prior, got)
                         assert after <= got * (1 + 1e-9), (k, K, M, schedule, cuts, after, got)
+                        if limited:  # the solve's limit: M x the bottleneck is below the bound
+                            bounds = part.bounds
+                            neck = max([float(times[a:b].sum()) for a, b in part.stages]
+                                       + split_cuts(links, bounds))  # fmt: skip
+                            assert M * neck <= after * (1 + 1e-12), (K, M, schedule, cuts)
                         if target == "torchrun":
                             assert not plan.solver.optimal
                             assert "side by side" in plan.solver.unproven
                         checked += 1
     assert checked == 2 * (3 + 1) * 2 * 3
+
+
+def test_no_limit_on_the_bottleneck_where_links_carry_skips_the_bound_does_not_count():
+    """Found by a cold review: under torchrun a stage of ReadsNothing waits only for what it
+    reads, and its bound leaves the links out (they may carry a skip beside the rest), so M
+    times a split's bottleneck, slow links included, was above the bound: the limit on later
+    candidates' splits ruled out M = 2 (44.8 ms), and the plan was M = 1 (45.6 ms)."""
+    from planner import search
+
+    model = ReadsNothing()
+    x = model.example_input
+    prof = quick_profile(capture(model, x), x, batch_sizes=[1, 2, 4, 8])
+    timed = ("forward_ms", "backward_ms", "backward_input_ms", "backward_weight_ms")
+    layers = []
+    for layer, fixed, per in zip(prof.layers, [5.0, 5.0, 0.0, 0.5], [0.5, 0.1, 0.1, 1.0]):
+        update = {
+            f: {n: t.model_copy(update=dict.fromkeys(("median", "min", "max"),
+                                                      (fixed + per * n) * (1 + (f == "backward_ms"))))
+                for n, t in getattr(layer, f).items()}
+            for f in timed
+        }  # fmt: skip
+        layers.append(layer.model_copy(update=update))
+    prof = prof.model_copy(update={"layers": layers})
+    cluster = Cluster.uniform(3, "1GiB", bandwidth=1e4)
+
+    def plan(limit: bool):
+        with pytest.MonkeyPatch.context() as mp:
+            if not limit:
+                mp.setattr(search, "_bottleneck_limit", lambda *a: math.inf)
+            return plan_pipeline(prof, cluster, 8, target="torchrun")
+
+    a, b = plan(True), plan(False)
+    assert b.microbatches == 2 and b.predicted.iteration_ms == pytest.approx(44.8)
+    assert (a.microbatches, a.schedule, [s.layers for s in a.stages]) == (
+        b.microbatches, b.schedule, [s.layers for s in b.stages]
+    )  # fmt: skip
+    assert a.predicted.iteration_ms == b.predicted.iteration_ms
 
 
 def test_a_captured_chain_keeps_its_proof_under_torchrun():
