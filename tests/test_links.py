@@ -135,8 +135,10 @@ def test_a_cluster_file_from_before_the_later_figures_keeps_its_bytes():
 
 def test_links_measures_two_gloo_ranks_and_plans_with_them(tmp_path, run_cli):
     out = tmp_path / "cluster.json"
-    busy = 20.0
-    r = run_cli("links", "--nproc-per-node", "2", "--memory", "1GiB", "--rounds", "2",
+    # (a median of 5 rounds of 50 ms: the sync figure is mostly a waiting rank's wake-up, and
+    # on a loaded machine one round of 2 went past 8 ms in 16 of 40 tries: a flakiness audit)
+    busy = 50.0
+    r = run_cli("links", "--nproc-per-node", "2", "--memory", "1GiB", "--rounds", "5",
                 "--max-bytes", "4096", "--busy-ms", busy, "-o", out)  # fmt: skip
     assert r.code == 0, r.err
     assert "rank0 -> rank1: latency" in r.out
@@ -144,13 +146,14 @@ def test_links_measures_two_gloo_ranks_and_plans_with_them(tmp_path, run_cli):
     assert [d.name for d in cluster.devices] == ["rank0", "rank1"]
     assert all(d.memory_bytes == 2**30 and d.host is None for d in cluster.devices)
     (link,) = cluster.links
-    # a hand-off takes some time, and not the sender's compute before it
-    assert 0 < link.latency_ms < busy and link.transfer_ms(4096) < busy
+    # a hand-off takes not the sender's compute before it
+    # (two sizes: a slow 4 KiB hand-off makes the fitted line's latency 0, as it may be)
+    assert 0 <= link.latency_ms < busy and link.transfer_ms(4096) < busy
     # a late receive from its post on (not the receiver's 1.5 x busy of compute before it)
     assert "received late: latency" in r.out
     assert link.transfer_ms(4096, late=True) < 1.5 * busy
     # a step's two all-reduces, without the compute between them: rank 0 computes 1.5 x busy,
-    # rank 1 busy, so a figure that took the shorter compute off would be 10 ms or more
+    # rank 1 busy, so a figure that took the shorter compute off would be 0.5 x busy or more
     assert "a step's two all-reduces" in r.out
     assert 0 < cluster.step_sync_ms < 0.4 * busy
 

@@ -18,7 +18,7 @@ from planner.search import simulate_plan
 from profiler import profile_model
 from profiler.examples import mlp, transformer
 from profiler.memtrack import UNOWNED, owned_by, trace_allocations
-from tests.conftest import mixed_plan
+from tests.conftest import even_times, mixed_plan
 
 F32 = 4
 RNG_STATE = torch.get_rng_state().numel()
@@ -411,8 +411,10 @@ def test_torchrun_gpipe_with_receives_posted_ahead_holds_what_the_plan_counts(pr
     from planner.search import schedule_of, stage_costs
     from schedules.comm import preposted
 
+    # (a split by structure alone: a one-sample profile's outlier once left norm and head alone
+    # on rank 1, which the plan over-counts by 6.4-6.5%; found by a flakiness audit)
     plan = plan_pipeline(
-        profiles["transformer"], Cluster.uniform(2, "1GiB"), 8, microbatches=4,
+        even_times(profiles["transformer"]), Cluster.uniform(2, "1GiB"), 8, microbatches=4,
         schedule="gpipe", recompute=mode,
     )  # fmt: skip
     assert preposted(schedule_of(plan), stage_costs(plan.stages, plan.runtime)) == {1}
