@@ -679,7 +679,19 @@ def _search(
             return
         waiting_pairs.pop(pair, None)
         _, part, fits, free, bound, chain, times = state
-        if beaten(bound):  # it cannot beat the best so far: no simulation
+        if beaten(bound) and cand.per_device > 1:
+            # Interleaved: the bound is of this split's plan, which may overrun a device once
+            # both its stages are counted; the candidate's plan is then a fallback's, another
+            # split with a bound of its own (found by a stress run: pruned here, the fallback
+            # beat every other plan). Only where one may win is anything made.
+            specs = _stage_specs(problem, cand, halve=False)
+            won, below = _interleaved_fallback(
+                problem, cand, times, specs, part, solve, method, None, to_beat()
+            )
+            if won is None:  # none can win: the split's own plan cannot either
+                outcomes[k] = _Outcome("bound", min(bound, below or math.inf))
+                return
+        elif beaten(bound):  # it cannot beat the best so far: no simulation
             outcomes[k] = _Outcome("bound", bound)
             if free:
                 settled[pair] = (outcomes[k], None)
@@ -706,7 +718,9 @@ def _search(
         specs = _stage_specs(problem, cand, halve=False)
         plan = built.get(same) or _build_plan(problem, cand, specs, part, method, beat=to_beat())
         built[same] = plan
-        if plan._untimed:  # planned for torchrun: slower than the best already, untimed
+        # planned for torchrun: slower than the best already, untimed (an interleaved one that
+        # overruns a device: its fallback's, below, may not be)
+        if plan._untimed and (cand.per_device == 1 or plan.fits):
             outcomes[k] = _Outcome("bound", plan.predicted.iteration_ms)
             if free:
                 settled[pair] = (outcomes[k], None)
@@ -976,18 +990,21 @@ def _interleaved_fallback(
     relaxed: Partition,
     solve: Callable[..., Partition | None],
     method: str,
-    relaxed_plan: Plan,
+    relaxed_plan: Plan | None,
     beat: float | None = None,
-) -> tuple[Plan, float | None]:
+) -> tuple[Plan | None, float | None]:
     """The relaxed split (its plan: `relaxed_plan`) overran a device once both its stages were
     counted. Try what is sufficient instead: each stage on half its device, and (per-stage
     candidates) every stage recomputing alike, each free to use its whole device and checked
     jointly. The fastest that fits, marked not proven (the relaxed bottleneck bounds it from
     below); else the relaxed plan, which does not fit. A try whose split's lower bound cannot
-    beat `beat` (the best time so far) is not made into a plan; with the relaxed plan comes
-    then the least such bound (else None)."""
+    beat `beat` (the best time so far) is not made into a plan (nor solved past the bottleneck
+    that could: _bottleneck_limit); with the relaxed plan comes then the least such bound (else
+    None). `relaxed_plan` None: not made yet, and None back where no try fits."""
     chain, memory = problem.chain(cand)
     cuts = _cut_costs(problem.cluster, cand, chain)
+    limit = _bottleneck_limit(problem, cand, chain, beat)
+    within = {"limit": limit} if method == "probe-bisection" and math.isfinite(limit) else {}
     tries: list[tuple[list[StageSpec], np.ndarray, list[int] | None]] = [
         (_stage_specs(problem, cand), times, None)
     ]
@@ -997,7 +1014,11 @@ def _interleaved_fallback(
             tries.append((alike, times[x : x + 1], [x] * len(specs)))
     best, at_least = relaxed_plan, math.inf
     for try_specs, try_times, choices in tries:
-        part = solve(try_times, memory, try_specs, cuts=cuts)
+        try:
+            part = solve(try_times, memory, try_specs, cuts=cuts, **within)
+        except NoneWithin:  # (its bound is past `beat`: at least M times the limit)
+            at_least = min(at_least, limit * cand.microbatches)
+            continue
         if part is None:
             continue
         if choices is not None:  # solved as one option: say which, on the full specs
@@ -1008,7 +1029,7 @@ def _interleaved_fallback(
             at_least = min(at_least, bound)
             continue
         plan = _build_plan(problem, cand, try_specs, part, method, relaxed=relaxed)
-        if plan.fits and (not best.fits or _faster(plan, best)):
+        if plan.fits and (best is None or not best.fits or _faster(plan, best)):
             best = plan
     return best, (at_least if math.isfinite(at_least) else None)
 

@@ -199,6 +199,10 @@ def test_prior_bound_reaches_the_full_trip_for_one_microbatch():
     assert prior_bound(work, work, 1, 3, [1.0, 1.0, 1.0]) == pytest.approx(6.0)
 
 
+# interleaved: its relaxed split's bound rules it out, but that split's plan overruns a device
+# and a fallback's split, with a lower bound, beats every other plan (found by a stress run)
+@example(forward=[1.0, 1.0, 1.0, 1.0, 1.0, 1.75, 2.0, 1.0], backward_ratio=2.0, memory=1793,
+         K=2, N=4, latency=0.0, action=0.0)  # fmt: skip
 # a later candidate beats the first plan found: a limit on its split too tight loses it
 @example(forward=[4.0, 0.5, 0.25, 1.0], backward_ratio=1.0, memory=1500, K=2, N=3, latency=0.0,
          action=0.0)  # fmt: skip
