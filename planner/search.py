@@ -689,7 +689,9 @@ def _search(
                 problem, cand, times, specs, part, solve, method, None, to_beat()
             )
             if won is None:  # none can win: the split's own plan cannot either
-                outcomes[k] = _Outcome("bound", min(bound, below or math.inf))
+                outcomes[k] = _Outcome(
+                    "bound", min(bound, below or math.inf), detail="" if below is None else "or"
+                )
                 return
         elif beaten(bound):  # it cannot beat the best so far: no simulation
             outcomes[k] = _Outcome("bound", bound)
@@ -732,7 +734,7 @@ def _search(
                 problem, cand, times, specs, part, solve, method, plan, to_beat()
             )
             if not plan.fits and at_least is not None:  # what might fit cannot win
-                outcomes[k] = _Outcome("bound", at_least)
+                outcomes[k] = _Outcome("bound", at_least, detail="over")
                 return
         t = plan.predicted.iteration_ms
         peak = max(plan.predicted.peak_memory)
@@ -1095,8 +1097,14 @@ def _alternatives(
             )
         elif o.kind == "nofit":
             reason = "no split fits the memory budgets" + _fastest_need(problem, c)
+        elif o.kind == "bound" and o.detail == "over":  # (interleaved: _interleaved_fallback)
+            reason = (
+                "its best split overruns a device once both its stages are counted; a split "
+                f"that fits is at least {slower:.1f}% slower"
+            )
         elif o.kind == "bound":
-            reason = f"at least {slower:.1f}% slower (its split's lower bound)"
+            also = ", and its fallbacks' where that overruns a device" if o.detail == "or" else ""
+            reason = f"at least {slower:.1f}% slower (its split's lower bound{also})"
         elif o.kind == "limit":
             reason = (
                 "cannot beat the plan chosen: no split that fits has its slowest stage or link "
