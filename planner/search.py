@@ -684,6 +684,9 @@ def _search(
             # both its stages are counted; the candidate's plan is then a fallback's, another
             # split with a bound of its own (found by a stress run: pruned here, the fallback
             # beat every other plan). Only where one may win is anything made.
+            if _fits_jointly_by_bound(problem, cand, part):  # then it is the candidate's plan
+                outcomes[k] = _Outcome("bound", bound)
+                return
             specs = _stage_specs(problem, cand, halve=False)
             won, below = _interleaved_fallback(
                 problem, cand, times, specs, part, solve, method, None, to_beat()
@@ -1034,6 +1037,26 @@ def _interleaved_fallback(
         if plan.fits and (best is None or not best.fits or _faster(plan, best)):
             best = plan
     return best, (at_least if math.isfinite(at_least) else None)
+
+
+def _fits_jointly_by_bound(problem: _Problem, cand: Candidate, part: Partition) -> bool:
+    """Whether an interleaved split surely fits its devices with both stages counted: each
+    device's stages' totals by occupancy_bound (never below the exact occupancy's, StageShape
+    .bound), under the options the split chose, add up within the device's memory. What a
+    device holds at any moment is its stages' own holdings then, each at most its peak, and
+    their reserved shares make the device's."""
+    _, memory = problem.chain(cand)
+    specs = _stage_specs(problem, cand, halve=False, which="bound")
+    K = problem.cluster.size
+    choices = part.choices or [0] * len(specs)
+    totals = [
+        int(memory.total(i, j, specs[s].shapes[choices[s]])[0])
+        for s, (i, j) in enumerate(part.stages)
+    ]
+    held = [0] * K
+    for s, total in enumerate(totals):
+        held[s % K] += total
+    return all(h <= d.memory_bytes for h, d in zip(held, problem.cluster.devices))
 
 
 def _faster(a: Plan, b: Plan) -> bool:
