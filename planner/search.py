@@ -679,6 +679,7 @@ def _search(
             return
         waiting_pairs.pop(pair, None)
         _, part, fits, free, bound, chain, times = state
+        fell: tuple[Plan, float | None] | None = None  # the fallback's, where it was made here
         if beaten(bound) and cand.per_device > 1:
             # Interleaved: the bound is of this split's plan, which may overrun a device once
             # both its stages are counted; the candidate's plan is then a fallback's, another
@@ -696,6 +697,7 @@ def _search(
                     "bound", min(bound, below or math.inf), detail="" if below is None else "or"
                 )
                 return
+            fell = (won, below)  # (taken below if the split's own plan overruns)
         elif beaten(bound):  # it cannot beat the best so far: no simulation
             outcomes[k] = _Outcome("bound", bound)
             if free:
@@ -733,9 +735,10 @@ def _search(
         if not plan.fits and cand.per_device > 1:
             # the per-stage twin may fall back differently (every stage recomputing)
             free = False
-            plan, at_least = _interleaved_fallback(
+            found = fell or _interleaved_fallback(
                 problem, cand, times, specs, part, solve, method, plan, to_beat()
             )
+            plan, at_least = found[0] or plan, found[1]
             if not plan.fits and at_least is not None:  # what might fit cannot win
                 outcomes[k] = _Outcome("bound", at_least, detail="over")
                 return
