@@ -526,6 +526,13 @@ def cmd_measure(args: argparse.Namespace) -> int:
             f"{args.model} first"
         )
     _host_holds(plan, args.target or plan.target)
+    if args.target and args.target != plan.target:
+        print(
+            f"note: {args.plan} predicts the {plan.target} program, which times its steps "
+            f"(and, with tied weights, keeps their optimizer state) unlike the {args.target} "
+            f"one (plan with --target {args.target} to compare like with like)",
+            file=sys.stderr,
+        )
     if (args.target or plan.target) == "torchrun":
         report = measure_torchrun(plan, args.model, steps=args.steps, tolerance=tolerance)
     else:

@@ -337,11 +337,12 @@ class DistPipelineRuntime(PipelineRuntime):
             sys.stdout.flush()
         os._exit(1)
 
-    def _tie_groups(self, layers: list[nn.Module]) -> list[tuple[nn.Parameter, Any]]:
+    def _tie_groups(self, layers: list[nn.Module]) -> list[tuple[nn.Parameter, Any, int]]:
         """A parameter that stages on several ranks use (tied weights): every rank holding it
         sums its gradient with the others' at the end of the step, so all of them take the same
         optimizer step. Each rank sees the whole model, so all agree on the groups (and create
-        them in the same order, as torch.distributed requires)."""
+        them in the same order, as torch.distributed requires). Each with its group's first
+        rank."""
         users: dict[int, tuple[nn.Parameter, set[int]]] = {}
         for s, (a, b) in enumerate(self.STAGES):
             for layer in layers[a:b]:
@@ -355,7 +356,7 @@ class DistPipelineRuntime(PipelineRuntime):
                 if key not in groups:
                     groups[key] = dist.new_group(list(key))
                 if self.rank in ranks:
-                    ties.append((p, groups[key]))
+                    ties.append((p, groups[key], key[0]))
         return ties
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -422,11 +423,14 @@ class DistPipelineRuntime(PipelineRuntime):
                 f"its memory figures for {self.MAX_BATCH}); plan again with batch_size={n}"
             )
         self.specs = self._shapes(tuple(head[3 : 3 + head[2]]), _DTYPES[head[1]])
-        # gradients accumulated over earlier steps are not summed across ranks again (set
-        # aside once the batch is agreed: a refused step leaves them as they were)
-        self.tied_grads = {id(p): p.grad for p, _ in self.ties if p.grad is not None}
-        for p, _ in self.ties:
-            p.grad = None
+        # A weight several ranks share: its gradient accumulated over earlier steps is the
+        # same on each of them (every step ends by summing it), and is summed once more only
+        # if one rank keeps it: the group's first goes on from it, the others from zero, in
+        # place (setting it aside instead held two gradients of the weight through the step,
+        # one more than the plan counts). Once the batch is agreed: a refused step leaves them.
+        for p, _, first in self.ties:
+            if p.grad is not None and self.rank != first:
+                p.grad.zero_()
         self.seed = head[0]
         if 0 in self.local:
             self.batch = list(torch.tensor_split(x, M))
@@ -532,13 +536,10 @@ class DistPipelineRuntime(PipelineRuntime):
         for work, _ in self.sending:
             work.wait()
         self.sending = []
-        for p, group in self.ties:  # tied weights: this step's gradient of every use, on each
-            before = self.tied_grads.get(id(p))  # what p.grad held before the step, set aside
+        for p, group, _ in self.ties:  # tied weights: the gradient of every use, on each
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)
-            if before is not None:
-                p.grad.add_(before)
         last = len(self.STAGES) - 1
         total = torch.zeros((), device=self.device)
         if last in self.local:

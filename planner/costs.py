@@ -70,6 +70,10 @@ class Chain:
     num_model_layers: int = -1
     flow: Flow | None = None  # a captured graph: which stage receives which value (routing.py)
     tied: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (bytes, layers using it) per shared
+    # Whether every stage that uses a tied parameter keeps its optimizer state (the torchrun
+    # program: each rank steps its own copy, with the gradient summed over the ranks), not the
+    # first alone (the streams program: one optimizer for the model's own parameter)
+    copies_keep_state: bool = False
     # Stage 0 works on the caller's micro-batch where it already lives on the stage's device
     # (a CPU run: the runtime copies it only from another device), so holds none of it.
     borrowed_input: bool = False

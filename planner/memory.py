@@ -934,8 +934,11 @@ class MemoryModel:
         """The bytes of the tied parameters stages [i, j) use that a layer before i uses too:
         the stage holding that layer (on another device: the runtime's copy, whose gradient
         goes to the model's own parameter before the step; on the same one: that parameter
-        itself) keeps their optimizer state, not this one."""
+        itself) keeps their optimizer state, not this one. None where every copy keeps its own
+        (Chain.copies_keep_state)."""
         out = np.zeros(np.shape(i), dtype=np.int64)
+        if self.chain.copies_keep_state:
+            return out
         for nbytes, before in self._tied:
             out = out + np.where((before[i] > 0) & (before[j] > before[i]), nbytes, 0)
         return out

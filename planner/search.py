@@ -157,7 +157,10 @@ class _Problem:
         """The per-layer costs at the candidate's micro-batch size (read once per size)."""
         mb = -(-self.batch_size // cand.microbatches)
         if mb not in self.chains:
-            self.chains[mb] = checkpointed(chain_at(self.table, mb), self.checkpointed)
+            chain = checkpointed(chain_at(self.table, mb), self.checkpointed)
+            if self.target == "torchrun" and chain.tied:  # each rank steps its own copy
+                chain = dataclasses.replace(chain, copies_keep_state=True)
+            self.chains[mb] = chain
         return self.chains[mb]
 
     @cached_property

@@ -221,6 +221,7 @@ def test_report_json_and_a_failing_gate(tmp_path, run_cli):
     report = tmp_path / "report.json"
     r = run_cli("measure", plan_path, "--model", "example:mlp", "--steps", 3, "-o", report)
     assert r.code == 0, r.err + r.out
+    assert "note:" not in r.err  # (the plan's own target)
     data = json.loads(report.read_text())
     # the median step between the fastest and the slowest, all three told
     fast, slow = data["step_range_ms"]
@@ -240,6 +241,14 @@ def test_report_json_and_a_failing_gate(tmp_path, run_cli):
     assert run_cli("measure", plan_path, "--model", "example:mlp", "--tolerance", "15%").code == 0
     r = run_cli("measure", plan_path, "--model", "example:mlp", "--tolerance", "lots")
     assert r.code == 2 and "--tolerance" in r.err
+    # another target than the plan's: measured, with a note that the plan predicts another
+    r = run_cli("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 8,
+                "--microbatches", 2, "--target", "torchrun", "-o", plan_path)  # fmt: skip
+    assert r.code == 0, r.err
+    r = run_cli("measure", plan_path, "--model", "example:mlp", "--target", "streams",
+                "--steps", 1)  # fmt: skip
+    assert r.code == 0, r.err
+    assert "predicts the torchrun program" in r.err and "--target streams" in r.err
 
 
 def test_torchrun_holds_what_the_plan_counts(tmp_path, profiles):

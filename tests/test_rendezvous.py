@@ -5,6 +5,7 @@ transport (threads, one per rank, a send completes only once its receive is post
 
 from __future__ import annotations
 
+import copy
 import re
 import threading
 import time
@@ -1105,6 +1106,36 @@ def test_a_refused_step_leaves_the_gradients_of_shared_weights_as_they_were(mlp_
     assert len(errors) == 2 and transport.posted == 0
     for m in models:
         assert m[0].weight.grad is not None and bool((m[0].weight.grad == 3.0).all())
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_step_adds_to_the_accumulated_gradient_of_a_shared_weight_once(mlp_profile, schedule):
+    """A weight two ranks share, with a gradient of 3.0 accumulated on both: after a step both
+    hold 3.0 plus the step's gradient of every use, as the un-pipelined model does. The step
+    once set the accumulated gradient aside while a new one was made (two gradients of the
+    weight held through the step, one more than the plan counts); now the group's first rank
+    goes on from it and the other from zero, in place."""
+    from codegen.emit import emit_program
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+
+    plan = plan_pipeline(mlp_profile, Cluster.uniform(2, "1GiB"), 8, microbatches=4,
+                         schedule=schedule)  # fmt: skip
+    models = _tied_models(plan)
+    ref = copy.deepcopy(models[0])
+    kept = [m[0].weight.grad for m in models]
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    losses, _, _, errors = _run_ranks(emit_program(plan, target="torchrun"), models, x, y,
+                                      loss_fn)  # fmt: skip
+    assert not errors, errors
+    total = sum(loss_fn(ref(a), b) * len(a) / len(x) for a, b in zip(x.tensor_split(4),
+                                                                     y.tensor_split(4)))  # fmt: skip
+    total.backward()
+    want = ref[0].weight.grad + 3.0  # (a deep copy takes no gradient)
+    for m, grad in zip(models, kept):
+        assert m[0].weight.grad is grad  # in place: no second buffer
+        torch.testing.assert_close(m[0].weight.grad, want, rtol=1e-5, atol=1e-6)
 
 
 def test_a_shape_pass_failing_on_one_rank_is_refused_by_every_rank(mlp_profile):
