@@ -427,7 +427,9 @@ class DistPipelineRuntime(PipelineRuntime):
         # same on each of them (every step ends by summing it), and is summed once more only
         # if one rank keeps it: the group's first goes on from it, the others from zero, in
         # place (setting it aside instead held two gradients of the weight through the step,
-        # one more than the plan counts). Once the batch is agreed: a refused step leaves them.
+        # one more than the plan counts). Where a caller made them differ (say, clipped each
+        # rank by its own norm), the first rank's is the one carried on, and every rank ends
+        # the step holding the same. Once the batch is agreed: a refused step leaves them.
         for p, _, first in self.ties:
             if p.grad is not None and self.rank != first:
                 p.grad.zero_()

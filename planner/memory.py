@@ -73,7 +73,10 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
 and the stage's memory is
 
     params + grads + optimizer slots x (params but the tied ones a layer before i uses too:
-                                        another stage holds their state) + workspace
+                                        another stage holds their state; under torchrun,
+                                        where each rank steps its own copy, all: a rank whose
+                                        two stages use one counts its state twice, over)
+    + workspace
     + max( max over the stage's occupancy tuples (n per state, then which transient runs) of
                sum n x state bytes + the running transient,
            the optimizer step's temporaries: per_byte x (all its parameters when the optimizer
@@ -810,8 +813,8 @@ class MemoryModel:
         optimizer slots and buffers of the whole model. Each stage's total() is at least its
         own share of these (the rest of it is never negative), and the shares of any split add
         up to at least this (a tied parameter's weight and gradient are held by every stage
-        that uses it, its optimizer state by the first): a lower bound on the memory of all
-        devices together."""
+        that uses it, its optimizer state by the first, or by every one: copied()): a lower
+        bound on the memory of all devices together."""
         n = self.chain.num_layers
         return int(self.static_of(np.array([0]), np.array([n]), optimizer_slots)[0])
 

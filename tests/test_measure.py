@@ -248,7 +248,8 @@ def test_report_json_and_a_failing_gate(tmp_path, run_cli):
     r = run_cli("measure", plan_path, "--model", "example:mlp", "--target", "streams",
                 "--steps", 1)  # fmt: skip
     assert r.code == 0, r.err
-    assert "predicts the torchrun program" in r.err and "--target streams" in r.err
+    assert "predicts the torchrun program, not the streams one" in r.err
+    assert "plan with --target streams" in r.err
 
 
 def test_torchrun_holds_what_the_plan_counts(tmp_path, profiles):
