@@ -374,8 +374,16 @@ def occupancy_bound(schedule: Schedule, recompute: str | Sequence[str]) -> list[
 
 
 def _bound_of(schedule: Schedule, modes: Sequence[str]) -> list[Occupancy]:
+    """occupancy_bound's tuples. What an action changes, phase by phase, depends on its kind,
+    its stage and whether it recomputes alone (_build_events' rules): one action of each such
+    type is turned into events, its gains counted as many times as the program has actions of
+    that type (a test holds this to the same sums over every action)."""
     S, NS = schedule.num_stages, len(STATES)
-    ev = _build_events(schedule, modes, program_arrays(schedule))
+    kind, stage, m = program_arrays(schedule)
+    rec = _recomputed(modes, stage, m, schedule.num_microbatches)
+    _, one, times = np.unique((kind.astype(np.int64) * S + stage) * 2 + rec, return_index=True,
+                              return_counts=True)  # fmt: skip
+    ev = _build_events(schedule, modes, (kind[one], stage[one], m[one]))
     cell = ev.change_stage * NS + ev.change_state
     # one group per action, cell and phase, in that order (seq = 4 k + phase)
     per_phase = (ev.change_seq // 4 * (S * NS) + cell) * 4 + ev.change_seq % 4
@@ -390,7 +398,8 @@ def _bound_of(schedule: Schedule, modes: Sequence[str]) -> list[Occupancy]:
     where = action[first] % (S * NS)
     beyond = np.zeros(S * NS, dtype=np.int64)
     np.maximum.at(beyond, where, reach - np.maximum(whole, 0))
-    gained = np.bincount(where, weights=np.maximum(whole, 0), minlength=S * NS)
+    many = times[action[first] // (S * NS)]  # actions of each type
+    gained = np.bincount(where, weights=np.maximum(whole, 0) * many, minlength=S * NS)
     counts = gained.astype(np.int64) + beyond
     flags = np.zeros((S, len(TRANSIENTS)), dtype=np.int64)
     on = ev.snap_running >= 0
@@ -466,8 +475,7 @@ def _build_events(
     in the issue order, or in the order of `arrays` (kind, stage and micro-batch per action)."""
     S, M = schedule.num_stages, schedule.num_microbatches
     kind, s, m = issue_arrays(schedule) if arrays is None else arrays
-    mode_code = np.array([("never", "except_last", "always").index(x) for x in modes])
-    rec = np.where(mode_code[s] == 2, True, np.where(mode_code[s] == 1, m < M - 1, False))
+    rec = _recomputed(modes, s, m, M)
     k = np.arange(len(kind), dtype=np.int64)
     F, B, I, W = (kind == c for c in range(4))  # noqa: E741
     last = s == S - 1
@@ -527,6 +535,12 @@ def _build_events(
     again = np.where(B[remat], _b_remat(schedule), REMAT_LIVE).astype(np.int64)
     snap_running = np.concatenate([running, again, np.full(int(looked.sum()), -1)])
     return _Events(c_seq, c_stage, c_state, c_delta, snap_seq, snap_stage, snap_running)
+
+
+def _recomputed(modes: Sequence[str], s: np.ndarray, m: np.ndarray, M: int) -> np.ndarray:
+    """Whether each action (stage s, micro-batch m) runs under its stage's recomputation."""
+    code = np.array([("never", "except_last", "always").index(x) for x in modes])[s]
+    return (code == 2) | ((code == 1) & (m < M - 1))
 
 
 def _pareto_array(rows: np.ndarray) -> Occupancy:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -173,6 +174,59 @@ def test_occupancy_bound_is_at_least_every_tuple_and_reached_where_it_is_exact(n
     if name == "gpipe" and modes[0] == "never" and S > 1:
         input_, activations, pulled = bound[0][0][0], bound[0][0][1], bound[0][0][5]
         assert (input_, activations, pulled) == (0, M, 1)
+
+
+def _bound_action_by_action(sched, modes) -> list:
+    """occupancy_bound as its rule says, summed over every action of the program: each action's
+    net gain per state (losses left out), plus the most any one action's phases reach past its
+    own net gain; a transient where one of the stage's actions runs it."""
+    from schedules.memory import LIVE as FIRST
+    from schedules.memory import TRANSIENTS, _build_events
+    from schedules.order import program_arrays
+
+    S, NS = sched.num_stages, len(memory.STATES)
+    ev = _build_events(sched, modes, program_arrays(sched))
+    gained, beyond = np.zeros((S, NS), dtype=np.int64), np.zeros((S, NS), dtype=np.int64)
+    phases: dict[tuple[int, int, int], dict[int, int]] = {}  # (action, stage, state): per phase
+    for seq, stage, state, d in zip(ev.change_seq, ev.change_stage, ev.change_state,
+                                    ev.change_delta):  # fmt: skip
+        per = phases.setdefault((int(seq) // 4, int(stage), int(state)), {})
+        per[int(seq) % 4] = per.get(int(seq) % 4, 0) + int(d)
+    for (_, stage, state), per in phases.items():
+        run, reach = 0, -(10**9)
+        for phase in sorted(per):
+            run += per[phase]
+            reach = max(reach, run)
+        gained[stage, state] += max(run, 0)
+        beyond[stage, state] = max(beyond[stage, state], reach - max(run, 0))
+    flags = np.zeros((S, len(TRANSIENTS)), dtype=np.int64)
+    for stage, running in zip(ev.snap_stage, ev.snap_running):
+        if running >= 0:
+            flags[stage, running - FIRST] = 1
+    rows = np.concatenate([gained + beyond, flags], axis=1)
+    return [(tuple(int(n) for n in row),) for row in rows]
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]),
+    st.integers(1, 5),
+    st.integers(1, 9),
+    st.data(),
+)
+def test_occupancy_bound_from_one_action_of_each_type_is_the_sum_over_every_action(
+    name, R, M, data
+):
+    """occupancy_bound turns one action of each type (kind, stage, recomputed or not) into
+    events and counts its gains as often as the program has such actions: the same tuples as
+    the rule summed action by action, per-stage recomputation and skips included."""
+    from schedules.memory import _bound_of
+
+    drawn = _drawn(name, R, M, data)
+    if drawn is None:
+        return
+    sched, modes = drawn
+    assert _bound_of(sched, modes) == _bound_action_by_action(sched, modes)
 
 
 @settings(max_examples=120, deadline=None)
