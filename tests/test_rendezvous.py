@@ -264,6 +264,10 @@ class BlockingTransport:
         self.halted: dict[int, tuple[str, float]] = {}  # rank: the watchdog's message, when
         self.halts = 1  # how many ranks halt before every wait fails (the threads are let go)
         self.casts: list[torch.Tensor] = []  # what broadcasts sent, in turn
+        # all-reduces within a group smaller than the world (_group_reduce)
+        self.group_calls: dict[tuple[tuple[int, ...], int], int] = {}
+        self.group_box: dict[tuple[tuple[int, ...], int], dict[int, torch.Tensor]] = {}
+        self.group_reads: dict[tuple[tuple[int, ...], int], int] = {}
         self.cast_seen: dict[int, int] = {}  # per rank: how many of them it took
 
     def halt(self, message: str) -> None:
@@ -312,6 +316,9 @@ class BlockingTransport:
         MIN, MAX, SUM = min, max, sum
 
     def all_reduce(self, t: torch.Tensor, op: Any = sum, group: Any = None) -> None:
+        if group is not None and len(group) < self.world:
+            self._group_reduce(t, op, tuple(group))
+            return
         self.barrier.wait()
         with self.cond:
             self.shared.append(t.clone())
@@ -322,6 +329,29 @@ class BlockingTransport:
         if self.get_rank() == 0:
             del self.shared[1:]
         self.barrier.wait()
+
+    def _group_reduce(self, t: torch.Tensor, op: Any, members: tuple[int, ...]) -> None:
+        """An all-reduce among `members` alone (a group new_group made): the k-th call of
+        each member meets the others' k-th."""
+        me = self.get_rank()
+        assert me in members, "a rank outside the group took part in its all-reduce"
+        with self.cond:
+            k = self.group_calls.get((members, me), 0)
+            self.group_calls[(members, me)] = k + 1
+            box = self.group_box.setdefault((members, k), {})
+            box[me] = t.clone()
+            self.cond.notify_all()
+            if not self.cond.wait_for(
+                lambda: len(box) == len(members) or self.failed, timeout=self.timeout
+            ):
+                raise TimeoutError("an all-reduce never met its group")
+            if len(box) < len(members):
+                raise RuntimeError("a rank failed: its group's all-reduce never completed")
+            got = torch.stack([box[r] for r in members])
+            t.copy_({min: got.amin(0), max: got.amax(0), sum: got.sum(0)}[op])
+            self.group_reads[(members, k)] = self.group_reads.get((members, k), 0) + 1
+            if self.group_reads[(members, k)] == len(members):
+                del self.group_box[(members, k)], self.group_reads[(members, k)]
 
     def broadcast(self, t: torch.Tensor, src: int, group: Any = None) -> None:
         """As gloo's: the root sends and goes on; the others wait for what it sent."""
@@ -1137,6 +1167,41 @@ def test_a_step_adds_to_the_accumulated_gradient_of_a_shared_weight_once(mlp_pro
     for m, grad in zip(models, kept):
         assert m[0].weight.grad is grad  # in place: no second buffer
         torch.testing.assert_close(m[0].weight.grad, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_weight_two_of_three_ranks_share_is_summed_among_them_alone(mlp_profile):
+    """Ranks 0 and 2 share layer 0's weight (layer 6 uses it), rank 1 does not: their group's
+    first rank goes on from the accumulated gradient, the other from zero, and the sum is
+    taken among the two alone; rank 1's layers keep their own gradients."""
+    from codegen.emit import emit_program
+    from planner.cluster import Cluster
+    from planner.search import plan_pipeline
+
+    plan = plan_pipeline(even_times(mlp_profile), Cluster.uniform(3, "1GiB"), 8, microbatches=4,
+                         schedule="1f1b")  # fmt: skip
+    ranks = {layer: st.rank for st in plan.stages for layer in range(*st.layers)}
+    assert (ranks[0], ranks[2], ranks[4], ranks[6]) == (0, 0, 1, 2)
+    models = _models(3)
+    for m in models:
+        m[6].weight = m[0].weight
+        m[0].weight.grad = torch.full_like(m[0].weight, 3.0)
+        m[4].weight.grad = torch.full_like(m[4].weight, 5.0)
+    ref = copy.deepcopy(models[0])
+    x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    losses, _, transport, errors = _run_ranks(emit_program(plan, target="torchrun"), models, x,
+                                              y, loss_fn)  # fmt: skip
+    assert not errors, errors
+    total = sum(loss_fn(ref(a), b) * len(a) / len(x) for a, b in zip(x.tensor_split(4),
+                                                                     y.tensor_split(4)))  # fmt: skip
+    total.backward()
+    for r in (0, 2):  # the group: both hold the accumulated gradient and every use's, once
+        got = models[r][0].weight.grad
+        torch.testing.assert_close(got, ref[0].weight.grad + 3.0, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(models[1][4].weight.grad, ref[4].weight.grad + 5.0, rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    assert bool((models[1][0].weight.grad == 3.0).all())  # not in the group: untouched
+    assert not transport.group_box  # every group all-reduce met
 
 
 def test_a_shape_pass_failing_on_one_rank_is_refused_by_every_rank(mlp_profile):
