@@ -92,7 +92,7 @@ class StateBytes(_Strict):
 
 
 class StagePlan(_Strict, LaterFields):
-    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("late_send_ms",)
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("late_send_ms", "grads_back")
 
     index: Count
     rank: Count = Field(description="position of the stage's device in the cluster")
@@ -133,6 +133,13 @@ class StagePlan(_Strict, LaterFields):
     )
     stash_bytes: Bytes = Field(description="what one micro-batch leaves saved for backward")
     input_bytes: Bytes = Field(description="one micro-batch entering the stage")
+    grads_back: list[tuple[Count, Bytes]] | None = Field(
+        default=None,
+        strict=True,
+        description="a captured graph's: per stage this one takes values from, the bytes of their "
+        "gradients it sends back there per micro-batch (None: all of state_bytes.grad, to the "
+        "stage before)",
+    )
     state_bytes: StateBytes
     memory: MemoryBreakdown
 

@@ -52,7 +52,7 @@ from schedules import (
     insert_comms,
     simulate,
 )
-from schedules.comm import fastest_lowering
+from schedules.comm import fastest_lowering, received_ahead
 from schedules.memory import StageBytes, occupancy, occupancy_bound, occupancy_floor
 from schedules.order import freeze
 
@@ -80,6 +80,7 @@ from .plan import (
     StagePlan,
     StateBytes,
 )
+from .routing import Flow, carried
 from .routing import routes as route_pairs
 from .units import format_size
 from .version import VERSION
@@ -1366,6 +1367,16 @@ def schedule_of(plan: Plan) -> Schedule:
     return plan_schedule(plan.schedule, len(plan.devices), plan.microbatches, _routes(plan))
 
 
+def _grads_back(flow: Flow, bounds: list[int]) -> list[dict[int, int]]:
+    """Per stage of a captured graph's split: the gradient bytes it sends back, per micro-batch,
+    to each stage it takes values from (the floating values each route carries, routing.py)."""
+    index = {name: v for v, name in enumerate(flow.names)}
+    out: list[dict[int, int]] = [{} for _ in range(len(bounds) - 1)]
+    for (src, dst), names in carried(flow, bounds).items():
+        out[dst][src] = int(sum(int(flow.nbytes[index[n]]) for n in names if flow.grad[index[n]]))
+    return out
+
+
 def _received(memory: MemoryModel, part: Partition, grad: bool = False) -> list[int]:
     """What each stage of a split receives per micro-batch (routing.py); `grad`: the part
     of it that needs a gradient (what the stage sends back)."""
@@ -1646,6 +1657,7 @@ def _build_plan(
     routes = tuple(route_pairs(chain.flow, part.bounds)) if chain.flow is not None else ()
     starts = [None] + [i for i, _ in part.stages[:-1]]
     received = _received(memory, part)
+    back = _grads_back(chain.flow, part.bounds) if chain.flow is not None else None
     stages = []
     for s, ((i, j), spec) in enumerate(zip(part.stages, specs)):
         rank = s % K
@@ -1683,6 +1695,7 @@ def _build_plan(
                 late_send_ms=late if late != send else None,
                 stash_bytes=int(states["saved"][0]),
                 input_bytes=received[s],
+                grads_back=sorted(back[s].items()) if back is not None else None,
                 state_bytes=StateBytes(**vars(sizes)),
                 memory=MemoryBreakdown(**terms, total=sum(terms.values()), budget=spec.budget),
             )
@@ -1701,6 +1714,7 @@ def _build_plan(
         for k, d in enumerate(cluster.devices)
     ]
     total_ms, bubble = timeline.makespan, timeline.bubble_fraction
+    peak_memory = timeline.peak_memory
     waits = ""
     # (one stage per device, and it fits: else the search goes on to the interleaved
     # fallback, or reports by how much it is over budget)
@@ -1712,6 +1726,11 @@ def _build_plan(
         costs = stage_costs(stages, profile.runtime, profile.device, step_sync_ms=sync)
         sched = plan_schedule(cand.schedule, K, cand.microbatches, routes)
         lowered, ran = fastest_lowering(sched, costs)  # timed as it runs, where it meets
+        # what its ranks receive ahead of the action that reads it (simulate counts it too)
+        ahead = received_ahead(lowered, [st.state_bytes.grad for st in stages], costs.grads_back)
+        if any(ahead):
+            devices = [d.model_copy(update={"total": d.total + x}) for d, x in zip(devices, ahead)]
+            peak_memory = [p + x for p, x in zip(peak_memory, ahead)]
         if ran is None:  # as gloo runs a program not proven to meet
             ran = simulate(lowered, costs, memory=False, rendezvous=True).makespan
         if ran > total_ms * (1 + 1e-12):
@@ -1786,7 +1805,7 @@ def _build_plan(
             bubble_fraction=bubble,
             throughput_samples_per_s=(problem.batch_size / total_ms * 1e3 if total_ms > 0 else 0.0),
             bottleneck_ms=part.bottleneck,
-            peak_memory=timeline.peak_memory,
+            peak_memory=peak_memory,
         ),
         solver=SolverInfo(
             method=method,
@@ -1841,6 +1860,11 @@ def stage_costs(
         input_calls=[
             input_calls(st.index, st.layers, len(stages), st.state_bytes.grad) for st in stages
         ],
+        grads_back=(
+            [None if st.grads_back is None else dict(st.grads_back) for st in stages]
+            if any(st.grads_back is not None for st in stages)
+            else None
+        ),
     )
 
 

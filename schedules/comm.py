@@ -25,6 +25,7 @@ and three placed from the compute-only timeline) in the simulator as the program
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,45 @@ def insert_comms(schedule: Schedule, costs: Costs | None = None) -> Schedule:
     if stepped is not None and _meets(stepped):
         return stepped
     return lowered  # validate(..., rendezvous=True) says where it would hang
+
+
+def received_ahead(
+    lowered: Schedule,
+    grads: list[int],
+    back: Sequence[dict[int, int] | None] | None = None,
+) -> list[int]:
+    """Per rank of a program with its communication placed (as the torchrun target runs it):
+    the most bytes of gradients it has received for a later action while a compute action
+    runs. The issue-order memory (memory.peaks) counts a gradient on the stage that made it
+    until the action that reads it (B or I) starts; a lowering that posts that receive earlier
+    (to meet its sender: `_lockstep`, `_timed`) has the reading rank hold it from then on, the
+    batch being waited for before the next compute action. `grads`: per stage, the bytes of
+    its input gradient (what it sends back, StageBytes.grad); `back`: per stage, what of it
+    goes to each stage it takes values from (Costs.grads_back), where known (else each message
+    counts at its sender's whole figure, at least the part this rank reads)."""
+    S = lowered.num_stages
+    _, receivers = _neighbours(S, tuple(map(tuple, lowered.routes)))
+    place = lowered.placement
+    out = [0] * lowered.num_ranks
+    for r, acts in lowered.ranks.items():
+        pending: list[Action] = []
+        for a in acts:
+            if a.kind == Kind.RECV_B:
+                pending.append(a)
+                continue
+            if not a.kind.is_compute:
+                continue
+            # what this action reads is counted from its start (pulled), the rest is ahead
+            pending = [q for q in pending if (q.stage, q.microbatch) != (a.stage, a.microbatch)
+                       or a.kind not in (Kind.B, Kind.I)]  # fmt: skip
+            held = 0
+            for q in pending:
+                for t in [q.peer] if q.peer >= 0 else receivers[q.stage]:
+                    if place[t] != r:
+                        piece = back[t] if back is not None else None
+                        held += piece.get(q.stage, 0) if piece is not None else grads[t]
+            out[r] = max(out[r], held)
+    return out
 
 
 def preposted(schedule: Schedule, costs: Costs | None = None) -> frozenset[int]:

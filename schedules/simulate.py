@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .comm import action_messages, batches, insert_comms, preposted
+from .comm import action_messages, batches, insert_comms, preposted, received_ahead
 from .ir import Action, Kind, Schedule
 from .memory import StageBytes, peaks, recomputes, timed_levels
 from .validate import comms_of
@@ -59,6 +59,9 @@ class Costs:
     # whatever their peer (NCCL: its batches share one communicator): comm.preposted then
     # posts ahead only where nothing the rank sends later could queue behind
     ordered_p2p: bool = False
+    # per stage, the gradient bytes it sends back to each stage it takes values from (a
+    # captured graph's routes; None: all of memory[t].grad, to the stage before)
+    grads_back: Sequence[dict[int, int] | None] | None = None
 
     @classmethod
     def uniform(
@@ -187,6 +190,9 @@ def simulate(
         if len(sizes) != S:
             raise ValueError(f"costs give memory for {len(sizes)} stages, the schedule has {S}")
         peak = peaks(schedule, modes, sizes)
+        if rendezvous:  # gradients some ranks receive ahead of the action that reads them
+            ahead_bytes = received_ahead(schedule, [b.grad for b in sizes], costs.grads_back)
+            peak = [p + x for p, x in zip(peak, ahead_bytes)]
         if levels:
             when: dict[Action, tuple[float, float]] = {}
             for r, acts in schedule.ranks.items():

@@ -667,6 +667,41 @@ def test_skips_across_ranks_and_tied_weights_under_torchrun(unet_routes, gpt_pro
     assert (0, "tokens.weight") in held and (1, "tokens.weight") in held  # on both ranks
 
 
+def unet_small() -> nn.Module:
+    """The U-Net of the unet_routes fixture: what each rank of a torchrun measure builds."""
+    return unet(size=8)
+
+
+def test_torchrun_holds_the_skip_gradients_it_receives_ahead_as_its_plan_counts(unet_routes):
+    """Found by measuring a U-Net under torchrun: the program that meets its senders soonest
+    (`_lockstep`) has the first rank take micro-batch m - 1's skip gradients from the last
+    before its backward of m, and the first rank held 7.0% more than its plan, which counted
+    them on the last rank until the backward that reads them. The plan now counts each such
+    gradient on its reader from its receive, by what its route carries: to the byte here. (It
+    still counts it on its sender too, until that backward: 11% over there, on the safe side;
+    the sender lets it go once its send is seen complete.)"""
+    pytest.importorskip("torch.distributed.run")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    from codegen.measure import measure_torchrun
+    from planner.search import simulate_plan, torchrun_schedule
+    from schedules.comm import received_ahead
+
+    _, _, prof = unet_routes
+    plan = plan_pipeline(prof, Cluster.uniform(3, "1GiB"), 8, microbatches=4, schedule="gpipe",
+                         recompute="except_last", target="torchrun")  # fmt: skip
+    stages = plan.stages
+    grads = [st.state_bytes.grad for st in stages]
+    back = [dict(st.grads_back) for st in stages]  # (a captured graph's: known per route)
+    ahead = received_ahead(torchrun_schedule(plan), grads, back)
+    assert ahead[0] > 0 and ahead[0] < grads[2]  # a part of what the last stage sends back
+    assert [d.total for d in plan.devices] == simulate_plan(plan, levels=False).peak_memory
+    report = measure_torchrun(plan, f"{__file__}:unet_small", steps=1)
+    for d in report.devices:  # (measured exactly: what the plan leaves out would show)
+        assert d.memory_error <= 0.001, d
+    assert abs(report.devices[0].memory_error) <= 0.001, report.devices[0]
+
+
 class FarReader(nn.Module):
     """A wide value made first and read twice far down (by the middle and by the end), and the
     input read again at the end: what a routed pipeline sends to several stages."""

@@ -1180,7 +1180,7 @@ def test_a_weight_two_of_three_ranks_share_is_summed_among_them_alone(mlp_profil
     plan = plan_pipeline(even_times(mlp_profile), Cluster.uniform(3, "1GiB"), 8, microbatches=4,
                          schedule="1f1b")  # fmt: skip
     ranks = {layer: st.rank for st in plan.stages for layer in range(*st.layers)}
-    assert (ranks[0], ranks[2], ranks[4], ranks[6]) == (0, 0, 1, 2)
+    assert (ranks[0], ranks[4], ranks[6]) == (0, 1, 2)
     models = _models(3)
     for m in models:
         m[6].weight = m[0].weight
@@ -1591,3 +1591,36 @@ def test_the_targets_sample_count_every_rank_checks():
     assert _samples(t(9)) == 9 and _samples((t(9, 2), t(9), "x")) == 9
     assert _samples(t(())) == -1  # no batch dimension
     assert _samples((t(9), t(8))) == -1  # tensors that disagree
+
+
+def test_gradients_received_ahead_of_their_backward_are_counted_on_the_reader():
+    """A lowering may post a gradient's receive before another compute action of the reading
+    rank (to meet its sender): that rank holds it from then, which the issue-order memory
+    counts on the sender until the reading B (or I) starts. Counted per route where the split
+    says what each carries, at the sender's whole gradient where it does not; a receive
+    posted right before its reader, none."""
+    from schedules.comm import received_ahead
+
+    routed = parse_schedule(
+        """
+        0: 0F0 0SEND_F0@1 0SEND_F0@2 0F1 0SEND_F1@1 0SEND_F1@2 0RECV_B1@2 0RECV_B1@1 0RECV_B0@2 0B1 0RECV_B0@1 0B0
+        1: 1RECV_F0@0 1F0 1SEND_F0@2 1RECV_F1@0 1F1 1SEND_F1@2 1RECV_B1@2 1B1 1SEND_B1@0 1RECV_B0@2 1B0 1SEND_B0@0
+        2: 2RECV_F0@0 2RECV_F0@1 2F0 2RECV_F1@0 2RECV_F1@1 2F1 2B1 2SEND_B1@0 2SEND_B1@1 2B0 2SEND_B0@0 2SEND_B0@1
+        """
+    )  # fmt: skip
+    routed.routes = [[0, 1], [0, 2], [1, 2]]
+    validate(routed, rendezvous=True)
+    grads = [0, 100, 1000]
+    assert received_ahead(routed, grads, [None, {0: 100}, {0: 300, 1: 700}]) == [300, 0, 0]
+    assert received_ahead(routed, grads) == [1000, 0, 0]  # (each at its sender's whole)
+    # zero bubble on a chain: micro-batch 1's gradient taken before W0
+    chain = parse_schedule(
+        """
+        0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0I0 0RECV_B1 0W0 0I1 0W1
+        1: 1RECV_F0 1F0 1I0 1SEND_B0 1RECV_F1 1F1 1I1 1SEND_B1 1W0 1W1
+        """
+    )
+    validate(chain, rendezvous=True)
+    assert received_ahead(chain, [0, 64]) == [64, 0]
+    posted_late = parse_schedule(str(chain).replace("0RECV_B1 0W0 0I1", "0W0 0RECV_B1 0I1"))
+    assert received_ahead(posted_late, [0, 64]) == [0, 0]
