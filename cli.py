@@ -464,8 +464,7 @@ def cmd_codegen(args: argparse.Namespace) -> int:
         )
     check_output(args.output, inputs=[args.plan, *_sources(args.model)])
     _runs_as_planned(model, plan, args.plan)
-    _other_target(plan, args.plan, args.target)
-    args.target = args.target or plan.target
+    asked, args.target = args.target, args.target or plan.target
     if args.target == "torch-pipelining":
         from codegen.emit import pipelining_refusal
 
@@ -478,6 +477,7 @@ def cmd_codegen(args: argparse.Namespace) -> int:
             "has none"
         )
     source = emit_program(plan, target=args.target, model=args.model)
+    _other_target(plan, args.plan, asked)  # (once nothing is refused: errors are one line)
     write_output(out, source)
     run = (
         f"python {args.output}"
@@ -527,7 +527,6 @@ def cmd_measure(args: argparse.Namespace) -> int:
             f"{args.model} first"
         )
     _host_holds(plan, args.target or plan.target)
-    _other_target(plan, args.plan, args.target)
     if (args.target or plan.target) == "torchrun":
         report = measure_torchrun(plan, args.model, steps=args.steps, tolerance=tolerance)
     else:
@@ -545,6 +544,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
             raise InputError(f"the pipeline failed: {e}") from e
         except Exception as e:  # the user's model (or a hand-edited plan) on real data
             raise InputError(f"the pipeline failed: {type(e).__name__}: {e}") from e
+    _other_target(plan, args.plan, args.target)  # (once it ran: errors are one line)
     print(_measure_table(report))
     if out is not None:
         write_output(out, report.model_dump_json(indent=1) + "\n")
