@@ -477,8 +477,8 @@ def cmd_codegen(args: argparse.Namespace) -> int:
             "has none"
         )
     source = emit_program(plan, target=args.target, model=args.model)
-    _other_target(plan, args.plan, asked)  # (once nothing is refused: errors are one line)
     write_output(out, source)
+    _other_target(plan, args.plan, asked)  # (once nothing is refused: errors are one line)
     run = (
         f"python {args.output}"
         if args.target == "streams"

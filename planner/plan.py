@@ -299,6 +299,7 @@ class Plan(Artifact):
     # the search's: its torchrun program was not timed, since the plan where sends never
     # wait (predicted) already lost; that time is then a lower bound of the program's
     _untimed: bool = PrivateAttr(default=False)
+    _ahead_over: bool = PrivateAttr(default=False)
 
     @property
     def fits(self) -> bool:

@@ -53,7 +53,7 @@ from schedules import (
     simulate,
 )
 from schedules.comm import fastest_lowering, received_ahead
-from schedules.memory import StageBytes, occupancy, occupancy_bound, occupancy_floor
+from schedules.memory import StageBytes, occupancy, occupancy_bound, occupancy_floor, peaks
 from schedules.order import freeze
 
 from .bounds import interleaved_bound_of, least_bottleneck, prior_bound_of, work_summary
@@ -310,6 +310,8 @@ def plan_pipeline(
         if err.closest is None or not err.closest.fits:
             if _beat is not None:
                 raise outrun
+            if visited.ahead_over:  # (the memory search, like the split's, does not see them)
+                raise InfeasibleError(f"no split fits: {AHEAD_OVER}", INT64_SAFE, err.closest)
             raise err
         if _beat is not None and not _beats(err.closest, _beat):
             raise outrun
@@ -375,6 +377,8 @@ def plan_pipeline(
                 }
             )
     unproven = best.solver.unproven
+    if visited.ahead_over:
+        unproven = f"{AHEAD_OVER}" + (f"; {unproven}" if unproven else "")
     if visited.timed_out:
         unproven = f"{TIMED_OUT} after {visited.solved} of {len(candidates)} candidates" + (
             f"; {unproven}" if unproven else ""
@@ -384,7 +388,7 @@ def plan_pipeline(
             "candidates": len(candidates),
             "solved": visited.solved,
             "pruned": visited.pruned,
-            "optimal": best.solver.optimal and not visited.timed_out,
+            "optimal": best.solver.optimal and not visited.timed_out and not visited.ahead_over,
             "unproven": unproven,
         }
     )
@@ -606,6 +610,8 @@ class _Visited:
     solved: int = 0
     pruned: int = 0
     timed_out: bool = False
+    # a split overran a device only by the gradients its torchrun program receives ahead
+    ahead_over: bool = False
     outcomes: dict[int, _Outcome] = field(default_factory=dict)
     later: dict[int, _Later] = field(default_factory=dict)  # "plan" outcomes not made yet
     build: Callable[[_Later], Plan] = lambda later: later.plan  # (set by _search)
@@ -750,6 +756,7 @@ def _search(
         peak = max(plan.predicted.peak_memory)
         if not plan.fits:
             outcomes[k] = _Outcome("over", t, peak, _over_budget(plan))
+            visited.ahead_over |= plan._ahead_over
             return
         outcomes[k] = _Outcome("plan", t, peak, recompute=plan.recompute)
         if free:
@@ -1715,6 +1722,7 @@ def _build_plan(
     ]
     total_ms, bubble = timeline.makespan, timeline.bubble_fraction
     peak_memory = timeline.peak_memory
+    ahead_over = False
     waits = ""
     # (one stage per device, and it fits: else the search goes on to the interleaved
     # fallback, or reports by how much it is over budget)
@@ -1728,9 +1736,11 @@ def _build_plan(
         lowered, ran = fastest_lowering(sched, costs)  # timed as it runs, where it meets
         # what its ranks receive ahead of the action that reads it (simulate counts it too)
         ahead = received_ahead(lowered, [st.state_bytes.grad for st in stages], costs.grads_back)
-        if any(ahead):
-            devices = [d.model_copy(update={"total": d.total + x}) for d, x in zip(devices, ahead)]
-            peak_memory = [p + x for p, x in zip(peak_memory, ahead)]
+        if ahead:
+            fitted = all(d.total <= d.budget for d in devices)
+            peak_memory = peaks(lowered, modes, costs.memory, ahead)  # type: ignore[arg-type]
+            devices = [d.model_copy(update={"total": x}) for d, x in zip(devices, peak_memory)]
+            ahead_over = fitted and any(d.total > d.budget for d in devices)
         if ran is None:  # as gloo runs a program not proven to meet
             ran = simulate(lowered, costs, memory=False, rendezvous=True).makespan
         if ran > total_ms * (1 + 1e-12):
@@ -1818,6 +1828,7 @@ def _build_plan(
         meta=PlanMeta(tool_version=VERSION),
     )
     plan._untimed = problem.target == "torchrun" and K > 1 and lost
+    plan._ahead_over = ahead_over
     return plan
 
 
@@ -2053,6 +2064,13 @@ def _static_need(problem: _Problem, cand: Candidate) -> int:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if sum(max(m, mid) for m in mems) >= need else (mid, hi)
     return hi
+
+
+AHEAD_OVER = (
+    "a split overran a device only by the gradients its torchrun program receives ahead of the "
+    "backward that reads them, which the split search does not count (a slower split of that "
+    "candidate may fit; plan with more memory, or with --target streams)"
+)
 
 
 def _infeasible(problem: _Problem, candidates: list[Candidate], floor: int = 0) -> InfeasibleError:

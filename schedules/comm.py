@@ -58,20 +58,21 @@ def received_ahead(
     lowered: Schedule,
     grads: list[int],
     back: Sequence[dict[int, int] | None] | None = None,
-) -> list[int]:
-    """Per rank of a program with its communication placed (as the torchrun target runs it):
-    the most bytes of gradients it has received for a later action while a compute action
-    runs. The issue-order memory (memory.peaks) counts a gradient on the stage that made it
-    until the action that reads it (B or I) starts; a lowering that posts that receive earlier
-    (to meet its sender: `_lockstep`, `_timed`) has the reading rank hold it from then on, the
-    batch being waited for before the next compute action. `grads`: per stage, the bytes of
-    its input gradient (what it sends back, StageBytes.grad); `back`: per stage, what of it
-    goes to each stage it takes values from (Costs.grads_back), where known (else each message
-    counts at its sender's whole figure, at least the part this rank reads)."""
+) -> dict[Action, int]:
+    """Per compute action of a program with its communication placed (as the torchrun target
+    runs it): the bytes of gradients its rank has received by then for a later action. The
+    issue-order memory (memory.peaks) counts a gradient on the stage that made it until the
+    action that reads it (B or I) starts; a lowering that posts that receive earlier (to meet
+    its sender: `_lockstep`, `_timed`) has the reading rank hold it from then on, the batch
+    being waited for before the next compute action (memory.peaks takes these). `grads`: per
+    stage, the bytes of its input gradient (what it sends back, StageBytes.grad); `back`: per
+    stage, what of it goes to each stage it takes values from (Costs.grads_back), where known
+    (else each message counts at its sender's whole figure, at least the part read here).
+    Actions holding none are left out."""
     S = lowered.num_stages
     _, receivers = _neighbours(S, tuple(map(tuple, lowered.routes)))
     place = lowered.placement
-    out = [0] * lowered.num_ranks
+    out: dict[Action, int] = {}
     for r, acts in lowered.ranks.items():
         pending: list[Action] = []
         for a in acts:
@@ -89,7 +90,8 @@ def received_ahead(
                     if place[t] != r:
                         piece = back[t] if back is not None else None
                         held += piece.get(q.stage, 0) if piece is not None else grads[t]
-            out[r] = max(out[r], held)
+            if held:
+                out[a] = held
     return out
 
 

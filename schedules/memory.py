@@ -238,10 +238,16 @@ def _distinct(rows: np.ndarray) -> np.ndarray:
 
 
 def peaks(
-    schedule: Schedule, recompute: str | Sequence[str], sizes: Sequence[StageBytes]
+    schedule: Schedule,
+    recompute: str | Sequence[str],
+    sizes: Sequence[StageBytes],
+    ahead: dict[Action, int] | None = None,
 ) -> list[int]:
     """Each device's peak over the issue order and the optimizer step after it: what `replay`
-    finds, without walking the order in Python (the planner calls this for every plan)."""
+    finds, without walking the order in Python (the planner calls this for every plan).
+    `ahead`: per compute action, bytes its rank holds beside the states (comm.received_ahead:
+    gradients received for a later action), counted at every look at that rank during the
+    action, and between two of the rank's own actions at the larger of theirs."""
     S, R = schedule.num_stages, schedule.num_ranks
     modes = [recompute] * S if isinstance(recompute, str) else list(recompute)
     place = np.asarray(schedule.placement, dtype=np.int64)
@@ -259,6 +265,8 @@ def peaks(
     extra[on] = trans[ev.snap_stage[on], ev.snap_running[on] - LIVE]
     static = np.zeros(R, dtype=np.int64)
     np.add.at(static, place, [b.static for b in sizes])
+    if ahead:
+        extra = extra + _ahead_at_looks(schedule, ev, place, ahead)
     top = np.zeros(R, dtype=np.int64)
     if len(level):
         np.maximum.at(top, place[ev.snap_stage], level + extra)
@@ -270,6 +278,34 @@ def peaks(
         steps = [b.optimizer_step for b in mine]
         step = sum(steps) if any(b.foreach for b in mine) else max(steps, default=0)
         out.append(int(static[r] + max(top[r], left[r] + step, 0)))
+    return out
+
+
+def _ahead_at_looks(
+    schedule: Schedule, ev: _Events, place: np.ndarray, ahead: dict[Action, int]
+) -> np.ndarray:
+    """peaks' `ahead` at each look: the acting rank's own figure during its action; a look at
+    another rank (an end reaching it) takes the larger of that rank's last and next actions'."""
+    kind, stage, m = issue_arrays(schedule)
+    kinds = (Kind.F, Kind.B, Kind.I, Kind.W)
+    held = np.fromiter(
+        (ahead.get(Action(int(s), kinds[int(k)], int(b)), 0) for k, s, b in zip(kind, stage, m)),
+        np.int64, len(kind),
+    )  # fmt: skip
+    acting = place[stage]
+    k = ev.snap_seq // 4
+    rank = place[ev.snap_stage]
+    out = np.zeros(len(k), dtype=np.int64)
+    for r in np.unique(rank):
+        own = np.flatnonzero(acting == r)
+        if not len(own) or not held[own].any():
+            continue
+        at = np.flatnonzero(rank == r)
+        after = np.searchsorted(own, k[at], side="left")  # the next own action (or this one)
+        nxt = held[own[np.minimum(after, len(own) - 1)]] * (after < len(own))
+        before = np.searchsorted(own, k[at], side="right") - 1  # the last (or this one)
+        prv = held[own[np.maximum(before, 0)]] * (before >= 0)
+        out[at] = np.maximum(nxt, prv)
     return out
 
 

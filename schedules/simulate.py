@@ -189,10 +189,13 @@ def simulate(
         sizes = list(costs.memory) if costs.memory is not None else [StageBytes()] * S
         if len(sizes) != S:
             raise ValueError(f"costs give memory for {len(sizes)} stages, the schedule has {S}")
-        peak = peaks(schedule, modes, sizes)
-        if rendezvous:  # gradients some ranks receive ahead of the action that reads them
-            ahead_bytes = received_ahead(schedule, [b.grad for b in sizes], costs.grads_back)
-            peak = [p + x for p, x in zip(peak, ahead_bytes)]
+        # the torchrun program: gradients some ranks receive ahead of the action reading them
+        ahead = (
+            received_ahead(schedule, [b.grad for b in sizes], costs.grads_back)
+            if rendezvous
+            else None
+        )
+        peak = peaks(schedule, modes, sizes, ahead)
         if levels:
             when: dict[Action, tuple[float, float]] = {}
             for r, acts in schedule.ranks.items():

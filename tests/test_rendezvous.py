@@ -1611,8 +1611,10 @@ def test_gradients_received_ahead_of_their_backward_are_counted_on_the_reader():
     routed.routes = [[0, 1], [0, 2], [1, 2]]
     validate(routed, rendezvous=True)
     grads = [0, 100, 1000]
-    assert received_ahead(routed, grads, [None, {0: 100}, {0: 300, 1: 700}]) == [300, 0, 0]
-    assert received_ahead(routed, grads) == [1000, 0, 0]  # (each at its sender's whole)
+    held = received_ahead(routed, grads, [None, {0: 100}, {0: 300, 1: 700}])
+    assert {str(a): n for a, n in held.items()} == {"0B1": 300}
+    held = received_ahead(routed, grads)  # (each at its sender's whole)
+    assert {str(a): n for a, n in held.items()} == {"0B1": 1000}
     # zero bubble on a chain: micro-batch 1's gradient taken before W0
     chain = parse_schedule(
         """
@@ -1621,6 +1623,15 @@ def test_gradients_received_ahead_of_their_backward_are_counted_on_the_reader():
         """
     )
     validate(chain, rendezvous=True)
-    assert received_ahead(chain, [0, 64]) == [64, 0]
+    assert {str(a): n for a, n in received_ahead(chain, [0, 64]).items()} == {"0W0": 64}
     posted_late = parse_schedule(str(chain).replace("0RECV_B1 0W0 0I1", "0W0 0RECV_B1 0I1"))
-    assert received_ahead(posted_late, [0, 64]) == [0, 0]
+    assert received_ahead(posted_late, [0, 64]) == {}
+    # the device's peak takes it only where it is held: during W0 here, above what W0 holds
+    from schedules.memory import StageBytes, peaks
+
+    sizes = [StageBytes(activations=10, weight_live=5, input_live=1000), StageBytes()]
+    base = peaks(chain, "never", sizes)
+    assert peaks(chain, "never", sizes, received_ahead(chain, [0, 64]))[0] == base[0]
+    sizes[0] = StageBytes(activations=10, weight_live=5000, input_live=1000)
+    base = peaks(chain, "never", sizes)
+    assert peaks(chain, "never", sizes, received_ahead(chain, [0, 64]))[0] == base[0] + 64
