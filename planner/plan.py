@@ -300,6 +300,8 @@ class Plan(Artifact):
     # wait (predicted) already lost; that time is then a lower bound of the program's
     _untimed: bool = PrivateAttr(default=False)
     _ahead_over: bool = PrivateAttr(default=False)
+    # its torchrun program holds less on some device than the issue order counts (search.py)
+    _held_less: bool = PrivateAttr(default=False)
 
     @property
     def fits(self) -> bool:

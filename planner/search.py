@@ -52,7 +52,7 @@ from schedules import (
     insert_comms,
     simulate,
 )
-from schedules.comm import fastest_lowering, received_ahead
+from schedules.comm import fastest_lowering, preposted, receive_offsets
 from schedules.memory import StageBytes, occupancy, occupancy_bound, occupancy_floor, peaks
 from schedules.order import freeze
 
@@ -379,6 +379,9 @@ def plan_pipeline(
     unproven = best.solver.unproven
     if visited.ahead_over:
         unproven = f"{AHEAD_OVER}" + (f"; {unproven}" if unproven else "")
+    held_less = best._held_less and visited.memory_bound
+    if held_less:
+        unproven = f"{HELD_LESS}" + (f"; {unproven}" if unproven else "")
     if visited.timed_out:
         unproven = f"{TIMED_OUT} after {visited.solved} of {len(candidates)} candidates" + (
             f"; {unproven}" if unproven else ""
@@ -388,7 +391,8 @@ def plan_pipeline(
             "candidates": len(candidates),
             "solved": visited.solved,
             "pruned": visited.pruned,
-            "optimal": best.solver.optimal and not visited.timed_out and not visited.ahead_over,
+            "optimal": best.solver.optimal
+            and not (visited.timed_out or visited.ahead_over or held_less),
             "unproven": unproven,
         }
     )
@@ -612,6 +616,8 @@ class _Visited:
     timed_out: bool = False
     # a split overran a device only by the gradients its torchrun program receives ahead
     ahead_over: bool = False
+    # memory bound some solved candidate's split, or let none fit
+    memory_bound: bool = False
     outcomes: dict[int, _Outcome] = field(default_factory=dict)
     later: dict[int, _Later] = field(default_factory=dict)  # "plan" outcomes not made yet
     build: Callable[[_Later], Plan] = lambda later: later.plan  # (set by _search)
@@ -699,6 +705,7 @@ def _search(
                 outcomes[k] = _Outcome("bound", bound)
                 return
             specs = _stage_specs(problem, cand, halve=False)
+            visited.memory_bound = True  # (its devices may overrun)
             won, below = _interleaved_fallback(
                 problem, cand, times, specs, part, solve, method, None, to_beat()
             )
@@ -745,6 +752,7 @@ def _search(
         if not plan.fits and cand.per_device > 1:
             # the per-stage twin may fall back differently (every stage recomputing)
             free = False
+            visited.memory_bound = True
             found = fell or _interleaved_fallback(
                 problem, cand, times, specs, part, solve, method, plan, to_beat()
             )
@@ -777,11 +785,13 @@ def _search(
         limit = _bottleneck_limit(problem, cand, chain, to_beat())
         try:
             part, fits = _solve(problem, cand, solve, method, times, memory, cuts, limit)
-        except NoneWithin:
+        except NoneWithin as e:
             visited.solved += 1
+            visited.memory_bound |= not e.by_time
             outcomes[k] = _Outcome("limit", limit * cand.microbatches)
             return
         visited.solved += 1
+        visited.memory_bound |= part is None or part.extra.get("memory_free") != 1.0
         if part is None:
             outcomes[k] = _Outcome("nofit", math.inf)
             return
@@ -1722,7 +1732,7 @@ def _build_plan(
     ]
     total_ms, bubble = timeline.makespan, timeline.bubble_fraction
     peak_memory = timeline.peak_memory
-    ahead_over = False
+    ahead_over = held_less = False
     waits = ""
     # (one stage per device, and it fits: else the search goes on to the interleaved
     # fallback, or reports by how much it is over budget)
@@ -1734,11 +1744,17 @@ def _build_plan(
         costs = stage_costs(stages, profile.runtime, profile.device, step_sync_ms=sync)
         sched = plan_schedule(cand.schedule, K, cand.microbatches, routes)
         lowered, ran = fastest_lowering(sched, costs)  # timed as it runs, where it meets
-        # what its ranks receive ahead of the action that reads it (simulate counts it too)
-        ahead = received_ahead(lowered, [st.state_bytes.grad for st in stages], costs.grads_back)
+        # what its ranks hold beyond or short of the issue order, where their messages are
+        # posted (simulate counts them too)
+        ahead = receive_offsets(
+            lowered, [st.state_bytes.input for st in stages],
+            [st.state_bytes.grad for st in stages], costs.grads_back,
+            preposted(lowered, costs), sends_held=ran is None,
+        )  # fmt: skip
         if ahead:
             fitted = all(d.total <= d.budget for d in devices)
             peak_memory = peaks(lowered, modes, costs.memory, ahead)  # type: ignore[arg-type]
+            held_less = any(x < d.total for d, x in zip(devices, peak_memory))
             devices = [d.model_copy(update={"total": x}) for d, x in zip(devices, peak_memory)]
             ahead_over = fitted and any(d.total > d.budget for d in devices)
         if ran is None:  # as gloo runs a program not proven to meet
@@ -1829,6 +1845,7 @@ def _build_plan(
     )
     plan._untimed = problem.target == "torchrun" and K > 1 and lost
     plan._ahead_over = ahead_over
+    plan._held_less = held_less
     return plan
 
 
@@ -2070,6 +2087,13 @@ AHEAD_OVER = (
     "a split overran a device only by the gradients its torchrun program receives ahead of the "
     "backward that reads them, which the split search does not count (a slower split of that "
     "candidate may fit; plan with more memory, or with --target streams)"
+)
+
+
+HELD_LESS = (
+    "memory bound the split search, which counts each message between stages where the issue "
+    "order has it; the torchrun program holds less on some device (its receives posted later, "
+    "or its sends let go sooner), so a faster split may fit"
 )
 
 

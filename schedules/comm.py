@@ -25,6 +25,7 @@ and three placed from the compute-only timeline) in the simulator as the program
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
@@ -93,6 +94,109 @@ def received_ahead(
             if held:
                 out[a] = held
     return out
+
+
+def receive_offsets(
+    lowered: Schedule,
+    inputs: Sequence[int],
+    grads: Sequence[int],
+    back: Sequence[dict[int, int] | None] | None = None,
+    preposted: frozenset[int] = frozenset(),
+    sends_held: bool = False,
+) -> dict[Action, int]:
+    """Per compute action of a program with its communication placed (as the torchrun target
+    runs it): the bytes its rank holds beyond (+) or short of (-) what the issue-order memory
+    (memory.peaks) counts on it then, because of where the program posts its messages. A
+    batch of them is waited for whole before the rank's next compute action.
+
+    - Gradients received ahead of the action that reads them: received_ahead.
+    - A chain's messages (stage t - 1 to t, where t takes values from t - 1 alone, on
+      another rank), both ways. The issue order moves a forward's output to its receiver
+      as the forward ends, and a gradient to its reader as the reading B or I starts. The
+      program holds a message on its sender from the action that makes it until the batch
+      that posts its send, and on its receiver from the batch that posts its receive (every
+      forward receive as the step begins, on a `preposted` stage) until the action that
+      reads it. `sends_held`: a program that does not meet where sends block (gloo only)
+      holds every send to the step's end.
+
+    `inputs`, `grads`: per stage, the bytes of its input and of its input gradient
+    (StageBytes.input, .grad); `back` as received_ahead's. Actions with no offset are left
+    out. A look between two of a rank's actions takes the larger of their offsets
+    (memory.peaks): a message counted early or twice there, never missed."""
+    from .order import issue_arrays
+
+    out = received_ahead(lowered, list(grads), back)
+    S, place = lowered.num_stages, lowered.placement
+    kinds = (Kind.F, Kind.B, Kind.I, Kind.W)
+    kind, stage, mb = issue_arrays(lowered)
+    issued = {
+        (kinds[int(k)], int(s), int(b)): n for n, (k, s, b) in enumerate(zip(kind, stage, mb))
+    }
+    compute: dict[int, list[Action]] = {}
+    at: dict[tuple, int] = {}  # a compute action's, or a post's: the rank's next compute action
+    for r, acts in lowered.ranks.items():
+        mine = compute[r] = []
+        for a in acts:
+            if a.kind.is_compute:
+                at[(a.kind, a.stage, a.microbatch)] = len(mine)
+                mine.append(a)
+            else:
+                at.setdefault((a.kind, a.stage, a.microbatch, a.peer), len(mine))
+    order = {
+        r: [issued[(a.kind, a.stage, a.microbatch)] for a in acts] for r, acts in compute.items()
+    }
+    delta = {r: [0] * (len(acts) + 1) for r, acts in compute.items()}
+
+    def hold(r: int, lo: int, hi: int, n: int) -> None:
+        """n bytes more on rank r at its compute actions lo .. hi - 1."""
+        if lo < hi and n:
+            delta[r][lo] += n
+            delta[r][hi] -= n
+
+    def counted(r: int, after: int, before: int, n: int) -> None:
+        """The issue order's count: n bytes on rank r at its actions issued strictly between
+        `after` and `before` (issue positions), taken away here."""
+        lo = bisect.bisect_right(order[r], after)
+        hi = bisect.bisect_left(order[r], before)
+        hold(r, lo, hi, -n)
+
+    def backward(s: int, m: int) -> tuple[Kind, int, int]:
+        """The action that makes stage s's input gradient, or reads its output's (B, else I)."""
+        return (Kind.B, s, m) if (Kind.B, s, m) in issued else (Kind.I, s, m)
+
+    def posted(kind_: Kind, s: int, m: int, peer: int) -> int | None:
+        """Where the rank posts that message: before its compute action at this index. (One
+        action carries every route of a stage to or from a rank unless it names its peer.)"""
+        return at.get((kind_, s, m, peer), at.get((kind_, s, m, -1)))
+
+    for t in range(1, S):
+        a, r, q = t - 1, place[t - 1], place[t]
+        if r == q or lowered.senders(t) != [a]:
+            continue
+        for m in range(lowered.num_microbatches):
+            # forward: a's output, made by F(a, m), read by F(t, m)
+            n = inputs[t]
+            made_at, read_at = issued[(Kind.F, a, m)], issued[(Kind.F, t, m)]
+            sent = posted(Kind.SEND_F, a, m, t)
+            end = len(compute[r]) if sends_held or sent is None else sent
+            hold(r, at[(Kind.F, a, m)] + 1, end, n)
+            got = 0 if t in preposted else posted(Kind.RECV_F, t, m, a)
+            hold(q, got or 0, at[(Kind.F, t, m)], n)  # (not found: held from the start)
+            counted(q, made_at, read_at, n)
+            # backward: t's input gradient, made by its B or I, read by a's B or I
+            n = grads[t]
+            make, read = backward(t, m), backward(a, m)
+            sent = posted(Kind.SEND_B, t, m, a)
+            end = len(compute[q]) if sends_held or sent is None else sent
+            hold(q, at[make] + 1, end, n)
+            counted(q, issued[make], issued[read], n)
+    for r, acts in compute.items():
+        level = 0
+        for a, d in zip(acts, delta[r]):
+            level += d
+            if level:
+                out[a] = out.get(a, 0) + level
+    return {a: n for a, n in out.items() if n}
 
 
 def preposted(schedule: Schedule, costs: Costs | None = None) -> frozenset[int]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .comm import action_messages, batches, insert_comms, preposted, received_ahead
+from .comm import _meets, action_messages, batches, insert_comms, preposted, receive_offsets
 from .ir import Action, Kind, Schedule
 from .memory import StageBytes, peaks, recomputes, timed_levels
 from .validate import comms_of
@@ -189,12 +189,16 @@ def simulate(
         sizes = list(costs.memory) if costs.memory is not None else [StageBytes()] * S
         if len(sizes) != S:
             raise ValueError(f"costs give memory for {len(sizes)} stages, the schedule has {S}")
-        # the torchrun program: gradients some ranks receive ahead of the action reading them
+        # the torchrun program: what its ranks hold beyond or short of the issue order, where
+        # their messages are posted (a program that does not meet holds its sends to the end)
         ahead = (
-            received_ahead(schedule, [b.grad for b in sizes], costs.grads_back)
+            receive_offsets(
+                schedule, [b.input for b in sizes], [b.grad for b in sizes], costs.grads_back,
+                preposted(schedule, costs), sends_held=not _meets(schedule),
+            )
             if rendezvous
             else None
-        )
+        )  # fmt: skip
         peak = peaks(schedule, modes, sizes, ahead)
         if levels:
             when: dict[Action, tuple[float, float]] = {}

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 import schedules.comm as comm
 from schedules import ScheduleError, build_schedule, insert_comms, parse_schedule, validate
 from schedules.comm import SENDS, batches
+from schedules.ir import Kind
 from schedules.validate import rendezvous_run
 from tests.conftest import even_times, quick_profile
 
@@ -1635,3 +1636,123 @@ def test_gradients_received_ahead_of_their_backward_are_counted_on_the_reader():
     sizes[0] = StageBytes(activations=10, weight_live=5000, input_live=1000)
     base = peaks(chain, "never", sizes)
     assert peaks(chain, "never", sizes, received_ahead(chain, [0, 64]))[0] == base[0] + 64
+
+
+def test_a_chains_messages_are_counted_where_its_torchrun_program_holds_them():
+    """1F1B on 2 ranks, 3 micro-batches, written out: the issue order has F0 of stage 0 hand
+    micro-batch 1's activations (10 bytes) to rank 1 before 1F0, but rank 1 posts that receive
+    only after B0 (plain lowering): 10 bytes fewer during 1F0 and 1B0. Posted with B0's
+    batch (the time steps), fewer only during 1F0. A program that does not meet holds every
+    send to the step's end: rank 0 its activations, rank 1 its gradients (100 bytes)."""
+    from schedules.comm import receive_offsets
+
+    sched = build_schedule("1f1b", 2, 3)
+    plain, stepped = comm._plain(sched), comm._lockstep(sched)
+    assert "1B0 1SEND_B0 1RECV_F1 1F1" in str(plain) and "1RECV_F1 1B0" in str(stepped)
+
+    def offsets(lowered, **kw):
+        return {str(a): n for a, n in receive_offsets(lowered, [0, 10], [0, 100], **kw).items()}
+
+    assert offsets(plain) == {"1F0": -10, "1B0": -10}
+    assert offsets(stepped) == {"1F0": -10}
+    assert offsets(plain, sends_held=True) == {
+        "0F1": 10, "0B0": 20, "0F2": 20, "0B1": 30, "0B2": 30,
+        "1F0": -10, "1B0": -10, "1F1": 100, "1B1": 100, "1F2": 200, "1B2": 200,
+    }  # fmt: skip
+    # posted as the step begins: micro-batch 2's held from the start too, until 1F2
+    assert offsets(plain, preposted=frozenset({1})) == {"1F0": 10, "1B0": 10, "1F1": 10, "1B1": 10}
+
+
+def _held_by_program(lowered, inputs, grads, preposted, sends_held):
+    """Per compute action: the bytes of a chain's messages its rank holds then, walking each
+    rank's program alone. A sender holds what it made until the batch that posts its send (to
+    the step's end where sends are held); a receiver holds what it receives from the batch
+    that posts the receive (a preposted stage: from the start) until the action reading it."""
+    place, S = lowered.placement, lowered.num_stages
+    out = {}
+    for r, acts in lowered.ranks.items():
+        held = {}  # (direction, stage that reads it, micro-batch) -> bytes
+        for t in preposted:
+            if place[t] == r:
+                held.update({("F", t, m): inputs[t] for m in range(lowered.num_microbatches)})
+        for a in acts:
+            s, m = a.stage, a.microbatch
+            if a.kind == Kind.RECV_F:
+                held[("F", s, m)] = inputs[s]
+            elif a.kind == Kind.RECV_B:
+                held[("B", s, m)] = grads[s + 1]
+            elif a.kind == Kind.SEND_F and not sends_held:
+                held.pop(("F", s + 1, m), None)
+            elif a.kind == Kind.SEND_B and not sends_held:
+                held.pop(("B", s - 1, m), None)
+            elif a.kind.is_compute:
+                reads = ("F", s, m) if a.kind == Kind.F else ("B", s, m)
+                if a.kind != Kind.W:
+                    held.pop(reads, None)  # it reads it: counted in its states from here
+                out[a] = sum(held.values())
+                if a.kind == Kind.F and s < S - 1 and place[s + 1] != r:
+                    held[("F", s + 1, m)] = inputs[s + 1]
+                if a.kind in (Kind.B, Kind.I) and s > 0 and place[s - 1] != r:
+                    held[("B", s - 1, m)] = grads[s]
+    return out
+
+
+def _held_by_issue_order(lowered, inputs, grads):
+    """Per compute action: the bytes of a chain's messages the issue-order memory counts on its
+    rank then: an activation on its receiver from the forward that made it to the one reading
+    it, a gradient on its sender from the backward that made it to the one reading it."""
+    from schedules.order import canonical_order
+
+    order = [a for a in canonical_order(lowered.compute_only(), ["never"] * lowered.num_stages)]
+    at = {(a.kind, a.stage, a.microbatch): k for k, a in enumerate(order)}
+    place = lowered.placement
+
+    def bwd(s, m):
+        return at.get((Kind.B, s, m), at.get((Kind.I, s, m)))
+
+    out = {}
+    for k, x in enumerate(order):
+        n = 0
+        for t in range(1, lowered.num_stages):
+            if place[t - 1] == place[t]:
+                continue
+            for m in range(lowered.num_microbatches):
+                if place[t] == place[x.stage] and at[(Kind.F, t - 1, m)] < k < at[(Kind.F, t, m)]:
+                    n += inputs[t]
+                if place[t] == place[x.stage] and bwd(t, m) < k < bwd(t - 1, m):
+                    n += grads[t]
+        out[x] = n
+    return out
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_receive_offsets_make_the_issue_order_what_each_program_holds(data):
+    """For every lowering of a chain (plain, time steps, placed by a timeline), every schedule,
+    posted ahead or not, sends held or not: the issue order's count of the chain's messages at
+    each compute action, plus receive_offsets there, is what the rank's program holds then,
+    found by walking the program alone."""
+    from schedules import simulate
+    from schedules.comm import receive_offsets
+
+    name = data.draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]))
+    K, M = data.draw(st.sampled_from([2, 3, 4])), data.draw(st.integers(1, 8))
+    if name == "interleaved-1f1b":
+        K, M = 2 * (K // 2), (M + 1) // 2 * 2 if M > 1 else M
+    sched = build_schedule(name, K, M)
+    S = sched.num_stages
+    tl = simulate(sched, _random_costs(data, S), memory=False)
+    lowered = data.draw(st.sampled_from(
+        [x for x in [comm._plain(sched), comm._lockstep(sched),
+                     *[comm._timed(sched, tl, how) for how in comm._HOW]] if x is not None]
+    ))  # fmt: skip
+    inputs = [0] + data.draw(st.lists(st.integers(1, 1000), min_size=S - 1, max_size=S - 1))
+    grads = [0] + data.draw(st.lists(st.integers(1, 1000), min_size=S - 1, max_size=S - 1))
+    pre = data.draw(st.sampled_from([frozenset(), comm.preposted(lowered)]))
+    held = data.draw(st.booleans())
+    offsets = receive_offsets(lowered, inputs, grads, preposted=pre, sends_held=held)
+    counted = _held_by_issue_order(lowered, inputs, grads)
+    program = _held_by_program(lowered, inputs, grads, pre, held)
+    assert set(program) == set(counted)
+    for a, n in program.items():
+        assert counted[a] + offsets.get(a, 0) == n, (str(a), str(lowered))
