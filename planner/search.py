@@ -379,6 +379,8 @@ def plan_pipeline(
     unproven = best.solver.unproven
     if visited.ahead_over:
         unproven = f"{AHEAD_OVER}" + (f"; {unproven}" if unproven else "")
+    # (judged on the plan chosen: a memory-bound candidate whose own program would have held
+    # less is not looked at)
     held_less = best._held_less and visited.memory_bound
     if held_less:
         unproven = f"{HELD_LESS}" + (f"; {unproven}" if unproven else "")
@@ -791,6 +793,7 @@ def _search(
             outcomes[k] = _Outcome("limit", limit * cand.microbatches)
             return
         visited.solved += 1
+        # (a solver that does not say whether memory bound it: as if it did)
         visited.memory_bound |= part is None or part.extra.get("memory_free") != 1.0
         if part is None:
             outcomes[k] = _Outcome("nofit", math.inf)
@@ -1746,14 +1749,14 @@ def _build_plan(
         lowered, ran = fastest_lowering(sched, costs)  # timed as it runs, where it meets
         # what its ranks hold beyond or short of the issue order, where their messages are
         # posted (simulate counts them too)
-        ahead = receive_offsets(
+        ahead, after = receive_offsets(
             lowered, [st.state_bytes.input for st in stages],
             [st.state_bytes.grad for st in stages], costs.grads_back,
             preposted(lowered, costs), sends_held=ran is None,
         )  # fmt: skip
-        if ahead:
+        if ahead or after:
             fitted = all(d.total <= d.budget for d in devices)
-            peak_memory = peaks(lowered, modes, costs.memory, ahead)  # type: ignore[arg-type]
+            peak_memory = peaks(lowered, modes, costs.memory, ahead, after)  # type: ignore[arg-type]
             held_less = any(x < d.total for d, x in zip(devices, peak_memory))
             devices = [d.model_copy(update={"total": x}) for d, x in zip(devices, peak_memory)]
             ahead_over = fitted and any(d.total > d.budget for d in devices)
@@ -2084,16 +2087,18 @@ def _static_need(problem: _Problem, cand: Candidate) -> int:
 
 
 AHEAD_OVER = (
-    "a split overran a device only by the gradients its torchrun program receives ahead of the "
-    "backward that reads them, which the split search does not count (a slower split of that "
-    "candidate may fit; plan with more memory, or with --target streams)"
+    "a split overran a device only by what its torchrun program holds beyond the split "
+    "search's count (a gradient received ahead of the backward that reads it, or what a batch "
+    "of sends and receives holds while it goes), which the split search does not see (a slower "
+    "split of that candidate may fit; plan with more memory, or with --target streams)"
 )
 
 
 HELD_LESS = (
-    "memory bound the split search, which counts each message between stages where the issue "
-    "order has it; the torchrun program holds less on some device (its receives posted later, "
-    "or its sends let go sooner), so a faster split may fit"
+    "memory bound the split search (or its solver does not say whether it did), which counts "
+    "each message between stages where the issue order has it; the torchrun program holds less "
+    "on some device (its receives posted later, or its sends let go sooner), so a faster split "
+    "may fit"
 )
 
 

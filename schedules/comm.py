@@ -70,30 +70,53 @@ def received_ahead(
     stage, what of it goes to each stage it takes values from (Costs.grads_back), where known
     (else each message counts at its sender's whole figure, at least the part read here).
     Actions holding none are left out."""
+    return _received_back(lowered, grads, back)[0]
+
+
+def _received_back(
+    lowered: Schedule,
+    grads: Sequence[int],
+    back: Sequence[dict[int, int] | None] | None = None,
+) -> tuple[dict[Action, int], dict[Action, int]]:
+    """received_ahead's figures during each compute action, and those of the batch of sends
+    and receives after it (its receives' buffers are made as the batch is posted, those of
+    the action after it included)."""
     S = lowered.num_stages
     _, receivers = _neighbours(S, tuple(map(tuple, lowered.routes)))
     place = lowered.placement
-    out: dict[Action, int] = {}
+    during: dict[Action, int] = {}
+    after: dict[Action, int] = {}
+
+    def held(pending: list[Action], r: int) -> int:
+        """The bytes of the gradients rank r has posted receives for."""
+        n = 0
+        for q in pending:
+            for t in [q.peer] if q.peer >= 0 else receivers[q.stage]:
+                if place[t] != r:
+                    piece = back[t] if back is not None else None
+                    n += piece.get(q.stage, 0) if piece is not None else grads[t]
+        return n
+
     for r, acts in lowered.ranks.items():
         pending: list[Action] = []
+        last: Action | None = None
         for a in acts:
             if a.kind == Kind.RECV_B:
                 pending.append(a)
                 continue
             if not a.kind.is_compute:
                 continue
+            if last is not None and (n := held(pending, r)):
+                after[last] = n
             # what this action reads is counted from its start (pulled), the rest is ahead
             pending = [q for q in pending if (q.stage, q.microbatch) != (a.stage, a.microbatch)
                        or a.kind not in (Kind.B, Kind.I)]  # fmt: skip
-            held = 0
-            for q in pending:
-                for t in [q.peer] if q.peer >= 0 else receivers[q.stage]:
-                    if place[t] != r:
-                        piece = back[t] if back is not None else None
-                        held += piece.get(q.stage, 0) if piece is not None else grads[t]
-            if held:
-                out[a] = held
-    return out
+            if n := held(pending, r):
+                during[a] = n
+            last = a
+        if last is not None and (n := held(pending, r)):
+            after[last] = n
+    return during, after
 
 
 def receive_offsets(
@@ -103,29 +126,34 @@ def receive_offsets(
     back: Sequence[dict[int, int] | None] | None = None,
     preposted: frozenset[int] = frozenset(),
     sends_held: bool = False,
-) -> dict[Action, int]:
-    """Per compute action of a program with its communication placed (as the torchrun target
-    runs it): the bytes its rank holds beyond (+) or short of (-) what the issue-order memory
-    (memory.peaks) counts on it then, because of where the program posts its messages. A
-    batch of them is waited for whole before the rank's next compute action.
+) -> tuple[dict[Action, int], dict[Action, int]]:
+    """For memory.peaks: what each rank of a program with its communication placed (as the
+    torchrun target runs it) holds beyond (+) or short of (-) what the issue-order memory
+    counts on it, because of where the program posts its messages. Two figures per compute
+    action: while it runs (`during`), and while the batch of sends and receives right after
+    it is posted and waited for (`after`: the rank then holds what it is sending and every
+    buffer the batch receives into, next to the states the action left), each batch being
+    waited for whole before the rank's next compute action.
 
     - Gradients received ahead of the action that reads them: received_ahead.
     - A chain's messages (stage t - 1 to t, where t takes values from t - 1 alone, on
       another rank), both ways. The issue order moves a forward's output to its receiver
       as the forward ends, and a gradient to its reader as the reading B or I starts. The
       program holds a message on its sender from the action that makes it until the batch
-      that posts its send, and on its receiver from the batch that posts its receive (every
-      forward receive as the step begins, on a `preposted` stage) until the action that
-      reads it. `sends_held`: a program that does not meet where sends block (gloo only)
-      holds every send to the step's end.
+      that posts its send has gone, and on its receiver from the batch that posts its
+      receive (every forward receive as the step begins, on a `preposted` stage) until the
+      action that reads it. `sends_held`: a program that does not meet where sends block
+      (gloo only) holds every send to the step's end.
 
     `inputs`, `grads`: per stage, the bytes of its input and of its input gradient
     (StageBytes.input, .grad); `back` as received_ahead's. Actions with no offset are left
-    out. A look between two of a rank's actions takes the larger of their offsets
-    (memory.peaks): a message counted early or twice there, never missed."""
+    out. A look at a rank between two of its own actions, where another rank's action ends,
+    takes the larger of the two actions' `during` figures (memory.peaks). Messages into a
+    stage that also takes values from further back (a captured graph's skips) are counted
+    as the issue order has them."""
     from .order import issue_arrays
 
-    out = received_ahead(lowered, list(grads), back)
+    during, after = _received_back(lowered, grads, back)
     S, place = lowered.num_stages, lowered.placement
     kinds = (Kind.F, Kind.B, Kind.I, Kind.W)
     kind, stage, mb = issue_arrays(lowered)
@@ -145,20 +173,21 @@ def receive_offsets(
     order = {
         r: [issued[(a.kind, a.stage, a.microbatch)] for a in acts] for r, acts in compute.items()
     }
-    delta = {r: [0] * (len(acts) + 1) for r, acts in compute.items()}
+    # per rank, differences along its compute actions: [0] during them, [1] in the batch after
+    delta = {r: ([0] * (len(acts) + 1), [0] * (len(acts) + 1)) for r, acts in compute.items()}
 
-    def hold(r: int, lo: int, hi: int, n: int) -> None:
-        """n bytes more on rank r at its compute actions lo .. hi - 1."""
+    def hold(r: int, lo: int, hi: int, n: int, when: int) -> None:
+        """n bytes more on rank r at its compute actions lo .. hi - 1 (or the batches after)."""
+        lo, hi = max(lo, 0), min(hi, len(compute[r]))
         if lo < hi and n:
-            delta[r][lo] += n
-            delta[r][hi] -= n
+            delta[r][when][lo] += n
+            delta[r][when][hi] -= n
 
-    def counted(r: int, after: int, before: int, n: int) -> None:
-        """The issue order's count: n bytes on rank r at its actions issued strictly between
-        `after` and `before` (issue positions), taken away here."""
-        lo = bisect.bisect_right(order[r], after)
-        hi = bisect.bisect_left(order[r], before)
-        hold(r, lo, hi, -n)
+    def counted(r: int, made: int, read: int, n: int) -> None:
+        """The issue order's count: n bytes on rank r from the end of the action issued at
+        `made` to the start of the one issued at `read`, taken away here."""
+        hold(r, bisect.bisect_right(order[r], made), bisect.bisect_left(order[r], read), -n, 0)
+        hold(r, bisect.bisect_left(order[r], made), bisect.bisect_left(order[r], read), -n, 1)
 
     def backward(s: int, m: int) -> tuple[Kind, int, int]:
         """The action that makes stage s's input gradient, or reads its output's (B, else I)."""
@@ -175,28 +204,35 @@ def receive_offsets(
             continue
         for m in range(lowered.num_microbatches):
             # forward: a's output, made by F(a, m), read by F(t, m)
-            n = inputs[t]
-            made_at, read_at = issued[(Kind.F, a, m)], issued[(Kind.F, t, m)]
+            n, made = inputs[t], at[(Kind.F, a, m)]
             sent = posted(Kind.SEND_F, a, m, t)
             end = len(compute[r]) if sends_held or sent is None else sent
-            hold(r, at[(Kind.F, a, m)] + 1, end, n)
-            got = 0 if t in preposted else posted(Kind.RECV_F, t, m, a)
-            hold(q, got or 0, at[(Kind.F, t, m)], n)  # (not found: held from the start)
-            counted(q, made_at, read_at, n)
-            # backward: t's input gradient, made by its B or I, read by a's B or I
-            n = grads[t]
-            make, read = backward(t, m), backward(a, m)
+            hold(r, made + 1, end, n, 0)
+            hold(r, made, end, n, 1)
+            got = 0 if t in preposted else posted(Kind.RECV_F, t, m, a) or 0
+            read = at[(Kind.F, t, m)]  # (a receive not found: held from the start)
+            hold(q, got, read, n, 0)
+            hold(q, got - 1, read, n, 1)
+            counted(q, issued[(Kind.F, a, m)], issued[(Kind.F, t, m)], n)
+            # backward: t's input gradient, made by its B or I, read by a's B or I (received
+            # as received_ahead has it)
+            n, make = grads[t], backward(t, m)
             sent = posted(Kind.SEND_B, t, m, a)
             end = len(compute[q]) if sends_held or sent is None else sent
-            hold(q, at[make] + 1, end, n)
-            counted(q, issued[make], issued[read], n)
+            hold(q, at[make] + 1, end, n, 0)
+            hold(q, at[make], end, n, 1)
+            counted(q, issued[make], issued[backward(a, m)], n)
     for r, acts in compute.items():
-        level = 0
-        for a, d in zip(acts, delta[r]):
-            level += d
-            if level:
-                out[a] = out.get(a, 0) + level
-    return {a: n for a, n in out.items() if n}
+        for when, out in ((0, during), (1, after)):
+            level = 0
+            for a, d in zip(acts, delta[r][when]):
+                level += d
+                if level:
+                    out[a] = out.get(a, 0) + level
+    return (
+        {a: n for a, n in during.items() if n},
+        {a: n for a, n in after.items() if n},
+    )
 
 
 def preposted(schedule: Schedule, costs: Costs | None = None) -> frozenset[int]:

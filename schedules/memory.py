@@ -242,12 +242,16 @@ def peaks(
     recompute: str | Sequence[str],
     sizes: Sequence[StageBytes],
     ahead: dict[Action, int] | None = None,
+    after: dict[Action, int] | None = None,
 ) -> list[int]:
     """Each device's peak over the issue order and the optimizer step after it: what `replay`
     finds, without walking the order in Python (the planner calls this for every plan).
-    `ahead`: per compute action, bytes its rank holds beside the states (comm.received_ahead:
-    gradients received for a later action), counted at every look at that rank during the
-    action, and between two of the rank's own actions at the larger of theirs."""
+    `ahead`: per compute action, bytes its rank holds beside the states, or short of them
+    (comm.receive_offsets: a torchrun program's messages where it posts them), counted at
+    every look at that rank during the action, and between two of the rank's own actions at
+    the larger of theirs. `after`: the same for the moment right after the action ends (the
+    torchrun program's batch of sends and receives then), a look of its own at that rank:
+    the states as the action left them, no transient."""
     S, R = schedule.num_stages, schedule.num_ranks
     modes = [recompute] * S if isinstance(recompute, str) else list(recompute)
     place = np.asarray(schedule.placement, dtype=np.int64)
@@ -270,6 +274,9 @@ def peaks(
     top = np.zeros(R, dtype=np.int64)
     if len(level):
         np.maximum.at(top, place[ev.snap_stage], level + extra)
+    if after:
+        rank, at = _after_looks(schedule, ev, place, weights, after)
+        np.maximum.at(top, rank, at)
     left = np.zeros(R, dtype=np.int64)  # what the states still hold after the last action
     np.add.at(left, place[ev.change_stage], weights)
     out = []
@@ -279,6 +286,34 @@ def peaks(
         step = sum(steps) if any(b.foreach for b in mine) else max(steps, default=0)
         out.append(int(static[r] + max(top[r], left[r] + step, 0)))
     return out
+
+
+def _after_looks(
+    schedule: Schedule,
+    ev: _Events,
+    place: np.ndarray,
+    weights: np.ndarray,
+    after: dict[Action, int],
+) -> tuple[np.ndarray, np.ndarray]:
+    """peaks' `after` looks: per compute action with a figure, its rank and that rank's level
+    once every change up to the action's end is made, plus the figure."""
+    kind, stage, m = issue_arrays(schedule)
+    kinds = (Kind.F, Kind.B, Kind.I, Kind.W)
+    held = np.fromiter(
+        (after.get(Action(int(s), kinds[int(k)], int(b)), 0) for k, s, b in zip(kind, stage, m)),
+        np.int64, len(kind),
+    )  # fmt: skip
+    ks = np.flatnonzero(held)
+    rank = place[stage[ks]]
+    span = 4 * len(kind) + 4  # positions: 4 k + phase, 4 k + 3 for the end
+    key = place[ev.change_stage] * span + ev.change_seq
+    order = np.argsort(key, kind="stable")
+    key, run = key[order], np.cumsum(weights[order])
+    upto = np.searchsorted(key, rank * span + 4 * ks + 3, side="right") - 1
+    before = np.searchsorted(key, rank * span, side="left") - 1  # the rank's own changes only
+    level = np.where(upto >= 0, run[np.maximum(upto, 0)], 0)
+    level -= np.where(before >= 0, run[np.maximum(before, 0)], 0)
+    return rank, level + held[ks]
 
 
 def _ahead_at_looks(

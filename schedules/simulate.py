@@ -191,15 +191,15 @@ def simulate(
             raise ValueError(f"costs give memory for {len(sizes)} stages, the schedule has {S}")
         # the torchrun program: what its ranks hold beyond or short of the issue order, where
         # their messages are posted (a program that does not meet holds its sends to the end)
-        ahead = (
+        ahead, after = (
             receive_offsets(
                 schedule, [b.input for b in sizes], [b.grad for b in sizes], costs.grads_back,
                 preposted(schedule, costs), sends_held=not _meets(schedule),
             )
             if rendezvous
-            else None
+            else (None, None)
         )  # fmt: skip
-        peak = peaks(schedule, modes, sizes, ahead)
+        peak = peaks(schedule, modes, sizes, ahead, after)
         if levels:
             when: dict[Action, tuple[float, float]] = {}
             for r, acts in schedule.ranks.items():

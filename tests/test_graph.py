@@ -744,8 +744,8 @@ def test_torchrun_counts_activations_where_its_receives_are_posted(unet_routes):
     plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 8, microbatches=4, schedule="1f1b",
                          recompute="never", target="torchrun")  # fmt: skip
     stages = plan.stages
-    held = receive_offsets(torchrun_schedule(plan), [st.state_bytes.input for st in stages],
-                           [st.state_bytes.grad for st in stages])  # fmt: skip
+    held, _ = receive_offsets(torchrun_schedule(plan), [st.state_bytes.input for st in stages],
+                              [st.state_bytes.grad for st in stages])  # fmt: skip
     assert {str(a): n for a, n in held.items()} == {
         "1F0": -stages[1].state_bytes.input,
         "1B0": -stages[1].state_bytes.input,

@@ -1642,39 +1642,54 @@ def test_a_chains_messages_are_counted_where_its_torchrun_program_holds_them():
     """1F1B on 2 ranks, 3 micro-batches, written out: the issue order has F0 of stage 0 hand
     micro-batch 1's activations (10 bytes) to rank 1 before 1F0, but rank 1 posts that receive
     only after B0 (plain lowering): 10 bytes fewer during 1F0 and 1B0. Posted with B0's
-    batch (the time steps), fewer only during 1F0. A program that does not meet holds every
-    send to the step's end: rank 0 its activations, rank 1 its gradients (100 bytes)."""
+    batch (the time steps), fewer only during 1F0. In the batch after 0F1, rank 0 holds F1's
+    output while it goes and the buffer B0's gradient (100 bytes) is received into: 110 the
+    issue order has nowhere. A program that does not meet holds every send to the step's end:
+    rank 0 its activations, rank 1 its gradients."""
     from schedules.comm import receive_offsets
 
     sched = build_schedule("1f1b", 2, 3)
     plain, stepped = comm._plain(sched), comm._lockstep(sched)
+    assert "0F1 0SEND_F1 0RECV_B0 0B0" in str(plain)
     assert "1B0 1SEND_B0 1RECV_F1 1F1" in str(plain) and "1RECV_F1 1B0" in str(stepped)
 
     def offsets(lowered, **kw):
-        return {str(a): n for a, n in receive_offsets(lowered, [0, 10], [0, 100], **kw).items()}
+        during, after = receive_offsets(lowered, [0, 10], [0, 100], **kw)
+        return {str(a): n for a, n in during.items()}, {str(a): n for a, n in after.items()}
 
-    assert offsets(plain) == {"1F0": -10, "1B0": -10}
-    assert offsets(stepped) == {"1F0": -10}
-    assert offsets(plain, sends_held=True) == {
+    assert offsets(plain) == (
+        {"1F0": -10, "1B0": -10},
+        {"0F0": 10, "0F1": 110, "0F2": 110, "0B1": 100, "1F0": -10, "1B1": 10},
+    )
+    assert offsets(stepped)[0] == {"1F0": -10}
+    assert offsets(plain, sends_held=True)[0] == {
         "0F1": 10, "0B0": 20, "0F2": 20, "0B1": 30, "0B2": 30,
         "1F0": -10, "1B0": -10, "1F1": 100, "1B1": 100, "1F2": 200, "1B2": 200,
     }  # fmt: skip
     # posted as the step begins: micro-batch 2's held from the start too, until 1F2
-    assert offsets(plain, preposted=frozenset({1})) == {"1F0": 10, "1B0": 10, "1F1": 10, "1B1": 10}
+    assert offsets(plain, preposted=frozenset({1}))[0] == {
+        "1F0": 10,
+        "1B0": 10,
+        "1F1": 10,
+        "1B1": 10,
+    }
 
 
 def _held_by_program(lowered, inputs, grads, preposted, sends_held):
-    """Per compute action: the bytes of a chain's messages its rank holds then, walking each
-    rank's program alone. A sender holds what it made until the batch that posts its send (to
-    the step's end where sends are held); a receiver holds what it receives from the batch
-    that posts the receive (a preposted stage: from the start) until the action reading it."""
+    """Per compute action: the bytes of a chain's messages its rank holds then, and while the
+    batch of sends and receives after it goes, walking each rank's program alone. A sender
+    holds what it made until the batch that posts its send has gone (to the step's end where
+    sends are held); a receiver holds what it receives from the batch that posts the receive
+    (a preposted stage: from the start) until the action reading it."""
     place, S = lowered.placement, lowered.num_stages
-    out = {}
+    during, after = {}, {}
     for r, acts in lowered.ranks.items():
         held = {}  # (direction, stage that reads it, micro-batch) -> bytes
+        going = []  # sent in the batch now posted: let go once it has gone
         for t in preposted:
             if place[t] == r:
                 held.update({("F", t, m): inputs[t] for m in range(lowered.num_microbatches)})
+        last = None
         for a in acts:
             s, m = a.stage, a.microbatch
             if a.kind == Kind.RECV_F:
@@ -1682,25 +1697,33 @@ def _held_by_program(lowered, inputs, grads, preposted, sends_held):
             elif a.kind == Kind.RECV_B:
                 held[("B", s, m)] = grads[s + 1]
             elif a.kind == Kind.SEND_F and not sends_held:
-                held.pop(("F", s + 1, m), None)
+                going.append(("F", s + 1, m))
             elif a.kind == Kind.SEND_B and not sends_held:
-                held.pop(("B", s - 1, m), None)
+                going.append(("B", s - 1, m))
             elif a.kind.is_compute:
+                if last is not None:
+                    after[last] = sum(held.values())
+                for key in going:
+                    held.pop(key, None)
+                going = []
                 reads = ("F", s, m) if a.kind == Kind.F else ("B", s, m)
                 if a.kind != Kind.W:
                     held.pop(reads, None)  # it reads it: counted in its states from here
-                out[a] = sum(held.values())
+                during[a] = sum(held.values())
                 if a.kind == Kind.F and s < S - 1 and place[s + 1] != r:
                     held[("F", s + 1, m)] = inputs[s + 1]
                 if a.kind in (Kind.B, Kind.I) and s > 0 and place[s - 1] != r:
                     held[("B", s - 1, m)] = grads[s]
-    return out
+                last = a
+        after[last] = sum(held.values())
+    return during, after
 
 
 def _held_by_issue_order(lowered, inputs, grads):
     """Per compute action: the bytes of a chain's messages the issue-order memory counts on its
-    rank then: an activation on its receiver from the forward that made it to the one reading
-    it, a gradient on its sender from the backward that made it to the one reading it."""
+    rank while it runs, and once it has ended: an activation on its receiver from the forward
+    that made it to the one reading it, a gradient on its sender from the backward that made
+    it to the one reading it."""
     from schedules.order import canonical_order
 
     order = [a for a in canonical_order(lowered.compute_only(), ["never"] * lowered.num_stages)]
@@ -1710,19 +1733,21 @@ def _held_by_issue_order(lowered, inputs, grads):
     def bwd(s, m):
         return at.get((Kind.B, s, m), at.get((Kind.I, s, m)))
 
-    out = {}
+    during, after = {}, {}
     for k, x in enumerate(order):
-        n = 0
+        n = ended = 0
         for t in range(1, lowered.num_stages):
-            if place[t - 1] == place[t]:
+            if place[t - 1] == place[t] or place[t] != place[x.stage]:
                 continue
             for m in range(lowered.num_microbatches):
-                if place[t] == place[x.stage] and at[(Kind.F, t - 1, m)] < k < at[(Kind.F, t, m)]:
-                    n += inputs[t]
-                if place[t] == place[x.stage] and bwd(t, m) < k < bwd(t - 1, m):
-                    n += grads[t]
-        out[x] = n
-    return out
+                made, read = at[(Kind.F, t - 1, m)], at[(Kind.F, t, m)]
+                n += inputs[t] * (made < k < read)
+                ended += inputs[t] * (made <= k < read)
+                made, read = bwd(t, m), bwd(t - 1, m)
+                n += grads[t] * (made < k < read)
+                ended += grads[t] * (made <= k < read)
+        during[x], after[x] = n, ended
+    return during, after
 
 
 @settings(max_examples=80, deadline=None)
@@ -1730,8 +1755,9 @@ def _held_by_issue_order(lowered, inputs, grads):
 def test_receive_offsets_make_the_issue_order_what_each_program_holds(data):
     """For every lowering of a chain (plain, time steps, placed by a timeline), every schedule,
     posted ahead or not, sends held or not: the issue order's count of the chain's messages at
-    each compute action, plus receive_offsets there, is what the rank's program holds then,
-    found by walking the program alone."""
+    each compute action, and once it has ended, plus receive_offsets' figures there, is what
+    the rank's program holds while the action runs, and while the batch after it goes, found
+    by walking the program alone."""
     from schedules import simulate
     from schedules.comm import receive_offsets
 
@@ -1753,6 +1779,7 @@ def test_receive_offsets_make_the_issue_order_what_each_program_holds(data):
     offsets = receive_offsets(lowered, inputs, grads, preposted=pre, sends_held=held)
     counted = _held_by_issue_order(lowered, inputs, grads)
     program = _held_by_program(lowered, inputs, grads, pre, held)
-    assert set(program) == set(counted)
-    for a, n in program.items():
-        assert counted[a] + offsets.get(a, 0) == n, (str(a), str(lowered))
+    for when in (0, 1):  # while each action runs, and in the batch after it
+        assert set(program[when]) == set(counted[when])
+        for a, n in program[when].items():
+            assert counted[when][a] + offsets[when].get(a, 0) == n, (when, str(a), str(lowered))
