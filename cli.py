@@ -262,7 +262,15 @@ def _held_as_planned(plan: Any, path: str) -> None:
     bytes give through its own schedule (the simulator's peaks), as after a hand edit."""
     from planner import format_size
     from planner.search import simulate_plan
+    from planner.version import VERSION
 
+    made_by = plan.meta.tool_version
+    why = (
+        "the plan was edited"
+        if made_by == VERSION
+        else f"the plan was edited, or made by another version (gpipe-plan "
+        f"{made_by or 'unnamed'}; this is {VERSION})"
+    )
     try:
         timeline = simulate_plan(plan, levels=False)
     except Exception as e:  # a plan that validates but that no schedule runs: refused too
@@ -278,20 +286,22 @@ def _held_as_planned(plan: Any, path: str) -> None:
         if not math.isclose(stated, got, rel_tol=1e-9, abs_tol=1e-12):
             raise InputError(
                 f"{path}: its predicted {what} ({stated:.6g}) is not what its schedule gives "
-                f"({got:.6g}): the plan was edited, or made by another version (gpipe-plan "
-                f"{plan.meta.tool_version}); plan again"
+                f"({got:.6g}): {why}; plan again"
             )
+
+    def size(n: int, other: int) -> str:
+        """Rounded, or in bytes where the rounded figures would read alike."""
+        return f"{n} B" if format_size(n) == format_size(other) else format_size(n)
+
     for d, peak in zip(plan.devices, peaks):
         if d.total != peak:
             raise InputError(
-                f"{path}: {d.name}'s total ({format_size(d.total)}) is not what its stages "
-                f"hold ({format_size(peak)}): the plan was edited, or made by another version "
-                f"(gpipe-plan {plan.meta.tool_version}); plan again"
+                f"{path}: {d.name}'s total ({size(d.total, peak)}) is not what its stages "
+                f"hold ({size(peak, d.total)}): {why}; plan again"
             )
     if plan.predicted.peak_memory != peaks:
         raise InputError(
-            f"{path}: its predicted peaks are not what its stages hold: the plan was edited, "
-            f"or made by another version (gpipe-plan {plan.meta.tool_version}); plan again"
+            f"{path}: its predicted peaks are not what its stages hold: {why}; plan again"
         )
 
 
@@ -517,6 +527,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     from profiler.models import model_digest
 
     plan = Plan.load(args.plan)
+    _held_as_planned(plan, args.plan)  # (its figures are the gate here too)
     tolerance = _fraction(args.tolerance, "--tolerance") + 0.0  # (-0 is 0)
     model = _planned_model(args.model, plan)
     if args.output:
@@ -886,7 +897,17 @@ def _stage_table(plan: Any) -> str:
     head = ["stage", "device", "layers", "types", "fwd ms", "I+W ms" if zero_bubble else "bwd ms",
             "recomp ms", "send ms", "weights+opt", "activations", "grad bufs", "transient",
             "total", "budget", "used"]  # fmt: skip
-    return _table(head, rows)
+    table = _table(head, rows)
+    # a device's own peak, where its stages' figures do not give it (two stages on it, or the
+    # torchrun program's messages held where it posts them): the figure `check` gates
+    own = [sum(st.memory.total for st in plan.stages if st.rank == k) for k in range(len(plan.devices))]  # fmt: skip
+    if any(d.total != n for d, n in zip(plan.devices, own)):
+        table += "\non each device, as its program holds it (what check gates): " + ", ".join(
+            f"{d.name} {format_size(d.total)} of {format_size(d.budget)} "
+            f"({100 * d.total / d.budget:.0f}%{' OVER' if d.total > d.budget else ''})"
+            for d in plan.devices
+        )
+    return table
 
 
 def _layers(plan: Any, stages: list[int]) -> str:

@@ -425,6 +425,18 @@ def measure_torchrun(
     )  # fmt: skip
 
 
+# Runs the launch in its place (exec), told SIGTERM when the process that started it dies,
+# however it dies (Linux: PR_SET_PDEATHSIG, 1), and not started at all if that already
+# happened; torchrun stops its ranks on SIGTERM.
+_ORPHAN_GUARD = """\
+import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(128 + signal.SIGTERM)
+os.execv(sys.argv[2], sys.argv[2:])
+"""
+
+
 class Stopped(KeyboardInterrupt):
     """SIGTERM or SIGHUP while a launch runs: stops the command as Ctrl-C does (the launch
     killed, its temporary files removed), with the exit status of that signal."""
@@ -438,8 +450,10 @@ def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> Any:
     """Run torchrun in its own session; past `timeout_s`, on Ctrl-C, SIGTERM or SIGHUP,
     torchrun and every rank it started (each in a session of its own) are killed before this
     returns."""
+    import os
     import signal
     import subprocess
+    import sys
     import threading
     import uuid
 
@@ -456,6 +470,8 @@ def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> Any:
             signal.signal(sig, signal.SIG_IGN)
 
     token = uuid.uuid4().hex  # every process of this launch inherits it: how they are found
+    if sys.platform.startswith("linux"):  # killed past any handler (SIGKILL): torchrun stops too
+        cmd = [sys.executable, "-c", _ORPHAN_GUARD, str(os.getpid()), *cmd]
     proc = None
     try:
         proc = subprocess.Popen(

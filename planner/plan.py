@@ -29,6 +29,8 @@ Bytes = Annotated[int, Field(ge=0, le=2**62)]
 # A stage's time: at most MAX_LAYERS x MAX_MS / MIN_SPEED x 3 (forward, backward, recompute)
 Ms = Annotated[float, Field(ge=0, le=1e21)]
 Count = Annotated[int, Field(ge=0)]
+_StrictCount = Annotated[StrictInt, Field(ge=0)]
+_StrictBytes = Annotated[StrictInt, Field(ge=0, le=2**62)]
 
 
 class MemoryBreakdown(_Strict):
@@ -133,7 +135,7 @@ class StagePlan(_Strict, LaterFields):
     )
     stash_bytes: Bytes = Field(description="what one micro-batch leaves saved for backward")
     input_bytes: Bytes = Field(description="one micro-batch entering the stage")
-    grads_back: list[tuple[Count, Bytes]] | None = Field(
+    grads_back: list[tuple[_StrictCount, _StrictBytes]] | None = Field(
         default=None,
         strict=True,
         description="a captured graph's: per stage this one takes values from, the bytes of their "
@@ -376,10 +378,21 @@ class Plan(Artifact):
                     f"stage {st.index}: memory total {held['total']} is not the sum of its "
                     f"parts ({parts})"
                 )
+            back = st.grads_back or []
+            if back:  # what it sends back to each stage it takes values from
+                senders = sorted(a for a, t in self.routes if t == st.index) if self.routes else (
+                    [st.index - 1] if st.index else []
+                )  # fmt: skip
+                named = [a for a, _ in back]
+                if len(set(named)) != len(named) or not set(named) <= set(senders):
+                    raise ValueError(
+                        f"stage {st.index}: grads_back names stages {named}; it takes values "
+                        f"from {senders or 'none'}, each named once"
+                    )
             # the simulator counts each state's bytes up to M times on a device in int64: a
             # stage past 2^60 bytes so counted (none is near: MAX_BYTES per device) overflows it
             sb = st.state_bytes.model_dump(exclude={"foreach"})
-            each = sum(sb[k] for k in _PER_MICROBATCH)
+            each = sum(sb[k] for k in _PER_MICROBATCH) + sum(n for _, n in back)
             once = sum(n for k, n in sb.items() if n is not None and k not in _PER_MICROBATCH)
             if each * max(self.microbatches, 1) + once + held["total"] > 2**60:
                 raise ValueError(

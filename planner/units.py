@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import decimal
 import math
 import re
 
@@ -31,13 +32,23 @@ _SIZE = re.compile(r"^\s*([+-]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*
 
 def parse_size(text: str | int | float, what: str = "size") -> int:
     """Bytes from `16GiB` (binary), `16GB` (decimal), `16e9` or a plain integer: more than 0,
-    at most 1 PiB (MAX_BYTES)."""
+    at most 1 PiB (MAX_BYTES). Every size read is a capacity (a device's memory, a budget, a
+    limit), so a part of a byte is not one: 1.64KiB is 1679.36 bytes, read as 1679, worked out
+    in decimal (16.000000012GB is 16000000012 bytes, where a float says 16000000012.000002).
+    A need the tool prints rounded up (format_size's `up`) and pasted back still reads as at
+    least that need, a whole number of bytes."""
     number = _amount(text, what)
     if number > MAX_BYTES:
         raise ArgumentError(what, text, f"more than {format_size(MAX_BYTES)}; no device holds that")
     if number < 1:
         raise ArgumentError(what, text, "less than one byte")
-    return math.ceil(number)  # 1.64KiB is 1679.36 bytes: a part of a byte counts as one
+    if isinstance(text, str):
+        m = _SIZE.match(text)
+        assert m is not None  # (_amount read it)
+        exact = decimal.Decimal(m.group(1)) * _UNITS[m.group(2).lower()]
+    else:
+        exact = decimal.Decimal(repr(float(text)) if isinstance(text, float) else text)
+    return max(1, math.floor(exact))
 
 
 def parse_bandwidth(text: str, what: str = "bandwidth") -> float:

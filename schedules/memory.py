@@ -288,6 +288,19 @@ def peaks(
     return out
 
 
+def _issued(
+    schedule: Schedule, figures: dict[Action, int]
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The issue order's kinds and stages, and each action's figure (0 where it has none)."""
+    kind, stage, m = issue_arrays(schedule)
+    kinds = (Kind.F, Kind.B, Kind.I, Kind.W)
+    held = np.fromiter(
+        (figures.get(Action(int(s), kinds[int(k)], int(b)), 0) for k, s, b in zip(kind, stage, m)),
+        np.int64, len(kind),
+    )  # fmt: skip
+    return kind, stage, held
+
+
 def _after_looks(
     schedule: Schedule,
     ev: _Events,
@@ -297,12 +310,7 @@ def _after_looks(
 ) -> tuple[np.ndarray, np.ndarray]:
     """peaks' `after` looks: per compute action with a figure, its rank and that rank's level
     once every change up to the action's end is made, plus the figure."""
-    kind, stage, m = issue_arrays(schedule)
-    kinds = (Kind.F, Kind.B, Kind.I, Kind.W)
-    held = np.fromiter(
-        (after.get(Action(int(s), kinds[int(k)], int(b)), 0) for k, s, b in zip(kind, stage, m)),
-        np.int64, len(kind),
-    )  # fmt: skip
+    kind, stage, held = _issued(schedule, after)
     ks = np.flatnonzero(held)
     rank = place[stage[ks]]
     span = 4 * len(kind) + 4  # positions: 4 k + phase, 4 k + 3 for the end
@@ -321,12 +329,7 @@ def _ahead_at_looks(
 ) -> np.ndarray:
     """peaks' `ahead` at each look: the acting rank's own figure during its action; a look at
     another rank (an end reaching it) takes the larger of that rank's last and next actions'."""
-    kind, stage, m = issue_arrays(schedule)
-    kinds = (Kind.F, Kind.B, Kind.I, Kind.W)
-    held = np.fromiter(
-        (ahead.get(Action(int(s), kinds[int(k)], int(b)), 0) for k, s, b in zip(kind, stage, m)),
-        np.int64, len(kind),
-    )  # fmt: skip
+    kind, stage, held = _issued(schedule, ahead)
     acting = place[stage]
     k = ev.snap_seq // 4
     rank = place[ev.snap_stage]

@@ -20,7 +20,7 @@ from torch import nn
 
 from codegen.emit import emit_program
 from codegen.pipe import compile_pipe
-from planner import Cluster, plan_pipeline
+from planner import Cluster, format_size, plan_pipeline
 from profiler.artifact import InputError
 from profiler.examples import gpt, resnet, unet
 from profiler.graph import CapturedModel, capture
@@ -756,6 +756,25 @@ def test_torchrun_counts_activations_where_its_receives_are_posted(unet_routes):
     report = measure_torchrun(plan, f"{__file__}:unet_small", steps=1)
     for d in report.devices:  # to 0.5% (counted where the issue order has them: -0.8%)
         assert abs(d.memory_error) <= 0.005, d
+
+
+def test_show_gives_each_devices_own_peak_where_its_stages_do_not(unet_routes, run_cli, tmp_path):
+    """Found by a red team: `show` listed each stage's figures only, while `check` gates each
+    device's, which the torchrun program's messages move (here rank 1 holds less)."""
+    _, _, prof = unet_routes
+    kw = dict(microbatches=4, schedule="1f1b", recompute="never")
+    for target in ("torchrun", "streams"):
+        plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 8, target=target, **kw)
+        plan.save(tmp_path / "plan.json")
+        r = run_cli("show", tmp_path / "plan.json")
+        assert r.code == 0, r.err
+        own = [sum(st.memory.total for st in plan.stages if st.rank == k) for k in (0, 1)]
+        differs = [d.total for d in plan.devices] != own
+        assert differs == (target == "torchrun")
+        line = [x for x in r.out.splitlines() if x.startswith("on each device")]
+        assert len(line) == differs
+        if differs:
+            assert f"dev1 {format_size(plan.devices[1].total)} of 1 GiB (0%)" in line[0]
 
 
 def test_a_split_memory_bound_where_the_program_holds_less_is_not_called_optimal(unet_routes):

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -357,6 +358,25 @@ def test_check_refuses_totals_its_stages_do_not_give(run_cli, plan_file, edit):
     assert_bad_input(run_cli("check", _edited_plan(plan_file, change)), mentions="edited")
 
 
+def test_a_total_edited_by_one_byte_is_refused_in_bytes_by_check_and_measure(run_cli, plan_file):
+    """Found by a red team: one byte more on a device's total read "dev1's total (4.55 MiB) is
+    not what its stages hold (4.55 MiB)", and measure ran the edited plan and gated its run on
+    the edited figure."""
+    from planner.version import VERSION
+
+    total = json.loads(plan_file.read_text())["devices"][1]["total"]
+    bad = _edited_plan(plan_file, lambda d: d["devices"][1].update(total=total + 1))
+    r = run_cli("check", bad)
+    assert_bad_input(r, mentions=f"total ({total + 1} B) is not what its stages hold ({total} B)")
+    assert "the plan was edited; plan again" in r.err  # (made by this version: nothing else)
+    assert_bad_input(run_cli("measure", bad, "--model", "example:mlp"), mentions="edited")
+    older = _edited_plan(bad, lambda d: d["meta"].update(tool_version="0.1.0"))
+    assert (
+        f"made by another version (gpipe-plan 0.1.0; this is {VERSION})"
+        in run_cli("check", older).err
+    )
+
+
 def test_plans_written_before_meta_was_trimmed_still_load(plan_file):
     data = json.loads(plan_file.read_text())
     data["meta"].update(created="2026-11-01T00:00:00+00:00", solve_ms=12.5)
@@ -538,13 +558,17 @@ def test_a_loss_that_does_not_reduce_is_reported_as_the_loss(mlp_pipe):
         pipe.train_step(x, y, lambda out, target: out * 2)  # forgot to reduce
 
 
-def test_sizes_refuse_non_numbers_and_round_parts_of_a_byte_up():
+def test_sizes_refuse_non_numbers_and_leave_parts_of_a_byte_out():
+    """A size is a capacity: a budget of 4776107.5 bytes does not hold 4776108 (the red team's:
+    `check --memory-budget 4776107.5` passed a plan needing that), and decimal units are worked
+    out exactly (a float read 16.000000012GB as one byte more)."""
     for bad in ("", "16QB", "nan", True, None, "-1GiB", "0"):
         with pytest.raises(InputError):
             parse_size(bad)  # type: ignore[arg-type]
     assert parse_size(16e9) == 16_000_000_000
-    assert parse_size("1.64KiB") == 1680  # 1679.36: what `needs 1.64 KiB` asks for, pasted back
-    assert parse_size(1.5) == 2
+    assert parse_size("1.64KiB") == 1679  # 1679.36
+    assert parse_size(1.5) == 1 and parse_size("4776107.5") == 4776107
+    assert parse_size("16.000000012GB") == 16_000_000_012 and parse_size("0.001002MB") == 1002
     assert parse_size("1PiB") == 2**50
 
 
@@ -773,6 +797,37 @@ def test_sigterm_during_a_launch_kills_it_and_restores_the_handler():
         signal.signal(signal.SIGTERM, outer)
     left = subprocess.run(["pgrep", "-f", mark], capture_output=True, text=True).stdout
     assert left.strip() == ""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_launch_ends_with_the_command_that_started_it_even_when_that_is_sigkilled():
+    """Found by a red team: `measure --target torchrun` killed with SIGKILL (no handler runs)
+    left torchrun and its ranks running for good. The launch is now told SIGTERM when the
+    command that started it dies, however it dies."""
+    import subprocess
+    import time
+
+    mark = f"gpipe-test-{os.getpid()}-{time.time_ns()}"
+    child = f"import time; time.sleep(60)  # {mark}"  # (only the launch's command line has it)
+    parent = (
+        f"import os, sys; sys.path.insert(0, {str(ROOT)!r}); from codegen.measure import _run; "
+        "_run([sys.executable, '-c', os.environ['CHILD']], dict(os.environ), timeout_s=60)"
+    )
+
+    def left() -> str:
+        return subprocess.run(["pgrep", "-f", mark], capture_output=True, text=True).stdout.strip()
+
+    runner = subprocess.Popen([sys.executable, "-c", parent], env={**os.environ, "CHILD": child})
+    deadline = time.monotonic() + 60
+    while not left() and time.monotonic() < deadline:  # the launch is up
+        time.sleep(0.1)
+    assert left() and runner.poll() is None
+    runner.kill()
+    runner.wait()
+    deadline = time.monotonic() + 10
+    while left() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert left() == ""
 
 
 def test_an_output_is_never_gpipe_plans_own_code_nor_a_loaded_module(tmp_path):

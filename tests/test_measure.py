@@ -233,9 +233,12 @@ def test_report_json_and_a_failing_gate(tmp_path, run_cli):
         (s, k) for s in (0, 1) for k in ("F", "B")
     }
     assert all(a["count"] == 6 for a in data["actions"])  # two micro-batches, three steps
-    # A plan that claims less memory than the run needs fails the gate.
+    # A plan that claims less memory than the run needs fails the gate: a stage's bytes made
+    # smaller, and its device's figures with them (an edit that does not follow is refused)
     plan = Plan.load(plan_path)
-    plan.devices[1].total = int(plan.devices[1].total * 0.9)
+    plan.stages[1].state_bytes.static -= plan.devices[1].total // 10
+    peaks = simulate_plan(plan, levels=False).peak_memory
+    plan.devices[1].total = plan.predicted.peak_memory[1] = peaks[1]
     plan.save(plan_path)
     r = run_cli("measure", plan_path, "--model", "example:mlp", "--steps", 1)
     assert r.code == 1 and "FAIL" in r.out and "dev1" in r.out
