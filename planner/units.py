@@ -48,7 +48,9 @@ def parse_size(text: str | int | float, what: str = "size") -> int:
         exact = decimal.Decimal(m.group(1)) * _UNITS[m.group(2).lower()]
     else:
         exact = decimal.Decimal(repr(float(text)) if isinstance(text, float) else text)
-    return max(1, math.floor(exact))
+    if exact < 1:  # (a float may have read it as one)
+        raise ArgumentError(what, text, "less than one byte")
+    return math.floor(exact)
 
 
 def parse_bandwidth(text: str, what: str = "bandwidth") -> float:

@@ -562,7 +562,7 @@ def test_sizes_refuse_non_numbers_and_leave_parts_of_a_byte_out():
     """A size is a capacity: a budget of 4776107.5 bytes does not hold 4776108 (the red team's:
     `check --memory-budget 4776107.5` passed a plan needing that), and decimal units are worked
     out exactly (a float read 16.000000012GB as one byte more)."""
-    for bad in ("", "16QB", "nan", True, None, "-1GiB", "0"):
+    for bad in ("", "16QB", "nan", True, None, "-1GiB", "0", "0.99999999999999999999"):
         with pytest.raises(InputError):
             parse_size(bad)  # type: ignore[arg-type]
     assert parse_size(16e9) == 16_000_000_000
