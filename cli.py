@@ -397,7 +397,14 @@ def _planned_model(spec: str, plan: Any) -> Any:
     from profiler.models import as_layers, capture_sample, in_dtype, load_model
 
     model = in_dtype(load_model(spec), plan.dtype)
-    return as_layers(model, capture_sample(model, plan.input_shape, plan.input_dtype))
+    try:
+        return as_layers(model, capture_sample(model, plan.input_shape, plan.input_dtype))
+    except InputError as e:  # on the plan's input: perhaps not the plan's model at all
+        if spec == plan.model:
+            raise
+        raise InputError(
+            f"{spec} does not run on the plan's input (the plan was made for {plan.model}): {e}"
+        ) from None
 
 
 def _host_available() -> int | None:

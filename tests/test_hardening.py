@@ -830,6 +830,21 @@ def test_a_launch_ends_with_the_command_that_started_it_even_when_that_is_sigkil
     assert left() == ""
 
 
+def test_a_model_that_cannot_run_on_the_plans_input_names_the_plans_model(run_cli, tmp_path):
+    """Found by a red team: `codegen mlp_plan.json --model example:gpt` said only that GPT's
+    graph could not be captured (float tokens), not that the plan is another model's."""
+    prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    assert run_cli("profile", "example:mlp", "--batch-sizes", "2", "--repeats", "1",
+                   "--max-repeats", "1", "-o", prof).code == 0  # fmt: skip
+    assert run_cli("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 4,
+                   "-o", plan).code == 0  # fmt: skip
+    r = run_cli("codegen", plan, "--model", "example:gpt", "-o", tmp_path / "x.py")
+    assert_bad_input(
+        r, mentions="does not run on the plan's input (the plan was made for example:mlp)"
+    )
+    assert not (tmp_path / "x.py").exists()
+
+
 def test_an_output_is_never_gpipe_plans_own_code_nor_a_loaded_module(tmp_path):
     """`links -o cli.py` once replaced the tool's own entry point (and every later command then
     did nothing, quietly); so could any command whose output named a module it runs."""
