@@ -345,6 +345,12 @@ class Plan(Artifact):
                     f"stage {s} is on {st.device} (rank {st.rank}); the cluster puts it on "
                     f"{self.cluster.devices[s % K].name} (rank {s % K})"
                 )
+            reserved = self.cluster.devices[s % K].reserved_bytes // v
+            if st.memory.workspace != reserved:
+                raise ValueError(
+                    f"stage {s}: workspace {st.memory.workspace} is not its share of "
+                    f"{st.device}'s reserved_bytes ({reserved})"
+                )
             if st.recompute != self.recompute and self.recompute != "per_stage":
                 raise ValueError(
                     f"stage {s}: recompute {st.recompute}, the plan's is {self.recompute}"

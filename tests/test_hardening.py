@@ -358,6 +358,16 @@ def test_check_refuses_totals_its_stages_do_not_give(run_cli, plan_file, edit):
     assert_bad_input(run_cli("check", _edited_plan(plan_file, change)), mentions="edited")
 
 
+def test_a_clusters_reserved_memory_edited_is_refused(run_cli, plan_file):
+    """Found by a red team: a plan's cluster given 64 MiB less 1 byte of reserved memory (1 byte
+    left for the stages) still passed `check`. Each stage's workspace is its device's reserved
+    share."""
+    bad = _edited_plan(
+        plan_file, lambda d: [dev.update(reserved_bytes=1000) for dev in d["cluster"]["devices"]]
+    )
+    assert_bad_input(run_cli("check", bad), mentions="reserved_bytes")
+
+
 def test_a_total_edited_by_one_byte_is_refused_in_bytes_by_check_and_measure(run_cli, plan_file):
     """Found by a red team: one byte more on a device's total read "dev1's total (4.55 MiB) is
     not what its stages hold (4.55 MiB)", and measure ran the edited plan and gated its run on
