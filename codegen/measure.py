@@ -433,7 +433,7 @@ import ctypes, os, signal, sys
 ctypes.CDLL(None).prctl(1, signal.SIGTERM)
 if os.getppid() != int(sys.argv[1]):
     sys.exit(128 + signal.SIGTERM)
-os.execv(sys.argv[2], sys.argv[2:])
+os.execvp(sys.argv[2], sys.argv[2:])
 """
 
 
@@ -471,7 +471,8 @@ def _run(cmd: list[str], env: dict[str, str], timeout_s: float) -> Any:
 
     token = uuid.uuid4().hex  # every process of this launch inherits it: how they are found
     if sys.platform.startswith("linux"):  # killed past any handler (SIGKILL): torchrun stops too
-        cmd = [sys.executable, "-c", _ORPHAN_GUARD, str(os.getpid()), *cmd]
+        cmd = [sys.executable, "-I", "-c", _ORPHAN_GUARD, str(os.getpid()), *cmd]  # (-I: no
+        # module of the working directory in its place)
     proc = None
     try:
         proc = subprocess.Popen(

@@ -348,8 +348,9 @@ class Plan(Artifact):
             reserved = self.cluster.devices[s % K].reserved_bytes // v
             if st.memory.workspace != reserved:
                 raise ValueError(
-                    f"stage {s}: workspace {st.memory.workspace} is not its share of "
-                    f"{st.device}'s reserved_bytes ({reserved})"
+                    f"stage {s}: workspace {st.memory.workspace} is not its share "
+                    f"({reserved}) of {st.device}'s reserved_bytes "
+                    f"({self.cluster.devices[s % K].reserved_bytes})"
                 )
             if st.recompute != self.recompute and self.recompute != "per_stage":
                 raise ValueError(

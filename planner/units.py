@@ -45,7 +45,8 @@ def parse_size(text: str | int | float, what: str = "size") -> int:
     if isinstance(text, str):
         m = _SIZE.match(text)
         assert m is not None  # (_amount read it)
-        exact = decimal.Decimal(m.group(1)) * _UNITS[m.group(2).lower()]
+        with decimal.localcontext(prec=len(m.group(1)) + 40):  # (exact: no digit rounded)
+            exact = decimal.Decimal(m.group(1)) * _UNITS[m.group(2).lower()]
     else:
         exact = decimal.Decimal(repr(float(text)) if isinstance(text, float) else text)
     if exact < 1:  # (a float may have read it as one)

@@ -579,6 +579,7 @@ def test_sizes_refuse_non_numbers_and_leave_parts_of_a_byte_out():
     assert parse_size("1.64KiB") == 1679  # 1679.36
     assert parse_size(1.5) == 1 and parse_size("4776107.5") == 4776107
     assert parse_size("16.000000012GB") == 16_000_000_012 and parse_size("0.001002MB") == 1002
+    assert parse_size("17179869183.99999999999999999999999") == 17179869183  # (28 digits: up)
     assert parse_size("1PiB") == 2**50
 
 
