@@ -616,7 +616,7 @@ class _Visited:
     solved: int = 0
     pruned: int = 0
     timed_out: bool = False
-    # a split overran a device only by the gradients its torchrun program receives ahead
+    # a split overran a device only by what its torchrun program holds beyond the search's count
     ahead_over: bool = False
     # memory bound some solved candidate's split, or let none fit
     memory_bound: bool = False
