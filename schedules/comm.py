@@ -26,7 +26,8 @@ and three placed from the compute-only timeline) in the simulator as the program
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -374,7 +375,8 @@ def _lockstep(schedule: Schedule) -> Schedule | None:
             at[Action(a, Kind.RECV_B, m, to_t)] = back
     posted: dict[int, dict[int, list[Action]]] = {r: {} for r in compute.ranks}
 
-    for c, k in sorted(at.items(), key=lambda item: _post_order(compute, *item)):
+    look = message_lookup(compute)
+    for c, k in sorted(at.items(), key=lambda item: _post_order(look, *item)):
         posted[place[c.stage]].setdefault(k, []).append(c)
     ranks = {}
     for r, acts in compute.ranks.items():
@@ -397,7 +399,14 @@ def fastest_lowering(schedule: Schedule, costs: Costs) -> tuple[Schedule, float 
     there exactly when its ranks agree on the order of their messages and the timed run with
     blocking sends gets every rank to its end (`rendezvous_run` decides the same, untimed:
     tests/test_rendezvous.py), so each distinct lowering is simulated once, and that run both
-    vets and times it."""
+    vets and times it; the first of the fastest is kept.
+
+    On a chain, no lowering runs faster than the compute-only timeline, whose messages go as
+    soon as they are made (each link's in the same order): one that matches it ends the
+    search (tests/test_rendezvous.py holds the premise on every generated schedule). A run sure
+    to end later than the best so far stops there, and at first later than the timeline by
+    NEAR (a lowering that waits little is usually at hand, and the others then stop early);
+    where none comes that near, those stopped are run again in full."""
     from .simulate import blocking_makespan, simulate
 
     plain = _plain(schedule)
@@ -405,24 +414,55 @@ def fastest_lowering(schedule: Schedule, costs: Costs) -> tuple[Schedule, float 
         return plain, None  # nothing crosses ranks
     compute = schedule.compute_only()
     tl = simulate(compute, costs, memory=False)
-    best: tuple[float, Schedule] | None = None
+    timed: list[Schedule] = []  # (made once, when the first is wanted)
+
+    def nth_timed(n: int) -> Schedule | None:
+        if not timed:
+            timed.extend(_timed_all(compute, tl))
+        return timed[n]
+
+    makers = [lambda: plain, lambda: _lockstep(schedule)]
+    makers += [lambda n=n: nth_timed(n) for n in range(len(_HOW))]
+    made: list[Schedule | None] = []  # per maker: its lowering, None where no new one
     seen: set[tuple] = set()
-    for make in (
-        lambda: plain,
-        lambda: _lockstep(schedule),
-        *[lambda how=how: _timed(compute, tl, how) for how in _HOW],
-    ):
-        lowered = make()
-        if lowered is None:
-            continue
-        key = tuple(tuple(acts) for _, acts in sorted(lowered.ranks.items()))
-        if key in seen:
-            continue
-        seen.add(key)
-        t = blocking_makespan(lowered, costs)
-        if t is not None and (best is None or t < best[0]):
-            best = (t, lowered)
+
+    def lowering(k: int) -> Schedule | None:
+        while len(made) <= k:
+            lowered = makers[len(made)]()
+            key = (
+                None
+                if lowered is None
+                else tuple(tuple(a) for _, a in sorted(lowered.ranks.items()))
+            )
+            made.append(None if key is None or key in seen else lowered)
+            seen.add(key)
+        return made[k]
+
+    # (a captured graph's: the compute-only timeline takes its stages in chain order, where
+    # the program runs branches side by side, sooner: no floor there)
+    floor = -math.inf if schedule.routes else tl.makespan
+    best: tuple[float, Schedule] | None = None
+    stuck: set[int] = set()  # lowerings that do not meet
+    for ceiling in (floor + NEAR * abs(floor), math.inf) if floor > -math.inf else (math.inf,):
+        for k in range(len(makers)):
+            lowered = lowering(k)
+            if lowered is None or k in stuck:
+                continue
+            beat = min(ceiling, math.inf if best is None else best[0])
+            t = blocking_makespan(lowered, costs, beat=None if math.isinf(beat) else beat)
+            if t is None:
+                stuck.add(k)
+            elif best is None or t < best[0]:
+                if t <= beat or math.isinf(beat):
+                    best = (t, lowered)
+                if t <= floor:  # as fast as if no send ever waited: none can do better
+                    break
+        if best is not None:
+            break
     return (best[1], best[0]) if best is not None else (insert_comms(schedule), None)
+
+
+NEAR = 0.01  # how near the compute-only timeline fastest_lowering first looks (relative)
 
 
 _HOW = ("early", "late", "nearest")
@@ -434,6 +474,11 @@ def _timed(compute: Schedule, tl: Any, how: str) -> Schedule:
     (before the one that reads it): the last gap that opens before the message is made
     ("early": the receiver may wait for it), the first that opens after ("late": the sender
     may wait), or whichever is nearer in time."""
+    return _timed_all(compute, tl)[_HOW.index(how)]
+
+
+def _timed_all(compute: Schedule, tl: Any) -> list[Schedule]:
+    """_timed for each way in _HOW, what they share worked out once."""
     import bisect
 
     place, split = compute.placement, split_stages_of(compute)
@@ -441,17 +486,15 @@ def _timed(compute: Schedule, tl: Any, how: str) -> Schedule:
     where = {a: (r, i) for r, acts in compute.ranks.items() for i, a in enumerate(acts)}
     gaps = {r: [0.0, *tl.ends[r]] for r in compute.ranks}  # gap i opens as action i - 1 ends
 
-    def gap(rank: int, made: float, before: int) -> int:
+    def gap(rank: int, made: float, before: int) -> tuple[int, int, int]:
+        """The gap each way in _HOW takes."""
         t = gaps[rank]
         late = min(bisect.bisect_left(t, made), before)
         early = min(max(bisect.bisect_right(t, made) - 1, 0), before)
-        if how == "early":
-            return early
-        if how == "late":
-            return late
-        return early if made - t[early] <= t[late] - made else late
+        return early, late, early if made - t[early] <= t[late] - made else late
 
-    at: dict[Action, tuple[int, int]] = {}
+    sends: list[tuple[Action, int, int]] = []  # (send, rank, the gap it is posted at)
+    recvs: list[tuple[Action, int, tuple[int, int, int]]] = []  # (receive, rank, gap each way)
     for a, t in compute.edges():
         if place[a] == place[t]:
             continue
@@ -465,29 +508,45 @@ def _timed(compute: Schedule, tl: Any, how: str) -> Schedule:
                  Action(t, Kind.SEND_B, m, to_a), Action(a, Kind.RECV_B, m, to_t)),
             ):  # fmt: skip
                 r, i = where[made]
-                at[send] = (r, i + 1)
+                sends.append((send, r, i + 1))
                 ru, j = where[used]
-                at[recv] = (ru, gap(ru, tl.ends[r][i], j))
-    posted: dict[int, dict[int, list[Action]]] = {r: {} for r in compute.ranks}
-    for c, (r, k) in sorted(at.items(), key=lambda item: _post_order(compute, item[0], item[1][1])):
-        posted[r].setdefault(k, []).append(c)
-    ranks = {}
-    for r, acts in compute.ranks.items():
-        seq: list[Action] = []
-        for i, a in enumerate(acts):
-            seq += posted[r].get(i, [])
-            seq.append(a)
-        ranks[r] = seq + posted[r].get(len(acts), [])
-    return Schedule(
-        compute.name, compute.num_stages, compute.num_microbatches, ranks, list(place),
-        list(compute.routes),
-    )  # fmt: skip
+                recvs.append((recv, ru, gap(ru, tl.ends[r][i], j)))
+    # Within a gap, the sends first, each side in the order of its messages (_post_order):
+    # sorted once by message, then dealt into the gaps in that order
+    look = message_lookup(compute)
+    sends.sort(key=lambda x: look(x[0])[0][0])
+    recvs.sort(key=lambda x: look(x[0])[0][0])
+    out = []
+    for way in range(len(_HOW)):
+        posted: dict[int, dict[int, list[Action]]] = {r: {} for r in compute.ranks}
+        for c, r, k in sends:
+            posted[r].setdefault(k, []).append(c)
+        for c, r, ks in recvs:
+            posted[r].setdefault(ks[way], []).append(c)
+        ranks = {}
+        for r, acts in compute.ranks.items():
+            seq: list[Action] = []
+            for i, a in enumerate(acts):
+                seq += posted[r].get(i, [])
+                seq.append(a)
+            ranks[r] = seq + posted[r].get(len(acts), [])
+        out.append(
+            Schedule(
+                compute.name,
+                compute.num_stages,
+                compute.num_microbatches,
+                ranks,
+                list(place),
+                list(compute.routes),
+            )  # fmt: skip
+        )
+    return out
 
 
-def _post_order(compute: Schedule, c: Action, k: int) -> tuple:
+def _post_order(look: Callable[[Action], Any], c: Action, k: int) -> tuple:
     """Within a batch the sends first, each side in the order of its messages: two ranks then
     agree on the order of theirs (the eager check, validate, takes receives one by one)."""
-    return (k, c.kind not in SENDS, action_messages(compute, c)[0][0])
+    return (k, c.kind not in SENDS, look(c)[0][0])
 
 
 def split_stages_of(compute: Schedule) -> set[int]:
@@ -503,6 +562,35 @@ def action_messages(lowered: Schedule, a: Action) -> list[tuple[Message, int]]:
     """The messages a communication action carries, in the order it posts them, each with the
     rank at the other end. Activations go from stage s to each reader t (a chain: s + 1), their
     gradients back from t to s."""
+    return list(message_lookup(lowered)(a))
+
+
+def message_lookup(lowered: Schedule) -> Callable[[Action], tuple[tuple[Message, int], ...]]:
+    """action_messages as a function of the action alone, for loops over a whole program:
+    what each action carries depends only on the stages' placement and routes, so it is worked
+    out once per action and kept for every schedule that shares them (the lowerings that
+    fastest_lowering weighs, and the checks and simulations of each)."""
+    table = _message_table(
+        lowered.num_stages, tuple(map(tuple, lowered.routes)), tuple(lowered.placement)
+    )
+
+    def look(a: Action) -> tuple[tuple[Message, int], ...]:
+        found = table.get(a)
+        if found is None:
+            found = table[a] = tuple(_carried(lowered, a))
+        return found
+
+    return look
+
+
+@lru_cache(maxsize=8)
+def _message_table(
+    num_stages: int, routes: tuple[tuple[int, ...], ...], placement: tuple[int, ...]
+) -> dict[Action, tuple[tuple[Message, int], ...]]:
+    return {}
+
+
+def _carried(lowered: Schedule, a: Action) -> list[tuple[Message, int]]:
     k = a.kind
     if k.is_compute:
         return []

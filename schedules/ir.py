@@ -143,11 +143,15 @@ class Schedule:
 
     def senders(self, t: int) -> list[int]:
         """The stages stage t takes activations from."""
-        return [a for a, b in self.edges() if b == t]
+        if not self.routes:  # a chain (without building its edges: a hot path)
+            return [t - 1] if 0 < t < self.num_stages else []
+        return [a for a, b in self.routes if b == t]
 
     def receivers(self, s: int) -> list[int]:
         """The stages stage s hands activations to."""
-        return [b for a, b in self.edges() if a == s]
+        if not self.routes:
+            return [s + 1] if 0 <= s < self.num_stages - 1 else []
+        return [b for a, b in self.routes if a == s]
 
     def early_from(self) -> list[int]:
         """Per stage t: the first stage that sends to it from further back than t - 1 (its

@@ -24,7 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from .comm import _meets, action_messages, batches, insert_comms, preposted, receive_offsets
+from .comm import (
+    _meets,
+    batches,
+    insert_comms,
+    message_lookup,
+    preposted,
+    receive_offsets,
+)
 from .ir import Action, Kind, Schedule
 from .memory import StageBytes, peaks, recomputes, timed_levels
 from .validate import comms_of
@@ -416,25 +423,30 @@ def _late_list(costs: Costs, link: list[float]) -> list[float] | None:
     return late
 
 
-def blocking_makespan(lowered: Schedule, costs: Costs) -> float | None:
+def blocking_makespan(lowered: Schedule, costs: Costs, beat: float | None = None) -> float | None:
     """The makespan of `lowered` run with blocking sends, or None where it does not meet there
     (its ranks disagree on the order of their messages, or some rank never gets past a batch):
-    what insert_comms weighs its lowerings by."""
+    what insert_comms weighs its lowerings by. `beat`: a makespan the caller already has; the
+    run stops as soon as this one is sure to take longer, and says so with math.inf."""
     from .validate import ScheduleError, check_order
 
+    times = _cost_lists(lowered, costs)
+    try:  # (a run that meets nowhere stops as any does: stuck. The order is checked after)
+        got = _rendezvous_loop(
+            lowered,
+            *times,
+            sends_block=True,
+            preposted=preposted(lowered, costs),
+            late_link=_late_list(costs, times[-1]),
+            give_up=None if beat is None else (beat, costs.step_overhead),
+        )
+    except _Slower:
+        return math.inf
+    if got is None:
+        return None
     try:
         check_order(lowered)
     except ScheduleError:
-        return None
-    times = _cost_lists(lowered, costs)
-    got = _rendezvous_loop(
-        lowered,
-        *times,
-        sends_block=True,
-        preposted=preposted(lowered, costs),
-        late_link=_late_list(costs, times[-1]),
-    )
-    if got is None:
         return None
     ends = got[1]
     last = max([max(e, default=0.0) for e in ends] + [tr[4] for tr in got[2]] + [0.0])
@@ -473,6 +485,10 @@ def _as_it_runs(
     return got
 
 
+class _Slower(Exception):
+    """A run given up on: it would end after the makespan it was asked to beat."""
+
+
 def _rendezvous_loop(
     schedule: Schedule,
     fwd: list[float],
@@ -484,6 +500,7 @@ def _rendezvous_loop(
     sends_block: bool = True,
     preposted: frozenset[int] = frozenset(),
     late_link: list[float] | None = None,
+    give_up: tuple[float, float] | None = None,
 ) -> _Run | None:
     """The timeline of a lowered schedule as the torchrun program runs it: each run of
     communication between two compute actions is one batch, posted when the rank reaches it
@@ -497,21 +514,41 @@ def _rendezvous_loop(
     receive posted at time 0; its RECV_F batches only wait. A message whose receive is
     posted after its send takes `late_link`'s time for its cut (gloo moves it only once told
     that the receive is posted: cluster.Link's late figures), if given. None where a rank
-    never gets past a batch."""
+    never gets past a batch. `give_up` (beat, overhead): raise _Slower as soon as some rank is
+    sure to end past beat less the step's overhead (the makespan would then exceed beat)."""
     S, R, place = schedule.num_stages, schedule.num_ranks, schedule.placement
     senders = [schedule.senders(t) for t in range(S)]
     receivers = [schedule.receivers(t) for t in range(S)]
     programs = [batches(schedule.ranks[r]) for r in range(R)]
     SENT = (Kind.SEND_F, Kind.SEND_B)
-    carried = [  # per batch: (message, is_send) for each message it carries
-        [
-            []
-            if b[0].kind.is_compute
-            else [(msg, a.kind in SENT) for a in b for msg, _ in action_messages(schedule, a)]
-            for b in prog
-        ]
-        for prog in programs
-    ]
+
+    def duration(a: Action) -> float:
+        s, m = a.stage, a.microbatch
+        if a.kind == Kind.F:
+            return fwd[s]
+        if a.kind == Kind.B:
+            return bwd[s] + rec[s][m]
+        if a.kind == Kind.I:
+            return i_cost[s] + rec[s][m]
+        return w_cost[s]
+
+    rest: list[list[float]] = []  # per rank and batch: the compute from there to its end
+    limit = math.inf
+    if give_up is not None:
+        # A rank at time t before batch p ends no sooner than t and its compute from p on:
+        # past `limit`, so would the makespan (plus the step's overhead). The margin covers
+        # the sums' rounding, far below it, so that no run that would beat `beat` stops.
+        beat, overhead = give_up
+        limit = beat - overhead + 1e-9 * (abs(beat) + abs(overhead))
+        for prog in programs:
+            after = [0.0] * (len(prog) + 1)
+            for p in range(len(prog) - 1, -1, -1):
+                a = prog[p][0]
+                after[p] = after[p + 1] + (duration(a) if a.kind.is_compute else 0.0)
+            rest.append(after)
+    look = message_lookup(schedule)
+    # per rank and batch: (message, is_send) for each message it carries, once reached
+    carried: list[dict[int, list[tuple[tuple, bool]]]] = [{} for _ in range(R)]
     avail: dict[tuple, float] = {}  # what is done or has arrived -> when
     posted: dict[tuple, float] = {}  # (message, is_send) -> when that end was posted
     link_free: dict[tuple[int, int], float] = {}
@@ -569,7 +606,11 @@ def _rendezvous_loop(
             batch = prog[p]
             a = batch[0]
             if not a.kind.is_compute:
-                ops = carried[r][p]
+                ops = carried[r].get(p)
+                if ops is None:
+                    ops = carried[r][p] = [
+                        (msg, b.kind in SENT) for b in batch for msg, _ in look(b)
+                    ]
                 if entered[r] < p:
                     entered[r] = p
                     for end in ops:
@@ -582,6 +623,8 @@ def _rendezvous_loop(
                     waiting.setdefault(("posted", *late), []).append(r)
                     break
                 done = max([t_rank] + [deliver(msg) for msg, _ in waited])
+                if give_up is not None and done + rest[r][p + 1] > limit:
+                    raise _Slower
                 for _ in batch:
                     starts[r].append(t_rank)
                     ends[r].append(done)
@@ -595,18 +638,13 @@ def _rendezvous_loop(
                 break
             start = max([t_rank] + [avail[k] for k in wants])
             s, m = a.stage, a.microbatch
-            if a.kind == Kind.F:
-                dur = fwd[s]
-            elif a.kind == Kind.B:
-                dur = bwd[s] + rec[s][m]
-            elif a.kind == Kind.I:
-                dur = i_cost[s] + rec[s][m]
-            else:
-                dur = w_cost[s]
+            dur = duration(a)
             end = start + dur
             t_rank = end
             busy[r] += dur
             p += 1
+            if give_up is not None and end + rest[r][p] > limit:
+                raise _Slower
             starts[r].append(start)
             ends[r].append(end)
             if a.kind == Kind.F:

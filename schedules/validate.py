@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from .comm import Message, action_messages, batches
+from .comm import Message, action_messages, batches, message_lookup
 from .ir import Action, Kind, Schedule, infer_placement
 
 
@@ -241,9 +241,10 @@ def check_order(schedule: Schedule) -> None:
     """Between each pair of ranks, the receiver takes the messages in the order they were sent."""
     sent: dict[tuple[int, int], list[tuple[Message, int]]] = {}
     taken: dict[tuple[int, int], list[tuple[Message, int]]] = {}
+    look = message_lookup(schedule)
     for r, acts in sorted(schedule.ranks.items()):
         for k, a in enumerate(acts):
-            for msg, peer in action_messages(schedule, a):
+            for msg, peer in look(a):
                 if a.kind in (Kind.SEND_F, Kind.SEND_B):
                     sent.setdefault((r, peer), []).append((msg, k))
                 else:

@@ -1562,6 +1562,61 @@ def test_the_lowering_chosen_by_time_meets_and_is_the_fastest_tried(data):
     _vetted_alike(sched, costs)
 
 
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_the_lowering_search_stops_early_and_still_keeps_the_first_of_the_fastest(data):
+    """fastest_lowering stops a run once it is sure to lose, looks near the compute-only
+    timeline first, and ends where a lowering matches that timeline. It keeps what running
+    every lowering in full keeps (the first of the fastest, in the order tried): held here
+    against that exhaustive search, on chains with links, late receives, runtime costs and
+    recomputation. The premise of the early end: on a chain, no lowering tried beats the
+    compute-only timeline."""
+    import math
+
+    from schedules import Costs, simulate
+    from schedules.simulate import blocking_makespan
+
+    name = data.draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]))
+    K, M = data.draw(st.sampled_from([2, 3, 4])), data.draw(st.integers(1, 8))
+    if name == "interleaved-1f1b":
+        K, M = 2 * (K // 2), (M + 1) // 2 * 2 if M > 1 else M
+    sched = build_schedule(name, K, M)
+    S = sched.num_stages
+    base = _random_costs(data, S)
+    late = [x + data.draw(st.floats(0.0, 2.0)) for x in base.transfer]
+    small = st.floats(0.0, 0.5)
+    costs = Costs(
+        base.forward, base.backward, input_grad=base.input_grad, weight_grad=base.weight_grad,
+        transfer=base.transfer, late_transfer=data.draw(st.sampled_from([None, late])),
+        recompute=data.draw(st.sampled_from([None, ["always"] * S, ["except_last"] * S])),
+        action_overhead=data.draw(small), call_overhead=data.draw(small),
+        step_overhead=data.draw(small),
+    )  # fmt: skip
+    floor = simulate(sched, costs, memory=False).makespan
+    tl = simulate(sched.compute_only(), costs, memory=False)
+    tried = [comm._plain(sched), comm._lockstep(sched), *comm._timed_all(sched, tl)]
+    best = None
+    for lowered in tried:
+        if lowered is None:
+            continue
+        t = blocking_makespan(lowered, costs)
+        if t is not None:
+            assert t >= floor - 1e-9 * max(1.0, floor)
+            if best is None or t < best[0]:
+                best = (t, lowered)
+        # a run told to beat less than it takes stops, and says so; told more, it runs through
+        if t is not None and t > 0:
+            assert blocking_makespan(lowered, costs, beat=t * (1 - 1e-6) - 1e-6) == math.inf
+            assert blocking_makespan(lowered, costs, beat=t) == t
+    chosen, t = comm.fastest_lowering(sched, costs)
+    crosses = any(not a.kind.is_compute for acts in tried[0].ranks.values() for a in acts)
+    if best is None or not crosses:  # (nothing to time where nothing crosses ranks)
+        assert t is None
+    else:
+        assert t == best[0]
+        assert chosen.ranks == best[1].ranks
+
+
 def test_zero_bubble_takes_each_gradient_before_its_next_forward():
     """zb-h1 on 2 ranks. Plain, rank 0 batches SEND_F(m + 1) with RECV_B(m), and rank 1 takes
     F(m + 1) after its W(m - 1): rank 0 waits in that batch through every W of rank 1. Chosen
