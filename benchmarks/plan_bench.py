@@ -7,6 +7,7 @@ size unless --repeats says more (then the median). Prints a table with the candi
 solved and pruned by their bound.
 
     python benchmarks/plan_bench.py [--layers 100,1000,10000] [--devices 4,16,64] [--repeats 1]
+        [--target streams|torchrun] [--baseline CHECKOUT]
 """
 
 from __future__ import annotations
@@ -76,13 +77,20 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=256)
     ap.add_argument("--memory", default="1GiB")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument(
+        "--target",
+        default="streams",
+        choices=["streams", "torchrun"],
+        help="the program planned for (torchrun: its lowering is chosen and timed)",
+    )
     ap.add_argument("--baseline", help="a checkout of an earlier commit: run it alternately, "
                     "same profiles, and compare times and plans")  # fmt: skip
     args = ap.parse_args()
     exe = [str(Path(sys.executable).with_name("gpipe-plan"))]
     base = [sys.executable, str(Path(args.baseline) / "cli.py")] if args.baseline else None
     print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
-          f"python {platform.python_version()}, batch {args.batch_size}, {args.memory} per device")  # fmt: skip
+          f"python {platform.python_version()}, batch {args.batch_size}, {args.memory} per device, "
+          f"target {args.target}")  # fmt: skip
     if base:
         print("| layers | devices | baseline s | now s | ratio | candidates | solved | pruned "
               "| plan | same plan |")  # fmt: skip
@@ -100,7 +108,8 @@ def main() -> None:
 
                 def run(prog: list[str], out: Path) -> tuple[float, int, str]:
                     cmd = [*prog, "plan", str(prof), "--devices", str(K), "--memory", args.memory,
-                           "--batch-size", str(args.batch_size), "-o", str(out)]  # fmt: skip
+                           "--batch-size", str(args.batch_size), "--target", args.target,
+                           "-o", str(out)]  # fmt: skip
                     t0 = time.perf_counter()
                     done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
                     wall = time.perf_counter() - t0

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
-from .ir import Action, Kind, Schedule
+from .ir import _COMPUTE_KINDS, Action, Kind, Schedule
 
 if TYPE_CHECKING:
     from .simulate import Costs
@@ -634,11 +634,16 @@ def batches(actions: list[Action]) -> list[list[Action]]:
     """A rank's program as the runtime runs it: each compute action alone, and each run of
     communication between two compute actions as one batch."""
     out: list[list[Action]] = []
+    comm: list[Action] | None = None  # the batch of communication open, if any
     for a in actions:
-        if not a.kind.is_compute and out and not out[-1][-1].kind.is_compute:
-            out[-1].append(a)
-        else:
+        if a.kind in _COMPUTE_KINDS:
             out.append([a])
+            comm = None
+        elif comm is None:
+            comm = [a]
+            out.append(comm)
+        else:
+            comm.append(a)
     return out
 
 

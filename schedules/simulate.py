@@ -32,7 +32,7 @@ from .comm import (
     preposted,
     receive_offsets,
 )
-from .ir import Action, Kind, Schedule
+from .ir import _COMPUTE_KINDS, Action, Kind, Schedule
 from .memory import StageBytes, peaks, recomputes, timed_levels
 from .validate import comms_of
 from .waves import Waves, durations, run, waves_of
@@ -544,7 +544,7 @@ def _rendezvous_loop(
             after = [0.0] * (len(prog) + 1)
             for p in range(len(prog) - 1, -1, -1):
                 a = prog[p][0]
-                after[p] = after[p + 1] + (duration(a) if a.kind.is_compute else 0.0)
+                after[p] = after[p + 1] + (duration(a) if a.kind in _COMPUTE_KINDS else 0.0)
             rest.append(after)
     look = message_lookup(schedule)
     # per rank and batch: (message, is_send) for each message it carries, once reached
@@ -605,7 +605,7 @@ def _rendezvous_loop(
         while p < len(prog):
             batch = prog[p]
             a = batch[0]
-            if not a.kind.is_compute:
+            if a.kind not in _COMPUTE_KINDS:
                 ops = carried[r].get(p)
                 if ops is None:
                     ops = carried[r][p] = [
