@@ -76,13 +76,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise InputError(
                 "the current directory no longer exists; cd somewhere that does"
             ) from None
+        _no_empty_values(args_list)
         args = parser.parse_args(args_list)
         if args.command is None:
             raise InputError(
                 "name a command: profile, links, plan, check, show, simulate, codegen, measure "
                 "or schema (see gpipe-plan --help)"
             )
-        code = int(args.run(args))
+        try:
+            code = int(args.run(args))
+        except SystemExit as e:  # (argparse's are behind us: this is the user's code)
+            raise InputError(
+                f"the model, loss or program it runs called sys.exit({e.code!r}) during "
+                f"`{args.command}`; gpipe-plan stopped there"
+            ) from None
         sys.stdout.flush()  # a full disk or a closed pipe is found here, not at exit
         return code
     except InputError as e:
@@ -109,6 +116,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 _UNWRITABLE = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
+
+
+def _no_empty_values(argv: list[str]) -> None:
+    """An empty value is a mistake, never a choice: `--memory-budget "$BUDGET"` with the variable
+    unset read as no budget at all (check then gated on the plan's own), `--bandwidth ""` as
+    free links, `-o ""` as no report."""
+    for k, a in enumerate(argv):
+        flag, eq, value = a.partition("=")
+        if a.startswith("-") and eq and not value:
+            raise InputError(f"{flag}: empty; give it a value, or leave the flag out")
+        if a == "" and k > 0 and argv[k - 1].startswith("-") and "=" not in argv[k - 1]:
+            raise InputError(f"{argv[k - 1]}: empty; give it a value, or leave the flag out")
+        if a == "":
+            raise InputError("an empty argument: name a file or a value")
 
 
 def _cli_words(e: InputError, argv: list[str]) -> str:
@@ -309,7 +330,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     from planner import Plan, format_size, parse_size
 
     plan = Plan.load(args.plan)
-    budget = parse_size(args.memory_budget, "--memory-budget") if args.memory_budget else None
+    budget = (
+        parse_size(args.memory_budget, "--memory-budget")
+        if args.memory_budget is not None
+        else None
+    )
     _held_as_planned(plan, args.plan)
     limits = [budget if budget is not None else d.budget for d in plan.devices]
     over = [(d, lim) for d, lim in zip(plan.devices, limits) if d.total > lim]
@@ -494,6 +519,11 @@ def cmd_codegen(args: argparse.Namespace) -> int:
             "has none"
         )
     source = emit_program(plan, target=args.target, model=args.model)
+    # the stream check runs the program before it is written: where it cannot run the model
+    # (it says why, in one line), nothing is written, and an earlier file stays as it was
+    checked = _check_program_streams(source, args.output) if args.check_streams else EXIT_OK
+    if checked == 2:
+        return EXIT_BAD_INPUT
     write_output(out, source)
     _other_target(plan, args.plan, asked)  # (once nothing is refused: errors are one line)
     run = (
@@ -505,9 +535,7 @@ def cmd_codegen(args: argparse.Namespace) -> int:
         f"wrote {args.output}: {plan.schedule} over {len(plan.devices)} device(s), "
         f"{len(plan.stages)} stage(s), M={plan.microbatches}; run it with: {run}"
     )
-    if args.check_streams:
-        return _check_program_streams(source, args.output)
-    return EXIT_OK
+    return checked
 
 
 def _check_program_streams(source: str, name: str) -> int:
@@ -520,6 +548,25 @@ def _check_program_streams(source: str, name: str) -> int:
     if sys.stdout is not None:
         sys.stdout.flush()
     return int(program.check_streams())  # 0 clean, 1 problems listed, 2 it could not run
+
+
+def _loss_named(plan: Any, path: str, given: str | None) -> None:
+    """measure runs the loss the plan was profiled with. One that is code (pkg.mod:fn or
+    file.py:fn) runs only where the command line names it too: a plan file alone does not make
+    gpipe-plan import and run a module (found by a red team)."""
+    from profiler.losses import BUILT_IN
+
+    if given is not None and given != plan.loss:
+        raise InputError(
+            f"--loss {given}: {path} was profiled with "
+            + (f"the loss {plan.loss}" if plan.loss else "no loss")
+            + ", and its memory figures include it; give that, or plan again"
+        )
+    if plan.loss and plan.loss not in BUILT_IN and ":" in plan.loss and given is None:
+        raise InputError(
+            f"{path} names its loss as code ({plan.loss}); measure runs only code its command "
+            f"line names: add --loss {plan.loss}"
+        )
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
@@ -535,6 +582,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
     plan = Plan.load(args.plan)
     _held_as_planned(plan, args.plan)  # (its figures are the gate here too)
+    _loss_named(plan, args.plan, args.loss)
     tolerance = _fraction(args.tolerance, "--tolerance") + 0.0  # (-0 is 0)
     model = _planned_model(args.model, plan)
     if args.output:
@@ -1187,6 +1235,8 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=_count("--steps", 10_000), default=3)
     s.add_argument("--tolerance", default="5%",
                    help="exit 1 when a device's measured peak exceeds its prediction by more")  # fmt: skip
+    s.add_argument("--loss", help="the plan's loss, where it is code (pkg.mod:fn or file.py:fn): "
+                   "measure runs only code its command line names")  # fmt: skip
     s.add_argument("-o", "--output", help="write the report as JSON here")
     s.set_defaults(run=cmd_measure)
 

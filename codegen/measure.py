@@ -413,6 +413,8 @@ def measure_torchrun(
         ranks = [Path(tmp) / f"rank{r}.json" for r in range(K)]
         if run.returncode != 0 or not all(p.exists() for p in ranks):
             why = rank_error(run.stderr) or " | ".join(run.stderr.strip().splitlines()[-3:])
+            if not why:  # (a rank that called sys.exit(0) says nothing, and leaves no result)
+                why = "a rank ended before its result, saying nothing (did the model exit?)"
             raise InputError(f"the torchrun program failed (exit {run.returncode}): {why}")
         results = [json.loads(p.read_text()) for p in ranks]
     by_rank = {res["rank"]: res for res in results}

@@ -3,6 +3,7 @@ cost. Torch-free, so `check`, `show` and `simulate` answer without importing tor
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, model_validator
@@ -204,6 +205,9 @@ class PlanMeta(_Strict):
     inputs give a byte-identical plan.json (the solve time goes to the terminal only)."""
 
     tool_version: Text = ""
+    # sha256 of everything else in the file (Artifact.digest), written with it: a plan edited
+    # after it was written is refused where it is read, whatever the edit
+    content_digest: Text = ""
 
     @model_validator(mode="before")
     @classmethod
@@ -224,6 +228,16 @@ class Plan(Artifact):
         interleaved device's), which `show` prints beside the totals `check` gates (the search
         makes plans under other budgets too, to say how much memory would do: not files)."""
         plan = super().from_json_text(text, source=source)
+        sealed = plan.meta.content_digest
+        if not sealed:
+            raise InputError(
+                f"{source}: carries no digest of its content (made by a gpipe-plan before 0.3, "
+                "or edited): plan again"
+            )
+        if sealed != plan.digest():
+            raise InputError(
+                f"{source}: its content is not what gpipe-plan wrote (edited since): plan again"
+            )
         K, v = len(plan.cluster.devices), plan.stages_per_device
         for st in plan.stages:
             whole = plan.cluster.devices[st.index % K].memory_bytes
@@ -234,6 +248,15 @@ class Plan(Artifact):
                     + (f" (or {whole // v} for each of its {v} stages)" if v > 1 else "")
                 )
         return plan
+
+    def canonical_json(self, *, with_meta: bool = True) -> str:
+        """As every file's, with the digest of the rest in `meta` (checked when read)."""
+        data = self._data()
+        if with_meta:
+            data["meta"] = {**data.get("meta", {}), "content_digest": self.digest()}
+        else:
+            data.pop("meta", None)
+        return json.dumps(data, sort_keys=True, indent=1) + "\n"
 
     def _data(self) -> dict[str, Any]:
         # a plan made before stop_live was counted reads, writes and digests as it did

@@ -2,4 +2,4 @@
 that a plan names the tool that made it without asking the installed metadata (tens of ms of
 imports on every run)."""
 
-VERSION = "0.2.0"  # 0.2: torchrun plans count each message where the program holds it
+VERSION = "0.3.0"  # 0.3: a plan carries the digest of its content, checked when read

@@ -28,8 +28,11 @@ INT64_SAFE = 2**62  # the planner's byte arithmetic stays below this
 
 
 # Text a file may hold where a program or a table prints it: one line, no control characters
-# (a newline in a device name would end a comment in the emitted program and start code).
-Text = Annotated[str, Field(pattern=r"^[^\x00-\x1f\x7f]*$", max_length=1024)]
+# (a newline in a device name would end a comment in the emitted program and start code; C1
+# controls and bidirectional overrides would reach the terminal as they are: a red team's)
+Text = Annotated[
+    str, Field(pattern=r"^[^\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]*$", max_length=1024)
+]
 # A torch dtype by its name in torch (torch.float32 -> "float32").
 DType = Annotated[
     str, Field(pattern=r"^(float(16|32|64)|bfloat16|u?int(8|16|32|64)|bool|complex(64|128))$")

@@ -134,6 +134,11 @@ def in_dtype(model: Any, dtype: str) -> Any:
     """The model (or the module of a (module, keyword inputs) pair) with its floating-point
     parameters and buffers in `dtype`, as `gpipe-plan profile --dtype` measured it."""
     module = model[0] if isinstance(model, tuple) else model
+    if dtype not in DTYPES:  # (a file's field allows any torch dtype; profile takes these)
+        raise InputError(
+            f"dtype {dtype!r}: a model's parameters are profiled in {', '.join(DTYPES)}; "
+            "profile and plan again"
+        )
     if dtype != "float32" and any(p.is_floating_point() for p in module.parameters()):
         module.to(DTYPES[dtype])
     return model

@@ -175,7 +175,7 @@ def test_an_empty_output_path_is_refused_before_profiling(run_cli, monkeypatch, 
     monkeypatch.setattr(profiler.measure, "profile_model", _must_not_run)
     monkeypatch.chdir(tmp_path)
     r = run_cli("profile", "example:mlp", "-o", "")
-    assert_bad_input(r, mentions="empty path")
+    assert_bad_input(r, mentions="-o: empty")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -287,9 +287,16 @@ def test_cluster_files_with_impossible_values_are_refused(
     assert_bad_input(r, mentions=mentions)
 
 
-def _edited_plan(plan_file: Path, edit) -> Path:
+def _edited_plan(plan_file: Path, edit, reseal: bool = False) -> Path:
+    """The plan file edited in place. `reseal`: its content digest made again, as a deliberate
+    edit would (what the checks behind the digest are for)."""
     data = json.loads(plan_file.read_text())
     edit(data)
+    if reseal:  # (an edit the plan's own validation refuses is refused before its digest)
+        try:
+            data["meta"]["content_digest"] = Plan.model_validate(data).digest()
+        except ValueError:
+            pass
     plan_file.write_text(json.dumps(data))
     return plan_file
 
@@ -375,16 +382,132 @@ def test_a_total_edited_by_one_byte_is_refused_in_bytes_by_check_and_measure(run
     from planner.version import VERSION
 
     total = json.loads(plan_file.read_text())["devices"][1]["total"]
-    bad = _edited_plan(plan_file, lambda d: d["devices"][1].update(total=total + 1))
+    bad = _edited_plan(plan_file, lambda d: d["devices"][1].update(total=total + 1), reseal=True)
     r = run_cli("check", bad)
     assert_bad_input(r, mentions=f"total ({total + 1} B) is not what its stages hold ({total} B)")
     assert "the plan was edited; plan again" in r.err  # (made by this version: nothing else)
     assert_bad_input(run_cli("measure", bad, "--model", "example:mlp"), mentions="edited")
-    older = _edited_plan(bad, lambda d: d["meta"].update(tool_version="0.1.0"))
+    older = _edited_plan(bad, lambda d: d["meta"].update(tool_version="0.1.0"), reseal=True)
     assert (
         f"made by another version (gpipe-plan 0.1.0; this is {VERSION})"
         in run_cli("check", older).err
     )
+
+
+def test_a_plan_edited_anywhere_is_refused_wherever_it_is_read(run_cli, plan_file, tmp_path):
+    """Found by a red team: a plan with `checkpointed` dropped (its program then held 2.6x the
+    memory `check` passed), `optimizer` sgd made adam (no state counted), `dtype` or the layer
+    count changed, or every byte figure halved and the totals made again with the project's
+    own simulator, passed `check`: only what the figures say of one another was checked. The
+    plan now carries the digest of its content, checked wherever it is read."""
+    edits = [
+        lambda d: d.update(checkpointed=[1]),
+        lambda d: d.update(optimizer="adam" if d["optimizer"] != "adam" else "sgd"),
+        lambda d: d.update(dtype="float64"),
+        lambda d: d["stages"][0]["state_bytes"].update(
+            activations=d["stages"][0]["state_bytes"]["activations"] // 2
+        ),
+    ]
+    for edit in edits:
+        edited = tmp_path / "edited.json"
+        edited.write_text(plan_file.read_text())
+        _edited_plan(edited, edit)
+        for command in ("check", "show", "simulate"):
+            r = run_cli(command, edited)
+            assert_bad_input(r, mentions="its content is not what gpipe-plan wrote")
+        r = run_cli("codegen", edited, "--model", "example:mlp", "-o", tmp_path / "p.py")
+        assert_bad_input(r, mentions="edited since", no_file=tmp_path / "p.py")
+        with pytest.raises(InputError, match="edited since"):
+            Plan.load(edited)
+    # without its digest: made before it was written, or taken out
+    _edited_plan(edited, lambda d: d["meta"].pop("content_digest"))
+    assert_bad_input(run_cli("check", edited), mentions="carries no digest of its content")
+    # the file as written reads back, and its digest is of everything but `meta`
+    assert run_cli("check", plan_file).code == 0
+    data = json.loads(plan_file.read_text())
+    assert data["meta"]["content_digest"] == Plan.load(plan_file).digest()
+
+
+def test_a_parameter_dtype_no_profile_takes_is_one_line(run_cli, tmp_path):
+    """Found by a red team: a profile whose `dtype` read int8 (the field takes any torch dtype
+    by name) planned, and codegen and measure then stopped with a KeyError traceback."""
+    prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    assert run_cli("profile", "example:mlp", "--batch-sizes", "2", "--repeats", "1",
+                   "--max-repeats", "1", "-o", prof).code == 0  # fmt: skip
+    data = json.loads(prof.read_text())
+    data["dtype"] = "int8"
+    prof.write_text(json.dumps(data))
+    args = ("--devices", 2, "--memory", "1GiB", "--batch-size", 4, "--microbatches", 2)
+    assert run_cli("plan", prof, *args, "-o", plan).code == 0
+    out = tmp_path / "prog.py"
+    r = run_cli("codegen", plan, "--model", "example:mlp", "-o", out)
+    assert_bad_input(r, mentions="dtype 'int8': a model's parameters are profiled in", no_file=out)
+    r = run_cli("measure", plan, "--model", "example:mlp", "--steps", 1)
+    assert_bad_input(r, mentions="dtype 'int8'")
+
+
+def test_an_empty_value_is_refused_not_read_as_no_value(run_cli, plan_file, prof, tmp_path):
+    """Found by a red team: `check --memory-budget "$BUDGET"` with the variable unset gated on
+    the plan's own budgets and passed; `--bandwidth ""` planned with free links; `-o ""` and
+    `--chrome-trace ""` wrote nothing and exited 0."""
+    r = run_cli("check", plan_file, "--memory-budget", "1KiB")
+    assert r.code == 1  # (over this budget: the gate that an empty value skipped)
+    for flag, argv in (
+        ("--memory-budget", ("check", plan_file, "--memory-budget", "")),
+        ("--memory-budget", ("check", plan_file, "--memory-budget=")),
+        ("--chrome-trace", ("simulate", plan_file, "--chrome-trace", "")),
+        ("--bandwidth", ("plan", prof, *PLAN_ARGS, "--bandwidth", "", "-o", tmp_path / "x.json")),
+    ):
+        assert_bad_input(run_cli(*argv), mentions=f"{flag}: empty")
+    assert_bad_input(run_cli("check", ""), mentions="an empty argument")
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_user_code_that_calls_sys_exit_is_one_line_and_exit_2(run_cli, tmp_path):
+    """Found by a red team: a loss (or a model's forward) calling sys.exit(0) ended `profile`
+    with exit status 0, nothing said and nothing written."""
+    (tmp_path / "losses.py").write_text("import sys\ndef exits(out, target):\n    sys.exit(0)\n")
+    out = tmp_path / "p.json"
+    r = run_cli("profile", "example:mlp", "--batch-sizes", "2", "--repeats", "1",
+                "--loss", f"{tmp_path / 'losses.py'}:exits", "-o", out)  # fmt: skip
+    assert_bad_input(r, mentions="called sys.exit(0) during `profile`", no_file=out)
+
+
+def test_names_with_terminal_controls_are_refused(run_cli, prof, tmp_path):
+    """Found by a red team: device names with a C1 control (CSI) or a bidirectional override
+    passed, and `check` printed them to the terminal as they were."""
+    for name in ("dev\u009b31m", "a\u202eb"):
+        devices = [{"name": name, "memory_bytes": 2**20}, {"name": "d1", "memory_bytes": 2**20}]
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps({"kind": "cluster", "format_version": 1, "devices": devices}))
+        r = run_cli("plan", prof, "--cluster", path, "--batch-size", 8, "-o", tmp_path / "p.json")
+        assert_bad_input(r, mentions="devices.0.name", no_file=tmp_path / "p.json")
+
+
+def test_check_gates_each_device_on_its_own_budget_to_the_byte(run_cli, plan_file, tmp_path):
+    """Found by a cold review: no test ran `check` without --memory-budget on a plan over its
+    devices' own budgets (gating on no budget at all passed every test), nor --max-bubble at
+    the bubble itself."""
+    total = json.loads(plan_file.read_text())["devices"][0]["total"]
+    for memory, code in ((total, 0), (total - 1, 1)):
+        edited = tmp_path / f"m{memory}.json"
+        edited.write_text(plan_file.read_text())
+
+        def budget(d, m=memory):
+            d["cluster"]["devices"][0]["memory_bytes"] = m
+            d["devices"][0]["budget"] = m
+            for st in d["stages"]:
+                if st["device"] == d["devices"][0]["name"]:
+                    st["memory"]["budget"] = m
+
+        _edited_plan(edited, budget, reseal=True)  # (as if planned on that device)
+        r = run_cli("check", edited)
+        assert r.code == code, r
+        if code:
+            assert "over by" in r.out and "1 B" in r.out.splitlines()[-1], r.out
+    bubble = json.loads(plan_file.read_text())["predicted"]["bubble_fraction"]
+    assert run_cli("check", plan_file, "--max-bubble", repr(bubble)).code == 0
+    assert run_cli("check", plan_file, "--max-bubble", repr(bubble * (1 - 1e-9))).code == 1
 
 
 def test_plans_written_before_meta_was_trimmed_still_load(plan_file):
@@ -1041,10 +1164,9 @@ def test_check_refuses_a_plan_whose_time_or_bubble_was_edited(run_cli, plan_file
     """`check --max-bubble` read the bubble the file states: set to 0 by hand, the gate passed a
     plan whose schedule idles 55% of the time. Both figures are now what the schedule gives."""
     for field, value in (("bubble_fraction", 0.0), ("iteration_ms", 0.001)):
-        data = json.loads(plan_file.read_text())
-        data["predicted"][field] = value
         edited = tmp_path / f"{field}.json"
-        edited.write_text(json.dumps(data))
+        edited.write_text(plan_file.read_text())
+        _edited_plan(edited, lambda d, f=field, v=value: d["predicted"].update({f: v}), reseal=True)
         r = run_cli("check", edited, "--max-bubble", "0.99")
         assert_bad_input(r, mentions="the plan was edited")
     assert run_cli("check", plan_file, "--max-bubble", "0.99").code == 0
@@ -1064,10 +1186,9 @@ def test_a_plan_that_disagrees_with_itself_is_refused(run_cli, plan_file, tmp_pa
         ),
     }
     for says, edit in edits.items():
-        data = json.loads(plan_file.read_text())
-        edit(data)
         edited = tmp_path / "edited.json"
-        edited.write_text(json.dumps(data))
+        edited.write_text(plan_file.read_text())
+        _edited_plan(edited, edit, reseal=True)
         for command in ("show", "check", "simulate"):
             assert_bad_input(run_cli(command, edited), mentions=says)
 
@@ -1106,7 +1227,7 @@ def test_codegen_refuses_an_input_shape_its_model_does_not_take(
     for shape in ([], [8, 8]):
         bad = tmp_path / "bad.json"
         bad.write_text(plan.read_text())
-        _edited_plan(bad, lambda d, shape=shape: d.update(input_shape=shape))
+        _edited_plan(bad, lambda d, shape=shape: d.update(input_shape=shape), reseal=True)
         r = run_cli("codegen", bad, "--model", "example:transformer", "-o", out)
         assert_bad_input(r, mentions="does not run on the plan's input shape", no_file=out)
     assert run_cli("codegen", plan, "--model", "example:transformer", "-o", out).code == 0

@@ -113,11 +113,13 @@ def test_predicted_peak_memory_is_what_the_run_allocates(profiles, name, schedul
     assert report.ok and [d.name for d in report.devices] == [d.name for d in plan.devices]
     for d in report.devices:
         assert abs(d.memory_error) <= 0.05, d
-        # ... and so is what a step adds above the weights, gradients and optimizer state,
-        # the part a loose model would get wrong
+        # ... and what a step adds above the weights, gradients and optimizer state, the part
+        # a loose model would get wrong, within 1.1%: these runs measure -0.03% to +0.91% of it
+        # (torch 2.13, CPU), and one term dropped from the model (zero bubble's input gradient
+        # during I) reads +1.29% (found by a cold review: at 5%, as the goal, no test saw it)
         predicted = d.predicted_peak_bytes - d.static_bytes
         added = d.measured_peak_bytes - d.static_bytes
-        assert abs(added - predicted) <= 0.05 * predicted, d
+        assert abs(added - predicted) <= 0.011 * predicted, d
     # outside the stages: only the caller's RNG state, kept for the step, and the scalar loss
     assert report.unattributed_bytes <= RNG_STATE + 64
 
@@ -212,6 +214,35 @@ def test_a_loss_named_by_a_file_not_found_here_is_said_so(profiles):
             make_data(model, plan.model_copy(update={"loss": loss}))
 
 
+def test_measure_runs_a_loss_that_is_code_only_where_its_command_line_names_it(tmp_path, run_cli):
+    """Found by a red team: `measure` imported and ran whatever module the plan's `loss` named
+    (its top level created a file), while `check` and `show` passed the plan. A loss that is
+    code now runs only when `--loss` names it too; a different one is refused."""
+    (tmp_path / "marker.py").write_text(
+        "from pathlib import Path\n"
+        "Path(__file__).with_suffix('.ran').touch()\n"
+        "import torch.nn.functional as F\n"
+        "def l(out, target):\n"
+        "    return F.mse_loss(out, target)\n"
+    )
+    spec = f"{tmp_path / 'marker.py'}:l"
+    prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    assert run_cli("profile", "example:mlp", "--batch-sizes", "2", "--repeats", "1",
+                   "--max-repeats", "1", "--loss", spec, "-o", prof).code == 0  # fmt: skip
+    (tmp_path / "marker.ran").unlink()  # (profiling it ran it: that was named)
+    r = run_cli("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 4,
+                "--microbatches", 2, "-o", plan)  # fmt: skip
+    assert r.code == 0, r.err
+    r = run_cli("measure", plan, "--model", "example:mlp", "--steps", 1)
+    assert r.code == 2 and f"add --loss {spec}" in r.err, r
+    assert not (tmp_path / "marker.ran").exists()
+    r = run_cli("measure", plan, "--model", "example:mlp", "--steps", 1, "--loss", "mse")
+    assert r.code == 2 and "was profiled with the loss" in r.err, r
+    r = run_cli("measure", plan, "--model", "example:mlp", "--steps", 1, "--loss", spec)
+    assert r.code in (0, 1), r.err
+    assert (tmp_path / "marker.ran").exists()
+
+
 def test_report_json_and_a_failing_gate(tmp_path, run_cli):
     prof, plan_path = tmp_path / "p.json", tmp_path / "plan.json"
     assert run_cli("profile", "example:mlp", "--batch-sizes", "2,4", "--repeats", "1",
@@ -234,15 +265,18 @@ def test_report_json_and_a_failing_gate(tmp_path, run_cli):
     }
     assert all(a["count"] == 6 for a in data["actions"])  # two micro-batches, three steps
     # A plan that claims less memory than the run needs fails the gate: a stage's bytes made
-    # smaller, and its device's figures with them (an edit that does not follow is refused)
+    # smaller, and its device's figures with them (an edit that does not follow is refused),
+    # so that the run needs 5.2% more than it claims: over the default 5%, within 5.5%
+    measured = data["devices"][1]["measured_peak_bytes"]
     plan = Plan.load(plan_path)
-    plan.stages[1].state_bytes.static -= plan.devices[1].total // 10
+    plan.stages[1].state_bytes.static -= plan.devices[1].total - int(measured / 1.052)
     peaks = simulate_plan(plan, levels=False).peak_memory
     plan.devices[1].total = plan.predicted.peak_memory[1] = peaks[1]
+    assert 0.0515 < measured / peaks[1] - 1 < 0.0525
     plan.save(plan_path)
     r = run_cli("measure", plan_path, "--model", "example:mlp", "--steps", 1)
     assert r.code == 1 and "FAIL" in r.out and "dev1" in r.out
-    assert run_cli("measure", plan_path, "--model", "example:mlp", "--tolerance", "15%").code == 0
+    assert run_cli("measure", plan_path, "--model", "example:mlp", "--tolerance", "5.5%").code == 0
     r = run_cli("measure", plan_path, "--model", "example:mlp", "--tolerance", "lots")
     assert r.code == 2 and "--tolerance" in r.err
     # another target than the plan's: measured, with a note that the plan predicts another
@@ -254,6 +288,33 @@ def test_report_json_and_a_failing_gate(tmp_path, run_cli):
     assert r.code == 0, r.err
     assert "predicts the torchrun program, not the streams one" in r.err
     assert "plan with --target streams" in r.err
+
+
+def test_the_plans_action_times_are_the_runs_within_a_factor():
+    """Found by a cold review: no test held a predicted time against a run (a profiler that
+    read every time 10x too small passed them all). On this shared CPU a run's times move with
+    the machine's load (BENCHMARKS.md: the mlp's), so the claim here is coarse: the median,
+    over the transformer's forward and backward actions, of measured over predicted lies within
+    a factor of 3, profiled right before it is measured (once more where the machine was
+    caught changing pace)."""
+    model = transformer()
+    ratios: list[float] = []
+    for _ in range(2):
+        prof = profile_model(model, model.example_input, batch_sizes=[2], progress=False)
+        plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 4, microbatches=2,
+                             schedule="1f1b", recompute="never")  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pipe = compile_pipe(transformer(), plan)
+        x, y, loss_fn = make_data(model, plan)
+        report = pipe.measure(x, y, loss_fn, steps=3)
+        timed = sorted(a.measured_ms / a.predicted_ms for a in report.actions
+                       if a.kind in ("F", "B") and a.predicted_ms > 0)  # fmt: skip
+        assert len(timed) == 4
+        ratios.append((timed[1] + timed[2]) / 2)
+        if 1 / 3 <= ratios[-1] <= 3:
+            return
+    raise AssertionError(f"measured over predicted, median over actions: {ratios}")
 
 
 def test_torchrun_holds_what_the_plan_counts(tmp_path, profiles):

@@ -491,3 +491,22 @@ def test_steady_schedules_occupancy_stops_growing_past_the_stage_count():
     assert occupancy(build_schedule("gpipe", 3, 5), "never") != occupancy(
         build_schedule("gpipe", 3, 6), "never"
     )
+
+
+def test_an_interleaved_devices_optimizer_steps_add_up_only_when_multi_tensor():
+    """Found by a cold review: counting a device's largest stage's step alone, also for a
+    multi-tensor (foreach) optimizer, passed every test, since drawn steps were never a device's
+    peak. With every state at 0, each device's peak is its static bytes and its stages' steps:
+    together where the optimizer steps all tensors at once, the larger one where it goes one
+    parameter at a time."""
+    sched = build_schedule("interleaved-1f1b", 4, 4)  # 2 devices, stages 0 and 2 on the first
+    zero = dict.fromkeys(("activations", "during_i", "between_iw"), 0)  # (default: 1 each)
+    for foreach in (False, True):
+        sizes = [
+            StageBytes(**zero, optimizer_step=1000 * (s + 1), foreach=foreach, static=7)
+            for s in range(4)
+        ]
+        got = peaks(sched, "never", sizes)
+        steps = [[1000, 3000], [2000, 4000]]  # per device, its stages'
+        want = [14 + (sum(x) if foreach else max(x)) for x in steps]
+        assert got == want, (foreach, got)

@@ -261,7 +261,10 @@ def test_pruned_search_returns_the_exhaustive_plan(
     if full is None:
         return
     assert full.solver.solved == full.solver.candidates and full.solver.pruned == 0
-    a, b = json.loads(pruned.canonical_json()), json.loads(full.canonical_json())
+    a, b = (
+        json.loads(pruned.canonical_json(with_meta=False)),
+        json.loads(full.canonical_json(with_meta=False)),
+    )
     for plan in (a, b):  # what the search did, and what it learnt of the losers, differ
         plan["solver"].pop("solved"), plan["solver"].pop("pruned"), plan.pop("alternatives")
     assert a == b
@@ -315,7 +318,9 @@ def test_solving_with_the_occupancy_bound_first_changes_no_plan(
             # the floor may then prove that nothing fits: the runners-up's reasons would differ)
             mp.setattr(search, "_bottleneck_limit", lambda *a: math.inf)
             try:
-                return json.loads(plan_pipeline(profile, cluster, N).canonical_json())
+                return json.loads(
+                    plan_pipeline(profile, cluster, N).canonical_json(with_meta=False)
+                )
             except search.InfeasibleError as e:
                 return str(e)
 
@@ -517,7 +522,7 @@ def test_runners_up_say_why_each_lost():
             assert a.at_least_ms is not None and a.at_least_ms <= forced.predicted.iteration_ms
             assert a.reason.startswith("at least")
     # the plan file keeps them
-    again = type(plan).model_validate_json(plan.canonical_json())
+    again = type(plan).model_validate_json(plan.canonical_json(with_meta=False))
     assert again.alternatives == alts
 
 
@@ -657,18 +662,18 @@ def test_an_interleaved_fallback_that_cannot_win_is_not_made_and_changes_no_plan
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(search, "_interleaved_fallback", spy)
-        waited = json.loads(plan_pipeline(profile, cluster, 8).canonical_json())
+        waited = json.loads(plan_pipeline(profile, cluster, 8).canonical_json(with_meta=False))
         # (splits waiting for the candidates after them rule this one out before its
         # fallback: visited in the order of their prior bounds alone, it gets there)
         mp.setattr(search, "WAIT_FOR_BOUNDS", False)
         ruled_out.clear()
-        pruned = json.loads(plan_pipeline(profile, cluster, 8).canonical_json())
+        pruned = json.loads(plan_pipeline(profile, cluster, 8).canonical_json(with_meta=False))
         assert any(ruled_out)
         mp.setattr(search, "_prior_bound", lambda *a: 0.0)
         mp.setattr(search, "_lower_bound", lambda *a: 0.0)  # every try made into a plan
         mp.setattr(search, "_bottleneck_limit", lambda *a: math.inf)
         ruled_out.clear()
-        full = json.loads(plan_pipeline(profile, cluster, 8).canonical_json())
+        full = json.loads(plan_pipeline(profile, cluster, 8).canonical_json(with_meta=False))
         assert not any(ruled_out)
     for plan in (waited, pruned, full):
         plan["solver"].pop("solved"), plan["solver"].pop("pruned"), plan.pop("alternatives")
@@ -695,7 +700,7 @@ def test_a_split_whose_bound_loses_waits_and_is_never_made():
             mp.setattr(search, "_build_plan", watch)
             mp.setattr(search, "WAIT_FOR_BOUNDS", wait)
             plan = plan_pipeline(profile, cluster, 16)
-        plans[wait] = (json.loads(plan.canonical_json()), list(made))
+        plans[wait] = (json.loads(plan.canonical_json(with_meta=False)), list(made))
     (waited, made_waiting), (plain, made_plain) = plans[True], plans[False]
     assert made_waiting == ["zb-h1"] and made_plain == ["interleaved-1f1b", "zb-h1"]
 
@@ -768,13 +773,18 @@ def test_a_late_receive_is_priced_in_the_torchrun_plan():
     assert plan.stages[1].late_send_ms is None and plain.stages[0].late_send_ms is None
     assert plan.predicted.iteration_ms == search.simulate_plan(plan).makespan
     assert plan.predicted.iteration_ms > plain.predicted.iteration_ms
-    assert Plan.from_json_text(plan.model_dump_json()).stages == plan.stages
+    assert Plan.from_json_text(plan.canonical_json()).stages == plan.stages
     # a stage without late figures leaves the field out: plans made before it keep their bytes
-    assert [("late_send_ms" in st) for st in json.loads(plan.canonical_json())["stages"]] == [
+    assert [
+        ("late_send_ms" in st) for st in json.loads(plan.canonical_json(with_meta=False))["stages"]
+    ] == [
         True,
         False,
     ]
-    assert all("late_send_ms" not in st for st in json.loads(plain.canonical_json())["stages"])
+    assert all(
+        "late_send_ms" not in st
+        for st in json.loads(plain.canonical_json(with_meta=False))["stages"]
+    )
     streams = plan_pipeline(profile, cluster, 8, microbatches=8, schedule="1f1b")
     assert (
         streams.predicted.iteration_ms
@@ -814,8 +824,8 @@ def test_a_steps_all_reduces_are_in_the_torchrun_plans_time():
         )
         assert plan.predicted.iteration_ms == search.simulate_plan(plan).makespan
         # the plan file holds the cluster, and the figure only where given
-        assert json.loads(plan.canonical_json())["cluster"]["step_sync_ms"] == 0.75
-        assert "step_sync_ms" not in json.loads(plain.canonical_json())["cluster"]
+        assert json.loads(plan.canonical_json(with_meta=False))["cluster"]["step_sync_ms"] == 0.75
+        assert "step_sync_ms" not in json.loads(plain.canonical_json(with_meta=False))["cluster"]
         back = Plan.from_json_text(plan.canonical_json())
         assert (back.cluster, back.predicted) == (plan.cluster, plan.predicted)
         # the runners-up shift alike: their times, and the bounds of those not solved
@@ -834,8 +844,8 @@ def test_a_steps_all_reduces_are_in_the_torchrun_plans_time():
             streams.predicted.iteration_ms
             == plan_pipeline(profile, base, 8, **kw).predicted.iteration_ms
         )
-    assert "step_sync_ms" not in json.loads(base.canonical_json())
-    assert json.loads(synced.canonical_json())["step_sync_ms"] == 0.75
+    assert "step_sync_ms" not in json.loads(base.canonical_json(with_meta=False))
+    assert json.loads(synced.canonical_json(with_meta=False))["step_sync_ms"] == 0.75
     for bad in (-1.0, True, "0.5"):  # (true is no time, nor text)
         with pytest.raises(ValueError, match="step_sync_ms"):
             Cluster(devices=base.devices, links=base.links, step_sync_ms=bad)
@@ -863,7 +873,10 @@ def test_planned_for_torchrun_plans_that_already_lost_are_not_timed():
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(search, "_build_plan", lambda *a, beat=None, **k: build(*a, **k))
             full = plan_pipeline(profile, cluster, 8, target="torchrun")
-        a, b = json.loads(pruned.canonical_json()), json.loads(full.canonical_json())
+        a, b = (
+            json.loads(pruned.canonical_json(with_meta=False)),
+            json.loads(full.canonical_json(with_meta=False)),
+        )
         a.pop("alternatives"), b.pop("alternatives")
         assert a == b
 
@@ -914,7 +927,10 @@ def test_pruned_search_for_torchrun_returns_the_exhaustive_plan(
     if full is None:
         return
     assert full.solver.solved == full.solver.candidates
-    a, b = json.loads(pruned.canonical_json()), json.loads(full.canonical_json())
+    a, b = (
+        json.loads(pruned.canonical_json(with_meta=False)),
+        json.loads(full.canonical_json(with_meta=False)),
+    )
     for plan in (a, b):
         plan["solver"].pop("solved"), plan["solver"].pop("pruned"), plan.pop("alternatives")
     assert a == b

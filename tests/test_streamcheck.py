@@ -588,6 +588,35 @@ def test_a_model_the_check_cannot_run_gets_one_line_and_exit_2(program, tmp_path
     assert run.stderr.count("\n") == 1 and "the stream check could not run" in run.stderr
 
 
+def test_codegen_writes_nothing_where_the_stream_check_cannot_run(tmp_path, run_cli):
+    """Found by a red team: `codegen --check-streams` replaced the program file first, then said
+    the check could not run (exit 2). The check now runs the program before it is written."""
+    (tmp_path / "once.py").write_text(
+        "from pathlib import Path\n"
+        "import torch.nn as nn\n"
+        "def make():\n"
+        "    mark = Path(__file__).with_suffix('.built')\n"
+        "    if mark.exists():\n"
+        "        raise RuntimeError('built once only')\n"
+        "    mark.touch()\n"
+        "    return nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))\n"
+    )
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    prof = quick_profile(model, torch.randn(2, 4))
+    plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), N, microbatches=2)
+    from profiler.models import model_digest
+
+    update = {"model": "once.py:make", "model_digest": model_digest(model)}
+    plan.model_copy(update=update).save(tmp_path / "plan.json")
+    out = tmp_path / "program.py"
+    out.write_text("# an earlier program\n")
+    r = run_cli("codegen", str(tmp_path / "plan.json"), "--model", str(tmp_path / "once.py:make"),
+                "-o", str(out), "--check-streams")  # fmt: skip
+    assert r.code == 2, r
+    assert "the stream check could not run: RuntimeError: built once only" in r.err
+    assert out.read_text() == "# an earlier program\n"
+
+
 def test_check_streams_is_refused_for_targets_without_streams(tmp_path, run_cli):
     model = mlp()
     prof = quick_profile(model, model.example_input[:2])
