@@ -1523,6 +1523,15 @@ def test_skips_are_timed_as_they_run():
     )
 
 
+def _drawn_schedule(data):
+    """A generated schedule of each kind, on 2 to 4 ranks (an even count interleaved), M 1-8."""
+    name = data.draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]))
+    K, M = data.draw(st.sampled_from([2, 3, 4])), data.draw(st.integers(1, 8))
+    if name == "interleaved-1f1b":
+        K, M = 2 * (K // 2), (M + 1) // 2 * 2 if M > 1 else M
+    return build_schedule(name, K, M)
+
+
 def _random_costs(data, S):
     from schedules import Costs
 
@@ -1540,11 +1549,7 @@ def test_the_lowering_chosen_by_time_meets_and_is_the_fastest_tried(data):
     none beats the compute-only timeline, where no send waits (a lower bound)."""
     from schedules import simulate
 
-    name = data.draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]))
-    K, M = data.draw(st.sampled_from([2, 3, 4])), data.draw(st.integers(1, 8))
-    if name == "interleaved-1f1b":
-        K, M = 2 * (K // 2), (M + 1) // 2 * 2 if M > 1 else M
-    sched = build_schedule(name, K, M)
+    sched = _drawn_schedule(data)
     costs = _random_costs(data, sched.num_stages)
     chosen = insert_comms(sched, costs)
     validate(chosen, rendezvous=True)
@@ -1576,11 +1581,7 @@ def test_the_lowering_search_stops_early_and_still_keeps_the_first_of_the_fastes
     from schedules import Costs, simulate
     from schedules.simulate import blocking_makespan
 
-    name = data.draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]))
-    K, M = data.draw(st.sampled_from([2, 3, 4])), data.draw(st.integers(1, 8))
-    if name == "interleaved-1f1b":
-        K, M = 2 * (K // 2), (M + 1) // 2 * 2 if M > 1 else M
-    sched = build_schedule(name, K, M)
+    sched = _drawn_schedule(data)
     S = sched.num_stages
     base = _random_costs(data, S)
     late = [x + data.draw(st.floats(0.0, 2.0)) for x in base.transfer]
@@ -1816,11 +1817,7 @@ def test_receive_offsets_make_the_issue_order_what_each_program_holds(data):
     from schedules import simulate
     from schedules.comm import receive_offsets
 
-    name = data.draw(st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]))
-    K, M = data.draw(st.sampled_from([2, 3, 4])), data.draw(st.integers(1, 8))
-    if name == "interleaved-1f1b":
-        K, M = 2 * (K // 2), (M + 1) // 2 * 2 if M > 1 else M
-    sched = build_schedule(name, K, M)
+    sched = _drawn_schedule(data)
     S = sched.num_stages
     tl = simulate(sched, _random_costs(data, S), memory=False)
     lowered = data.draw(st.sampled_from(
