@@ -54,6 +54,7 @@ class Device(BaseModel):
         ge=MIN_SPEED,
         le=MAX_SPEED,
         allow_inf_nan=False,
+        strict=True,  # (true or "1.0" is no speed: found by a red team)
         description="relative to the profiled device",
     )
     reserved_bytes: int = Field(

@@ -76,7 +76,7 @@ def resolve_loss(spec: str | LossFn | None, model: nn.Module | None = None) -> L
         )
     from .models import _import
 
-    fn = getattr(_import(where, spec), name, None)
+    fn = getattr(_import(where, spec, "loss"), name, None)
     if fn is None or not callable(fn):
         raise ArgumentError("loss_fn", spec, f"{where} has no callable named {name!r}")
     return Loss(spec, fn, getattr(fn, "make_target", _float_target))

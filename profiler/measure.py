@@ -397,6 +397,11 @@ def _memory(
     except InputError:
         raise
     except Exception as e:
+        if isinstance(layer, LossLayer):  # (the loss's own failure, not the model's)
+            raise InputError(
+                f"the loss {layer.loss.name} failed on the model's output of shape "
+                f"{_shape_text(inp)}: {type(e).__name__}: {_first_line(e)}"
+            ) from None
         raise InputError(
             f"the model rejected input of shape {_shape_text(inp)} at layer {i} "
             f"({type(layer).__name__}): {_first_line(e)}"

@@ -68,15 +68,17 @@ def load_model(spec: str) -> nn.Module:
     return model
 
 
-def _import(where: str, spec: str) -> object:
+def _import(where: str, spec: str, what: str = "MODEL") -> object:
+    """The module `where` (a file.py or a dotted name) that `spec` names; `what` says which
+    argument named it in a message (MODEL, or --loss)."""
     if where.endswith(".py"):
         path = Path(where)
         if not path.is_file():
-            raise InputError(f"MODEL {spec!r}: no such file {where}")
+            raise InputError(f"{what} {spec!r}: no such file {where}")
         name = f"_gpipe_user_{hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:12]}"
         module_spec = importlib.util.spec_from_file_location(name, path)
         if module_spec is None or module_spec.loader is None:
-            raise InputError(f"MODEL {spec!r}: cannot import {where}")
+            raise InputError(f"{what} {spec!r}: cannot import {where}")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
         try:
@@ -84,16 +86,16 @@ def _import(where: str, spec: str) -> object:
         except USER_ERRORS as e:
             sys.modules.pop(name, None)
             raise InputError(
-                f"MODEL {spec!r}: importing {where} raised {type(e).__name__}: {e}"
+                f"{what} {spec!r}: importing {where} raised {type(e).__name__}: {e}"
             ) from None
         return module
     try:
         return importlib.import_module(where)
     except ModuleNotFoundError as e:
-        raise InputError(f"MODEL {spec!r}: cannot import {where} ({e})") from None
+        raise InputError(f"{what} {spec!r}: cannot import {where} ({e})") from None
     except USER_ERRORS as e:
         raise InputError(
-            f"MODEL {spec!r}: importing {where} raised {type(e).__name__}: {e}"
+            f"{what} {spec!r}: importing {where} raised {type(e).__name__}: {e}"
         ) from None
 
 

@@ -510,6 +510,31 @@ def test_check_gates_each_device_on_its_own_budget_to_the_byte(run_cli, plan_fil
     assert run_cli("check", plan_file, "--max-bubble", repr(bubble * (1 - 1e-9))).code == 1
 
 
+def test_a_devices_speed_is_a_number_not_a_flag_or_a_string(run_cli, prof, tmp_path):
+    """Found by a red team: a cluster file's `speed: true` or `"1.0"` read as 1.0."""
+    for speed in (True, "1.0"):
+        devices = [{"name": "d0", "memory_bytes": 2**20, "speed": speed},
+                   {"name": "d1", "memory_bytes": 2**20}]  # fmt: skip
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps({"kind": "cluster", "format_version": 1, "devices": devices}))
+        r = run_cli("plan", prof, "--cluster", path, "--batch-size", 8, "-o", tmp_path / "p.json")
+        assert_bad_input(r, mentions="speed", no_file=tmp_path / "p.json")
+
+
+def test_a_loss_that_fails_is_named_as_the_loss(run_cli, tmp_path):
+    """Found by a red team: a loss that raised read "the model rejected input ... at layer 4
+    (LossLayer)", and one whose module exited on import was labelled MODEL."""
+    (tmp_path / "raising.py").write_text("def boom(out, target):\n    raise ValueError('no')\n")
+    (tmp_path / "exiting.py").write_text("import sys\nsys.exit(0)\n")
+    out = tmp_path / "p.json"
+    for spec, says in ((f"{tmp_path / 'raising.py'}:boom", "failed on the model's output"),
+                       (f"{tmp_path / 'exiting.py'}:l", "loss '")):  # fmt: skip
+        r = run_cli("profile", "example:mlp", "--batch-sizes", "2", "--repeats", "1",
+                    "--loss", spec, "-o", out)  # fmt: skip
+        assert_bad_input(r, mentions=says, no_file=out)
+        assert "MODEL" not in r.err and "LossLayer" not in r.err
+
+
 def test_plans_written_before_meta_was_trimmed_still_load(plan_file):
     data = json.loads(plan_file.read_text())
     data["meta"].update(created="2026-11-01T00:00:00+00:00", solve_ms=12.5)
