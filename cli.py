@@ -123,6 +123,8 @@ def _no_empty_values(argv: list[str]) -> None:
     unset read as no budget at all (check then gated on the plan's own), `--bandwidth ""` as
     free links, `-o ""` as no report."""
     for k, a in enumerate(argv):
+        if a == "--":  # (what follows is positional, a file named `-p=` say)
+            break
         flag, eq, value = a.partition("=")
         if a.startswith("-") and eq and not value:
             raise InputError(f"{flag}: empty; give it a value, or leave the flag out")
