@@ -206,7 +206,8 @@ class PlanMeta(_Strict):
 
     tool_version: Text = ""
     # sha256 of everything else in the file (Artifact.digest), written with it: a plan edited
-    # after it was written is refused where it is read, whatever the edit
+    # by hand after it was written is refused where it is read, whatever the edit (a checksum,
+    # not a signature: whoever computes it again gets past it, and meets check's own tests)
     content_digest: Text = ""
 
     @model_validator(mode="before")
