@@ -82,6 +82,13 @@ class Branchy(nn.Module):
         return h * 2 if h.sum() > 0 else h
 
 
+def _needs_gloo() -> None:
+    """Skip a test that launches torchrun where torch.distributed with gloo is not there."""
+    pytest.importorskip("torch.distributed.run")
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+
+
 @pytest.fixture(scope="module")
 def captured_unet() -> tuple[nn.Module, CapturedModel]:
     model = unet(width=4, depth=2, size=8)
@@ -336,9 +343,7 @@ def test_torchrun_holds_a_tied_weight_as_its_plan_counts(gpt_profile):
     keeps its optimizer state, which the plan counted on the first stage alone; and the step
     set the weight's accumulated gradient aside while it made a new one. Now a torchrun plan
     counts the state on every stage that uses the weight, and the step holds one gradient."""
-    pytest.importorskip("torch.distributed.run")
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
+    _needs_gloo()
     from codegen.measure import measure_torchrun
 
     model, _, prof = gpt_profile
@@ -491,9 +496,7 @@ def test_a_captured_graph_profiled_in_bfloat16_compiles_and_runs(run_cli, tmp_pa
 def test_measure_runs_a_captured_graph_under_torchrun(run_cli, tmp_path):
     """Found by a user trial: each rank built the model uncaptured for the program's Pipeline
     ("'ResNet' object is not iterable"). It takes the graph the program's own loader captures."""
-    pytest.importorskip("torch.distributed.run")
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
+    _needs_gloo()
     prof, plan, out = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "m.json"
     r = run_cli("profile", "example:resnet", "--batch-sizes", "2", "--repeats", "1",
                 "--warmup", "0", "-o", prof)  # fmt: skip
@@ -626,9 +629,7 @@ def test_skips_across_ranks_and_tied_weights_under_torchrun(unet_routes, gpt_pro
     """One launch of 2 gloo ranks runs four programs: a U-Net and a model read far down, whose
     skips pass a stage and cross ranks; and a GPT whose tied embedding is on both ranks, under
     1F1B and interleaving. Each gives the un-pipelined loss and gradients."""
-    pytest.importorskip("torch.distributed.run")
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
+    _needs_gloo()
     import json
 
     from tests.test_codegen import ROOT, torchrun
@@ -704,9 +705,7 @@ def test_torchrun_holds_the_skip_gradients_it_receives_ahead_as_its_plan_counts(
     gradient on its reader from its receive, by what its route carries: to the byte here. (It
     still counts it on its sender too, until that backward: 11% over there, on the safe side;
     the sender lets it go once its send is seen complete.)"""
-    pytest.importorskip("torch.distributed.run")
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
+    _needs_gloo()
     from codegen.measure import measure_torchrun
     from planner.search import simulate_plan, torchrun_schedule
     from schedules.comm import received_ahead
@@ -734,9 +733,7 @@ def test_torchrun_counts_activations_where_its_receives_are_posted(unet_routes):
     The plan counted them there all the same: 11% over on the last rank. Each chain message is
     now counted where the program holds it (schedules.comm.receive_offsets): the last rank's
     figure drops, and no rank holds more than its plan."""
-    pytest.importorskip("torch.distributed.run")
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
+    _needs_gloo()
     from codegen.measure import measure_torchrun
     from planner.search import simulate_plan, torchrun_schedule
     from schedules.comm import receive_offsets
