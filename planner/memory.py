@@ -311,6 +311,7 @@ class MemoryModel:
         # per (shape, budget): the ends found from each start, and the ends searched to
         self._ends: dict[tuple[StageShape, int], tuple[np.ndarray, np.ndarray]] = {}
         self._one_layer: dict[StageShape, np.ndarray] = {}  # (one_layer)
+        self._single: dict[str, np.ndarray] = {}  # (one_layer: each layer's state_bytes)
         self._weights: dict[int, np.ndarray] = {}  # (weights)
         self._params = _prefix(chain.params)
         # a parameter several layers use: how many of them lie before each position
@@ -767,11 +768,17 @@ class MemoryModel:
         return self._totals(i, j, [shape], np.array([0, len(i)]))
 
     def _totals(
-        self, i: np.ndarray, j: np.ndarray, shapes: list[StageShape], cut: np.ndarray
+        self,
+        i: np.ndarray,
+        j: np.ndarray,
+        shapes: list[StageShape],
+        cut: np.ndarray,
+        states: dict[str, np.ndarray] | None = None,
     ) -> np.ndarray:
         """total() of [i, j) for many shapes at once: entries cut[g]:cut[g + 1] are shape g's.
         The bytes of each state depend on the layers alone, so they are computed once for all,
-        and only those some shape's occupancy counts."""
+        and only those some shape's occupancy counts (`states`: all of them, and `largest`,
+        where the caller has them for [i, j))."""
         names = STATES + TRANSIENTS
         counted = np.zeros(len(names), dtype=bool)
         for shape in shapes:
@@ -783,7 +790,7 @@ class MemoryModel:
         wanted = frozenset(names[k] for k in cols) | (set() if each else {"largest"})
         if counted[PULLED]:
             wanted |= set(keys)
-        b = self.state_bytes(i, j, only=wanted)
+        b = self.state_bytes(i, j, only=wanted) if states is None else states
         values = np.empty((len(cols), len(i)), dtype=np.int64)
         for row, k in enumerate(cols):
             values[row] = b[names[k]]
@@ -832,7 +839,18 @@ class MemoryModel:
         found = self._one_layer.get(shape)
         if found is None:
             every = np.arange(self.chain.num_layers, dtype=np.int64)
-            found = self._one_layer[shape] = self.total(every, every + 1, shape)
+            # each layer's states, computed once for every shape, as shapes ask for them
+            names = STATES + TRANSIENTS
+            counted = _counted(shape.occupancy)
+            wanted = {names[k] for k in np.flatnonzero(counted)} | {"largest"}
+            if counted[PULLED]:
+                wanted.add(self._pulled_key(shape))
+            missing = frozenset(wanted - self._single.keys())
+            if missing:
+                self._single.update(self.state_bytes(every, every + 1, only=missing))
+            found = self._one_layer[shape] = self._totals(
+                every, every + 1, [shape], np.array([0, len(every)]), self._single
+            )
         return found
 
     def max_end(self, shape: StageShape, budget: int) -> np.ndarray:

@@ -511,7 +511,7 @@ def _reach(
     running at the end past `far` (one that does not fit it fits no later end; nor one whose
     weights alone, MemoryModel.static_of, are over the budget there: those are not evaluated),
     and the pair with the latest start over a window of ends (how far it goes)."""
-    shapes = spec.shapes
+    shapes = tuple(dict.fromkeys(spec.shapes))  # (options alike on this stage: one)
     one = np.zeros(len(starts), dtype=bool)
     for shape in shapes:
         one |= memory.one_layer(shape)[starts] <= spec.budget

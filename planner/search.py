@@ -2032,6 +2032,31 @@ def _fits_within(problem: _Problem, cand: Candidate) -> Callable[..., _Fit | Non
     return fits
 
 
+def _none_fits_any(problem: _Problem, group: list[Candidate], budget: int) -> bool:
+    """Whether no candidate of `group` (one micro-batch size, one number of stages) fits
+    `budget` (every device with less raised to it, each stage free to use its whole device:
+    what _fits_within tries last), shown by one split search where each stage may take the
+    shape of any candidate there: every candidate's split is such a split, so where none fits,
+    no candidate's does. (Looser than each candidate alone: where one fits, each is tried.)"""
+    if not group:
+        return True
+    cand = group[0]
+    chain, memory = problem.chain(cand)
+    options: dict[tuple, np.ndarray] = {}  # per option: its shape on every stage, its times
+    for c in group:
+        specs = _stage_specs(problem, c, budget, halve=False)
+        times = _balance_times(chain, c)
+        for x in range(len(c.modes)):
+            options.setdefault(tuple(sp.shapes[x] for sp in specs), times[x])
+    columns = list(options)
+    specs = [
+        StageSpec(sp.speed, sp.budget, columns[0][s], tuple(col[s] for col in columns[1:]))
+        for s, sp in enumerate(_stage_specs(problem, cand, budget, halve=False))
+    ]
+    cuts = _cut_costs(problem.cluster, cand, chain)
+    return not feasible_split(np.stack(list(options.values())), memory, specs, cuts)
+
+
 def _shown(
     problem: _Problem, cand: Candidate, found: tuple[list[StageSpec], Partition, bool] | None
 ) -> Plan:
@@ -2118,7 +2143,9 @@ def _infeasible(problem: _Problem, candidates: list[Candidate], floor: int = 0) 
     chosen_fits: Callable[..., _Fit | None] | None = None
     alike: set[tuple] = set()
     tried: set[tuple[int, str]] = set()  # (M, schedule) of the per-stage candidates tried
-    for cand in sorted(candidates, key=_likely_small):
+    united: dict[tuple, bool] = {}  # (size and stage count, least so far): none of those fits
+    ordered = sorted(candidates, key=_likely_small)
+    for n, cand in enumerate(ordered):
         if (
             cand.per_device == 1
             and cand.recompute in ("never", "except_last")
@@ -2140,6 +2167,15 @@ def _infeasible(problem: _Problem, candidates: list[Candidate], floor: int = 0) 
             if key in alike:
                 continue
             alike.add(key)
+        if need is not None:
+            # One test for the candidates left of its size and stage count (_none_fits_any):
+            # where none of them fits just below the least so far, none is tried alone
+            group = (problem.costs(cand).mb, cand.per_device)
+            if (group, need) not in united:
+                rest = [c for c in ordered[n:] if (problem.costs(c).mb, c.per_device) == group]
+                united[(group, need)] = _none_fits_any(problem, rest, need - 1)
+            if united[(group, need)]:
+                continue
         fits = _fits_within(problem, cand)
         # (interleaved: whether a budget fits need not carry over to a larger one, so the
         # least budget is a bisection's from nothing, as it always was)

@@ -993,6 +993,47 @@ def test_the_least_memory_is_a_plain_bisections_from_the_floor_up(seed, K, mixed
         assert fits(least, True)  # (and the fastest split is asked for where one fits)
 
 
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 10**6), st.integers(2, 3), st.booleans())
+def test_a_group_shown_to_fit_nowhere_has_no_candidate_that_fits(seed, K, mixed):
+    """_infeasible tries the candidates of one micro-batch size and stage count together
+    first (_none_fits_any: each stage free to take any of their shapes). Where that says none
+    fits a budget, none of them does, tried alone; and just below the least any of them
+    needs, it says so for some group (else it would only cost time)."""
+    rng = np.random.default_rng(seed)
+    L = 8
+    prof = synthetic_profile(
+        list(rng.uniform(0.2, 3.0, L)),
+        params=[int(x) for x in rng.integers(10, 400, L)],
+        saved=[int(x) for x in rng.integers(10, 600, L)],
+        sizes=(1, 2, 4),
+    )
+    mems = [int(x) for x in rng.integers(50, 3000, K)] if mixed else [300] * K
+    cluster = Cluster.model_validate(
+        {"devices": [{"name": f"d{k}", "memory_bytes": m} for k, m in enumerate(mems)]}
+    )
+    problem = search._Problem(prof, cluster, 4, "adam", ("", ""), "streams", ())
+    groups: dict[tuple, list] = {}
+    for M in (1, 2, 4):
+        for schedule in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b"):
+            for r in search.SEARCH_MODES:
+                cand = search.Candidate(M, schedule, r)
+                if search._possible(cand, K, L):
+                    key = (problem.costs(cand).mb, cand.per_device)
+                    groups.setdefault(key, []).append(cand)
+    shown = 0
+    for group in groups.values():
+        fits = [search._fits_within(problem, c) for c in group]
+        needs = [search._least(f, None) for f in fits]
+        least = min(n for n in needs if n is not None)
+        for budget in sorted({least - 1, least, *(n for n in needs if n is not None)}):
+            if search._none_fits_any(problem, group, budget):
+                assert all(f(budget) is None for f in fits), budget
+                shown += budget == least - 1
+        assert not search._none_fits_any(problem, group, least)  # (one of them fits there)
+    assert shown > 0
+
+
 @settings(max_examples=30, deadline=None)
 @given(st.lists(st.integers(1, 10**6), min_size=1, max_size=6), st.integers(0, 10**7))
 def test_the_floor_is_the_least_budget_at_which_the_devices_hold_the_weights(mems, weights):
