@@ -378,9 +378,13 @@ def feasible_split(
     memory: MemoryModel,
     stages: list[StageSpec],
     cuts: Sequence[np.ndarray] | None = None,
+    reach_from: int | None = None,
 ) -> bool:
-    """Whether any split fits every stage's budget and cuts only where allowed (time unbounded)."""
-    return fitting_split(times, memory, stages, cuts, split=False) is not None
+    """Whether any split fits every stage's budget and cuts only where allowed (time unbounded;
+    `reach_from` as fitting_split's)."""
+    return (
+        fitting_split(times, memory, stages, cuts, split=False, reach_from=reach_from) is not None
+    )
 
 
 def fitting_split(
@@ -389,15 +393,18 @@ def fitting_split(
     stages: list[StageSpec],
     cuts: Sequence[np.ndarray] | None = None,
     split: bool = True,
+    reach_from: int | None = None,
 ) -> list[int] | None:
     """Some split (its bounds) that fits every stage's budget under some option and cuts only
-    where allowed, time unbounded; None where none does. On long chains memory_split's where it
-    decides (without the memory tables), else the probe's (on shorter ones its tables cost
-    less, and are kept for the next candidate asked about the same stage shape and budget).
-    `split`: as memory_split's."""
+    where allowed, time unbounded; None where none does. On chains of `reach_from` layers or
+    more (REACH_FROM unless given) memory_split's where it decides (without the memory tables),
+    else the probe's (on shorter ones its tables cost less, and are kept for the next candidate
+    asked about the same stage shape and budget). `split`: as memory_split's."""
     table = option_times(times, stages)
     L, K = table.shape[1], len(stages)
-    if L >= REACH_FROM and (cuts is None or all(np.ndim(row) == 1 for row in cuts)):
+    if L >= (REACH_FROM if reach_from is None else reach_from) and (
+        cuts is None or all(np.ndim(row) == 1 for row in cuts)
+    ):
         links = cut_table(cuts, L, K)
         allowed = None if links is None else np.isfinite(links)
         decided, bounds = memory_split(memory, stages, L, allowed, split)

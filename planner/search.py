@@ -2000,8 +2000,8 @@ def _fits_within(problem: _Problem, cand: Candidate) -> Callable[..., _Fit | Non
         if fitting_split(times, memory, whole, cuts=cuts, split=False) is None:
             return None  # no split fits with each stage on its whole device
         part = fastest(whole)
-        built = _build_plan(problem, cand, whole, part, "probe-bisection")
-        fit = all(d.total <= max(d.budget, budget) for d in built.devices)
+        totals = _device_peaks(problem, cand, whole, part)
+        fit = all(t <= max(d.memory_bytes, budget) for t, d in zip(totals, devices))
         # (another budget may solve to another split: this one's is known to fit only here)
         return (whole, part, False, budget) if fit else None
 
@@ -2032,7 +2032,9 @@ def _fits_within(problem: _Problem, cand: Candidate) -> Callable[..., _Fit | Non
     return fits
 
 
-def _none_fits_any(problem: _Problem, group: list[Candidate], budget: int) -> bool:
+def _none_fits_any(
+    problem: _Problem, group: list[Candidate], budget: int, which: str = "exact"
+) -> bool:
     """Whether no candidate of `group` (one micro-batch size, one number of stages) fits
     `budget` (every device with less raised to it, each stage free to use its whole device:
     what _fits_within tries last), shown by one split search where each stage may take the
@@ -2044,7 +2046,7 @@ def _none_fits_any(problem: _Problem, group: list[Candidate], budget: int) -> bo
     chain, memory = problem.chain(cand)
     options: dict[tuple, np.ndarray] = {}  # per option: its shape on every stage, its times
     for c in group:
-        specs = _stage_specs(problem, c, budget, halve=False)
+        specs = _stage_specs(problem, c, budget, halve=False, which=which)
         times = _balance_times(chain, c)
         for x in range(len(c.modes)):
             options.setdefault(tuple(sp.shapes[x] for sp in specs), times[x])
@@ -2054,7 +2056,29 @@ def _none_fits_any(problem: _Problem, group: list[Candidate], budget: int) -> bo
         for s, sp in enumerate(_stage_specs(problem, cand, budget, halve=False))
     ]
     cuts = _cut_costs(problem.cluster, cand, chain)
-    return not feasible_split(np.stack(list(options.values())), memory, specs, cuts)
+    # (memory_split first whatever the chain's length: the tables of so many shapes, each at
+    # a budget of its own, would serve no later test)
+    return not feasible_split(np.stack(list(options.values())), memory, specs, cuts, reach_from=0)
+
+
+def _device_peaks(
+    problem: _Problem, cand: Candidate, specs: list[StageSpec], part: Partition
+) -> list[int]:
+    """Each device's peak under a split, as its plan (_build_plan) would say: for a chain on
+    the streams target, the same stage bytes through the same `peaks` its simulation takes,
+    without the rest of the plan; else the plan's own."""
+    chain, memory = problem.chain(cand)
+    if chain.flow is not None or problem.target != "streams":
+        plan = _build_plan(problem, cand, specs, part, "probe-bisection")
+        return [d.total for d in plan.devices]
+    modes = _stage_modes(cand, part)
+    starts = [None] + [i for i, _ in part.stages[:-1]]
+    sizes = [
+        memory.stage_bytes(i, j, spec.shapes[cand.modes.index(modes[s])], starts[s])
+        for s, ((i, j), spec) in enumerate(zip(part.stages, specs))
+    ]
+    schedule = plan_schedule(cand.schedule, problem.cluster.size, cand.microbatches)
+    return peaks(schedule, modes, sizes)
 
 
 def _shown(
@@ -2156,6 +2180,19 @@ def _infeasible(problem: _Problem, candidates: list[Candidate], floor: int = 0) 
             continue
         if cand.per_device == 1 and cand.recompute == PER_STAGE:
             tried.add((cand.microbatches, cand.schedule))
+        if need is not None:
+            # One test for the candidates left of its size and stage count (_none_fits_any):
+            # where none of them fits just below the least so far, none is tried alone. With
+            # their occupancy floors first (made faster than their exact occupancy, and enough
+            # for most); with the exact ones too on one stage per device.
+            group = (problem.costs(cand).mb, cand.per_device)
+            if (group, need) not in united:
+                rest = [c for c in ordered[n:] if (problem.costs(c).mb, c.per_device) == group]
+                united[(group, need)] = _none_fits_any(problem, rest, need - 1, "floor") or (
+                    cand.per_device == 1 and _none_fits_any(problem, rest, need - 1)
+                )
+            if united[(group, need)]:
+                continue
         if cand.per_device == 1:
             # What fits reads of a candidate with one stage per device is the chain at its
             # micro-batch size, its stage shapes and where cuts may go (the same for every
@@ -2167,15 +2204,6 @@ def _infeasible(problem: _Problem, candidates: list[Candidate], floor: int = 0) 
             if key in alike:
                 continue
             alike.add(key)
-        if need is not None:
-            # One test for the candidates left of its size and stage count (_none_fits_any):
-            # where none of them fits just below the least so far, none is tried alone
-            group = (problem.costs(cand).mb, cand.per_device)
-            if (group, need) not in united:
-                rest = [c for c in ordered[n:] if (problem.costs(c).mb, c.per_device) == group]
-                united[(group, need)] = _none_fits_any(problem, rest, need - 1)
-            if united[(group, need)]:
-                continue
         fits = _fits_within(problem, cand)
         # (interleaved: whether a budget fits need not carry over to a larger one, so the
         # least budget is a bisection's from nothing, as it always was)

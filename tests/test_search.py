@@ -993,13 +993,9 @@ def test_the_least_memory_is_a_plain_bisections_from_the_floor_up(seed, K, mixed
         assert fits(least, True)  # (and the fastest split is asked for where one fits)
 
 
-@settings(max_examples=20, deadline=None)
-@given(st.integers(0, 10**6), st.integers(2, 3), st.booleans())
-def test_a_group_shown_to_fit_nowhere_has_no_candidate_that_fits(seed, K, mixed):
-    """_infeasible tries the candidates of one micro-batch size and stage count together
-    first (_none_fits_any: each stage free to take any of their shapes). Where that says none
-    fits a budget, none of them does, tried alone; and just below the least any of them
-    needs, it says so for some group (else it would only cost time)."""
+def _candidate_groups(seed: int, K: int, mixed: bool) -> tuple[search._Problem, list[list]]:
+    """A small memory-bound problem and its candidates in the groups _infeasible tests together
+    (one micro-batch size, one number of stages)."""
     rng = np.random.default_rng(seed)
     L = 8
     prof = synthetic_profile(
@@ -1021,17 +1017,72 @@ def test_a_group_shown_to_fit_nowhere_has_no_candidate_that_fits(seed, K, mixed)
                 if search._possible(cand, K, L):
                     key = (problem.costs(cand).mb, cand.per_device)
                     groups.setdefault(key, []).append(cand)
+    return problem, list(groups.values())
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 10**6), st.integers(2, 3), st.booleans())
+def test_a_group_shown_to_fit_nowhere_has_no_candidate_that_fits(seed, K, mixed):
+    """_infeasible tries the candidates of one micro-batch size and stage count together
+    first (_none_fits_any: each stage free to take any of their shapes, exact or the floors
+    below them). Where that says none fits a budget, none of them does, tried alone; and, with
+    the exact shapes, it says so just below the least any of them needs for some group (else
+    it would only cost time)."""
+    problem, groups = _candidate_groups(seed, K, mixed)
+    fits = [[search._fits_within(problem, c) for c in group] for group in groups]
+    needs = [[n for n in (search._least(f, None) for f in fs) if n is not None] for fs in fits]
+    overall = min(min(n) for n in needs)
     shown = 0
-    for group in groups.values():
-        fits = [search._fits_within(problem, c) for c in group]
-        needs = [search._least(f, None) for f in fits]
-        least = min(n for n in needs if n is not None)
-        for budget in sorted({least - 1, least, *(n for n in needs if n is not None)}):
-            if search._none_fits_any(problem, group, budget):
-                assert all(f(budget) is None for f in fits), budget
-                shown += budget == least - 1
-        assert not search._none_fits_any(problem, group, least)  # (one of them fits there)
+    for group, fs, ns in zip(groups, fits, needs):
+        for which in ("floor", "exact"):
+            for budget in sorted({overall - 1, min(ns) - 1, *ns}):
+                if search._none_fits_any(problem, group, budget, which):
+                    assert all(f(budget) is None for f in fs), (which, budget)
+                    shown += which == "exact" and budget == min(ns) - 1
+            # (one of them fits there)
+            assert not search._none_fits_any(problem, group, min(ns), which)
     assert shown > 0
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 10**6), st.integers(2, 3), st.booleans())
+def test_device_peaks_are_the_plans_own(seed, K, mixed):
+    """_infeasible checks an interleaved split's devices by _device_peaks, without making its
+    plan: each device's figure is the plan's, to the byte, for every mode (and per-stage)."""
+    problem, groups = _candidate_groups(seed, K, mixed)
+    checked = 0
+    for group in groups:
+        for cand in group:
+            specs = search._stage_specs(problem, cand, halve=cand.per_device == 1)
+            fits = search._fits_within(problem, cand)
+            least = search._least(fits, None)  # (where memory binds: stages recompute)
+            found = fits(least, True) if least is not None else None
+            if found is None:
+                continue
+            split = found[1]
+            plan = search._build_plan(problem, cand, specs, split, "probe-bisection")
+            got = search._device_peaks(problem, cand, specs, split)
+            assert got == [d.total for d in plan.devices], cand
+            checked += 1
+    assert checked
+
+
+def test_the_floors_show_most_groups_need_more_than_the_least():
+    """What makes _infeasible fast: the occupancy floors (made without the issue order) show
+    for many groups that none of their candidates fits just below the least memory of all,
+    so their exact occupancy is never made (counted over a few drawn problems)."""
+    shown = tested = 0
+    for seed in range(6):
+        problem, groups = _candidate_groups(seed, 2, False)
+        needs = [
+            min(n for c in g if (n := search._least(search._fits_within(problem, c), None)))
+            for g in groups
+        ]
+        for group, need in zip(groups, needs):
+            if need > min(needs):
+                tested += 1
+                shown += search._none_fits_any(problem, group, min(needs) - 1, "floor")
+    assert tested and shown >= tested // 2
 
 
 @settings(max_examples=30, deadline=None)
