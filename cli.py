@@ -513,6 +513,11 @@ def cmd_codegen(args: argparse.Namespace) -> int:
         from codegen.emit import pipelining_refusal
 
         refusal = pipelining_refusal(plan)
+        if refusal is None:  # (not captured: the plan's layers in a row)
+            from codegen._pipelining import tied_across
+
+            stages = [st.layers for st in plan.stages]
+            refusal = tied_across(list(model), stages, [st.rank for st in plan.stages])
         if refusal is not None:
             raise InputError(refusal)
     if args.check_streams and args.target != "streams":

@@ -40,6 +40,27 @@ class Recomputed(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.inner, *args, use_reentrant=False)
 
 
+def tied_across(
+    layers: list[nn.Module], stages: list[tuple[int, int]], ranks: list[int]
+) -> str | None:
+    """Why torch's runtime would train this split wrongly, or None: a parameter that layers
+    of stages on two ranks share (tied weights) becomes a copy per rank there, each trained on
+    its own stage's gradient alone (torch's PipelineStage sums no gradients across ranks)."""
+    owner: dict[int, int] = {}
+    for s, (a, b) in enumerate(stages):
+        for layer in layers[a:b]:
+            for name, p in layer.named_parameters():
+                first = owner.setdefault(id(p), s)
+                if ranks[first] != ranks[s]:
+                    return (
+                        f"stages {first} and {s} share a parameter ({name} of "
+                        f"{type(layer).__name__}: tied weights) on ranks {ranks[first]} and "
+                        f"{ranks[s]}; torch.distributed.pipelining's runtime would train a copy "
+                        "on each rank apart: use --target torchrun"
+                    )
+    return None
+
+
 def torch_pipeline(
     layers: list[nn.Module],
     stages: list[tuple[int, int]],
@@ -58,6 +79,9 @@ def torch_pipeline(
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
+    refusal = tied_across(layers, stages, ranks)
+    if refusal is not None:
+        raise ValueError(refusal)
     built = []
     for s, (a, b) in enumerate(stages):
         if ranks[s] != rank:

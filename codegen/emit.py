@@ -503,6 +503,10 @@ def main(argv: list[str] | None = None) -> None:
         x = random_batch(model).to(device)
         y = torch.zeros(BATCH_SIZE, device=device)
         rank = dist.get_rank()
+        refusal = tied_across(list(model), STAGES, RANKS)  # (the same on every rank)
+        if refusal is not None:
+            print(f"{MODEL}: rank {rank}: {refusal}", file=sys.stderr)
+            raise SystemExit(2)
         stages, schedule = torch_pipeline(
             list(model), STAGES, RANKS, RECOMPUTE, SCHEDULE_CSV, MICROBATCHES, stand_in_loss,
             rank, device,

@@ -282,7 +282,7 @@ def torch_pipelining(model: nn.Module, plan: Plan, loss_fn: Any) -> tuple[list[A
     from schedules import to_csv
 
     from ._dist_runtime import rank_device
-    from ._pipelining import torch_pipeline
+    from ._pipelining import tied_across, torch_pipeline
     from .emit import pipelining_refusal
 
     if not isinstance(plan, Plan):
@@ -305,6 +305,9 @@ def torch_pipelining(model: nn.Module, plan: Plan, loss_fn: Any) -> tuple[list[A
     except RuntimeError as e:
         raise InputError(f"rank {rank}: {e}") from None
     layers = list(as_layers(model, capture_sample(model, plan.input_shape, plan.input_dtype)))
+    refusal = tied_across(layers, [st.layers for st in plan.stages], [st.rank for st in plan.stages])
+    if refusal is not None:
+        raise InputError(refusal)
     return torch_pipeline(
         layers,
         [st.layers for st in plan.stages],

@@ -891,3 +891,51 @@ def test_torch_pipelining_hands_tuples_on_and_refuses_uneven_micro_batches(
     uneven = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 9, microbatches=2)
     with pytest.raises(ValueError, match="uneven"):
         emit_program(uneven, target="torch-pipelining")
+
+
+TIED = """
+import torch
+from torch import nn
+
+
+def build():
+    torch.manual_seed(0)
+    emb = nn.Embedding(50, 16)
+    head = nn.Linear(16, 50, bias=False)
+    head.weight = emb.weight  # tied: the first stage's and the last's
+    model = nn.Sequential(emb, nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), head)
+    model.example_input = torch.randint(0, 50, (8, 4))
+    return model
+"""
+
+
+def test_torch_pipelining_refuses_weights_tied_across_ranks(tmp_path, run_cli, torchrun_available):
+    """Found by a red team: torch's runtime keeps a copy of a tied parameter per rank and
+    trains each on its own stage's gradient (relative gradient errors of 1.0 and 0.58 against
+    the un-pipelined model), silently. Refused: by codegen where it reads the model, and by
+    the emitted program on every rank, in one line; tied stages on one rank are fine."""
+    from codegen._pipelining import tied_across
+
+    model_file = tmp_path / "tied.py"
+    model_file.write_text(TIED)
+    namespace: dict = {}
+    exec(compile(TIED, str(model_file), "exec"), namespace)
+    model = namespace["build"]()
+    layers = list(model)
+    assert tied_across(layers, [(0, 2), (2, 5)], [0, 1]) is not None
+    assert tied_across(layers, [(0, 2), (2, 4), (4, 5)], [0, 1, 0]) is None  # one rank holds both
+    assert tied_across(list(mlp()), [(0, 4), (4, 17)], [0, 1]) is None
+    prof = quick_profile(model, model.example_input, batch_sizes=[1, 2, 4])
+    plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 8, microbatches=2, schedule="1f1b")
+    plan_path = tmp_path / "plan.json"
+    plan.save(plan_path)
+    out = tmp_path / "program.py"
+    r = run_cli("codegen", plan_path, "--model", f"{model_file}:build", "--target",
+                "torch-pipelining", "-o", out)  # fmt: skip
+    assert r.code == 2 and "tied weights" in r.err and not out.exists()
+    out.write_text(emit_program(plan, target="torch-pipelining", model=f"{model_file}:build"))
+    r = torchrun(2, str(out), timeout=120)
+    assert r.returncode != 0
+    assert r.stderr.count("tied weights") == 2, r.stderr[-3000:]  # one line from each rank
+    assert 'program.py", line' not in r.stderr  # no rank's own traceback
+    assert "exitcode: 2" in r.stderr
