@@ -50,6 +50,7 @@ from ._runtime import (  # emit: drop
     _split_target,  # emit: drop
     _tensors,  # emit: drop
     _to,  # emit: drop
+    described,  # emit: drop
 )  # emit: drop
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -308,7 +309,7 @@ class DistPipelineRuntime(PipelineRuntime):
         except BaseException as e:
             self.in_step.clear()  # (before the store: this rank's watchdog must not halt it)
             doing = self.doing  # the action it failed in (None: between actions)
-            reason = str(e) if isinstance(e, StageError) else f"{type(e).__name__}: {e}"
+            reason = str(e) if isinstance(e, StageError) else described(e)
             if isinstance(e, KeyboardInterrupt):
                 reason = "interrupted" + (
                     f" in {doing[0]} of stage {doing[1]}, micro-batch {doing[2]}" if doing else ""
@@ -480,7 +481,7 @@ class DistPipelineRuntime(PipelineRuntime):
                     x = torch.empty((b, *shape[1:]), dtype=dtype)
                     by_size[b] = self._fake_pass(x, mode)
         except Exception as e:  # noqa: BLE001 - said below, once every rank knows
-            problem = f"{type(e).__name__}: {e}"
+            problem = described(e)
         failed = torch.tensor([int(bool(problem))], dtype=torch.int64, device=self.device)
         dist.all_reduce(failed)
         if problem or int(failed[0]):

@@ -47,6 +47,16 @@ class StageError(RuntimeError):
     """An exception inside a stage, naming the action, the stage and the micro-batch."""
 
 
+def described(e: BaseException) -> str:
+    """`Type: message` of an exception, even one whose own str() raises (found by a red team:
+    the message was made before the other ranks were told, and a launch hung on it)."""
+    try:
+        text = str(e)
+    except Exception:  # noqa: BLE001 - whatever it raises, the failure is still told
+        text = "(its message could not be read)"
+    return f"{type(e).__name__}: {text}"
+
+
 def checkpoint(run: Callable[..., Value], *args: torch.Tensor) -> Value:
     """`run` under torch's non-reentrant checkpoint, whose re-run in backward stops once every
     tensor the first run saved is back (early stop), as the plan counts it: on even where the
@@ -491,7 +501,7 @@ class PipelineRuntime:
         except Exception as e:
             self._end_rng()
             raise StageError(
-                f"{what} of stage {s}, micro-batch {m} failed: {type(e).__name__}: {e}"
+                f"{what} of stage {s}, micro-batch {m} failed: {described(e)}"
             ) from e
         self.doing = None
 

@@ -66,8 +66,8 @@ def on_torch(path: str) -> dict:
 
 
 def failing(out_dir: str, path: str) -> None:
-    """A step whose loss fails on the last rank, every rank's caller catching the error (as a
-    user's loop might); the failing rank tries a second step. The first rank's forwards come
+    """A step whose loss fails on the last rank (with an exception whose message cannot be read),
+    every rank's caller catching the error (as a user's loop might); the failing rank tries a second step. The first rank's forwards come
     late, so the last rank fails with receives still pending. Each rank writes what it saw
     (the others are halted by their watchdogs before they can)."""
     import time
@@ -77,8 +77,12 @@ def failing(out_dir: str, path: str) -> None:
     rank, last = dist.get_rank(), dist.get_world_size() - 1
     model, _, x, y, _, _ = reference_step()
 
+    class Unreadable(ValueError):  # (found by a red team: its str() raising hung the launch)
+        def __str__(self) -> str:
+            raise Unreadable()
+
     def broken(out, y):
-        raise ValueError("bad label")
+        raise Unreadable()
 
     def slow(module, args):
         if type(args[0]).__name__ != "FakeTensor":  # (the shape pass runs it on fakes)

@@ -278,6 +278,26 @@ def test_exception_in_a_stage_names_stage_and_microbatch(profiles):
     assert torch.isfinite(pipe.train_step(x, y, nn.CrossEntropyLoss()))
 
 
+class _Unreadable(Exception):
+    def __str__(self) -> str:
+        raise _Unreadable()
+
+
+def test_an_exception_whose_message_raises_is_still_named(profiles):
+    """Found by a red team: the failure's message was made with str(e) before the other ranks
+    were told, and an exception whose str() raises hung a torchrun launch for good. The
+    stage's error now says its message could not be read (both runtimes make it alike)."""
+    pipe = compile_quiet(small_mlp(), plan_for(profiles["mlp"], "1f1b", "never", 4))
+    x, y, _ = data("mlp")
+
+    def loss_fn(out, t):
+        raise _Unreadable()
+
+    with pytest.raises(StageError, match=r"failed: _Unreadable: \(its message could not be read"):
+        pipe.train_step(x, y, loss_fn)
+    assert torch.isfinite(pipe.train_step(x, y, nn.CrossEntropyLoss()))
+
+
 def test_emitted_source_is_deterministic_and_compiles(profiles):
     plan = plan_for(profiles["transformer"], "zb-h1", "except_last", 4)
     a, b = emit_program(plan), emit_program(plan.model_copy(deep=True))
@@ -740,7 +760,7 @@ def test_a_distributed_pipe_whose_step_fails_on_one_rank_halts_the_others(
                  str(path), timeout=120)  # fmt: skip
     took = time.perf_counter() - t0
     assert r.returncode != 0 and took < 60, (took, r.stderr[-3000:])  # the issue's bound
-    where = "forward of stage 2, micro-batch 0 failed: ValueError: bad label"
+    where = "forward of stage 2, micro-batch 0 failed: Unreadable: (its message could not be read)"
     # the first rank halted ends the job: torchrun stops the rest (SIGTERM), if their own
     # watchdogs have not yet
     halted = [rank for rank in (0, 1) if f"gpipe-plan: rank {rank} stopped: rank 2 failed: "
