@@ -35,6 +35,7 @@ import numpy as np
 from profiler.limits import (
     INT64_SAFE,
     MAX_BATCH,
+    MAX_BYTES,
     MAX_MICROBATCHES,
     ArgumentError,
     choice,
@@ -2102,9 +2103,10 @@ def _least(fits: Callable[..., _Fit | None], need: int | None, floor: int = 1) -
     lo = max(floor, 1) - 1  # known not to fit (nothing fits in 0 bytes)
     if need is None:
         hi = lo + 1
-        while hi < INT64_SAFE and not (found := fits(hi)):
-            hi *= 2
-        if hi >= INT64_SAFE:
+        # (no further than the most a device may have: plans past it are not made)
+        while hi < MAX_BYTES and not (found := fits(hi)):
+            hi = min(2 * hi, MAX_BYTES)
+        if hi >= MAX_BYTES and not (found := fits(MAX_BYTES)):
             return None
     else:
         hi = need - 1
@@ -2228,7 +2230,12 @@ def _infeasible(problem: _Problem, candidates: list[Candidate], floor: int = 0) 
                 if plan.fits and plan.predicted.iteration_ms < closest.predicted.iteration_ms:
                     closest = plan
     if need is None or closest is None:
-        return InfeasibleError("no split fits at any memory size", INT64_SAFE, None)
+        return InfeasibleError(
+            f"no split fits even in {format_size(MAX_BYTES)} per device, the most gpipe-plan "
+            "plans for",
+            INT64_SAFE,
+            None,
+        )
     worst = max(closest.devices, key=lambda d: d.total - d.budget)
     small = ", ".join(d.name for d in cluster.devices if d.memory_bytes < need)
     mixed = len({d.memory_bytes for d in cluster.devices}) > 1

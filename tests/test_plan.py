@@ -219,6 +219,21 @@ def test_equal_stages_bubble_is_k_minus_1_over_m_plus_k_minus_1(K, M):
     assert plan.predicted.bubble_fraction == pytest.approx((K - 1) / (M + K - 1), rel=1e-12)
 
 
+@pytest.mark.parametrize("target", ["streams", "torchrun"])
+@pytest.mark.parametrize("schedule", ["auto", "interleaved-1f1b"])
+def test_a_model_past_the_largest_device_is_told_in_one_line(target, schedule):
+    """Found by a red team: a model whose weights need more than a device may have (1 PiB)
+    gave a validation traceback from the search for the least memory (a plan made at a budget
+    past the limit). It is now an InfeasibleError that says so."""
+    big = 2**47  # with its gradient and adam's two slots, 4 of these per layer on a device
+    prof = synthetic_profile([1.0] * 8, params=[big] * 8)
+    with pytest.raises(InfeasibleError, match="no split fits even in 1 PiB per device"):
+        plan_pipeline(
+            prof, Cluster.uniform(2, "80GiB"), 8, schedule=schedule, target=target,
+            microbatches=2 if schedule != "auto" else "auto",
+        )  # fmt: skip
+
+
 def test_needed_memory_is_exactly_the_least_that_fits():
     prof = synthetic_profile(
         [1, 1, 4, 1, 1, 2, 3], params=[50, 10, 300, 20, 10, 90, 40], saved=[30, 8, 40, 5, 60, 9, 12]
