@@ -500,9 +500,7 @@ class PipelineRuntime:
             raise
         except Exception as e:
             self._end_rng()
-            raise StageError(
-                f"{what} of stage {s}, micro-batch {m} failed: {described(e)}"
-            ) from e
+            raise StageError(f"{what} of stage {s}, micro-batch {m} failed: {described(e)}") from e
         self.doing = None
 
     def _clock(self, s: int) -> Any:

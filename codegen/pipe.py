@@ -305,7 +305,9 @@ def torch_pipelining(model: nn.Module, plan: Plan, loss_fn: Any) -> tuple[list[A
     except RuntimeError as e:
         raise InputError(f"rank {rank}: {e}") from None
     layers = list(as_layers(model, capture_sample(model, plan.input_shape, plan.input_dtype)))
-    refusal = tied_across(layers, [st.layers for st in plan.stages], [st.rank for st in plan.stages])
+    refusal = tied_across(
+        layers, [st.layers for st in plan.stages], [st.rank for st in plan.stages]
+    )
     if refusal is not None:
         raise InputError(refusal)
     return torch_pipeline(

@@ -307,7 +307,8 @@ def plan_pipeline(
             for k, o in visited.outcomes.items()
         ):
             raise outrun
-        err = _infeasible(problem, candidates, floor)
+        deadline = None if time_limit_s is None else started + time_limit_s
+        err = _infeasible(problem, candidates, floor, deadline)
         if err.closest is None or not err.closest.fits:
             if _beat is not None:
                 raise outrun
@@ -2153,12 +2154,19 @@ HELD_LESS = (
 )
 
 
-def _infeasible(problem: _Problem, candidates: list[Candidate], floor: int = 0) -> InfeasibleError:
+def _infeasible(
+    problem: _Problem,
+    candidates: list[Candidate],
+    floor: int = 0,
+    deadline: float | None = None,
+) -> InfeasibleError:
     """Find the least memory per device that any candidate split needs (a min-max partition on
     memory, by bisection on a budget that every device with less is raised to: on equal devices
     the memory each needs, on mixed ones what the small ones need while the large keep theirs),
     and say how far each device falls short. `floor`: a budget below which none fits
-    (_static_need)."""
+    (_static_need). Past `deadline` (time.perf_counter()), once one candidate's need is known,
+    the others are left untried and the message says so (the need is then one that fits, not
+    proven the least)."""
     cluster = problem.cluster
     need: int | None = None
     closest: Plan | None = None
@@ -2171,7 +2179,11 @@ def _infeasible(problem: _Problem, candidates: list[Candidate], floor: int = 0) 
     tried: set[tuple[int, str]] = set()  # (M, schedule) of the per-stage candidates tried
     united: dict[tuple, bool] = {}  # (size and stage count, least so far): none of those fits
     ordered = sorted(candidates, key=_likely_small)
+    untried = 0
     for n, cand in enumerate(ordered):
+        if need is not None and deadline is not None and time.perf_counter() > deadline:
+            untried = len(ordered) - n
+            break
         if (
             cand.per_device == 1
             and cand.recompute in ("never", "except_last")
@@ -2215,7 +2227,7 @@ def _infeasible(problem: _Problem, candidates: list[Candidate], floor: int = 0) 
     if chosen is not None and chosen_fits is not None and need is not None:
         # (only the closest one's split is solved for speed and made a plan)
         closest = _shown(problem, chosen, chosen_fits(need, True))
-    if closest is not None and closest.fits:
+    if closest is not None and closest.fits and not untried:
         # An interleaved split fits the cluster as it is, its devices checked with both
         # stages (which the split search does not do). Each such candidate's split at its own
         # least memory is one that does (a split's choice moves with the budget, so this is
@@ -2242,11 +2254,18 @@ def _infeasible(problem: _Problem, candidates: list[Candidate], floor: int = 0) 
     where = (
         f"on every device with less ({small}; the others as they are)" if mixed else "per device"
     )
+    left = (
+        f" (the time limit left {untried} of {len(ordered)} candidates untried: one of them "
+        "may need less)"
+        if untried
+        else ""
+    )
     return InfeasibleError(
-        f"no split fits: the best one (M={closest.microbatches}, {closest.schedule}, "
-        f"recompute {closest.recompute}) needs {format_size(need, up=True)} ({need} bytes) "
-        f"{where}; {worst.name} would need {format_size(worst.total, up=True)} of "
-        f"{format_size(worst.budget)} (over by {format_size(worst.total - worst.budget, up=True)})",
+        f"no split fits: the best one {'found ' if untried else ''}(M={closest.microbatches}, "
+        f"{closest.schedule}, recompute {closest.recompute}) needs "
+        f"{format_size(need, up=True)} ({need} bytes) {where}; {worst.name} would need "
+        f"{format_size(worst.total, up=True)} of {format_size(worst.budget)} (over by "
+        f"{format_size(worst.total - worst.budget, up=True)}){left}",
         need,
         closest,
     )

@@ -234,6 +234,24 @@ def test_a_model_past_the_largest_device_is_told_in_one_line(target, schedule):
         )  # fmt: skip
 
 
+def test_the_time_limit_holds_for_the_least_memory_too():
+    """Found by a red team: where no split fits, the search for the least memory ran on past
+    --time-limit (69 s against 10 s asked). Past the limit, once one candidate's need is known,
+    the rest are left untried, and the message says so: a need that fits, not the least."""
+    prof = synthetic_profile(
+        [1, 1, 4, 1, 1, 2, 3], params=[50, 10, 300, 20, 10, 90, 40], saved=[30, 8, 40, 5, 60, 9, 12]
+    )
+    with pytest.raises(InfeasibleError) as full:
+        plan_pipeline(prof, Cluster.uniform(3, 200), 8)
+    assert "untried" not in str(full.value)
+    with pytest.raises(InfeasibleError) as cut:
+        plan_pipeline(prof, Cluster.uniform(3, 200), 8, time_limit_s=0)
+    assert "the best one found" in str(cut.value) and "candidates untried" in str(cut.value)
+    need = cut.value.needed_bytes
+    assert need >= full.value.needed_bytes
+    assert plan_pipeline(prof, Cluster.uniform(3, need), 8).fits  # (what it says fits, fits)
+
+
 def test_needed_memory_is_exactly_the_least_that_fits():
     prof = synthetic_profile(
         [1, 1, 4, 1, 1, 2, 3], params=[50, 10, 300, 20, 10, 90, 40], saved=[30, 8, 40, 5, 60, 9, 12]
