@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -69,6 +71,17 @@ class Device(BaseModel):
     host: Text | None = Field(
         default=None, min_length=1, description="the machine it is in, for links given by host"
     )
+
+    @field_validator("torch_device")
+    @classmethod
+    def _device_kind(cls, v: str | None) -> str | None:
+        """A device a pipeline can train on (found by a red team: "meta" and "nonsense" passed,
+        and the program failed when it ran)."""
+        if v is not None and not re.fullmatch(r"(cpu|cuda|mps|xpu)(:[0-9]{1,4})?", v):
+            raise ValueError(
+                f"torch_device {v!r} is not a device to train on: cpu, cuda, cuda:N (or mps, xpu)"
+            )
+        return v
 
     @field_validator("memory_bytes", "reserved_bytes", mode="before")
     @classmethod

@@ -521,6 +521,22 @@ def test_a_devices_speed_is_a_number_not_a_flag_or_a_string(run_cli, prof, tmp_p
         assert_bad_input(r, mentions="speed", no_file=tmp_path / "p.json")
 
 
+def test_a_devices_torch_device_is_one_to_train_on(run_cli, prof, tmp_path):
+    """Found by a red team: `torch_device: "meta"` (or "nonsense") passed, and the program
+    failed when it ran, inside torch. Refused where the cluster is read; cuda:N and cpu pass."""
+    from planner import Cluster
+
+    for named in ("meta", "nonsense", "cuda:-1", "cuda:0 "):
+        devices = [{"name": "d0", "memory_bytes": 2**20, "torch_device": named},
+                   {"name": "d1", "memory_bytes": 2**20}]  # fmt: skip
+        path = tmp_path / "c.json"
+        path.write_text(json.dumps({"kind": "cluster", "format_version": 1, "devices": devices}))
+        r = run_cli("plan", prof, "--cluster", path, "--batch-size", 8, "-o", tmp_path / "p.json")
+        assert_bad_input(r, mentions="torch_device", no_file=tmp_path / "p.json")
+    for named in ("cpu", "cuda", "cuda:3"):
+        Cluster.model_validate({"devices": [{"name": "d", "memory_bytes": 1, "torch_device": named}]})
+
+
 def test_a_loss_that_fails_is_named_as_the_loss(run_cli, tmp_path):
     """Found by a red team: a loss that raised read "the model rejected input ... at layer 4
     (LossLayer)", and one whose module exited on import was labelled MODEL."""
