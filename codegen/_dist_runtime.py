@@ -159,6 +159,7 @@ class DistPipelineRuntime(PipelineRuntime):
     PROFILED_ON = "cpu"  # the device type the plan's profile was measured on
     PREPOSTED: tuple[int, ...] = ()  # stages whose forward receives are posted at begin
     MAX_BATCH: int | None = None  # the most samples a step may take (a Pipe's: its plan's)
+    SAMPLE_SHAPE: list[int] | None = None  # the shape of one (a Pipe's: its plan's)
 
     def __init__(self, model: nn.Sequential, *, deferred_batch_norm: bool = False) -> None:
         if not dist.is_initialized():
@@ -422,6 +423,12 @@ class DistPipelineRuntime(PipelineRuntime):
             raise BatchRefused(
                 f"the plan is for batches of {M} to {self.MAX_BATCH} samples ({M} micro-batches, "
                 f"its memory figures for {self.MAX_BATCH}); plan again with batch_size={n}"
+            )
+        sample = head[4 : 3 + head[2]]
+        if self.SAMPLE_SHAPE is not None and sample != list(self.SAMPLE_SHAPE):
+            raise BatchRefused(
+                f"each sample has shape {sample}, the plan is for {list(self.SAMPLE_SHAPE)} (its "
+                "memory figures hold for that shape): plan again for this one"
             )
         self.specs = self._shapes(tuple(head[3 : 3 + head[2]]), _DTYPES[head[1]])
         # A weight several ranks share: its gradient accumulated over earlier steps is the

@@ -80,6 +80,11 @@ class Pipe:
         if not callable(loss_fn):
             raise ArgumentError("loss_fn", loss_fn, "expected a function (output, target) -> loss")
         self._check_batch(x)
+        if isinstance(y, torch.Tensor) and y.dim() == 0:
+            raise InputError(
+                "the target is one value (a tensor of no dimensions); pass one target per "
+                "sample (batch first)"
+            )
         if (
             isinstance(x, torch.Tensor)
             and isinstance(y, torch.Tensor)
@@ -141,6 +146,8 @@ class Pipe:
                 f"the plan is for batches of {M} to {N} samples ({M} micro-batches, its memory "
                 f"figures for {N}); plan again with batch_size={x.shape[0]}",
             )
+        if list(x.shape[1:]) != list(self.plan.input_shape):
+            raise InputError(_other_shape(list(x.shape[1:]), list(self.plan.input_shape)))
 
     def __repr__(self) -> str:
         if self.distributed:
@@ -153,6 +160,15 @@ class Pipe:
             f"Pipe({self.plan.schedule}, {len(self.plan.stages)} stages on "
             f"{[str(d) for d in self.devices]}, M={self.plan.microbatches})"
         )
+
+
+def _other_shape(got: list[int], planned: list[int]) -> str:
+    """Why a batch of other samples is refused (found by a red team: a pipe took samples 250x
+    the planned size, and measured 88x its plan's memory)."""
+    return (
+        f"each sample has shape {got}, the plan is for {planned} (its memory figures hold for "
+        "that shape): plan again for this one"
+    )
 
 
 def compile_pipe(
@@ -266,6 +282,7 @@ def _distributed_pipe(
     except (RuntimeError, ValueError) as e:  # wrong world size, device or plan: every rank
         raise InputError(str(e)) from None
     program.MAX_BATCH = plan.batch_size  # (the plan's memory holds up to it; checked in step)
+    program.SAMPLE_SHAPE = list(plan.input_shape)  # (and for samples of this shape)
     return Pipe(plan, schedule_of(plan), source, program, namespace, distributed=True)
 
 

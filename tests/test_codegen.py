@@ -261,6 +261,21 @@ def test_target_of_the_wrong_shape(profiles):
         pipe.train_step(x, y[:5], loss_fn)
 
 
+def test_samples_of_another_shape_and_a_single_target_are_refused(profiles):
+    """Found by a red team: a pipe checked the batch size alone, and took samples 250x the
+    planned size (measure: 88x the plan's memory); a target of no dimensions failed inside
+    the program with torch's error."""
+    pipe = compile_quiet(small_mlp(), plan_for(profiles["mlp"], "gpipe", "never", 2))
+    x, y, loss_fn = data("mlp")
+    wide = torch.randn(x.shape[0], 4, *x.shape[1:])
+    for call in (lambda: pipe.train_step(wide, y, loss_fn), lambda: pipe(wide)):
+        with pytest.raises(InputError, match=r"each sample has shape \[4, 32\], the plan is for"):
+            call()
+    with pytest.raises(InputError, match="one target per sample"):
+        pipe.train_step(x, torch.tensor(3), loss_fn)
+    assert torch.isfinite(pipe.train_step(x, y, loss_fn))
+
+
 def test_exception_in_a_stage_names_stage_and_microbatch(profiles):
     pipe = compile_quiet(small_mlp(), plan_for(profiles["mlp"], "1f1b", "never", 4))
     x, y, _ = data("mlp")

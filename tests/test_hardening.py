@@ -534,7 +534,9 @@ def test_a_devices_torch_device_is_one_to_train_on(run_cli, prof, tmp_path):
         r = run_cli("plan", prof, "--cluster", path, "--batch-size", 8, "-o", tmp_path / "p.json")
         assert_bad_input(r, mentions="torch_device", no_file=tmp_path / "p.json")
     for named in ("cpu", "cuda", "cuda:3"):
-        Cluster.model_validate({"devices": [{"name": "d", "memory_bytes": 1, "torch_device": named}]})
+        Cluster.model_validate(
+            {"devices": [{"name": "d", "memory_bytes": 1, "torch_device": named}]}
+        )
 
 
 def test_a_loss_that_fails_is_named_as_the_loss(run_cli, tmp_path):

@@ -854,7 +854,9 @@ def test_a_loss_that_is_no_function_is_refused_by_every_rank(mlp_profile):
     assert texts[2] == "loss_fn: expected a function (output, target) -> loss"
 
 
-@pytest.mark.parametrize("case", ["too many samples", "targets of another size", "in a tuple"])
+@pytest.mark.parametrize(
+    "case", ["too many samples", "targets of another size", "in a tuple", "other samples"]
+)
 def test_a_batch_only_one_rank_can_judge_is_refused_by_every_rank(mlp_profile, case):
     """Found by the red team: a distributed Pipe checked its batch size on the first stage's
     rank alone, before the step's start, and a target of another size failed on the last
@@ -868,10 +870,13 @@ def test_a_batch_only_one_rank_can_judge_is_refused_by_every_rank(mlp_profile, c
     plan = plan_pipeline(mlp_profile, Cluster.uniform(3, "1GiB"), 8, microbatches=4,
                          schedule="gpipe")  # fmt: skip
     program = emit_program(plan, target="torchrun") + "\nPipeline.MAX_BATCH = 8\n"
+    program += "Pipeline.SAMPLE_SHAPE = [32]\n"  # (what compile_pipe sets: the plan's)
     n, targets = (9, 9) if case == "too many samples" else (8, 9)
     x, y = torch.randn(n, 32), torch.randint(0, 10, (targets,))
     if case == "in a tuple":
         y = (y,)
+    if case == "other samples":  # (found by a red team: 88x the plan's memory, unrefused)
+        x, y = torch.randn(8, 4, 32), torch.randint(0, 10, (8,))
     *_, transport, errors = _run_ranks(
         program, _models(3), x, y, torch.nn.CrossEntropyLoss(), timeout=5
     )
@@ -881,6 +886,8 @@ def test_a_batch_only_one_rank_can_judge_is_refused_by_every_rank(mlp_profile, c
         "the plan is for batches of 4 to 8 samples (4 micro-batches, its memory figures for 8);"
         " plan again with batch_size=9"
         if case == "too many samples"
+        else "each sample has shape [4, 32], the plan is for [32]"
+        if case == "other samples"
         else "the target has 9 samples but the input has 8; pass one target per sample"
     )
     assert all(want in str(e) for e in errors), errors
