@@ -2255,8 +2255,8 @@ def _infeasible(
         f"on every device with less ({small}; the others as they are)" if mixed else "per device"
     )
     left = (
-        f" (the time limit left {untried} of {len(ordered)} candidates untried: one of them "
-        "may need less)"
+        f" (the time limit stopped the search with {untried} of {len(ordered)} candidates not "
+        "looked at: one of them may need less)"
         if untried
         else ""
     )

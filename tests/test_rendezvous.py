@@ -799,16 +799,16 @@ def test_each_rank_takes_the_device_the_cluster_names(mlp_profile):
 
     cluster = Cluster.model_validate(
         {"devices": [{"name": f"d{k}", "memory_bytes": "1GiB", "torch_device": dev}
-                     for k, dev in enumerate(["cpu", "meta"])]}
+                     for k, dev in enumerate(["cpu", "mps"])]}
     )  # fmt: skip
     plan = plan_pipeline(mlp_profile, cluster, 8, microbatches=2, schedule="gpipe")
     program = emit_program(plan, target="torchrun")
-    assert 'DEVICES = ["cpu", "meta"]' in program
+    assert 'DEVICES = ["cpu", "mps"]' in program
     ns: dict = {}
     exec(compile(program, "program.py", "exec"), ns)
     runtime = ns["Pipeline"]
     probe = runtime.__new__(runtime)
-    for rank, want in ((0, "cpu"), (1, "meta")):
+    for rank, want in ((0, "cpu"), (1, "mps")):
         probe.rank = rank
         assert probe._own_device() == torch.device(want)
     probe.DEVICES = ["cpu", "nonsense:7"]

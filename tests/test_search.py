@@ -993,22 +993,25 @@ def test_the_least_memory_is_a_plain_bisections_from_the_floor_up(seed, K, mixed
         assert fits(least, True)  # (and the fastest split is asked for where one fits)
 
 
-def _candidate_groups(seed: int, K: int, mixed: bool) -> tuple[search._Problem, list[list]]:
+def _candidate_groups(
+    seed: int, K: int, mixed: bool, target: str = "streams", saved: tuple[int, int] = (10, 600)
+) -> tuple[search._Problem, list[list]]:
     """A small memory-bound problem and its candidates in the groups _infeasible tests together
-    (one micro-batch size, one number of stages)."""
+    (one micro-batch size, one number of stages). `saved`: the range of each layer's saved
+    bytes (small: the weights decide, and the candidates' needs lie bytes apart)."""
     rng = np.random.default_rng(seed)
     L = 8
     prof = synthetic_profile(
         list(rng.uniform(0.2, 3.0, L)),
         params=[int(x) for x in rng.integers(10, 400, L)],
-        saved=[int(x) for x in rng.integers(10, 600, L)],
+        saved=[int(x) for x in rng.integers(*saved, L)],
         sizes=(1, 2, 4),
     )
     mems = [int(x) for x in rng.integers(50, 3000, K)] if mixed else [300] * K
     cluster = Cluster.model_validate(
         {"devices": [{"name": f"d{k}", "memory_bytes": m} for k, m in enumerate(mems)]}
     )
-    problem = search._Problem(prof, cluster, 4, "adam", ("", ""), "streams", ())
+    problem = search._Problem(prof, cluster, 4, "adam", ("", ""), target, ())
     groups: dict[tuple, list] = {}
     for M in (1, 2, 4):
         for schedule in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b"):
@@ -1045,11 +1048,18 @@ def test_a_group_shown_to_fit_nowhere_has_no_candidate_that_fits(seed, K, mixed)
 
 
 @settings(max_examples=15, deadline=None)
-@given(st.integers(0, 10**6), st.integers(2, 3), st.booleans())
-def test_device_peaks_are_the_plans_own(seed, K, mixed):
+@given(
+    st.integers(0, 10**6),
+    st.integers(2, 3),
+    st.booleans(),
+    st.sampled_from(["streams", "torchrun"]),
+)
+def test_device_peaks_are_the_plans_own(seed, K, mixed, target):
     """_infeasible checks an interleaved split's devices by _device_peaks, without making its
-    plan: each device's figure is the plan's, to the byte, for every mode (and per-stage)."""
-    problem, groups = _candidate_groups(seed, K, mixed)
+    plan: each device's figure is the plan's, to the byte, for every mode (and per-stage). For
+    the torchrun target it is the plan's own (its program holds other bytes than peaks() of
+    the stages alone: a cold review found the two differ on most such splits)."""
+    problem, groups = _candidate_groups(seed, K, mixed, target)
     checked = 0
     for group in groups:
         for cand in group:
@@ -1065,6 +1075,37 @@ def test_device_peaks_are_the_plans_own(seed, K, mixed):
             assert got == [d.total for d in plan.devices], cand
             checked += 1
     assert checked
+
+
+def test_the_least_memory_is_the_least_over_every_candidate_on_its_own(monkeypatch):
+    """_infeasible skips candidates (per-stage twins, alike shapes, groups shown to need more)
+    and tries each of the rest once just below the least so far: its need is still the least
+    of every candidate's own (one stage per device, where a budget that fits fits all larger
+    ones). The order it tries them in is only for speed: here a random one (without per-stage
+    candidates, which the twin rule needs first), so that the candidate that sets the need is
+    often not the first tried (a cold review found that case untested: tests passed with the
+    group tested 2 bytes low)."""
+    rng = np.random.default_rng(7)
+    draw: dict = {}
+    monkeypatch.setattr(search, "_likely_small", lambda c: draw.setdefault(c, rng.random()))
+    later = close = 0
+    for seed in range(40):
+        saved = (10, 600) if seed % 3 == 1 else (1, 8)  # (needs far apart, or bytes apart)
+        problem, groups = _candidate_groups(seed, 2 + seed % 3 // 2, seed % 3 == 0, saved=saved)
+        cands = [
+            c for g in groups for c in g if c.per_device == 1 and c.recompute != search.PER_STAGE
+        ]
+        leasts = {c: search._least(search._fits_within(problem, c), None) for c in cands}
+        want = min(n for n in leasts.values() if n is not None)
+        for _ in range(3):  # three orders of the same candidates
+            draw.clear()
+            assert search._infeasible(problem, cands).needed_bytes == want, seed
+            order = sorted(cands, key=search._likely_small)
+            later += leasts[order[0]] != want
+            # a need one byte over the least, tried before it: the next try is at the least
+            reached = [leasts[c] for c in order if leasts[c] is not None]
+            close += min(reached[: reached.index(want)], default=0) == want + 1
+    assert later >= 10 and close >= 1  # (the skipping decides, down to the byte)
 
 
 def test_the_floors_show_most_groups_need_more_than_the_least():
