@@ -16,8 +16,10 @@ from torch import nn  # emit: drop
 
 class DeferredBatchNorm(nn.Module):
     """BatchNorm that normalises each micro-batch with its own statistics (as GPipe does) but
-    updates the running statistics once per mini-batch, from all its micro-batches together, so
-    they equal the un-pipelined model's. Shares the wrapped layer's parameters and buffers."""
+    updates the running statistics once per mini-batch, from all its micro-batches together:
+    the un-pipelined model's for the first batch norm (a later one receives what was
+    normalised micro-batch by micro-batch before it). Shares the wrapped layer's parameters and
+    buffers."""
 
     def __init__(self, bn: nn.modules.batchnorm._BatchNorm, microbatches: int) -> None:
         super().__init__()
