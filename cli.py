@@ -11,6 +11,7 @@ import gc
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -996,10 +997,10 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 
 
 def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.replace("x", ",").split(",") if v.strip()]
-    except ValueError:
-        raise InputError(f"{flag} {text!r}: expected whole numbers separated by commas") from None
+    parts = [v.strip() for v in text.replace("x", ",").split(",") if v.strip()]
+    if not all(re.fullmatch(r"[0-9]+", v) for v in parts):  # (digits 0-9 alone: _whole)
+        raise InputError(f"{flag} {text!r}: expected whole numbers separated by commas")
+    values = [int(v) for v in parts]
     if not values:
         raise InputError(f"{flag} {text!r}: expected whole numbers separated by commas")
     return values
@@ -1047,10 +1048,11 @@ def _module_file(name: str) -> list[str]:
 
 
 def _whole(text: str, flag: str, what: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise InputError(f"{flag} {text!r}: expected {what}") from None
+    """Digits 0-9 alone (found by a red team: int() also read "1_0", "+2", " 4" and other
+    scripts' digits)."""
+    if not re.fullmatch(r"[0-9]+", text):
+        raise InputError(f"{flag} {text!r}: expected {what}")
+    return int(text)
 
 
 def _number(flag: str, lo: float, hi: float) -> Callable[[str], float]:

@@ -521,6 +521,23 @@ def test_a_devices_speed_is_a_number_not_a_flag_or_a_string(run_cli, prof, tmp_p
         assert_bad_input(r, mentions="speed", no_file=tmp_path / "p.json")
 
 
+def test_whole_numbers_are_digits_and_an_output_is_no_folder(run_cli, prof, tmp_path):
+    """Found by a red team: int() read `--devices 1_0` as 10 (and "+2", " 4", full-width
+    digits), and `-o newdir/` wrote a file named newdir."""
+    out = tmp_path / "p.json"
+    for flag, value in (("--devices", "1_0"), ("--devices", "+2"), ("--batch-size", " 8"),
+                        ("--devices", "\uff12"), ("--microbatches", "٢")):  # fmt: skip
+        args = {"--devices": "2", "--batch-size": "8", flag: value}
+        r = run_cli("plan", prof, "--memory", "1GiB", *(x for kv in args.items() for x in kv),
+                    "-o", out)  # fmt: skip
+        assert_bad_input(r, mentions=flag, no_file=out)
+    r = run_cli("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 8,
+                "-o", f"{tmp_path / 'newdir'}/")  # fmt: skip
+    assert_bad_input(r, mentions="ends in a slash", no_file=tmp_path / "newdir")
+    assert run_cli("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 8,
+                   "-o", out).code == 0  # fmt: skip
+
+
 def test_a_devices_torch_device_is_one_to_train_on(run_cli, prof, tmp_path):
     """Found by a red team: `torch_device: "meta"` (or "nonsense") passed, and the program
     failed when it ran, inside torch. Refused where the cluster is read; cuda:N and cpu pass."""
