@@ -2249,8 +2249,16 @@ def _infeasible(
             None,
         )
     worst = max(closest.devices, key=lambda d: d.total - d.budget)
-    small = ", ".join(d.name for d in cluster.devices if d.memory_bytes < need)
     mixed = len({d.memory_bytes for d in cluster.devices}) > 1
+    if not mixed and worst.total < need:
+        # The split search counts each stage as the issue order holds it (a captured graph's
+        # far inputs as they could arrive first); the closest plan, its real routes and, for
+        # torchrun, its program, may hold less. On equal devices that plan is what `plan`
+        # returns from this budget up (this search, run again there, finds the same split),
+        # and below it nothing fits: the least memory is its largest device's (found by a red
+        # team: a GPT under torchrun was told 7 922 176 bytes, and planned in 7 889 408).
+        need = worst.total
+    small = ", ".join(d.name for d in cluster.devices if d.memory_bytes < need)
     where = (
         f"on every device with less ({small}; the others as they are)" if mixed else "per device"
     )

@@ -299,6 +299,25 @@ def gpt_profile():
     return model, layers, prof
 
 
+@pytest.mark.parametrize("target", ["streams", "torchrun"])
+def test_the_least_memory_of_a_captured_graph_is_the_least_that_plans(gpt_profile, target):
+    """Found by a red team: where no split fits a GPT under torchrun, the need stated was the
+    split search's count (7 922 176 bytes), while `plan` succeeded from 7 889 408: the closest
+    plan, its program and real routes, holds less. On equal devices the need is now the
+    closest plan's largest device: it plans there, and one byte less it does not."""
+    from planner import InfeasibleError
+
+    _, _, prof = gpt_profile
+    kw = dict(target=target, schedule="1f1b")
+    with pytest.raises(InfeasibleError) as info:
+        plan_pipeline(prof, Cluster.uniform(3, 1000), 4, **kw)
+    need = info.value.needed_bytes
+    assert max(d.total for d in info.value.closest.devices) == need
+    assert plan_pipeline(prof, Cluster.uniform(3, need), 4, **kw) is not None
+    with pytest.raises(InfeasibleError):
+        plan_pipeline(prof, Cluster.uniform(3, need - 1), 4, **kw)
+
+
 def test_tied_weights_are_counted_on_both_stages(gpt_profile):
     model, layers, prof = gpt_profile
     # a split by structure alone: one slow sample of the head's once left the head alone on
