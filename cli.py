@@ -1048,9 +1048,9 @@ def _module_file(name: str) -> list[str]:
 
 
 def _whole(text: str, flag: str, what: str) -> int:
-    """Digits 0-9 alone (found by a red team: int() also read "1_0", "+2", " 4" and other
-    scripts' digits)."""
-    if not re.fullmatch(r"[0-9]+", text):
+    """Digits 0-9 alone, after a minus sign at most (found by a red team: int() also read
+    "1_0", "+2", " 4" and other scripts' digits)."""
+    if not re.fullmatch(r"-?[0-9]+", text):
         raise InputError(f"{flag} {text!r}: expected {what}")
     return int(text)
 
