@@ -510,15 +510,21 @@ def test_check_gates_each_device_on_its_own_budget_to_the_byte(run_cli, plan_fil
     assert run_cli("check", plan_file, "--max-bubble", repr(bubble * (1 - 1e-9))).code == 1
 
 
+def _refused_device_field(run_cli, prof, tmp_path, field: str, value: object) -> None:
+    """`plan` with a cluster file whose first device has `field` set to `value`: refused in
+    one line that names the field, nothing written."""
+    devices = [{"name": "d0", "memory_bytes": 2**20, field: value},
+               {"name": "d1", "memory_bytes": 2**20}]  # fmt: skip
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"kind": "cluster", "format_version": 1, "devices": devices}))
+    r = run_cli("plan", prof, "--cluster", path, "--batch-size", 8, "-o", tmp_path / "p.json")
+    assert_bad_input(r, mentions=field, no_file=tmp_path / "p.json")
+
+
 def test_a_devices_speed_is_a_number_not_a_flag_or_a_string(run_cli, prof, tmp_path):
     """Found by a red team: a cluster file's `speed: true` or `"1.0"` read as 1.0."""
     for speed in (True, "1.0"):
-        devices = [{"name": "d0", "memory_bytes": 2**20, "speed": speed},
-                   {"name": "d1", "memory_bytes": 2**20}]  # fmt: skip
-        path = tmp_path / "c.json"
-        path.write_text(json.dumps({"kind": "cluster", "format_version": 1, "devices": devices}))
-        r = run_cli("plan", prof, "--cluster", path, "--batch-size", 8, "-o", tmp_path / "p.json")
-        assert_bad_input(r, mentions="speed", no_file=tmp_path / "p.json")
+        _refused_device_field(run_cli, prof, tmp_path, "speed", speed)
 
 
 def test_whole_numbers_are_digits_and_an_output_is_no_folder(run_cli, prof, tmp_path):
@@ -544,12 +550,7 @@ def test_a_devices_torch_device_is_one_to_train_on(run_cli, prof, tmp_path):
     from planner import Cluster
 
     for named in ("meta", "nonsense", "cuda:-1", "cuda:0 "):
-        devices = [{"name": "d0", "memory_bytes": 2**20, "torch_device": named},
-                   {"name": "d1", "memory_bytes": 2**20}]  # fmt: skip
-        path = tmp_path / "c.json"
-        path.write_text(json.dumps({"kind": "cluster", "format_version": 1, "devices": devices}))
-        r = run_cli("plan", prof, "--cluster", path, "--batch-size", 8, "-o", tmp_path / "p.json")
-        assert_bad_input(r, mentions="torch_device", no_file=tmp_path / "p.json")
+        _refused_device_field(run_cli, prof, tmp_path, "torch_device", named)
     for named in ("cpu", "cuda", "cuda:3"):
         Cluster.model_validate(
             {"devices": [{"name": "d", "memory_bytes": 1, "torch_device": named}]}
