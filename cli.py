@@ -854,10 +854,8 @@ def _checkpoint_arg(text: str, num_layers: int) -> str | list[int]:
     out: list[int] = []
     for part in text.split(","):
         lo, sep, hi = part.strip().partition("-")
-        try:
-            a, b = int(lo), int(hi) if sep else int(lo)
-        except ValueError:
-            a = b = -1
+        digits = all(re.fullmatch(r"[0-9]+", x) for x in ((lo, hi) if sep else (lo,)))
+        a, b = (int(lo), int(hi) if sep else int(lo)) if digits else (-1, -1)  # (as _whole)
         if not 0 <= a <= b < num_layers or len(part) > 40:
             raise InputError(
                 f"--checkpoint-layers {text[:60]!r}: expected auto, none, or layers 0 .. "
@@ -1059,7 +1057,9 @@ def _number(flag: str, lo: float, hi: float) -> Callable[[str], float]:
     """A finite float flag in [lo, hi]."""
 
     def parse(text: str) -> float:
-        try:
+        try:  # (as _whole: float() also reads "1_0", " 4" and other scripts' digits)
+            if "_" in text or not text.isascii() or text != text.strip():
+                raise ValueError(text)
             value = float(text)
         except ValueError:
             raise InputError(f"{flag} {text!r}: expected a number") from None

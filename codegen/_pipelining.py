@@ -50,6 +50,8 @@ def tied_across(
     for s, (a, b) in enumerate(stages):
         for layer in layers[a:b]:
             for name, p in layer.named_parameters():
+                if not p.requires_grad:  # (a frozen copy per rank trains nothing apart)
+                    continue
                 first = owner.setdefault(id(p), s)
                 if ranks[first] != ranks[s]:
                     return (

@@ -80,7 +80,8 @@ class Pipe:
         if not callable(loss_fn):
             raise ArgumentError("loss_fn", loss_fn, "expected a function (output, target) -> loss")
         self._check_batch(x)
-        if isinstance(y, torch.Tensor) and y.dim() == 0:
+        parts = y if isinstance(y, (tuple, list)) else (y,)
+        if any(isinstance(t, torch.Tensor) and t.dim() == 0 for t in parts):
             raise InputError(
                 "the target is one value (a tensor of no dimensions); pass one target per "
                 "sample (batch first)"

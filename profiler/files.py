@@ -44,9 +44,12 @@ def check_output(
     if not os.fspath(path):  # os.stat("") fails as if missing, realpath("") is the directory
         raise InputError(f"{flag or 'the output'}: an empty path; name a file to write")
     target = Path(os.path.realpath(path))
-    if os.fspath(path).endswith(("/", os.sep)) and not os.path.isdir(path):
+    named = os.fspath(path)
+    if (named.endswith(("/", os.sep)) or os.path.basename(named) in (".", "..")) and not (
+        os.path.isdir(path)
+    ):
         # (found by a red team: realpath drops the slash, and a file took the folder's name)
-        raise InputError(f"{shown}: ends in a slash, as a folder does; name a file to write")
+        raise InputError(f"{shown}: ends as a folder's path does; name a file to write")
     try:
         st = os.stat(path)  # what the path names, through any links (/dev/stdout: a pipe)
     except FileNotFoundError:

@@ -271,8 +271,9 @@ def test_samples_of_another_shape_and_a_single_target_are_refused(profiles):
     for call in (lambda: pipe.train_step(wide, y, loss_fn), lambda: pipe(wide)):
         with pytest.raises(InputError, match=r"each sample has shape \[4, 32\], the plan is for"):
             call()
-    with pytest.raises(InputError, match="one target per sample"):
-        pipe.train_step(x, torch.tensor(3), loss_fn)
+    for target in (torch.tensor(3), (torch.tensor(3),)):
+        with pytest.raises(InputError, match="one target per sample"):
+            pipe.train_step(x, target, loss_fn)
     assert torch.isfinite(pipe.train_step(x, y, loss_fn))
 
 
@@ -960,6 +961,9 @@ def test_torch_pipelining_refuses_weights_tied_across_ranks(tmp_path, run_cli, t
     assert tied_across(layers, [(0, 2), (2, 5)], [0, 1]) is not None
     assert tied_across(layers, [(0, 2), (2, 4), (4, 5)], [0, 1, 0]) is None  # one rank holds both
     assert tied_across(list(mlp()), [(0, 4), (4, 17)], [0, 1]) is None
+    layers[0].weight.requires_grad_(False)  # frozen: a copy per rank trains nothing apart
+    assert tied_across(layers, [(0, 2), (2, 5)], [0, 1]) is None
+    layers[0].weight.requires_grad_(True)
     prof = quick_profile(model, model.example_input, batch_sizes=[1, 2, 4])
     plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 8, microbatches=2, schedule="1f1b")
     plan_path = tmp_path / "plan.json"

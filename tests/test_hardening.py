@@ -532,14 +532,19 @@ def test_whole_numbers_are_digits_and_an_output_is_no_folder(run_cli, prof, tmp_
     digits), and `-o newdir/` wrote a file named newdir."""
     out = tmp_path / "p.json"
     for flag, value in (("--devices", "1_0"), ("--devices", "+2"), ("--batch-size", " 8"),
-                        ("--devices", "\uff12"), ("--microbatches", "٢")):  # fmt: skip
+                        ("--devices", "\uff12"), ("--microbatches", "٢"),
+                        ("--checkpoint-layers", "1_0"), ("--checkpoint-layers", "+2,٣"),
+                        ("--time-limit", "1_0"), ("--time-limit", "٢")):  # fmt: skip
         args = {"--devices": "2", "--batch-size": "8", flag: value}
         r = run_cli("plan", prof, "--memory", "1GiB", *(x for kv in args.items() for x in kv),
                     "-o", out)  # fmt: skip
         assert_bad_input(r, mentions=flag, no_file=out)
     r = run_cli("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 8,
                 "-o", f"{tmp_path / 'newdir'}/")  # fmt: skip
-    assert_bad_input(r, mentions="ends in a slash", no_file=tmp_path / "newdir")
+    assert_bad_input(r, mentions="ends as a folder", no_file=tmp_path / "newdir")
+    r = run_cli("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 8,
+                "-o", f"{tmp_path / 'newdir'}/.")  # fmt: skip
+    assert_bad_input(r, mentions="ends as a folder", no_file=tmp_path / "newdir")
     assert run_cli("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 8,
                    "-o", out).code == 0  # fmt: skip
 
