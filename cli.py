@@ -854,8 +854,8 @@ def _checkpoint_arg(text: str, num_layers: int) -> str | list[int]:
     out: list[int] = []
     for part in text.split(","):
         lo, sep, hi = part.strip().partition("-")
-        digits = all(re.fullmatch(r"[0-9]+", x) for x in ((lo, hi) if sep else (lo,)))
-        a, b = (int(lo), int(hi) if sep else int(lo)) if digits else (-1, -1)  # (as _whole)
+        a, b = _ascii_int(lo), _ascii_int(hi if sep else lo)
+        a, b = (-1, -1) if a is None or b is None else (a, b)
         if not 0 <= a <= b < num_layers or len(part) > 40:
             raise InputError(
                 f"--checkpoint-layers {text[:60]!r}: expected auto, none, or layers 0 .. "
@@ -996,9 +996,9 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 
 def _int_list(text: str, flag: str) -> list[int]:
     parts = [v.strip() for v in text.replace("x", ",").split(",") if v.strip()]
-    if not all(re.fullmatch(r"[0-9]+", v) for v in parts):  # (digits 0-9 alone: _whole)
+    values = [_ascii_int(v) for v in parts]
+    if None in values:
         raise InputError(f"{flag} {text!r}: expected whole numbers separated by commas")
-    values = [int(v) for v in parts]
     if not values:
         raise InputError(f"{flag} {text!r}: expected whole numbers separated by commas")
     return values
@@ -1045,12 +1045,23 @@ def _module_file(name: str) -> list[str]:
     return [spec.origin] if spec is not None and spec.origin else []
 
 
-def _whole(text: str, flag: str, what: str) -> int:
-    """Digits 0-9 alone, after a minus sign at most (found by a red team: int() also read
-    "1_0", "+2", " 4" and other scripts' digits)."""
-    if not re.fullmatch(r"-?[0-9]+", text):
-        raise InputError(f"{flag} {text!r}: expected {what}")
+def _ascii_int(text: str, signed: bool = False) -> int | None:
+    """Digits 0-9 alone (after a minus sign, `signed`) as an int, else None (found by a red
+    team: int() also read "1_0", "+2", " 4" and other scripts' digits). Past 30 digits, a
+    number past every limit (int() refuses 4 300 digits with a ValueError)."""
+    if not re.fullmatch(r"-?[0-9]+" if signed else r"[0-9]+", text):
+        return None
+    if len(text) > 30:
+        return -(10**30) if text.startswith("-") else 10**30
     return int(text)
+
+
+def _whole(text: str, flag: str, what: str) -> int:
+    """_ascii_int, signed, or one line saying what was expected."""
+    value = _ascii_int(text, signed=True)
+    if value is None:
+        raise InputError(f"{flag} {text!r}: expected {what}")
+    return value
 
 
 def _number(flag: str, lo: float, hi: float) -> Callable[[str], float]:

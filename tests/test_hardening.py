@@ -534,7 +534,9 @@ def test_whole_numbers_are_digits_and_an_output_is_no_folder(run_cli, prof, tmp_
     for flag, value in (("--devices", "1_0"), ("--devices", "+2"), ("--batch-size", " 8"),
                         ("--devices", "\uff12"), ("--microbatches", "٢"),
                         ("--checkpoint-layers", "1_0"), ("--checkpoint-layers", "+2,٣"),
-                        ("--time-limit", "1_0"), ("--time-limit", "٢")):  # fmt: skip
+                        ("--time-limit", "1_0"), ("--time-limit", "٢"),
+                        ("--devices", "9" * 5000),  # (int() raises past 4 300 digits)
+                        ("--checkpoint-layers", "9" * 5000)):  # fmt: skip
         args = {"--devices": "2", "--batch-size": "8", flag: value}
         r = run_cli("plan", prof, "--memory", "1GiB", *(x for kv in args.items() for x in kv),
                     "-o", out)  # fmt: skip
