@@ -2154,6 +2154,91 @@ HELD_LESS = (
 )
 
 
+def _overruns(plan: Plan, budget: int) -> bool:
+    """Whether a plan made against the cluster's own budgets overruns a device once every device
+    with less memory than `budget` is raised to it."""
+    return any(d.total > max(d.budget, budget) for d in plan.devices)
+
+
+PLANNED_TRIES = 48  # plans (or searches) made at most to find a need that plans
+
+
+def _raised(problem: _Problem, budget: int) -> _Problem:
+    """The same problem with every device with less memory than `budget` raised to it, its
+    caches shared (none depends on a device's memory)."""
+    cluster = problem.cluster
+    devices = [
+        d.model_copy(update={"memory_bytes": max(d.memory_bytes, budget)}) for d in cluster.devices
+    ]
+    raised = dataclasses.replace(problem, cluster=cluster.model_copy(update={"devices": devices}))
+    for name in ("chains", "memories", "granular", "summaries", "records", "link_floors", "shapes"):
+        setattr(raised, name, getattr(problem, name))
+    return raised
+
+
+def _planned_need(
+    problem: _Problem,
+    candidates: list[Candidate],
+    cand: Candidate,
+    fits: Callable[..., _Fit | None],
+    need: int,
+    closest: Plan,
+    deadline: float | None,
+) -> tuple[int, Plan]:
+    """Where the closest plan's program holds more than the split search counts (a torchrun
+    program's gradients received ahead of their backward, its batches of messages in flight),
+    `plan` at the split search's need overruns a device (found by a red team: 7 of 60 small
+    torchrun cases were told a need at which `plan` then failed). The need becomes a budget at
+    which `plan` succeeds: the closest candidate's budget is raised to what its plan's largest
+    device holds until that plan fits; then the whole search (`_search`, every candidate) is
+    bisected between the split search's need, below which nothing fits, and there, down to a
+    budget one byte below which it finds nothing. Whether a plan fits need not carry over to a
+    larger budget (the fastest split moves with it): the least found, not proven the least.
+    Without a budget that plans within PLANNED_TRIES plans or searches (or past `deadline`),
+    the split search's need stands."""
+    tries = 0
+
+    def stop() -> bool:
+        late = deadline is not None and time.perf_counter() > deadline
+        return late or tries >= PLANNED_TRIES
+
+    def made(budget: int) -> Plan | None:
+        nonlocal tries
+        tries += 1
+        found = fits(budget, True)
+        return None if found is None else _shown(problem, cand, found)
+
+    lo, budget, last = need - 1, need, closest
+    hi: tuple[int, Plan] | None = None
+    while hi is None and budget < MAX_BYTES and not stop():
+        held = max(d.total for d in last.devices)
+        budget = min(max(held, budget + max(1, budget >> 10)), MAX_BYTES)
+        plan = made(budget)
+        if plan is not None and not _overruns(plan, budget):
+            hi = (budget, plan)
+        else:
+            last = plan or last
+    if hi is None:
+        return need, closest
+    while hi[0] - lo > 1 and not stop():
+        mid = (lo + hi[0]) // 2
+        tries += 1
+        _, won, _ = _search(
+            _raised(problem, mid), candidates, solve_partition, "probe-bisection", None, False
+        )
+        if won is None:
+            lo = mid
+            continue
+        # the winner's split, made against the cluster's own budgets (as _shown does)
+        found = _fits_within(problem, won)(mid, True)
+        plan = None if found is None else _shown(problem, won, found)
+        if plan is None or _overruns(plan, mid):  # (its split chosen otherwise there)
+            lo = mid
+        else:
+            hi = (mid, plan)
+    return hi
+
+
 def _infeasible(
     problem: _Problem,
     candidates: list[Candidate],
@@ -2248,9 +2333,15 @@ def _infeasible(
             INT64_SAFE,
             None,
         )
+    raised = False
+    if chosen is not None and chosen_fits is not None and _overruns(closest, need):
+        need, closest = _planned_need(
+            problem, candidates, chosen, chosen_fits, need, closest, deadline
+        )
+        raised = True
     worst = max(closest.devices, key=lambda d: d.total - d.budget)
     mixed = len({d.memory_bytes for d in cluster.devices}) > 1
-    if not mixed and worst.total < need:
+    if not mixed and worst.total < need and not raised:
         # The split search counts each stage as the issue order holds it (a captured graph's
         # far inputs as they could arrive first); the closest plan, its real routes and, for
         # torchrun, its program, may hold less. On equal devices that plan is what `plan`

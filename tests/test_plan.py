@@ -265,6 +265,33 @@ def test_needed_memory_is_exactly_the_least_that_fits():
         plan_pipeline(prof, Cluster.uniform(3, need - 1), 8, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "schedule, fwd, params, saved, out",
+    [
+        ("gpipe", [3, 1, 4], [237, 269, 137], [53, 7, 55], [148, 198, 76]),
+        ("1f1b", [4, 2, 1, 4], [215, 213, 239, 168], [20, 43, 19, 27], [83, 123, 95, 138]),
+    ],
+)
+def test_the_need_stated_for_torchrun_plans_there(schedule, fwd, params, saved, out):
+    """Found by a red team: where a torchrun program holds more than the split search counts
+    (gradients received ahead of their backward, messages in flight), the need stated was the
+    split search's, and `plan` there failed again (12 of 200 small cases; 1 873 bytes stated
+    here, where the closest plan's devices needed 2.05 KiB). Now `plan` succeeds at the need
+    and fails one byte below it."""
+    prof = synthetic_profile(fwd, params=params, saved=saved, output_bytes=out)
+    K = 3 if len(fwd) == 3 else 2
+    kw = dict(target="torchrun", schedule=schedule)
+    with pytest.raises(InfeasibleError) as info:
+        plan_pipeline(prof, Cluster.uniform(K, 100), 4, **kw)
+    need = info.value.needed_bytes
+    closest = info.value.closest
+    assert max(d.total for d in closest.devices) <= need  # (the message's figures agree)
+    assert f"({need} bytes)" in str(info.value)
+    assert plan_pipeline(prof, Cluster.uniform(K, need), 4, **kw).fits
+    with pytest.raises(InfeasibleError):
+        plan_pipeline(prof, Cluster.uniform(K, need - 1), 4, **kw)
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_candidates_alike_in_memory_need_the_same_least_memory(mixed):
     """The search for the least memory tries only the first of the candidates with the same
