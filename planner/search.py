@@ -313,6 +313,12 @@ def plan_pipeline(
             if _beat is not None:
                 raise outrun
             if visited.ahead_over:  # (the memory search, like the split's, does not see them)
+                least = min(d.memory_bytes for d in cluster.devices)
+                if err.closest is not None and least < err.needed_bytes < INT64_SAFE:
+                    # (a need that plans, _planned_need: said with why the split search missed)
+                    raise InfeasibleError(
+                        f"{err}; {AHEAD_OVER_NEED}", err.needed_bytes, err.closest
+                    )
                 raise InfeasibleError(f"no split fits: {AHEAD_OVER}", INT64_SAFE, err.closest)
             raise err
         if _beat is not None and not _beats(err.closest, _beat):
@@ -2143,6 +2149,13 @@ AHEAD_OVER = (
     "search's count (a gradient received ahead of the backward that reads it, or what a batch "
     "of sends and receives holds while it goes), which the split search does not see (a slower "
     "split of that candidate may fit; plan with more memory, or with --target streams)"
+)
+
+
+AHEAD_OVER_NEED = (
+    "splits the split search let fit overran a device by what their torchrun program holds "
+    "beyond its count (gradients received ahead of the backward that reads them, or batches "
+    "of sends and receives in flight)"
 )
 
 
