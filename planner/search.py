@@ -323,14 +323,20 @@ def plan_pipeline(
             raise err
         if _beat is not None and not _beats(err.closest, _beat):
             raise outrun
-        # The memory search found an interleaved split that fits, which the split search
-        # (exact per stage, not per device) missed: keep it, and say so.
+        # The memory search found a split that fits, which the split search missed: an
+        # interleaved one (that search is exact per stage, not per device), or one whose
+        # program holds less than that search counts (a torchrun program, a captured graph's
+        # real routes). Keep it, and say so.
         best = err.closest
         best_cand = Candidate(best.microbatches, best.schedule, best.recompute)
+        found = "found by the search for the least memory per device"
         best.solver = best.solver.model_copy(
             update={
                 "optimal": False,
-                "unproven": "interleaved: found by the search for the least memory per device",
+                "unproven": f"interleaved: {found}"
+                if best.stages_per_device > 1
+                else f"{found}: the split search, which counts each stage as its issue order "
+                "holds it, found none that fits; this plan's program holds less",
             }
         )
     halved = "half its device" in best.solver.unproven
