@@ -192,6 +192,9 @@ def microbatch_candidates(batch_size: int, num_devices: int) -> list[int]:
     return sorted(small | powers | {top})
 
 
+CP_SAT_SECONDS = 20.0  # the most CP-SAT's re-solve of the chosen split may take
+
+
 def plan_pipeline(
     profile: Profile,
     cluster: Cluster,
@@ -359,16 +362,23 @@ def plan_pipeline(
 
         chain, memory = problem.chain(best_cand)
         specs = _stage_specs(problem, best_cand, halve=False)
-        try:
-            part = solve_partition_cpsat(
-                _balance_times(chain, best_cand)[0],
-                memory,
-                specs,
-                cuts=_cut_costs(cluster, best_cand, chain),
-            )
-            failed = "" if part is not None else "it found infeasible what the probe solved"
-        except RuntimeError as e:
-            part, failed = None, str(e)
+        # (within what --time-limit leaves, CP_SAT_SECONDS at most)
+        left = CP_SAT_SECONDS
+        if time_limit_s is not None:
+            left = min(left, time_limit_s - (time.perf_counter() - started))
+        part, failed = None, "the time limit left it no time"
+        if left > 0:
+            try:
+                part = solve_partition_cpsat(
+                    _balance_times(chain, best_cand)[0],
+                    memory,
+                    specs,
+                    cuts=_cut_costs(cluster, best_cand, chain),
+                    time_limit_s=left,
+                )
+                failed = "" if part is not None else "it found infeasible what the probe solved"
+            except RuntimeError as e:
+                failed = str(e)
         rebuilt = _build_plan(problem, best_cand, specs, part, "cp-sat") if part else None
         faster = rebuilt is not None and (
             rebuilt.predicted.iteration_ms <= best.predicted.iteration_ms * (1 + 1e-12)

@@ -447,6 +447,20 @@ def test_time_limit_returns_a_plan_marked_not_proven():
     assert "time limit" in plan.solver.unproven
 
 
+def test_the_time_limit_bounds_cp_sat_too():
+    """Noticed in review: `--solver cp-sat` re-solved the chosen split for up to 20 s whatever
+    --time-limit said. With no time left it is not run, and the plan says so; with time, it is
+    (and confirms the probe's split)."""
+    profile = synthetic_profile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], sizes=(1, 2, 4, 8))
+    cut = plan_pipeline(profile, Cluster.uniform(2, "1MiB"), 8, solver="cp-sat", time_limit_s=0.0)
+    assert "CP-SAT could not re-solve the split: the time limit left it no time" in (
+        cut.solver.unproven
+    )
+    assert cut.solver.method == "probe-bisection" and not cut.solver.optimal
+    full = plan_pipeline(profile, Cluster.uniform(2, "1MiB"), 8, solver="cp-sat", time_limit_s=60)
+    assert full.solver.method == "cp-sat" and "CP-SAT" not in full.solver.unproven
+
+
 def test_splits_waiting_when_the_time_runs_out_are_finished():
     """Splits solved before the time limit and left waiting for better candidates are finished
     when the search stops (as the plain order would have): the same plan, and no runner-up
