@@ -192,6 +192,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         threads=args.threads,
     )
     profile.save(out)
+    _unsettled_note(profile)
     fwd = sum(x.forward_ms[profile.batch_sizes[-1]].median for x in profile.layers)
     loss = f" and its loss ({profile.loss.type})" if profile.loss is not None else ""
     print(
@@ -200,6 +201,24 @@ def cmd_profile(args: argparse.Namespace) -> int:
         f"{profile.batch_sizes[-1]}{_runtime_note(profile.runtime)}) -> {out}"
     )
     return EXIT_OK
+
+
+def _unsettled_note(profile: Any) -> None:
+    """On stderr: the timings that stopped before they settled (the plan balances what they
+    measured), with the noisiest, and what to do about it."""
+    from profiler.timing import TARGET_RSE, unsettled
+
+    count, total, worst = unsettled(profile.layers)
+    if worst is None:
+        return
+    layer, figure, size, rse = worst
+    print(
+        f"note: {count} of {total} timed figures did not settle to +-{100 * TARGET_RSE:g}% "
+        f"within --time-budget / --max-repeats (the noisiest: layer {layer.index} "
+        f"({layer.type}) {figure} at size {size}, +-{100 * rse:.1f}%): the plan balances what "
+        "they measured; profile again with a larger --time-budget, or on a quieter machine",
+        file=sys.stderr,
+    )
 
 
 def _runtime_note(runtime: Any) -> str:

@@ -39,7 +39,9 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .types import Timing
+from .types import LayerProfile, Timing
+
+TARGET_RSE = 0.02  # how settled a group's forward and backward must be to stop (StopRule)
 
 Value = Any  # a tensor or a tuple of tensors: what flows between layers of an nn.Sequential
 
@@ -65,7 +67,7 @@ def time_layers(
     warmup: int = 2,
     min_repeats: int = 5,
     max_repeats: int = 200,
-    target_rse: float = 0.02,
+    target_rse: float = TARGET_RSE,
     time_budget_s: float = 10.0,
     clock: Callable[[], float] | None = None,
     call_ms: float = 0.0,
@@ -132,7 +134,7 @@ class StopRule:
 
     min_repeats: int = 5
     max_repeats: int = 200
-    target_rse: float = 0.02
+    target_rse: float = TARGET_RSE
 
     def __post_init__(self) -> None:
         if self.min_repeats < 1:
@@ -163,6 +165,38 @@ def robust_rse(samples: Sequence[float]) -> float:
     if median == 0:
         return 0.0
     return 1.2533 * 1.4826 * _mad(samples, median) / math.sqrt(len(samples)) / median
+
+
+def timing_rse(t: Timing) -> float:
+    """robust_rse of the samples a Timing pools, from what it keeps of them (its spread is
+    their MAD over the median)."""
+    return 1.2533 * 1.4826 * t.spread / math.sqrt(t.samples)
+
+
+def unsettled(
+    layers: Sequence[LayerProfile], target_rse: float = TARGET_RSE
+) -> tuple[int, int, tuple[LayerProfile, str, int, float] | None]:
+    """Of the figures the stop rule reads (each layer's forward and full backward, at every
+    size), how many are above `target_rse` (they stopped at the time budget or the repeat
+    limit), of how many, and the noisiest: (layer, figure, size, rse). Structurally identical
+    layers share their figures (equal in every field): counted once."""
+    seen: set[tuple] = set()
+    count = total = 0
+    worst: tuple[LayerProfile, str, int, float] | None = None
+    for layer in layers:
+        for name, figure in (("forward", layer.forward_ms), ("backward", layer.backward_ms)):
+            for size, t in figure.items():
+                key = (name, size, t.median, t.min, t.max, t.samples, t.spread)
+                if key in seen:
+                    continue
+                seen.add(key)
+                total += 1
+                rse = timing_rse(t)
+                if rse > target_rse:
+                    count += 1
+                    if worst is None or rse > worst[3]:
+                        worst = (layer, name, size, rse)
+    return count, total, worst
 
 
 def to_timing(samples: Sequence[float]) -> Timing:

@@ -19,9 +19,11 @@ from profiler.timing import (
     sample_groups,
     structure_key,
     time_layers,
+    timing_rse,
     to_timing,
+    unsettled,
 )
-from profiler.types import Timing
+from profiler.types import Profile, Timing
 
 CPU = torch.device("cpu")
 NOISY = [1.0, 0.75, 1.25]  # from n = 6 on, a cycle of these has median 1 and MAD 0.25
@@ -305,3 +307,51 @@ def test_members_run_in_rotating_order():
 def test_mismatched_inputs_say_what_to_pass():
     with pytest.raises(ValueError, match="one input per layer"):
         time_layers([nn.ReLU()], [], CPU)
+
+
+@pytest.mark.parametrize(
+    "samples", [NOISY * 30, [2.0] * 7, [1.0, 3.0], [1.0, 1.1, 0.9, 5.0, 1.05], [0.0, 0.0, 5.0]]
+)
+def test_a_timing_keeps_what_its_rse_needs(samples):
+    """The rse the stop rule read can be told from the Timing a profile keeps."""
+    assert timing_rse(to_timing(samples)) == pytest.approx(robust_rse(samples), rel=1e-12)
+
+
+def test_unsettled_figures_are_counted_once_per_group_with_the_noisiest_named():
+    from conftest import synthetic_profile
+
+    prof = synthetic_profile([1.0, 2.0, 3.0, 4.0], sizes=(1, 2))
+    assert unsettled(prof.layers) == (0, 16, None)  # (one sample each: spread 0)
+    calm = to_timing([1.0, 1.01, 0.99, 1.0, 1.0] * 4)  # rse below 2%
+    noisy, noisier = to_timing(NOISY * 10), to_timing(NOISY * 2)  # +-9.6%, +-21.5%
+    assert timing_rse(calm) <= 0.02 < timing_rse(noisy) < timing_rse(noisier)
+    layers = [x.model_copy(deep=True) for x in prof.layers]
+    # two identical layers share one pooled figure (equal in every field): counted once
+    for x in layers[:2]:
+        x.forward_ms[2] = noisy
+        x.backward_ms[1] = calm
+    layers[3].backward_ms[2] = noisier
+    layers[3].backward_input_ms[1] = to_timing(NOISY * 2)  # (not a figure the rule reads)
+    count, total, worst = unsettled(layers)
+    assert (count, total) == (2, 14)  # 16 figures, two pairs of them shared by one group
+    assert worst is not None and (worst[0].index, worst[1], worst[2]) == (3, "backward", 2)
+    assert worst[3] == timing_rse(noisier)
+
+
+def test_profile_says_which_figures_did_not_settle(run_cli, tmp_path, monkeypatch):
+    import profiler.timing
+
+    out = tmp_path / "p.json"
+    quiet = run_cli("profile", "example:mlp", "--repeats", "1", "--time-budget", "0", "-o", out)
+    assert quiet.code == 0
+    told = "timed figures did not settle" in quiet.err
+    count, total, worst = unsettled(Profile.load(out).layers)
+    assert told == (worst is not None)  # said exactly where the profile shows it
+    monkeypatch.setattr(profiler.timing, "unsettled", lambda layers: (3, 12, (
+        Profile.load(out).layers[1], "backward", 8, 0.094)))  # fmt: skip
+    r = run_cli("profile", "example:mlp", "--repeats", "1", "--time-budget", "0", "-o", out)
+    assert r.code == 0
+    assert (
+        "note: 3 of 12 timed figures did not settle to +-2% within --time-budget / --max-repeats "
+        "(the noisiest: layer 1 (ReLU) backward at size 8, +-9.4%)"
+    ) in r.err
