@@ -151,6 +151,9 @@ class _Problem:
     link_floors: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
     # per candidate and occupancy kind (_stage_specs): each stage's memory shapes
     shapes: dict[tuple[Candidate, str], list[list[StageShape]]] = field(default_factory=dict)
+    # interleaved splits solved (_solved_split): per (M, schedule, modes, halved), the split
+    # and the limit it was solved under
+    splits: dict[tuple, tuple[float, Partition | None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.table = ProfileTable(self.profile)
@@ -810,7 +813,13 @@ def _search(
         times = _balance_times(chain, cand)
         limit = _bottleneck_limit(problem, cand, chain, to_beat())
         try:
-            part, fits = _solve(problem, cand, solve, method, times, memory, cuts, limit)
+            if cand.per_device > 1:  # (its own solves' `fits` is of one stage per device)
+                part, fits = _solved_split(
+                    problem, cand, cand.modes, False, limit,
+                    lambda: _solve(problem, cand, solve, method, times, memory, cuts, limit)[0],
+                ), False  # fmt: skip
+            else:
+                part, fits = _solve(problem, cand, solve, method, times, memory, cuts, limit)
         except NoneWithin as e:
             visited.solved += 1
             visited.memory_bound |= not e.by_time
@@ -1007,6 +1016,51 @@ def _solve(
     return solve(times, memory, exact, cuts=cuts, limit=limit), False
 
 
+def _solved_split(
+    problem: _Problem,
+    cand: Candidate,
+    modes: tuple[str, ...],
+    halved: bool,
+    limit: float,
+    run: Callable[[], Partition | None],
+) -> Partition | None:
+    """An interleaved candidate's split with each stage on its whole device (or on half of it:
+    `halved`) under `modes`, the options every stage has: `run()` solves it, with `limit` (see
+    solve_partition; NoneWithin passes through). The same split recurs: a per-stage
+    candidate's fallback that runs every stage in one mode solves what that mode's own
+    candidate solved, and a per-stage candidate whose never twin's split was free of memory
+    (`memory_free`: memory lowered no end, so further options, each costing at least as much
+    per layer, reach the same ends: the same split, every stage choosing never; the search's
+    twins rely on the same, `settled`) solves that twin's split again. Kept per (M, schedule, modes, halved): a split found is the answer under
+    any limit at or above its bottleneck; "none fits" under any limit. Else solved."""
+    key = (cand.microbatches, cand.schedule, modes, halved)
+    found = problem.splits.get(key)
+    if found is None and len(modes) > 1 and problem.target != "torchrun":
+        twin = problem.splits.get((cand.microbatches, cand.schedule, (modes[0],), halved))
+        if twin is not None and twin[1] is not None and twin[1].extra.get("memory_free") == 1.0:
+            # (whether memory binds the other options is not known: said as if it did, which
+            # only a torchrun plan's labels read, `held_less`: none is derived there)
+            part = twin[1]
+            found = (twin[0], dataclasses.replace(
+                part, extra={**part.extra, "memory_free": 0.0},
+                choices=[0] * (len(part.bounds) - 1),
+            ))  # fmt: skip
+    if found is not None:
+        part = found[1]
+        if part is None and math.isinf(found[0]):
+            return None
+        if part is not None and part.bottleneck <= limit:
+            return dataclasses.replace(part, extra=dict(part.extra), choices=list(part.choices))
+    part = run()  # (NoneWithin: nothing kept, the limit may rise later)
+    kept = (
+        None
+        if part is None
+        else dataclasses.replace(part, extra=dict(part.extra), choices=list(part.choices))
+    )  # (the caller's to change: a fallback names the option its stages run)
+    problem.splits[key] = (limit, kept)
+    return part
+
+
 def _bottleneck_limit(
     problem: _Problem, cand: Candidate, chain: Chain, beat: float | None
 ) -> float:
@@ -1061,17 +1115,20 @@ def _interleaved_fallback(
     cuts = _cut_costs(problem.cluster, cand, chain)
     limit = _bottleneck_limit(problem, cand, chain, beat)
     within = {"limit": limit} if method == "probe-bisection" and math.isfinite(limit) else {}
-    tries: list[tuple[list[StageSpec], np.ndarray, list[int] | None]] = [
-        (_stage_specs(problem, cand), times, None)
+    tries: list[tuple[list[StageSpec], np.ndarray, list[int] | None, tuple, bool]] = [
+        (_stage_specs(problem, cand), times, None, cand.modes, True)
     ]
     if len(cand.modes) > 1:  # one mode for all, as a uniform candidate would run
         for x in range(len(cand.modes)):
             alike = [StageSpec(sp.speed, sp.budget, sp.shapes[x]) for sp in specs]
-            tries.append((alike, times[x : x + 1], [x] * len(specs)))
+            tries.append((alike, times[x : x + 1], [x] * len(specs), (cand.modes[x],), False))
     best, at_least = relaxed_plan, math.inf
-    for try_specs, try_times, choices in tries:
+    for try_specs, try_times, choices, modes, halved in tries:
         try:
-            part = solve(try_times, memory, try_specs, cuts=cuts, **within)
+            part = _solved_split(
+                problem, cand, modes, halved, limit if within else math.inf,
+                lambda t=try_times, sp=try_specs: solve(t, memory, sp, cuts=cuts, **within),
+            )  # fmt: skip
         except NoneWithin:  # (its bound is past `beat`: at least M times the limit)
             at_least = min(at_least, limit * cand.microbatches)
             continue

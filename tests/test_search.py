@@ -253,6 +253,8 @@ def test_pruned_search_returns_the_exhaustive_plan(
         mp.setattr(search, "_lower_bound", lambda *a: 0.0)
         mp.setattr(search, "_bottleneck_limit", lambda *a: math.inf)
         mp.setattr(search, "solve_partition", unsettled)
+        # and no interleaved split taken from another candidate's (_solved_split)
+        mp.setattr(search, "_solved_split", lambda *a: a[-1]())
         try:
             full = plan_pipeline(profile, cluster, N)
         except search.InfeasibleError:
@@ -933,6 +935,8 @@ def test_pruned_search_for_torchrun_returns_the_exhaustive_plan(
         mp.setattr(search, "_bottleneck_limit", lambda *a: math.inf)
         # and every plan's program timed, even one already slower where sends never wait
         mp.setattr(search, "_build_plan", lambda *a, beat=None, **k: build(*a, **k))
+        # and no interleaved split taken from another candidate's (_solved_split)
+        mp.setattr(search, "_solved_split", lambda *a: a[-1]())
         try:
             full = plan_pipeline(profile, cluster, N, target="torchrun")
         except search.InfeasibleError:
