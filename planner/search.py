@@ -319,13 +319,19 @@ def plan_pipeline(
             if _beat is not None:
                 raise outrun
             if visited.ahead_over:  # (the memory search, like the split's, does not see them)
-                least = min(d.memory_bytes for d in cluster.devices)
-                if err.closest is not None and least < err.needed_bytes < INT64_SAFE:
-                    # (a need that plans, _planned_need: said with why the split search missed)
-                    raise InfeasibleError(
-                        f"{err}; {AHEAD_OVER_NEED}", err.needed_bytes, err.closest
-                    )
-                raise InfeasibleError(f"no split fits: {AHEAD_OVER}", INT64_SAFE, err.closest)
+                mems = [d.memory_bytes for d in cluster.devices]
+                need = err.needed_bytes
+                if err.closest is None or not min(mems) < need < INT64_SAFE:
+                    raise InfeasibleError(f"no split fits: {AHEAD_OVER}", INT64_SAFE, err.closest)
+                # (a budget at which it plans, _planned_need; a smaller one may too, with a
+                # slower split: whether a budget plans need not carry over to a larger one)
+                where = "per device" if min(mems) == max(mems) else "on every device with less"
+                raise InfeasibleError(
+                    f"no split fits: {AHEAD_OVER}; it plans with {format_size(need, up=True)} "
+                    f"({need} bytes) {where}",
+                    need,
+                    err.closest,
+                )
             raise err
         if _beat is not None and not _beats(err.closest, _beat):
             raise outrun
@@ -2225,13 +2231,6 @@ AHEAD_OVER = (
 )
 
 
-AHEAD_OVER_NEED = (
-    "splits the split search let fit overran a device by what their torchrun program holds "
-    "beyond its count (gradients received ahead of the backward that reads them, or batches "
-    "of sends and receives in flight)"
-)
-
-
 HELD_LESS = (
     "memory bound the split search (or its solver does not say whether it did), which counts "
     "each message between stages where the issue order has it; the torchrun program holds less "
@@ -2246,15 +2245,18 @@ def _overruns(plan: Plan, budget: int) -> bool:
     return any(d.total > max(d.budget, budget) for d in plan.devices)
 
 
-PLANNED_TRIES = 48  # plans (or searches) made at most to find a need that plans
+PLANNED_TRIES = 32  # whole searches at most, bisecting for a need that plans
 
 
 def _raised(problem: _Problem, budget: int) -> _Problem:
-    """The same problem with every device with less memory than `budget` raised to it, its
-    caches shared (none depends on a device's memory)."""
+    """The same problem with every device with less memory than `budget` raised to it (equal
+    devices: each given `budget`, whatever they have), its caches shared (none depends on a
+    device's memory)."""
     cluster = problem.cluster
+    equal = len({d.memory_bytes for d in cluster.devices}) == 1
     devices = [
-        d.model_copy(update={"memory_bytes": max(d.memory_bytes, budget)}) for d in cluster.devices
+        d.model_copy(update={"memory_bytes": budget if equal else max(d.memory_bytes, budget)})
+        for d in cluster.devices
     ]
     raised = dataclasses.replace(problem, cluster=cluster.model_copy(update={"devices": devices}))
     for name in ("chains", "memories", "granular", "summaries", "records", "link_floors", "shapes"):
@@ -2264,65 +2266,60 @@ def _raised(problem: _Problem, budget: int) -> _Problem:
 
 def _planned_need(
     problem: _Problem,
+    shown: _Problem,
     candidates: list[Candidate],
-    cand: Candidate,
-    fits: Callable[..., _Fit | None],
     need: int,
     closest: Plan,
     deadline: float | None,
-) -> tuple[int, Plan]:
+) -> tuple[int, Plan, bool]:
     """Where the closest plan's program holds more than the split search counts (a torchrun
     program's gradients received ahead of their backward, its batches of messages in flight),
-    `plan` at the split search's need overruns a device (found by a red team: 7 of 60 small
-    torchrun cases were told a need at which `plan` then failed). The need becomes a budget at
-    which `plan` succeeds: the closest candidate's budget is raised to what its plan's largest
-    device holds until that plan fits; then the whole search (`_search`, every candidate) is
-    bisected between the split search's need, below which nothing fits, and there, down to a
-    budget one byte below which it finds nothing. Whether a plan fits need not carry over to a
-    larger budget (the fastest split moves with it): the least found, not proven the least.
-    Without a budget that plans within PLANNED_TRIES plans or searches (or past `deadline`),
-    the split search's need stands."""
+    `plan` at the split search's `need` fails (found by a red team: 12 of 200 small torchrun
+    cases were told a need at which `plan` then failed). The closest plan itself fits from
+    `held`, the most any device it overruns holds: there `plan` returns it (on equal devices
+    this search finds it again whatever the devices' memory, and it fits), unless the search
+    finds a plan first. Below that, the whole search (`_search`, every candidate) is bisected
+    down from there to a budget one byte below which it finds nothing, above what is known
+    to fail (the split search's need, and the devices' own memory). Whether a budget plans
+    need not carry over to a larger one (the fastest split moves with it): the least found,
+    not proven the least (on equal devices, _infeasible then takes the least the plan found
+    holds). Returns the need, a plan that fits there (made against the
+    cluster's own budgets, as _shown's), and whether PLANNED_TRIES or `deadline` cut the
+    bisection short. `shown`: the problem on the cluster as it is, which plans are made
+    against."""
+    held = max(d.total for d in closest.devices if d.total > max(d.budget, need))
+    mems = [d.memory_bytes for d in problem.cluster.devices]
+    # (equal devices: each given the budget, whatever they have, so that this search is the
+    # same on the cluster with any memory, and `plan` with the need finds what it found)
+    lo = need - 1 if min(mems) == max(mems) else max(need - 1, min(mems))
+    hi, plan = held, closest
     tries = 0
-
-    def stop() -> bool:
-        late = deadline is not None and time.perf_counter() > deadline
-        return late or tries >= PLANNED_TRIES
-
-    def made(budget: int) -> Plan | None:
-        nonlocal tries
+    while hi - lo > 1:
+        if tries >= PLANNED_TRIES or (deadline is not None and time.perf_counter() > deadline):
+            return hi, plan, True
         tries += 1
-        found = fits(budget, True)
-        return None if found is None else _shown(problem, cand, found)
-
-    lo, budget, last = need - 1, need, closest
-    hi: tuple[int, Plan] | None = None
-    while hi is None and budget < MAX_BYTES and not stop():
-        held = max(d.total for d in last.devices)
-        budget = min(max(held, budget + max(1, budget >> 10)), MAX_BYTES)
-        plan = made(budget)
-        if plan is not None and not _overruns(plan, budget):
-            hi = (budget, plan)
-        else:
-            last = plan or last
-    if hi is None:
-        return need, closest
-    while hi[0] - lo > 1 and not stop():
-        mid = (lo + hi[0]) // 2
-        tries += 1
-        _, won, _ = _search(
+        mid = (lo + hi) // 2
+        won, cand, _ = _search(
             _raised(problem, mid), candidates, solve_partition, "probe-bisection", None, False
         )
-        if won is None:
-            lo = mid
-            continue
-        # the winner's split, made against the cluster's own budgets (as _shown does)
-        found = _fits_within(problem, won)(mid, True)
-        plan = None if found is None else _shown(problem, won, found)
-        if plan is None or _overruns(plan, mid):  # (its split chosen otherwise there)
+        if won is None or cand is None:
             lo = mid
         else:
-            hi = (mid, plan)
-    return hi
+            hi, plan = mid, _rebudgeted(shown, cand, won)
+    return hi, plan, False
+
+
+def _rebudgeted(problem: _Problem, cand: Candidate, plan: Plan) -> Plan:
+    """The same split made into a plan against the cluster's own budgets (a plan the search
+    made on a cluster of raised memory)."""
+    bounds = [st.layers[0] for st in plan.stages] + [plan.stages[-1].layers[1]]
+    part = Partition(
+        bounds=bounds,
+        bottleneck=plan.predicted.bottleneck_ms,
+        choices=[cand.modes.index(st.recompute) for st in plan.stages],
+    )
+    specs = _stage_specs(problem, cand, halve=False)
+    return _build_plan(problem, cand, specs, part, "probe-bisection")
 
 
 def _infeasible(
@@ -2339,6 +2336,15 @@ def _infeasible(
     the others are left untried and the message says so (the need is then one that fits, not
     proven the least)."""
     cluster = problem.cluster
+    shown = problem  # (the closest plans are made against the cluster's own budgets)
+    if len({d.memory_bytes for d in cluster.devices}) == 1:
+        # Equal devices: each budget tried is every device's memory, whatever they have, so
+        # that the need found is the same on this cluster with any memory (there `plan` finds
+        # it again). Raised from what they have, budgets below it were all alike: a cluster
+        # whose split overran its devices only by what a torchrun program holds beyond the
+        # split search's count was said to need 1 byte.
+        problem = _raised(problem, 1)
+        floor = max(floor, _static_need(problem, candidates[0]))
     need: int | None = None
     closest: Plan | None = None
     # Likely least memory first (each later candidate then takes one try below the least so
@@ -2397,7 +2403,7 @@ def _infeasible(
             need, chosen, chosen_fits = least, cand, fits
     if chosen is not None and chosen_fits is not None and need is not None:
         # (only the closest one's split is solved for speed and made a plan)
-        closest = _shown(problem, chosen, chosen_fits(need, True))
+        closest = _shown(shown, chosen, chosen_fits(need, True))
     if closest is not None and closest.fits and not untried:
         # An interleaved split fits the cluster as it is, its devices checked with both
         # stages (which the split search does not do). Each such candidate's split at its own
@@ -2409,7 +2415,7 @@ def _infeasible(
             fits = _fits_within(problem, cand)
             least = _least(fits, None)
             if least is not None:
-                plan = _shown(problem, cand, fits(least, True))
+                plan = _shown(shown, cand, fits(least, True))
                 if plan.fits and plan.predicted.iteration_ms < closest.predicted.iteration_ms:
                     closest = plan
     if need is None or closest is None:
@@ -2419,15 +2425,12 @@ def _infeasible(
             INT64_SAFE,
             None,
         )
-    raised = False
-    if chosen is not None and chosen_fits is not None and _overruns(closest, need):
-        need, closest = _planned_need(
-            problem, candidates, chosen, chosen_fits, need, closest, deadline
-        )
-        raised = True
+    cut = False
+    if _overruns(closest, need):
+        need, closest, cut = _planned_need(problem, shown, candidates, need, closest, deadline)
     worst = max(closest.devices, key=lambda d: d.total - d.budget)
     mixed = len({d.memory_bytes for d in cluster.devices}) > 1
-    if not mixed and worst.total < need and not raised:
+    if not mixed and worst.total < need:
         # The split search counts each stage as the issue order holds it (a captured graph's
         # far inputs as they could arrive first); the closest plan, its real routes and, for
         # torchrun, its program, may hold less. On equal devices that plan is what `plan`
@@ -2443,6 +2446,8 @@ def _infeasible(
         f" (the time limit stopped the search with {untried} of {len(ordered)} candidates not "
         "looked at: one of them may need less)"
         if untried
+        else " (the search for the least stopped early: it plans with this, and may with less)"
+        if cut
         else ""
     )
     return InfeasibleError(

@@ -695,10 +695,10 @@ def test_skips_across_ranks_and_tied_weights_under_torchrun(unet_routes, gpt_pro
 def test_a_device_over_only_by_gradients_received_ahead_is_said_so(unet_routes):
     """The split search does not count the gradients a torchrun rank receives ahead of their
     backward: a device given just less than its plan needs is over only by those. The search
-    says so (found by a review: it claimed "needs 1 B" of a device that had more), and states
-    the need at which it plans."""
+    says so (found by a review: it claimed "needs 1 B" of a device that had more), and says
+    with how much it plans."""
     from planner.cluster import Device
-    from planner.search import AHEAD_OVER_NEED, InfeasibleError, simulate_stages
+    from planner.search import AHEAD_OVER, InfeasibleError, simulate_stages
 
     _, _, prof = unet_routes
     kw = dict(microbatches=4, schedule="gpipe", recompute="except_last", target="torchrun")
@@ -710,9 +710,10 @@ def test_a_device_over_only_by_gradients_received_ahead_is_said_so(unet_routes):
     devices = [Device(name=f"dev{i}", memory_bytes=need - 1 if i == 0 else 2**30) for i in range(3)]
     with pytest.raises(InfeasibleError) as got:
         plan_pipeline(prof, Cluster(devices=devices), 8, **kw)
-    # ... and how much it needs: what its plan holds (a need at which it plans, _planned_need)
-    assert str(got.value).endswith(f"; {AHEAD_OVER_NEED}")
-    assert got.value.needed_bytes == need and f"({need} bytes)" in str(got.value)
+    # ... and a budget at which it plans (a slower split may plan with less, as it says)
+    assert str(got.value).startswith(f"no split fits: {AHEAD_OVER}; it plans with ")
+    assert str(got.value).endswith(f"({need} bytes) on every device with less")
+    assert got.value.needed_bytes == need
     # with what it receives ahead counted, it fits again
     devices[0] = Device(name="dev0", memory_bytes=need)
     assert plan_pipeline(prof, Cluster(devices=devices), 8, **kw).devices[0].total == need
