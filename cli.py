@@ -1216,7 +1216,8 @@ def _build_parser() -> argparse.ArgumentParser:
         "OR-tools and reports its bound)",
     )
     s.add_argument("--time-limit", type=_number("--time-limit", 0, 86400),
-                   help="seconds: then return the best plan found so far, marked not proven")  # fmt: skip
+                   help="seconds: then return the best plan found so far, marked not proven "
+                   "(CP-SAT's re-solve of it included; --solver dp finishes the split it is on)")  # fmt: skip
     s.add_argument("--allow-reorder", action="store_true",
                    help="let the planner choose which device runs which stage (hosts kept "
                         "together when the cluster gives links by host)")  # fmt: skip

@@ -394,6 +394,16 @@ def plan_pipeline(
         )
         if rebuilt is not None and rebuilt.fits and faster:
             best = rebuilt
+        elif (
+            rebuilt is not None
+            and rebuilt.fits
+            and part is not None
+            and (part.extra.get("optimal", 1.0) != 1.0)
+        ):  # (stopped by its time limit: a split, not proven the best; the probe's is)
+            best.solver = best.solver.model_copy(
+                update={"method": "probe-bisection (CP-SAT stopped at its time limit with a "
+                        f"slower split, {100 * part.extra.get('gap', 0.0):.3g}% from its bound)"}
+            )  # fmt: skip
         elif rebuilt is not None and rebuilt.fits:  # the same bottleneck, a slower schedule
             best.solver = best.solver.model_copy(
                 update={"method": "probe-bisection (CP-SAT's split of the same bottleneck "

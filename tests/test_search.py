@@ -463,6 +463,25 @@ def test_the_time_limit_bounds_cp_sat_too():
     assert full.solver.method == "cp-sat" and "CP-SAT" not in full.solver.unproven
 
 
+def test_a_cp_sat_split_cut_short_by_its_time_limit_is_said_so(monkeypatch):
+    """Found by a review: with less time CP-SAT returns a split it has not proven, slower than
+    the probe's; the plan called it "CP-SAT's split of the same bottleneck simulated slower"."""
+    import planner.cpsat
+
+    profile = synthetic_profile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], sizes=(1, 2, 4, 8))
+    cluster = Cluster.uniform(2, "1MiB")
+    kw = dict(schedule="1f1b", recompute="never", microbatches=4, checkpoint=())
+    probe = plan_pipeline(profile, cluster, 8, solver="probe", **kw)
+    assert [st.layers for st in probe.stages] == [(0, 4), (4, 6)]
+    worse = Partition(bounds=[0, 5, 6], bottleneck=15.0, extra={"optimal": 0.0, "gap": 0.25})
+    monkeypatch.setattr(planner.cpsat, "solve_partition_cpsat", lambda *a, **k: worse)
+    plan = plan_pipeline(profile, cluster, 8, solver="cp-sat", **kw)
+    assert [st.layers for st in plan.stages] == [(0, 4), (4, 6)]  # the probe's, kept
+    assert plan.solver.method == (
+        "probe-bisection (CP-SAT stopped at its time limit with a slower split, 25% from its bound)"
+    )
+
+
 def test_splits_waiting_when_the_time_runs_out_are_finished():
     """Splits solved before the time limit and left waiting for better candidates are finished
     when the search stops (as the plain order would have): the same plan, and no runner-up
