@@ -216,7 +216,8 @@ def _unsettled_note(profile: Any) -> None:
         f"note: {count} of {total} timed figures did not settle to +-{100 * TARGET_RSE:g}% "
         f"within --time-budget / --max-repeats (the noisiest: layer {layer.index} "
         f"({layer.type}) {figure} at size {size}, +-{100 * rse:.1f}%): the plan balances what "
-        "they measured; profile again with a larger --time-budget, or on a quieter machine",
+        "they measured; profile again with a larger --time-budget (or --max-repeats), or on a "
+        "quieter machine",
         file=sys.stderr,
     )
 

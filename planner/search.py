@@ -19,6 +19,7 @@ back to the first, which looping needs, is taken to be as slow as the slowest li
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import heapq
 import math
@@ -2260,17 +2261,17 @@ PLANNED_TRIES = 32  # whole searches at most, bisecting for a need that plans
 
 def _raised(problem: _Problem, budget: int) -> _Problem:
     """The same problem with every device with less memory than `budget` raised to it (equal
-    devices: each given `budget`, whatever they have), its caches shared (none depends on a
-    device's memory)."""
+    devices: each given `budget`, whatever they have), its caches shared where they do not
+    depend on a device's memory."""
     cluster = problem.cluster
     equal = len({d.memory_bytes for d in cluster.devices}) == 1
     devices = [
         d.model_copy(update={"memory_bytes": budget if equal else max(d.memory_bytes, budget)})
         for d in cluster.devices
     ]
-    raised = dataclasses.replace(problem, cluster=cluster.model_copy(update={"devices": devices}))
-    for name in ("chains", "memories", "granular", "summaries", "records", "link_floors", "shapes"):
-        setattr(raised, name, getattr(problem, name))
+    raised = copy.copy(problem)  # (its caches shared, its profile table not made again)
+    raised.cluster = cluster.model_copy(update={"devices": devices})
+    raised.splits = {}  # (but for the splits solved: those depend on the memory)
     return raised
 
 
