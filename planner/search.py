@@ -1048,8 +1048,9 @@ def _solved_split(
     candidate solved, and a per-stage candidate whose never twin's split was free of memory
     (`memory_free`: memory lowered no end, so further options, each costing at least as much
     per layer, reach the same ends: the same split, every stage choosing never; the search's
-    twins rely on the same, `settled`) solves that twin's split again. Kept per (M, schedule, modes, halved): a split found is the answer under
-    any limit at or above its bottleneck; "none fits" under any limit. Else solved."""
+    twins rely on the same, `settled`) solves that twin's split again. Kept per (M, schedule,
+    modes, halved): a split found is the answer under any limit at or above its bottleneck;
+    "none fits" under any limit. Else solved."""
     key = (cand.microbatches, cand.schedule, modes, halved)
     found = problem.splits.get(key)
     if found is None and len(modes) > 1 and problem.target != "torchrun":
@@ -2294,10 +2295,9 @@ def _planned_need(
     to fail (the split search's need, and the devices' own memory). Whether a budget plans
     need not carry over to a larger one (the fastest split moves with it): the least found,
     not proven the least (on equal devices, _infeasible then takes the least the plan found
-    holds). Returns the need, a plan that fits there (made against the
-    cluster's own budgets, as _shown's), and whether PLANNED_TRIES or `deadline` cut the
-    bisection short. `shown`: the problem on the cluster as it is, which plans are made
-    against."""
+    holds). Returns the need, a plan that fits there (made against the cluster's own budgets,
+    as _shown's), and whether PLANNED_TRIES or `deadline` cut the bisection short. `shown`:
+    the problem on the cluster as it is, which plans are made against."""
     held = max(d.total for d in closest.devices if d.total > max(d.budget, need))
     mems = [d.memory_bytes for d in problem.cluster.devices]
     # (equal devices: each given the budget, whatever they have, so that this search is the
