@@ -2323,7 +2323,9 @@ def _planned_need(
 def _rebudgeted(problem: _Problem, cand: Candidate, plan: Plan) -> Plan:
     """The same split made into a plan against the cluster's own budgets (a plan the search
     made on a cluster of raised memory)."""
-    bounds = [st.layers[0] for st in plan.stages] + [plan.stages[-1].layers[1]]
+    chain, _ = problem.chain(cand)
+    # (the plan's last stage ends at the model's last layer; the chain's, past its loss)
+    bounds = [st.layers[0] for st in plan.stages] + [chain.num_layers]
     part = Partition(
         bounds=bounds,
         bottleneck=plan.predicted.bottleneck_ms,
