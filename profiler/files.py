@@ -50,6 +50,11 @@ def check_output(
     ):
         # (found by a red team: realpath drops the slash, and a file took the folder's name)
         raise InputError(f"{shown}: ends as a folder's path does; name a file to write")
+    folder = os.path.dirname(named) or "."
+    if not os.path.isdir(folder):
+        # (found by a red team: `nosuch/../in.json` cannot be looked up, so the checks below
+        # saw no file, while its real path, made by dropping `nosuch/..`, was the input)
+        raise InputError(f"{shown}: directory {folder} does not exist")
     try:
         st = os.stat(path)  # what the path names, through any links (/dev/stdout: a pipe)
     except FileNotFoundError:

@@ -551,6 +551,28 @@ def test_whole_numbers_are_digits_and_an_output_is_no_folder(run_cli, prof, tmp_
                    "-o", out).code == 0  # fmt: skip
 
 
+def test_an_output_through_a_missing_folder_and_dotdot_is_refused(run_cli, prof, plan_file):
+    """Found by a red team: `-o nosuch/../prof.json` could not be looked up, so no check saw
+    the input, while the write went to the path with `nosuch/..` dropped: the profile was
+    replaced by the plan (also `simulate --chrome-trace`, `codegen -o`, and a redirect's file
+    through `nosuch/../../dev/stdout`)."""
+    before = prof.read_bytes(), plan_file.read_bytes()
+    missing = prof.parent / "nosuch"
+    for args in (
+        ("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 8,
+         "-o", f"{missing}/../{prof.name}"),
+        ("simulate", plan_file, "--chrome-trace", f"{missing}/../{plan_file.name}"),
+        ("codegen", plan_file, "--model", "example:mlp", "-o", f"{missing}/../{plan_file.name}"),
+        ("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 8,
+         "-o", f"{missing}/{'../' * 40}dev/stdout"),
+    ):  # fmt: skip
+        r = run_cli(*args)
+        assert_bad_input(r, mentions="does not exist")
+        assert "nosuch/.." in r.err
+    assert (prof.read_bytes(), plan_file.read_bytes()) == before
+    assert not missing.exists()
+
+
 def test_a_devices_torch_device_is_one_to_train_on(run_cli, prof, tmp_path):
     """Found by a red team: `torch_device: "meta"` (or "nonsense") passed, and the program
     failed when it ran, inside torch. Refused where the cluster is read; cuda:N and cpu pass."""
