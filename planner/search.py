@@ -2451,9 +2451,11 @@ def _infeasible(
         # and below it nothing fits: the least memory is its largest device's (found by a red
         # team: a GPT under torchrun was told 7 922 176 bytes, and planned in 7 889 408).
         need = worst.total
-    small = ", ".join(d.name for d in cluster.devices if d.memory_bytes < need)
+    small = [d.name for d in cluster.devices if d.memory_bytes < need]
     where = (
-        f"on every device with less ({small}; the others as they are)" if mixed else "per device"
+        f"on every device with less ({', '.join(small)}; the others as they are)"
+        if mixed and len(small) < len(cluster.devices)
+        else "per device"
     )
     left = (
         f" (the time limit stopped the search with {untried} of {len(ordered)} candidates not "

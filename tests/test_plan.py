@@ -398,6 +398,12 @@ def test_on_mixed_devices_the_need_is_the_small_ones_and_exact():
         plan_pipeline(prof, Cluster.uniform(3, 50), 8)
     assert uniform.value.needed_bytes > need
     assert "per device" in str(uniform.value)
+    # every device below the need: all raised, none "as they are" (found by a red team)
+    with pytest.raises(InfeasibleError) as all_small:
+        plan_pipeline(prof, Cluster.model_validate({"devices": [
+            {"name": "a", "memory_bytes": 40}, {"name": "b", "memory_bytes": 60},
+            {"name": "c", "memory_bytes": 50}]}), 8)  # fmt: skip
+    assert "per device" in str(all_small.value) and "as they are" not in str(all_small.value)
 
 
 def test_heterogeneous_cluster_gets_more_layers_on_the_faster_device():
