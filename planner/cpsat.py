@@ -290,6 +290,10 @@ def solve_partition_cpsat(
             elif row[k]:
                 m.add(bottleneck >= row[k] * first[k][s])
     for s, spec in enumerate(stages):
+        if time.perf_counter() - started > time_limit_s:  # (building alone took it all)
+            raise RuntimeError(
+                f"building CP-SAT's model ran past its {time_limit_s:.3g} s ({s} of {S} stages)"
+            )
         busy = sum(t[k] * x[k][s] for k in range(L))
         m.add(busy * round(speed_scale) <= bottleneck * speed[s])
         _fit_memory(m, memory, spec, x[:], first, s, L)

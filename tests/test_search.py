@@ -482,6 +482,31 @@ def test_a_cp_sat_split_cut_short_by_its_time_limit_is_said_so(monkeypatch):
     )
 
 
+def test_building_cp_sats_model_stops_at_its_time_limit(monkeypatch):
+    """Found by a red team: at 1 000 layers on 16 devices, `--solver cp-sat --time-limit 1`
+    took 21 s, 14 of them building the model (each stage's memory constraints). The build
+    stops at the limit (a clock that ticks a second per reading: 1.5 s runs out at stage 1)."""
+    import planner.cpsat
+
+    class Clock:
+        t = 0.0
+
+        def perf_counter(self):
+            Clock.t += 1.0
+            return Clock.t
+
+    monkeypatch.setattr(planner.cpsat, "time", Clock())
+    monkeypatch.setattr(search, "CP_SAT_SECONDS", 1.5)
+    profile = synthetic_profile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], sizes=(1, 2, 4, 8))
+    kw = dict(schedule="1f1b", recompute="never", microbatches=4, checkpoint=())
+    plan = plan_pipeline(profile, Cluster.uniform(2, "1MiB"), 8, solver="cp-sat", **kw)
+    assert plan.solver.method == "probe-bisection"
+    assert (
+        "CP-SAT could not re-solve the split: building CP-SAT's model ran past its 1.5 s "
+        "(1 of 2 stages)" in plan.solver.unproven
+    )
+
+
 def test_splits_waiting_when_the_time_runs_out_are_finished():
     """Splits solved before the time limit and left waiting for better candidates are finished
     when the search stops (as the plain order would have): the same plan, and no runner-up
