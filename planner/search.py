@@ -876,6 +876,8 @@ def _search(
                 outcomes.update((q, _Outcome("pruned", prior[q])) for q in order[n:])
                 break
             if time_limit_s is not None and time.perf_counter() - started > time_limit_s:
+                if best is None and waiting:  # (the splits solved may hold a plan: no more
+                    resume(math.inf)  # solves, found by a red team with a slow solver)
                 if best is not None or outside is not None:
                     resume(math.inf)  # (solved already: finished, as they would have been)
                     visited.timed_out = True

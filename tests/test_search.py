@@ -541,6 +541,31 @@ def test_splits_waiting_when_the_time_runs_out_are_finished():
         assert got[True] == got[False], N
 
 
+def test_past_the_time_limit_a_waiting_split_ends_the_search():
+    """Found by a red team: with `--solver dp --time-limit 1` a second 15 s solve began after
+    the limit, because the first candidate's split was waiting for the bounds (no plan in hand
+    yet). Past the limit the waiting splits are finished first: one solved, not three (the
+    clock ticks a second per reading; the limit falls after the first solve)."""
+
+    class Clock:
+        t = 0.0
+
+        def perf_counter(self):
+            Clock.t += 1.0
+            return Clock.t
+
+    profile = synthetic_profile(
+        [1.72, 1.24, 1.89, 1.95, 0.38], saved=[530, 315, 289, 246, 531], sizes=(1, 2, 4, 8),
+        loss={"forward": 0.2, "saved": 16},
+    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(search, "time", Clock())
+        plan = plan_pipeline(
+            profile, Cluster.uniform(4, 5931, bandwidth=1e6), 8, time_limit_s=2.5, checkpoint=()
+        )
+    assert plan.solver.solved == 1 and "after 1 of 96 candidates" in plan.solver.unproven
+
+
 def test_runners_up_say_why_each_lost():
     """One runner-up per (schedule, recompute) but the chosen one, best first; each reason is
     what the search established: a simulated time, a bound, or that no split fits."""
