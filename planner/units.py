@@ -55,10 +55,16 @@ def parse_size(text: str | int | float, what: str = "size") -> int:
 
 
 def parse_bandwidth(text: str, what: str = "bandwidth") -> float:
-    """Bytes per second from `25GB/s` (the `/s` is optional)."""
+    """Bytes per second from `25GB/s` (the `/s` is optional; bits, `1Gb/s`, are refused)."""
     body = text.strip() if isinstance(text, str) else text
     if isinstance(body, str) and body.lower().endswith("/s"):
         body = body[:-2]
+    if isinstance(body, str) and (m := _SIZE.match(body)) and m.group(2).endswith("b"):
+        # (found by a red team: 1Gb/s, a link's gigabits, was read as 1 GB/s, 8x too fast)
+        raise ArgumentError(
+            what, text, "a lower-case b reads as bits; write bytes per second, as 125MB/s for "
+            "1Gb/s"
+        )  # fmt: skip
     try:
         value = _amount(body, what)
     except ArgumentError as e:
