@@ -449,6 +449,25 @@ def test_time_limit_returns_a_plan_marked_not_proven():
     assert "time limit" in plan.solver.unproven
 
 
+class Ticking:
+    """A clock that ticks a second per reading: a time limit falls at the same point each run."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def perf_counter(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+def _waiting_profile():
+    """A profile whose first candidate's split waits for the bounds (WAIT_FOR_BOUNDS)."""
+    return synthetic_profile(
+        [1.72, 1.24, 1.89, 1.95, 0.38], saved=[530, 315, 289, 246, 531], sizes=(1, 2, 4, 8),
+        loss={"forward": 0.2, "saved": 16},
+    )  # fmt: skip
+
+
 def test_the_time_limit_bounds_cp_sat_too():
     """Noticed in review: `--solver cp-sat` re-solved the chosen split for up to 20 s whatever
     --time-limit said. With no time left it is not run, and the plan says so; with time, it is
@@ -488,14 +507,7 @@ def test_building_cp_sats_model_stops_at_its_time_limit(monkeypatch):
     stops at the limit (a clock that ticks a second per reading: 1.5 s runs out at stage 1)."""
     import planner.cpsat
 
-    class Clock:
-        t = 0.0
-
-        def perf_counter(self):
-            Clock.t += 1.0
-            return Clock.t
-
-    monkeypatch.setattr(planner.cpsat, "time", Clock())
+    monkeypatch.setattr(planner.cpsat, "time", Ticking())
     monkeypatch.setattr(search, "CP_SAT_SECONDS", 1.5)
     profile = synthetic_profile([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], sizes=(1, 2, 4, 8))
     kw = dict(schedule="1f1b", recompute="never", microbatches=4, checkpoint=())
@@ -513,24 +525,13 @@ def test_splits_waiting_when_the_time_runs_out_are_finished():
     said to lose by a bound below the winner's time (found by the cold review). A clock that
     ticks a second per reading makes the limit fall at the same point each run."""
 
-    class Clock:
-        t = 0.0
-
-        def perf_counter(self):
-            Clock.t += 1.0
-            return Clock.t
-
-    profile = synthetic_profile(
-        [1.72, 1.24, 1.89, 1.95, 0.38], saved=[530, 315, 289, 246, 531], sizes=(1, 2, 4, 8),
-        loss={"forward": 0.2, "saved": 16},
-    )  # fmt: skip
+    profile = _waiting_profile()
     cluster = Cluster.uniform(4, 5931, bandwidth=1e6)
     for N in (8, 16):
         got = {}
         for wait in (True, False):
-            Clock.t = 0.0
             with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(search, "time", Clock())
+                mp.setattr(search, "time", Ticking())
                 mp.setattr(search, "WAIT_FOR_BOUNDS", wait)
                 plan = plan_pipeline(profile, cluster, N, time_limit_s=17)
             assert "time limit" in plan.solver.unproven
@@ -547,19 +548,9 @@ def test_past_the_time_limit_a_waiting_split_ends_the_search():
     yet). Past the limit the waiting splits are finished first: one solved, not three (the
     clock ticks a second per reading; the limit falls after the first solve)."""
 
-    class Clock:
-        t = 0.0
-
-        def perf_counter(self):
-            Clock.t += 1.0
-            return Clock.t
-
-    profile = synthetic_profile(
-        [1.72, 1.24, 1.89, 1.95, 0.38], saved=[530, 315, 289, 246, 531], sizes=(1, 2, 4, 8),
-        loss={"forward": 0.2, "saved": 16},
-    )  # fmt: skip
+    profile = _waiting_profile()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(search, "time", Clock())
+        mp.setattr(search, "time", Ticking())
         plan = plan_pipeline(
             profile, Cluster.uniform(4, 5931, bandwidth=1e6), 8, time_limit_s=2.5, checkpoint=()
         )
