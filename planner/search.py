@@ -2260,6 +2260,7 @@ def _overruns(plan: Plan, budget: int) -> bool:
 
 
 PLANNED_TRIES = 32  # whole searches at most, bisecting for a need that plans
+PLANNED_SECONDS = 30.0  # and no new one past this many seconds of them
 
 
 def _raised(problem: _Problem, budget: int) -> _Problem:
@@ -2298,8 +2299,8 @@ def _planned_need(
     need not carry over to a larger one (the fastest split moves with it): the least found,
     not proven the least (on equal devices, _infeasible then takes the least the plan found
     holds). Returns the need, a plan that fits there (made against the cluster's own budgets,
-    as _shown's), and whether PLANNED_TRIES or `deadline` cut the bisection short. `shown`:
-    the problem on the cluster as it is, which plans are made against."""
+    as _shown's), and whether PLANNED_TRIES, PLANNED_SECONDS or `deadline` cut the bisection
+    short. `shown`: the problem on the cluster as it is, which plans are made against."""
     held = max(d.total for d in closest.devices if d.total > max(d.budget, need))
     mems = [d.memory_bytes for d in problem.cluster.devices]
     # (equal devices: each given the budget, whatever they have, so that this search is the
@@ -2307,8 +2308,11 @@ def _planned_need(
     lo = need - 1 if min(mems) == max(mems) else max(need - 1, min(mems))
     hi, plan = held, closest
     tries = 0
+    # (each try is a whole search, which at a tight budget on a large model may take long)
+    stop = time.perf_counter() + PLANNED_SECONDS
+    stop = stop if deadline is None else min(stop, deadline)
     while hi - lo > 1:
-        if tries >= PLANNED_TRIES or (deadline is not None and time.perf_counter() > deadline):
+        if tries >= PLANNED_TRIES or time.perf_counter() > stop:
             return hi, plan, True
         tries += 1
         mid = (lo + hi) // 2

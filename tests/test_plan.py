@@ -316,6 +316,27 @@ def test_the_need_stated_for_torchrun_plans_there(K, schedule, fwd, params, save
     assert plan_pipeline(prof, Cluster.uniform(K, cut.value.needed_bytes), 4, **kw).fits
 
 
+def test_the_search_for_a_need_that_plans_is_bounded_in_time(monkeypatch):
+    """Each try of that search is a whole search, long at a tight budget on a large model: past
+    PLANNED_SECONDS it stops with what the closest plan holds, which plans, and says so."""
+    from planner import search
+
+    prof = synthetic_profile(
+        [3, 1, 4], params=[237, 269, 137], saved=[53, 7, 55], output_bytes=[148, 198, 76]
+    )
+    kw = dict(target="torchrun", schedule="gpipe")
+    with pytest.raises(InfeasibleError) as full:
+        plan_pipeline(prof, Cluster.uniform(3, 100), 4, **kw)
+    monkeypatch.setattr(search, "PLANNED_SECONDS", 0.0)
+    with pytest.raises(InfeasibleError) as cut:
+        plan_pipeline(prof, Cluster.uniform(3, 100), 4, **kw)
+    assert "the search for the least stopped early: it plans with this" in str(cut.value)
+    assert "stopped early" not in str(full.value)
+    need = cut.value.needed_bytes
+    assert need > full.value.needed_bytes  # (here, the least is below what the closest holds)
+    assert plan_pipeline(prof, Cluster.uniform(3, need), 4, **kw).fits
+
+
 @pytest.mark.parametrize("mixed", [False, True])
 def test_candidates_alike_in_memory_need_the_same_least_memory(mixed):
     """The search for the least memory tries only the first of the candidates with the same
