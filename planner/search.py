@@ -326,7 +326,7 @@ def plan_pipeline(
                     raise InfeasibleError(f"no split fits: {AHEAD_OVER}", INT64_SAFE, err.closest)
                 # (a budget at which it plans, _planned_need; a smaller one may too, with a
                 # slower split: whether a budget plans need not carry over to a larger one)
-                where = "per device" if min(mems) == max(mems) else "on every device with less"
+                where = "per device" if max(mems) < need else "on every device with less"
                 raise InfeasibleError(
                     f"no split fits: {AHEAD_OVER}; it plans with {format_size(need, up=True)} "
                     f"({need} bytes) {where}",
@@ -402,8 +402,9 @@ def plan_pipeline(
             and (part.extra.get("optimal", 1.0) != 1.0)
         ):  # (stopped by its time limit: a split, not proven the best; the probe's is)
             best.solver = best.solver.model_copy(
-                update={"method": "probe-bisection (CP-SAT stopped at its time limit with a "
-                        f"slower split, {100 * part.extra.get('gap', 0.0):.3g}% from its bound)"}
+                update={"method": "probe-bisection (CP-SAT stopped at its time limit before "
+                        f"proving its split, {100 * part.extra.get('gap', 0.0):.3g}% from its "
+                        "bound, which simulated no faster)"}
             )  # fmt: skip
         elif rebuilt is not None and rebuilt.fits:  # the same bottleneck, a slower schedule
             best.solver = best.solver.model_copy(

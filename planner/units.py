@@ -59,7 +59,11 @@ def parse_bandwidth(text: str, what: str = "bandwidth") -> float:
     body = text.strip() if isinstance(text, str) else text
     if isinstance(body, str) and body.lower().endswith("/s"):
         body = body[:-2]
-    if isinstance(body, str) and (m := _SIZE.match(body)) and m.group(2).endswith("b"):
+    if (
+        isinstance(body, str)
+        and (m := _SIZE.match(body))
+        and re.fullmatch("[kKmMgGtTpP]?b", m.group(2))
+    ):
         # (found by a red team: 1Gb/s, a link's gigabits, was read as 1 GB/s, 8x too fast)
         raise ArgumentError(
             what, text, "a lower-case b reads as bits; write bytes per second, as 125MB/s for "

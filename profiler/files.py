@@ -54,7 +54,8 @@ def check_output(
     if not os.path.isdir(folder):
         # (found by a red team: `nosuch/../in.json` cannot be looked up, so the checks below
         # saw no file, while its real path, made by dropping `nosuch/..`, was the input)
-        raise InputError(f"{shown}: directory {folder} does not exist")
+        what = "is not a directory" if os.path.exists(folder) else "does not exist"
+        raise InputError(f"{shown}: {folder} {what}")
     try:
         st = os.stat(path)  # what the path names, through any links (/dev/stdout: a pipe)
     except FileNotFoundError:

@@ -571,6 +571,19 @@ def test_an_output_through_a_missing_folder_and_dotdot_is_refused(run_cli, prof,
         assert "nosuch/.." in r.err
     assert (prof.read_bytes(), plan_file.read_bytes()) == before
     assert not missing.exists()
+    r = run_cli(
+        "plan",
+        prof,
+        "--devices",
+        2,
+        "--memory",
+        "1GiB",
+        "--batch-size",
+        8,
+        "-o",
+        f"{prof}/out.json",
+    )  # (through a file: said so)
+    assert_bad_input(r, mentions=f"{prof} is not a directory")  # fmt: skip
 
 
 def test_a_devices_torch_device_is_one_to_train_on(run_cli, prof, tmp_path):

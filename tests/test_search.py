@@ -497,7 +497,8 @@ def test_a_cp_sat_split_cut_short_by_its_time_limit_is_said_so(monkeypatch):
     plan = plan_pipeline(profile, cluster, 8, solver="cp-sat", **kw)
     assert [st.layers for st in plan.stages] == [(0, 4), (4, 6)]  # the probe's, kept
     assert plan.solver.method == (
-        "probe-bisection (CP-SAT stopped at its time limit with a slower split, 25% from its bound)"
+        "probe-bisection (CP-SAT stopped at its time limit before proving its split, 25% from "
+        "its bound, which simulated no faster)"
     )
 
 

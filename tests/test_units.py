@@ -29,6 +29,9 @@ def test_parse_size_refuses(text):
 
 def test_bandwidth_and_format():
     assert parse_bandwidth("25GB/s") == 25e9
+    assert parse_bandwidth("100mib/s") == parse_bandwidth("100MiB/s") == 100 * 2**20
+    assert format_size(3 * 2**29) == "1.5 GiB"
+    assert format_size(512) == "512 B"
 
 
 @pytest.mark.parametrize("text", ["1Gb/s", "100Mb", "10kb/s", "8000000b/s"])
@@ -37,5 +40,3 @@ def test_a_bandwidth_in_bits_is_refused(text):
     with pytest.raises(InputError, match="lower-case b reads as bits"):
         parse_bandwidth(text)
     assert parse_bandwidth(text.replace("b", "B")) > 0  # (bytes: read)
-    assert format_size(3 * 2**29) == "1.5 GiB"
-    assert format_size(512) == "512 B"
