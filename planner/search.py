@@ -734,12 +734,6 @@ def _search(
         nonlocal best
         cand = candidates[k]
         pair = (cand.microbatches, cand.schedule)
-        if state[0] == "twin":  # a per-stage candidate that waited behind its never twin
-            if pair in settled:
-                take_settled(k, pair)
-            else:  # (the twin's plan did not settle it: over budget, or a fallback)
-                attempt(k, defer=False)
-            return
         waiting_pairs.pop(pair, None)
         _, part, fits, free, bound, chain, times = state
         fell: tuple[Plan, float | None] | None = None  # the fallback's, where it was made here
@@ -865,7 +859,18 @@ def _search(
         """Finish the waiting splits whose bound is at most `upto`, least bound first."""
         while waiting and waiting[0][0] <= upto:
             _, _, k, state = heapq.heappop(waiting)
-            finish(k, state)
+            if state[0] != "twin":
+                finish(k, state)
+                continue
+            # a per-stage candidate that waited behind its never twin (here, not in finish:
+            # closures that call each other are a cycle, which kept the problem and its
+            # profile, a million objects at 10 000 layers, for the collector)
+            cand = candidates[k]
+            pair = (cand.microbatches, cand.schedule)
+            if pair in settled:
+                take_settled(k, pair)
+            else:  # (the twin's plan did not settle it: over budget, or a fallback)
+                attempt(k, defer=False)
 
     show = sys.stderr.isatty() if progress is None else progress
     with _progress_bar(len(order), show) as tick:

@@ -6,6 +6,7 @@ import hashlib
 from typing import Annotated, Any, ClassVar, Literal, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from .artifact import Artifact
 from .limits import MAX_BATCH, MAX_BYTES, MAX_LAYERS, MAX_MS, DType, Text
@@ -14,13 +15,13 @@ Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
 Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 
 
-class Timing(BaseModel):
+@pydantic_dataclass(config=ConfigDict(extra="forbid"), slots=True)
+class Timing:
     """Milliseconds over the timed repeats: the median is used, min and max show the noise.
 
     Structurally identical layers are timed together and share one Timing: `samples` counts the
     pooled measurements, `spread` is their median absolute deviation relative to the median."""
 
-    model_config = ConfigDict(extra="forbid")
     median: Ms
     min: Ms
     max: Ms
