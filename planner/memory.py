@@ -313,6 +313,7 @@ class MemoryModel:
         self._one_layer: dict[StageShape, np.ndarray] = {}  # (one_layer)
         self._single: dict[str, np.ndarray] = {}  # (one_layer: each layer's state_bytes)
         self._weights: dict[int, np.ndarray] = {}  # (weights)
+        self._guess_prefix: dict[tuple[int, int], np.ndarray] = {}  # (end_guess)
         self._params = _prefix(chain.params)
         # a parameter several layers use: how many of them lie before each position
         self._tied = [
@@ -933,6 +934,35 @@ class MemoryModel:
         return [answers[k] for k in wanted]
 
     KEEP = 1 << 25  # entries of found ends and their limits kept at most (256 MiB)
+
+    def end_guess(self, shape: StageShape, budget: int, start: int) -> int:
+        """A guess of max_end(shape, budget) at `start`, without searching: the last end at
+        which the stage's weights (their gradients and optimizer slots, and buffers), its
+        reserved bytes and the activations of as many micro-batches as the shape holds at
+        once (each layer's saved bytes, less what the layer before it saves too) fit.
+        Never below max_end: total() is at least those (with buffers, weights are summed
+        layer by layer: none is tied). Yet a guess: the partition's windows read it, and see
+        where one fell short (a stage reached past it) all the same."""
+        n = self.chain.num_layers
+        if self._tied:  # (the weights do not add up layer by layer)
+            return n
+        # Of the tuples that run no transient and hold no pulled gradient (whose tight forms
+        # may come out below zero), the most activations: every other state they count is
+        # bytes held, none below zero.
+        act = STATES.index("activations")
+        many = max(
+            (t[act] for t in shape.occupancy if not t[PULLED] and not any(t[N_STATES:])),
+            default=0,
+        )
+        key = (shape.optimizer_slots, many)
+        prefix = self._guess_prefix.get(key)
+        if prefix is None:
+            saved = self._saved - self._shared  # each layer's own share, as _held counts it
+            prefix = self._guess_prefix[key] = self.weights(shape.optimizer_slots) + many * saved
+        room = int(prefix[start]) + budget - shape.reserved
+        if start == 0 and self.chain.borrowed_input:  # (the part of the caller's micro-batch
+            room += many * int(self.chain.input_saved[0])  # the first layer saves: not held)
+        return max(start, min(n, int(np.searchsorted(prefix, room, side="right")) - 1))
 
     def weights(self, optimizer_slots: int) -> np.ndarray:
         """Prefix sums of each layer's weights, gradients, optimizer slots and buffers: with

@@ -194,13 +194,24 @@ class _Prober:
             }
             self._cap = ends[max(self.speeds)][:L]
             first, last, far = [0] * K, [0] * K, 0
+            guessed, reach = [0] * K, 0  # the same, memory's ends guessed too (end_guess)
             for s in range(K):
                 last[s] = min(far, L - (K - s))
                 far = int(ends[self.speeds[s]][last[s]])
+                guessed[s] = at = min(reach, last[s])
+                reach = max(
+                    min(self._time_end(P, self.speeds[s], np.array([at]), wide)[0],
+                        self._memory.end_guess(shape, budget, at))
+                    for P, (shape, budget) in zip(self.prefixes, self._keys[s])
+                )  # fmt: skip
             near = L
             for s in range(K - 1, -1, -1):  # the first start whose greedy stages reach `near`
                 near = first[s] = int(np.searchsorted(ends[self.speeds[s]], near, side="left"))
-            self._window = list(zip(first, last))
+            self._wide = list(zip(first, last))
+            # Where memory binds, a stage's ends come sooner than time alone lets them: its
+            # window ends where the stages before it, filled as far as time and the guess of
+            # memory let them, end (a stage reached past it widens the windows: _starts).
+            self._window = [(f, max(f, g)) for f, g in zip(first, guessed)]
         self._load_tables()
 
     def _load_tables(self) -> None:
@@ -227,8 +238,15 @@ class _Prober:
         starts = np.nonzero(reach[: room + 1])[0]
         if self._window is not None:
             first, last = self._window[s]
-            if starts.size and starts[-1] > last:  # (cannot happen under the bound: in full)
-                self.reach_to(math.inf)
+            if starts.size and starts[-1] > last:
+                if starts[-1] <= self._wide[s][1] and self._window != self._wide:
+                    # memory's guess fell short: the windows time alone gives, whose tables
+                    # add to those loaded (max_ends keeps what it found)
+                    self._window = self._wide
+                    self._loads += 1
+                    self._load_tables()
+                else:  # (cannot happen under the bound: in full)
+                    self.reach_to(math.inf)
                 return starts
             starts = starts[starts >= first]
         return starts

@@ -3,6 +3,7 @@ way to run the CLI in-process and read what it printed."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -188,7 +189,7 @@ def even_times(prof: Any) -> Any:
 
     def even(x: Any) -> Any:
         return x.model_copy(
-            update={f: {b: t.model_copy(update=one) for b, t in getattr(x, f).items()}
+            update={f: {b: dataclasses.replace(t, **one) for b, t in getattr(x, f).items()}
                     for f in timed}
         )  # fmt: skip
 

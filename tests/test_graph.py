@@ -4,6 +4,7 @@ whose gradients equal the un-pipelined model's."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 import json
 import math
@@ -966,7 +967,7 @@ def _timed(prof, k, ms):
     timed = ("forward_ms", "backward_ms", "backward_input_ms", "backward_weight_ms")
     one = {"median": ms, "min": ms, "max": ms}
     layers = [
-        x.model_copy(update={f: {b: t.model_copy(update=one) for b, t in getattr(x, f).items()}
+        x.model_copy(update={f: {b: dataclasses.replace(t, **one) for b, t in getattr(x, f).items()}
                              for f in timed}) if x.index == k else x
         for x in prof.layers
     ]  # fmt: skip
@@ -1036,7 +1037,7 @@ def test_no_limit_on_the_bottleneck_where_links_carry_skips_the_bound_does_not_c
     layers = []
     for layer, fixed, per in zip(prof.layers, [5.0, 5.0, 0.0, 0.5], [0.5, 0.1, 0.1, 1.0]):
         update = {
-            f: {n: t.model_copy(update=dict.fromkeys(("median", "min", "max"),
+            f: {n: dataclasses.replace(t, **dict.fromkeys(("median", "min", "max"),
                                                       (fixed + per * n) * (1 + (f == "backward_ms"))))
                 for n, t in getattr(layer, f).items()}
             for f in timed

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from planner.costs import Chain
 from planner.dp import solve_partition_dp
 from planner.memory import MemoryModel, StageShape
-from planner.partition import NoneWithin, StageSpec, feasible_split, solve_partition
+from planner.partition import NoneWithin, StageSpec, _Prober, feasible_split, solve_partition
 
 
 def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
@@ -596,6 +596,9 @@ class _Tables:
 
     def max_ends(self, wanted, cap=None, starts=None):
         return [np.array(self.ends[id(shape)]) for shape, _ in wanted]
+
+    def end_guess(self, shape, budget, start):  # (exact)
+        return self.ends[id(shape)][start]
 
 
 def test_memory_free_is_not_claimed_where_the_split_itself_was_cut_by_memory():
@@ -1188,7 +1191,15 @@ def test_a_window_too_narrow_for_what_a_probe_reaches_is_widened():
     assert want is not None
     narrow = _Prober(times, MemoryModel(chain), specs, cap_bound=float(times.sum()) / 2)
     narrow._window = [(first, first) for first, _ in narrow._window]  # type: ignore[union-attr]
+    narrow._wide = narrow._window
     assert narrow.probe(float(times.sum()) / 2) == want and narrow._window is None
+    # memory's guess short (end_guess): the windows time alone gives, not the full tables
+    short = _Prober(times, MemoryModel(chain), specs, cap_bound=float(times.sum()) / 2)
+    wide = short._wide
+    short._window = [(first, first) for first, _ in short._window]  # type: ignore[union-attr]
+    loads = short._loads
+    assert short.probe(float(times.sum()) / 2) == want and short._window == wide
+    assert short._loads == loads + 1
     low = _Prober(times, MemoryModel(chain), specs, cap_bound=float(times.sum()) / 8)
     assert low.probe(float(times.sum()) / 2) == want and low._cap is None
 
@@ -1268,3 +1279,59 @@ def test_a_memory_split_whose_weights_cannot_fit_is_decided_before_the_memory_mo
         assert (bounds is None) == (fitting == [])
         if bounds is not None:
             assert all(b[s] >= least[s] for b in [bounds] for s in range(K))
+
+
+@settings(max_examples=80, deadline=None)
+@given(problems())
+def test_the_guess_of_memorys_end_is_never_below_the_last_end_that_fits(problem):
+    """end_guess, on drawn shapes and those of real schedules (which count transients and
+    tight pulled gradients that come out below zero): at least max_end from every start."""
+    chain, specs, _ = problem
+    memory = MemoryModel(chain)
+    for spec in specs:
+        for shape in [spec.shape, *_real_shapes()]:
+            ends = memory.max_end(shape, spec.budget)
+            guess = [memory.end_guess(shape, spec.budget, i) for i in range(chain.num_layers)]
+            assert (np.array(guess) >= ends).all(), (shape.occupancy, guess, ends.tolist())
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("guess", ["short", "none", "own"])
+def test_a_guess_of_memorys_end_that_falls_short_changes_no_split(seed, guess):
+    """The windows the guess narrows are widened where a probe reaches past them: a guess
+    that says nothing fits beyond the start, one that says nothing, and the model's own give
+    the optimum the DP finds, where memory binds, on chains long enough for windows to matter."""
+    rng = np.random.default_rng(seed)
+    L, K = 150, 6
+    chain = make_chain(
+        L, forward=rng.uniform(0.5, 2.0, L), backward=rng.uniform(1.0, 4.0, L),
+        params=rng.integers(1, 100, L), saved=rng.integers(1, 80, L),
+        backward_transient=rng.integers(0, 20, L), boundary=rng.integers(1, 10, L + 1),
+    )  # fmt: skip
+    times = chain.forward + chain.backward
+    shapes = [StageShape(occupancy=(occ(0, K - s),), optimizer_slots=1) for s in range(K)]
+    specs = [
+        StageSpec(1.0, int(MemoryModel(chain).total(0, L, shapes[0])[0]) // 7, shape)
+        for shape in shapes
+    ]
+    said = {
+        "short": lambda self, shape, budget, start: start,
+        "none": lambda self, shape, budget, start: L,
+        "own": MemoryModel.end_guess,
+    }[guess]
+    loads = []
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(MemoryModel, "end_guess", said)
+        load = _Prober._load_tables
+        widened = lambda p: p._window is None or p._window is p._wide  # noqa: E731
+        m.setattr(_Prober, "_load_tables", lambda p: loads.append(widened(p)) or load(p))
+        part = solve_partition(times, MemoryModel(chain), specs)
+    dp = solve_partition_dp(times, MemoryModel(chain), specs)
+    assert part is not None and dp is not None and part.bottleneck == dp.bottleneck
+    assert (
+        part.bottleneck
+        > solve_partition(
+            times, MemoryModel(chain), [StageSpec(1.0, 10**12, shape) for shape in shapes]
+        ).bottleneck
+    )  # fmt: skip  (memory binds)
+    assert any(loads) == (guess == "short")  # (which widened the windows on the way)
