@@ -864,7 +864,7 @@ class MemoryModel:
     def max_ends(
         self,
         wanted: list[tuple[StageShape, int]],
-        cap: np.ndarray | None = None,
+        cap: np.ndarray | list[np.ndarray] | None = None,
         starts: list[np.ndarray | None] | None = None,
     ) -> list[np.ndarray]:
         """max_end of every (shape, budget), those not known yet searched together: one pass
@@ -880,7 +880,12 @@ class MemoryModel:
         it had (a start never searched counts as searched to itself)."""
         n = self.chain.num_layers
         every = np.arange(n, dtype=np.int64)
-        top = np.full(n, n, dtype=np.int64) if cap is None else np.clip(cap, every + 1, n)
+        # per key (`cap` may be one per wanted key: a key asked twice takes the larger)
+        caps = cap if isinstance(cap, list) else [cap] * len(wanted)
+        tops: dict[tuple[StageShape, int], np.ndarray] = {}
+        for key, c in zip(wanted, caps):
+            top = np.full(n, n, dtype=np.int64) if c is None else np.clip(c, every + 1, n)
+            tops[key] = np.maximum(tops[key], top) if key in tops else top
         kept = self._ends
         asked: dict[tuple[StageShape, int], list[np.ndarray] | None] = {}
         for g, key in enumerate(wanted):
@@ -901,6 +906,7 @@ class MemoryModel:
             found, to = kept.get(key, (every, every))  # found = min(max_end, to)
             known[key] = (found, to)
             # exact where found < to (max_end itself); known to reach past the cap where not
+            top = tops[key]
             search = at[(found[at] >= to[at]) & (top[at] > to[at])]
             if search.size:  # from what is known to fit, up to the cap
                 todo.append((key, search, found[search]))
@@ -916,12 +922,14 @@ class MemoryModel:
             if entries < (1 << 16) and at + 1 < len(todo):
                 continue
             results = self._max_ends(
-                [key for key, _, _ in batch], top, [search for _, search, _ in batch],
+                [key for key, _, _ in batch],
+                np.concatenate([tops[key][search] for key, search, _ in batch]),
+                [search for _, search, _ in batch],
                 np.concatenate([lo for _, _, lo in batch]),
             )  # fmt: skip
             for (key, search, _), new in zip(batch, results):
                 found, to = (x.copy() for x in known[key])
-                found[search], to[search] = new, top[search]
+                found[search], to[search] = new, tops[key][search]
                 known[key] = (found, to)
             batch, entries = [], 0
         answers = {}
@@ -930,7 +938,7 @@ class MemoryModel:
             found.setflags(write=False)
             to.setflags(write=False)
             kept[key] = (found, to)
-            answers[key] = np.minimum(found, top)
+            answers[key] = np.minimum(found, tops[key])
         return [answers[k] for k in wanted]
 
     KEEP = 1 << 25  # entries of found ends and their limits kept at most (256 MiB)
@@ -1002,7 +1010,8 @@ class MemoryModel:
         lo: np.ndarray,
     ) -> list[np.ndarray]:
         """min(max_end, top) per key at its `starts`, where each end is known to fit at lo (or
-        lo is the start; flat, key after key) and nothing past the cap is known."""
+        lo is the start) and nothing past the cap is known (top and lo: flat, key after key,
+        one per start)."""
         n, G = self.chain.num_layers, len(keys)
         shapes = [shape for shape, _ in keys]
         sizes = np.array([len(at) for at in starts], dtype=np.int64)
@@ -1021,7 +1030,6 @@ class MemoryModel:
                     np.searchsorted(weights, weights[at] + (b - shape.reserved), side="right")
                 )
         hi = np.minimum(np.maximum(np.concatenate(caps), i + 1), n + 1)
-        top = top[i]
         # min(max_end, top) is top where top fits: where lo reaches it, or where it fits
         lo = np.minimum(lo, top)
         hi = np.where(lo == top, top + 1, hi)

@@ -181,7 +181,8 @@ class _Prober:
         L, K = self.L, self.K
         self._loads = getattr(self, "_loads", 0) + 1
         self._cap_bound = cap_bound
-        self._cap: np.ndarray | None = None  # per start: the last end the tables are exact to
+        # per option and start: the last end the tables are exact to
+        self._cap: list[np.ndarray] | None = None
         self._window: list[tuple[int, int]] | None = None  # per stage: its first and last start
         if math.isfinite(cap_bound):
             # Each option costs at least the cheapest per layer, so its time ends come no
@@ -192,7 +193,10 @@ class _Prober:
             ends = {
                 sp: self._time_end(self._least, sp, self._every, wide) for sp in set(self.speeds)
             }
-            self._cap = ends[max(self.speeds)][:L]
+            # (each option's own time ends, at the fastest speed: an option that costs more
+            # than the cheapest searches its tables less far)
+            fastest = max(self.speeds)
+            self._cap = [self._time_end(P, fastest, self._every, wide)[:L] for P in self.prefixes]
             first, last, far = [0] * K, [0] * K, 0
             guessed, reach = [0] * K, 0  # the same, memory's ends guessed too (end_guess)
             for s in range(K):
@@ -215,21 +219,25 @@ class _Prober:
         self._load_tables()
 
     def _load_tables(self) -> None:
-        keys, starts = [], []
+        keys, starts, caps = [], [], []
         for s, row in enumerate(self._keys):
             keys += row
+            caps += self._cap or []
             if self._window is not None:
                 first, last = self._window[s]
                 starts += [np.arange(first, last + 1, dtype=np.int64)] * len(row)
-        found = self._memory.max_ends(keys, cap=self._cap, starts=starts or None)
+        found = self._memory.max_ends(keys, cap=caps or None, starts=starts or None)
         self.mem_end: list[list[np.ndarray]] = []
         for row in self._keys:
             self.mem_end.append(found[: len(row)])
             found = found[len(row) :]
 
-    def _exact_to(self, starts: np.ndarray, j: np.ndarray) -> None:
+    def _exact_to(self, starts: np.ndarray, j: np.ndarray, x: int | None = None) -> None:
         """Make the memory tables exact up to end j from each start (searching them in full)."""
-        if self._cap is not None and (j > self._cap[np.minimum(starts, self.L - 1)]).any():
+        if self._cap is None:
+            return
+        at = np.minimum(starts, self.L - 1)
+        if any((j > cap[at]).any() for cap in (self._cap if x is None else [self._cap[x]])):
             self.reach_to(math.inf)
 
     def _starts(self, s: int, reach: np.ndarray, room: int) -> np.ndarray:
@@ -265,7 +273,7 @@ class _Prober:
             if key not in self._time_ends:
                 self._time_ends[key] = self._time_end(P, self.speeds[s], every, bound)
             j = self._time_ends[key][starts]
-            self._exact_to(starts, j)
+            self._exact_to(starts, j, x)
             room = self.mem_end[s][x][starts]
             if not self.memory_cut and (room < j).any():
                 self.memory_cut = True
@@ -374,9 +382,15 @@ class _Prober:
         costs, choices = [], []
         for s, (i, j) in enumerate(zip(bounds[:-1], bounds[1:])):
             sp = self.speeds[s]
-            self._exact_to(np.array([i]), np.array([j]))
+            # (an option whose time alone takes it past the bound the tables serve is not
+            # the fastest one that fits, and its table does not reach that far)
+            far = [self._cap is None or j <= cap[min(i, self.L - 1)] for cap in self._cap or []]
+            if self._cap is not None and not any(far):
+                self.reach_to(math.inf)
             best, pick = math.inf, 0
             for x, (P, mem_end) in enumerate(zip(self.prefixes, self.mem_end[s])):
+                if self._cap is not None and not far[x]:
+                    continue
                 if mem_end[i] >= j and float(P[j] - P[i]) / sp < best:
                     best, pick = float(P[j] - P[i]) / sp, x
             costs.append(best)
@@ -596,7 +610,7 @@ def _reach(
 
 # The first probes' bounds, times the split time alone makes: each failed one's tables are
 # a fraction of the next's (the windows grow with the bound's excess over it)
-LADDER = (1.0, 1.05, 1.2, 1.5, 2.0)  # (fewer: where no split fits, each is a probe lost)
+LADDER = (1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 2.0)  # (fewer: where no split fits, each is a probe lost)
 
 
 def _time_alone(least: np.ndarray, speeds: list[float]) -> tuple[float, float]:
