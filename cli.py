@@ -288,6 +288,12 @@ def _plan(args: argparse.Namespace, out: Path, profile: Profile) -> int:
             "(profile with --loss)",
             file=sys.stderr,
         )
+    if plan.optimizer not in profile.optimizer_step:  # (an older or edited profile)
+        print(
+            f"note: the profile measured no {plan.optimizer} step, so the temporaries of the "
+            "optimizer step are not in this plan (profile again to measure them)",
+            file=sys.stderr,
+        )
     sizes = profile.batch_sizes
     mb = plan.microbatch_size
     if mb not in sizes and (len(sizes) == 1 or not sizes[0] < mb < sizes[-1]):
@@ -484,6 +490,12 @@ def _runs_as_planned(model: Any, plan: Any, path: str) -> None:
     from codegen._dist_runtime import quiet_fake_tensors
     from codegen._runtime import routes_of
 
+    # (a profile edited to fewer layers keeps the model's digest: the program would refuse)
+    if len(list(model)) != plan.num_layers:
+        raise InputError(
+            f"{path} splits {plan.num_layers} layers, but the model has {len(list(model))}; "
+            "profile and plan it again"
+        )
     if plan.captured:
         routes = sorted(routes_of(list(model), [tuple(st.layers) for st in plan.stages]))
         if routes != sorted(tuple(r) for r in plan.routes):

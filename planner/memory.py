@@ -955,11 +955,16 @@ class MemoryModel:
         if self._tied:  # (the weights do not add up layer by layer)
             return n
         # Of the tuples that run no transient and hold no pulled gradient (whose tight forms
-        # may come out below zero), the most activations: every other state they count is
-        # bytes held, none below zero.
-        act = STATES.index("activations")
+        # may come out below zero) nor what zero bubble keeps between I and W (below zero on
+        # a first stage that borrows its input and holds the loss: a review's), the most
+        # activations: every other state they count is bytes held, none below zero.
+        act, iw = STATES.index("activations"), STATES.index("between_iw")
         many = max(
-            (t[act] for t in shape.occupancy if not t[PULLED] and not any(t[N_STATES:])),
+            (
+                t[act]
+                for t in shape.occupancy
+                if not t[PULLED] and not t[iw] and not any(t[N_STATES:])
+            ),
             default=0,
         )
         key = (shape.optimizer_slots, many)

@@ -610,7 +610,9 @@ def _reach(
 
 # The first probes' bounds, times the split time alone makes: each failed one's tables are
 # a fraction of the next's (the windows grow with the bound's excess over it)
-LADDER = (1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 2.0)  # (fewer: where no split fits, each is a probe lost)
+# (finer: a first fit nearer the optimum, whose tables reach less far; coarser: where no
+# split fits near the time alone, fewer probes and tables lost)
+LADDER = (1.0, 1.05, 1.1, 1.2, 1.3, 1.5, 2.0)
 
 
 def _time_alone(least: np.ndarray, speeds: list[float]) -> tuple[float, float]:
@@ -637,6 +639,8 @@ def _time_alone(least: np.ndarray, speeds: list[float]) -> tuple[float, float]:
     hi = hi * (1 + 1e-9)
     while hi - lo > 1e-4 * hi:
         mid = (lo + hi) / 2
+        if not lo < mid < hi:  # (subnormal times: halving no longer moves)
+            break
         if fits(mid):
             hi = mid
         else:

@@ -1448,7 +1448,13 @@ def _check_magnitude(table: ProfileTable, batch_size: int) -> None:
     """Refuse at once a batch so far past the profiled sizes that its extrapolated bytes would
     overflow the planner's int64 arithmetic (the total is about the same for every M). In
     floating point: int64 is what would overflow."""
-    per_size = sum(float(table.at(f, batch_size).sum()) for f in PER_SIZE if f.endswith("_bytes"))
+    # per micro-batch, times the micro-batches a stage may hold at once (all of them): a
+    # profile whose bytes do not grow with the samples (edited so) is largest in small ones
+    per_size = max(
+        sum(float(table.at(f, mb).sum()) for f in PER_SIZE if f.endswith("_bytes"))
+        * math.ceil(batch_size / mb)
+        for mb in {1, batch_size, *(b for b in table.sizes if b < batch_size)}
+    )
     crossing = float(table.profile.input_bytes + table.fixed("output_bytes").sum()) * batch_size
     total = per_size + 3 * crossing + 8 * float(table.fixed("param_bytes").sum())
     if total * 4 >= INT64_SAFE:
@@ -2222,7 +2228,8 @@ def _least(fits: Callable[..., _Fit | None], need: int | None, floor: int = 1) -
     while hi - lo > 1:
         mid = (lo + hi) // 2
         found = fits(mid)
-        lo, hi = (lo, max(found[3], lo + 1)) if found else (mid, hi)
+        # (what fits at mid takes at most mid: kept so, the bisection ends whatever fits says)
+        lo, hi = (lo, min(mid, max(found[3], lo + 1))) if found else (mid, hi)
     return hi
 
 

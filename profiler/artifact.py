@@ -158,6 +158,10 @@ class Artifact(BaseModel):
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             msg = first["msg"].removeprefix("Value error, ")
+            if first["type"] == "unexpected_keyword_argument":  # (a dataclass's: a file's key)
+                msg = "Extra inputs are not permitted"
+            if first["type"] == "string_pattern_mismatch" and "\\x00" in str(first.get("ctx")):
+                msg = "holds a control, direction or invisible character"
             raise InputError(
                 f"{source}: invalid {expected}: {where + ': ' if where else ''}{msg}"
             ) from None

@@ -16,6 +16,7 @@ from .artifact import InputError
 
 MAX_BYTES = 2**50  # 1 PiB: per device, per layer, per tensor
 MAX_MS = 1e9  # about 11.6 days: any one time a profile or cluster states
+MIN_MS = 1e-6  # a nanosecond: the least time above 0 a profile's timings may state
 MAX_LAYERS = 2**17
 MAX_DEVICES = 1024
 MAX_MICROBATCHES = 1024
@@ -29,9 +30,14 @@ INT64_SAFE = 2**62  # the planner's byte arithmetic stays below this
 
 # Text a file may hold where a program or a table prints it: one line, no control characters
 # (a newline in a device name would end a comment in the emitted program and start code; C1
-# controls and bidirectional overrides would reach the terminal as they are: a red team's)
+# controls, bidirectional overrides and marks, and invisible characters would reach the
+# terminal as they are: red teams')
 Text = Annotated[
-    str, Field(pattern=r"^[^\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]*$", max_length=1024)
+    str,
+    Field(
+        pattern=r"^[^\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff]*$",
+        max_length=1024,
+    ),
 ]
 # A torch dtype by its name in torch (torch.float32 -> "float32").
 DType = Annotated[

@@ -11,7 +11,8 @@ from pydantic.dataclasses import dataclass as pydantic_dataclass
 from .artifact import Artifact
 from .limits import MAX_BATCH, MAX_BYTES, MAX_LAYERS, MAX_MS, DType, Text
 
-Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False)]
+# (strict: "0_5" or true is no time)
+Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False, strict=True)]
 Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
 
 
@@ -25,8 +26,8 @@ class Timing:
     median: Ms
     min: Ms
     max: Ms
-    samples: int = Field(default=1, ge=1)
-    spread: float = Field(default=0.0, ge=0, allow_inf_nan=False)
+    samples: int = Field(default=1, ge=1, le=2**31, strict=True)
+    spread: float = Field(default=0.0, ge=0, le=1e6, allow_inf_nan=False, strict=True)
 
 
 class LayerProfile(BaseModel):

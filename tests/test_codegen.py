@@ -5,6 +5,7 @@ emitted program itself."""
 from __future__ import annotations
 
 import ast
+import json
 import shutil
 import subprocess
 import sys
@@ -585,6 +586,20 @@ def test_codegen_refuses_another_model(tmp_path, mlp_plan_path, run_cli):
     out = tmp_path / "program.py"
     r = run_cli("codegen", mlp_plan_path, "--model", "example:transformer", "-o", out)
     assert r.code == 2 and "different model" in r.err and not out.exists()
+
+
+def test_codegen_refuses_a_plan_of_fewer_layers_than_the_model(tmp_path, mlp_plan_path, run_cli):
+    """Found by a red team: a profile with its last layer cut keeps the model's digest; the
+    program was written, and refused the model only when run."""
+    prof = json.loads((tmp_path / "p.json").read_text())
+    prof["layers"].pop()
+    (tmp_path / "short.json").write_text(json.dumps(prof))
+    short = tmp_path / "short_plan.json"
+    args = ("--devices", 3, "--memory", "1GiB", "--batch-size", 8)
+    assert run_cli("plan", tmp_path / "short.json", *args, "-o", short).code == 0
+    out = tmp_path / "program.py"
+    r = run_cli("codegen", short, "--model", "example:mlp", "-o", out)
+    assert r.code == 2 and "the model has 17" in r.err and not out.exists(), r.err
 
 
 @pytest.mark.cuda

@@ -10,6 +10,7 @@ import stat
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -252,6 +253,12 @@ def _mutated_profile(prof: Path, tmp_path: Path, edit) -> Path:
         (lambda d: d["layers"][0].update(param_bytes=10**40), "less than or equal"),
         (lambda d: d["layers"][4]["backward_weight_ms"].pop("8"), "every batch size"),
         (lambda d: d.update(batch_sizes=[1, 2, 4, 10**17]), "less than or equal"),
+        # found by a red team: read as numbers, or a timing's stray key worded for Python
+        (lambda d: d["layers"][1]["forward_ms"]["2"].update(median="0_5"), "valid number"),
+        (lambda d: d["layers"][1]["forward_ms"]["2"].update(median=True), "valid number"),
+        (lambda d: d["layers"][1]["forward_ms"]["2"].update(samples="3"), "valid integer"),
+        (lambda d: d["layers"][1]["forward_ms"]["2"].update(foo=1), "extra inputs"),
+        (lambda d: d.update(model="x\u200f\u200b"), "invisible character"),
     ],
 )
 def test_profiles_with_impossible_values_are_refused_at_load(
@@ -1380,7 +1387,7 @@ def test_codegen_does_not_refuse_what_fake_tensors_cannot_tell():
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), Guard(), torch.nn.Linear(4, 2))
     plan = SimpleNamespace(captured=False, microbatch_size=2, input_shape=[4],
-                           input_dtype="float32")  # fmt: skip
+                           input_dtype="float32", num_layers=3)  # fmt: skip
     _runs_as_planned(model, plan, "plan.json")
     plan.input_shape = [5]
     with pytest.raises(InputError, match=r"does not run on the plan's input shape \[5\]"):
@@ -1401,3 +1408,48 @@ def test_launches_the_host_cannot_hold_are_refused_before_they_start(
     for target in ("streams", "torchrun"):
         r = run_cli("measure", plan, "--model", "example:transformer", "--target", target)
         assert_bad_input(r, mentions="all in this host's memory")
+
+
+@pytest.mark.parametrize("median", [5e-324, 1e-310, 1e-7])
+def test_a_time_below_a_nanosecond_is_refused_not_searched(run_cli, prof, tmp_path, median):
+    """Found by a red team: subnormal times hung the split search (a bisection whose middle
+    no longer moved), and 1e-310 ms overflowed the throughput into a traceback."""
+    bad = _mutated_profile(
+        prof, tmp_path, lambda d: [x["forward_ms"]["8"].update(median=median) for x in d["layers"]]
+    )  # fmt: skip
+    out = tmp_path / "plan.json"
+    assert_bad_input(run_cli("plan", bad, *PLAN_ARGS, "-o", out), mentions="below a nanosecond",
+                     no_file=out)  # fmt: skip
+
+
+def test_the_split_time_alone_ends_on_subnormal_times():
+    """The partition's own guard, for a caller that passes such times."""
+    from planner.partition import _time_alone
+
+    lo, fast = _time_alone(np.full(6, 5e-324), [1.0, 1.0])
+    assert 0 <= lo <= fast
+
+
+def test_bytes_that_do_not_grow_with_the_samples_are_refused_at_any_micro_batch_count(
+    run_cli, prof, tmp_path
+):
+    """Found by a red team: every layer saving 1 PiB at every size passed the size check (made
+    at the batch's own size) and then overflowed the planner's int64 sums with 500
+    micro-batches in flight: the least-memory search never ended."""
+    big = {str(b): 2**50 for b in (1, 2, 4, 8)}
+    bad = _mutated_profile(
+        prof, tmp_path, lambda d: [x.update(saved_bytes=big) for x in d["layers"]]
+    )
+    out = tmp_path / "plan.json"
+    args = ("--devices", 2, "--memory", "1PiB", "--batch-size", 500, "--microbatches", 500)
+    assert_bad_input(run_cli("plan", bad, *args, "-o", out), mentions="past what any device",
+                     no_file=out)  # fmt: skip
+
+
+def test_a_profile_without_the_optimizers_step_is_said_to_leave_it_out(run_cli, prof, tmp_path):
+    step = {"adam": {"foreach": True, "per_byte": 1.0}}
+    measured = _mutated_profile(prof, tmp_path, lambda d: d.update(optimizer_step=step))
+    done = run_cli("plan", measured, *PLAN_ARGS, "-o", tmp_path / "plan.json")
+    assert done.code == 0 and "measured no" not in done.err
+    done = run_cli("plan", measured, *PLAN_ARGS, "--optimizer", "sgd", "-o", tmp_path / "p2.json")
+    assert done.code == 0 and "measured no sgd step" in done.err
