@@ -91,6 +91,7 @@ candidate stages in one call; scalars work too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -694,6 +695,37 @@ class MemoryModel:
             foreach=shape.foreach,
             static=static,
         )
+
+    def stages_bytes(
+        self, i: np.ndarray, j: np.ndarray, shapes: Sequence[StageShape]
+    ) -> list[StageBytes]:
+        """stage_bytes of a chain's stages [i[s], j[s]) under shapes[s], their states worked
+        out together (what a chain's stage receives does not depend on the one before it)."""
+        if self.chain.flow is not None:
+            raise ValueError("a captured graph's stages receive what the one before them sent")
+        i = np.asarray(i, dtype=np.int64)
+        j = np.asarray(j, dtype=np.int64)
+        states = {k: v.tolist() for k, v in self.state_bytes(i, j).items()}
+        p = self.params(i, j)
+        # terms(): params and buffers, grads, optimizer slots (beside its workspace)
+        weights = (2 * p + self._buffers[j] - self._buffers[i]).tolist()
+        slots = (p - self.copied(i, j)).tolist()
+        sizes = {True: p, False: self._largest(i, j) if not all(s.foreach for s in shapes) else p}
+        out = []
+        for s, shape in enumerate(shapes):
+            if shape.bound:
+                raise ValueError("a bound on the occupancy has no breakdown; use the occupancy")
+            self._check_pulled(shape)
+            b = {k: v[s] for k, v in states.items()}
+            b["pulled"] = b[self._pulled_key(shape)]
+            step = int(np.ceil(shape.optimizer_step * sizes[shape.foreach][s]))
+            out.append(StageBytes(
+                **{name: b[name] for name in STATES + TRANSIENTS},
+                optimizer_step=step,
+                foreach=shape.foreach,
+                static=weights[s] + shape.optimizer_slots * slots[s] + shape.reserved,
+            ))  # fmt: skip
+        return out
 
     def terms(
         self,

@@ -2185,11 +2185,10 @@ def _device_peaks(
         plan = _build_plan(problem, cand, specs, part, "probe-bisection")
         return [d.total for d in plan.devices]
     modes = _stage_modes(cand, part)
-    starts = [None] + [i for i, _ in part.stages[:-1]]
-    sizes = [
-        memory.stage_bytes(i, j, spec.shapes[cand.modes.index(modes[s])], starts[s])
-        for s, ((i, j), spec) in enumerate(zip(part.stages, specs))
-    ]
+    sizes = memory.stages_bytes(
+        np.array([i for i, _ in part.stages]), np.array([j for _, j in part.stages]),
+        [spec.shapes[cand.modes.index(modes[s])] for s, spec in enumerate(specs)],
+    )  # fmt: skip
     schedule = plan_schedule(cand.schedule, problem.cluster.size, cand.microbatches)
     return peaks(schedule, modes, sizes)
 

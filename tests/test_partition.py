@@ -1357,3 +1357,22 @@ def test_a_guess_of_memorys_end_that_falls_short_changes_no_split(seed, guess):
     assert any(w for w, _ in loads) == (guess == "short")  # (which widened the windows)
     if guess == "own":
         assert any(n for _, n in loads)  # (a window narrowed by the guess)
+
+
+@settings(max_examples=40, deadline=None)
+@given(problems(), st.data())
+def test_stages_bytes_together_are_each_stages_own(problem, data):
+    """stages_bytes (a chain's stages worked out together, as the search checks an
+    interleaved split's devices) against stage_bytes of each, on drawn and real shapes."""
+    chain = problem[0]
+    memory = MemoryModel(chain)
+    L = chain.num_layers
+    shapes = [
+        dataclasses.replace(sh, optimizer_step=data.draw(st.sampled_from([0.0, 0.5, 2.0])),
+                            foreach=data.draw(st.booleans()), reserved=data.draw(st.integers(0, 9)))
+        for sh in [*(spec.shape for spec in problem[1]), *_real_shapes()[:6]]
+    ]  # fmt: skip
+    i = np.array([data.draw(st.integers(0, L - 1)) for _ in shapes])
+    j = np.array([data.draw(st.integers(a + 1, L)) for a in i])
+    together = memory.stages_bytes(i, j, shapes)
+    assert together == [memory.stage_bytes(a, b, sh) for a, b, sh in zip(i, j, shapes)]
