@@ -15,7 +15,6 @@ from operator import attrgetter
 
 import numpy as np
 
-from profiler.artifact import InputError
 from profiler.limits import MIN_MS
 from profiler.types import Profile
 
@@ -138,22 +137,11 @@ class ProfileTable:
                     [[(r[b].median if timing else r[b]) for b in self.sizes] for r in rows],
                     dtype=np.float64,
                 ).reshape(shape)
-            if timing:
-                self._measurable(attr, self._tables[attr])
+            if timing:  # a time below a nanosecond, which no timer measures, is read as 0
+                # (subnormal ones stopped a bisection of the split's time from moving)
+                table = self._tables[attr]
+                table[(table > 0) & (table < MIN_MS)] = 0.0
         return self._tables[attr]
-
-    def _measurable(self, attr: str, table: np.ndarray) -> None:
-        """Refuse a time above 0 but below a nanosecond: no timer measures it, and the
-        planner's sums of such (subnormal) numbers stop changing as a bisection halves them."""
-        tiny = np.argwhere((table > 0) & (table < MIN_MS))
-        if len(tiny):
-            row, col = (int(x) for x in tiny[0])
-            layer = self.layers[row]
-            raise InputError(
-                f"the profile's {attr} of layer {layer.name} at {self.sizes[col]} samples is "
-                f"{float(table[row, col])!r} ms, below a nanosecond, which no timer measures; "
-                f"write 0 there or profile again"
-            )
 
     def fixed(self, attr: str) -> np.ndarray:
         """A per-entry value that does not depend on the size (parameters, output per sample)."""

@@ -295,7 +295,7 @@ def plan_pipeline(
         profile, cluster, batch_size, optimizer, (profile.digest(), cluster.digest()), target,
         layers,
     )  # fmt: skip
-    _check_magnitude(problem.table, batch_size)
+    _check_magnitude(problem.table, batch_size, max(c.microbatches for c in candidates))
 
     floor = _static_need(problem, candidates[0])
     if floor:  # the devices cannot hold even the weights: nothing to search
@@ -1444,16 +1444,18 @@ def _choices(value: str, allowed: tuple[str, ...] | list[str], arg: str) -> list
     return list(allowed) if value == "auto" else [choice(value, arg, ("auto", *allowed))]
 
 
-def _check_magnitude(table: ProfileTable, batch_size: int) -> None:
+def _check_magnitude(table: ProfileTable, batch_size: int, most: int) -> None:
     """Refuse at once a batch so far past the profiled sizes that its extrapolated bytes would
     overflow the planner's int64 arithmetic (the total is about the same for every M). In
     floating point: int64 is what would overflow."""
-    # per micro-batch, times the micro-batches a stage may hold at once (all of them): a
-    # profile whose bytes do not grow with the samples (edited so) is largest in small ones
+    # per micro-batch, times the micro-batches a stage may hold at once (all of them, at most
+    # `most`, the candidates' largest count): a profile whose bytes do not grow with the
+    # samples (edited so) is largest in small ones
+    least = -(-batch_size // most)
     per_size = max(
         sum(float(table.at(f, mb).sum()) for f in PER_SIZE if f.endswith("_bytes"))
-        * math.ceil(batch_size / mb)
-        for mb in {1, batch_size, *(b for b in table.sizes if b < batch_size)}
+        * -(-batch_size // mb)
+        for mb in {least, batch_size, *(b for b in table.sizes if least < b < batch_size)}
     )
     crossing = float(table.profile.input_bytes + table.fixed("output_bytes").sum()) * batch_size
     total = per_size + 3 * crossing + 8 * float(table.fixed("param_bytes").sum())

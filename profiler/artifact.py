@@ -160,6 +160,8 @@ class Artifact(BaseModel):
             msg = first["msg"].removeprefix("Value error, ")
             if first["type"] == "unexpected_keyword_argument":  # (a dataclass's: a file's key)
                 msg = "Extra inputs are not permitted"
+            if first["type"] == "dataclass_type":  # (a Timing given as a list or a string)
+                msg = "should be an object of median, min and max (ms)"
             if first["type"] == "string_pattern_mismatch" and "\\x00" in str(first.get("ctx")):
                 msg = "holds a control, direction or invisible character"
             raise InputError(

@@ -30,12 +30,15 @@ INT64_SAFE = 2**62  # the planner's byte arithmetic stays below this
 
 # Text a file may hold where a program or a table prints it: one line, no control characters
 # (a newline in a device name would end a comment in the emitted program and start code; C1
-# controls, bidirectional overrides and marks, and invisible characters would reach the
-# terminal as they are: red teams')
+# controls, bidirectional overrides and marks, line separators and invisible characters would
+# reach the terminal as they are: red teams'; the joiners Persian and emoji use pass)
 Text = Annotated[
     str,
     Field(
-        pattern=r"^[^\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff]*$",
+        pattern=(
+            r"^[^\x00-\x1f\x7f-\x9f\xad\u061c\u180e\u200b\u200e\u200f\u2028-\u202e"
+            r"\u2060-\u2069\u3164\ufeff\U000e0000-\U000e007f]*$"
+        ),
         max_length=1024,
     ),
 ]

@@ -5,11 +5,11 @@ from __future__ import annotations
 import hashlib
 from typing import Annotated, Any, ClassVar, Literal, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from .artifact import Artifact
-from .limits import MAX_BATCH, MAX_BYTES, MAX_LAYERS, MAX_MS, DType, Text
+from .limits import MAX_BATCH, MAX_BYTES, MAX_LAYERS, MAX_MS, MIN_MS, DType, Text
 
 # (strict: "0_5" or true is no time)
 Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False, strict=True)]
@@ -136,7 +136,7 @@ class OptimizerStep(BaseModel):
     bytes per byte of parameters, over all of a device's parameters at once when `foreach`
     (multi-tensor kernels), else over the largest parameter (one tensor after another)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     foreach: bool
     per_byte: float = Field(ge=0, le=1e3, allow_inf_nan=False)
 
@@ -147,10 +147,15 @@ class RuntimeOverhead(BaseModel):
     backward and I (the stage's one autograd call, which the layers' figures leave out), and
     `step_ms` once per step."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     action_ms: float = Field(ge=0, le=1e3, allow_inf_nan=False)
     step_ms: float = Field(ge=0, le=1e4, allow_inf_nan=False)
     call_ms: float = Field(default=0.0, ge=0, le=1e3, allow_inf_nan=False)
+
+    @field_validator("action_ms", "step_ms", "call_ms")
+    @classmethod
+    def _measurable(cls, ms: float) -> float:
+        return ms if ms >= MIN_MS else 0.0  # (as the layers' times: ProfileTable)
 
 
 class TiedParameter(BaseModel):
