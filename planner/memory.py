@@ -915,8 +915,12 @@ class MemoryModel:
         # per key (`cap` may be one per wanted key: a key asked twice takes the larger)
         caps = cap if isinstance(cap, list) else [cap] * len(wanted)
         tops: dict[tuple[StageShape, int], np.ndarray] = {}
+        clipped: dict[int, np.ndarray] = {}  # per cap (the partition's: one per option)
         for key, c in zip(wanted, caps):
-            top = np.full(n, n, dtype=np.int64) if c is None else np.clip(c, every + 1, n)
+            top = clipped.get(id(c))
+            if top is None:
+                top = np.full(n, n, dtype=np.int64) if c is None else np.clip(c, every + 1, n)
+                clipped[id(c)] = top
             tops[key] = np.maximum(tops[key], top) if key in tops else top
         kept = self._ends
         asked: dict[tuple[StageShape, int], list[np.ndarray] | None] = {}
