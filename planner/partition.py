@@ -195,8 +195,13 @@ class _Prober:
             }
             # (each option's own time ends, at the fastest speed: an option that costs more
             # than the cheapest searches its tables less far)
+            own = {
+                (x, sp): self._time_end(P, sp, self._every, wide)
+                for x, P in enumerate(self.prefixes)
+                for sp in set(self.speeds)
+            }
             fastest = max(self.speeds)
-            self._cap = [self._time_end(P, fastest, self._every, wide)[:L] for P in self.prefixes]
+            self._cap = [own[(x, fastest)][:L] for x in range(len(self.prefixes))]
             first, last, far = [0] * K, [0] * K, 0
             guessed, reach = [0] * K, 0  # the same, memory's ends guessed too (end_guess)
             for s in range(K):
@@ -204,10 +209,9 @@ class _Prober:
                 far = int(ends[self.speeds[s]][last[s]])
                 guessed[s] = at = min(reach, last[s])
                 reach = max(
-                    min(self._time_end(P, self.speeds[s], np.array([at]), wide)[0],
-                        self._memory.end_guess(shape, budget, at))
-                    for P, (shape, budget) in zip(self.prefixes, self._keys[s])
-                )  # fmt: skip
+                    min(int(own[(x, self.speeds[s])][at]), self._memory.end_guess(*key, at))
+                    for x, key in enumerate(self._keys[s])
+                )
             near = L
             for s in range(K - 1, -1, -1):  # the first start whose greedy stages reach `near`
                 near = first[s] = int(np.searchsorted(ends[self.speeds[s]], near, side="left"))
@@ -384,7 +388,7 @@ class _Prober:
             sp = self.speeds[s]
             # (an option whose time alone takes it past the bound the tables serve is not
             # the fastest one that fits, and its table does not reach that far)
-            far = [self._cap is None or j <= cap[min(i, self.L - 1)] for cap in self._cap or []]
+            far = [j <= cap[min(i, self.L - 1)] for cap in self._cap or []]
             if self._cap is not None and not any(far):
                 self.reach_to(math.inf)
             best, pick = math.inf, 0
