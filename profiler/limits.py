@@ -16,7 +16,7 @@ from .artifact import InputError
 
 MAX_BYTES = 2**50  # 1 PiB: per device, per layer, per tensor
 MAX_MS = 1e9  # about 11.6 days: any one time a profile or cluster states
-MIN_MS = 1e-6  # a nanosecond: the least time above 0 a profile's timings may state
+MIN_MS = 1e-6  # a nanosecond: a profile's time below it, which no timer measures, is planned as 0
 MAX_LAYERS = 2**17
 MAX_DEVICES = 1024
 MAX_MICROBATCHES = 1024
