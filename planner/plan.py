@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, StrictInt, model
 from profiler.artifact import Artifact, InputError, LaterFields
 from profiler.limits import MAX_BATCH, MAX_BYTES, MAX_MICROBATCHES, DType, Text
 from profiler.types import RuntimeOverhead
+from schedules.comm import LOWERINGS
 
 from .cluster import Cluster
 
@@ -221,7 +222,7 @@ class PlanMeta(_Strict):
 
 class Plan(Artifact):
     FORMAT_VERSION: ClassVar[int] = 2
-    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("runtime", "checkpointed")
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("runtime", "checkpointed", "lowering")
 
     @classmethod
     def from_json_text(cls, text: str, *, source: str = "<input>") -> Plan:  # type: ignore[override]
@@ -307,6 +308,14 @@ class Plan(Artifact):
         default=None,
         description="model layers each run under an activation checkpoint of their own: they "
         "keep only their input for backward and run their forward again there (absent: none)",
+    )
+    lowering: int | None = Field(
+        default=None,
+        ge=0,
+        lt=LOWERINGS,
+        description="torchrun: which lowering of the schedule (how its sends and receives are "
+        "posted) the program runs, the fastest of those that meet where sends block: 0 as "
+        "issued, 1 in lock-step, 2-4 timed from the compute-only timeline (absent: found again)",
     )
     routes: list[tuple[Count, Count]] = Field(
         default_factory=list,

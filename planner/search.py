@@ -54,7 +54,7 @@ from schedules import (
     insert_comms,
     simulate,
 )
-from schedules.comm import fastest_lowering, preposted, receive_offsets
+from schedules.comm import fastest_lowering_of, lowering_of, preposted, receive_offsets
 from schedules.memory import StageBytes, occupancy, occupancy_bound, occupancy_floor, peaks
 from schedules.order import freeze
 
@@ -1858,10 +1858,11 @@ def _build_plan(
     total_ms += sync
     lost = beat is not None and v == 1 and not routes and total_ms > beat * (1 + 1e-12)
     lost = lost and all(d.total <= d.budget for d in devices)
+    lowering = None  # (which lowering the torchrun program runs: fastest_lowering_of)
     if problem.target == "torchrun" and K > 1 and not lost:
         costs = stage_costs(stages, profile.runtime, profile.device, step_sync_ms=sync)
         sched = plan_schedule(cand.schedule, K, cand.microbatches, routes)
-        lowered, ran = fastest_lowering(sched, costs)  # timed as it runs, where it meets
+        lowered, ran, lowering = fastest_lowering_of(sched, costs)  # timed as it runs
         # what its ranks hold beyond or short of the issue order, where their messages are
         # posted (simulate counts them too)
         ahead, after = receive_offsets(
@@ -1942,6 +1943,7 @@ def _build_plan(
         loss=profile.loss.type if profile.loss is not None else "",
         runtime=profile.runtime,
         checkpointed=list(chain.checkpointed) or None,
+        lowering=lowering,
         stages=stages,
         devices=devices,
         predicted=Prediction(
@@ -2068,7 +2070,11 @@ def torchrun_schedule(plan: Plan, schedule: Schedule | None = None) -> Schedule:
     costs = stage_costs(
         plan.stages, plan.runtime, plan.device_type, step_sync_ms=plan.cluster.step_sync_ms
     )  # (the search's own: the same lowering, whatever the sync does to near ties)
-    return insert_comms(schedule or schedule_of(plan), costs)
+    own = schedule_of(plan)
+    if plan.lowering is not None and (schedule is None or schedule is own or schedule == own):
+        # the one the search found fastest, made again alone (the others are not timed)
+        return lowering_of(own, costs, plan.lowering)
+    return insert_comms(schedule or own, costs)
 
 
 _HOLDS_RANK = {"1f1b": 0, "zb-h1": 1, "interleaved-1f1b": 2, "gpipe": 3}

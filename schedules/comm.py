@@ -394,6 +394,28 @@ def _lockstep(schedule: Schedule) -> Schedule | None:
 
 
 def fastest_lowering(schedule: Schedule, costs: Costs) -> tuple[Schedule, float | None]:
+    """fastest_lowering_of without which lowering it is."""
+    return fastest_lowering_of(schedule, costs)[:2]
+
+
+def lowering_of(schedule: Schedule, costs: Costs, which: int) -> Schedule:
+    """The lowering fastest_lowering_of named `which` (the same one again, made alone: the
+    plain one, lock-step, or one timed from the compute-only timeline under `costs`)."""
+    from .simulate import simulate
+
+    if which == 0:
+        return _plain(schedule)
+    if which == 1:
+        stepped = _lockstep(schedule)
+        assert stepped is not None, "lock-step was named, but this schedule has none"
+        return stepped
+    compute = schedule.compute_only()
+    return _timed_all(compute, simulate(compute, costs, memory=False))[which - 2]
+
+
+def fastest_lowering_of(
+    schedule: Schedule, costs: Costs
+) -> tuple[Schedule, float | None, int | None]:
     """insert_comms with costs, and that program's makespan as it runs (None where no lowering
     meets where sends block: the plain one is returned, to run as gloo does). A lowering meets
     there exactly when its ranks agree on the order of their messages and the timed run with
@@ -406,12 +428,15 @@ def fastest_lowering(schedule: Schedule, costs: Costs) -> tuple[Schedule, float 
     search (tests/test_rendezvous.py holds the premise on every generated schedule). A run sure
     to end later than the best so far stops there, and at first later than the timeline by
     NEAR (a lowering that waits little is usually at hand, and the others then stop early);
-    where none comes that near, those stopped are run again in full."""
+    where none comes that near, those stopped are run again in full.
+
+    Third: which lowering it is, for lowering_of to make again (0 the plain one, 1 lock-step,
+    2 + n the n-th of _HOW's timed ones), None where none meets or nothing crosses ranks."""
     from .simulate import blocking_makespan, simulate
 
     plain = _plain(schedule)
     if all(a.kind.is_compute for acts in plain.ranks.values() for a in acts):
-        return plain, None  # nothing crosses ranks
+        return plain, None, None  # nothing crosses ranks
     compute = schedule.compute_only()
     tl = simulate(compute, costs, memory=False)
     timed: list[Schedule] = []  # (made once, when the first is wanted)
@@ -441,7 +466,7 @@ def fastest_lowering(schedule: Schedule, costs: Costs) -> tuple[Schedule, float 
     # (a captured graph's: the compute-only timeline takes its stages in chain order, where
     # the program runs branches side by side, sooner: no floor there)
     floor = -math.inf if schedule.routes else tl.makespan
-    best: tuple[float, Schedule] | None = None
+    best: tuple[float, Schedule, int] | None = None
     stuck: set[int] = set()  # lowerings that do not meet
     for ceiling in (floor + NEAR * abs(floor), math.inf) if floor > -math.inf else (math.inf,):
         for k in range(len(makers)):
@@ -454,18 +479,19 @@ def fastest_lowering(schedule: Schedule, costs: Costs) -> tuple[Schedule, float 
                 stuck.add(k)
             elif best is None or t < best[0]:
                 if t <= beat or math.isinf(beat):
-                    best = (t, lowered)
+                    best = (t, lowered, k)
                 if t <= floor:  # as fast as if no send ever waited: none can do better
                     break
         if best is not None:
             break
-    return (best[1], best[0]) if best is not None else (insert_comms(schedule), None)
+    return (best[1], best[0], best[2]) if best is not None else (insert_comms(schedule), None, None)
 
 
 NEAR = 0.01  # how near the compute-only timeline fastest_lowering first looks (relative)
 
 
 _HOW = ("early", "late", "nearest")
+LOWERINGS = 2 + len(_HOW)  # fastest_lowering_of's: the plain one, lock-step, one per _HOW
 
 
 def _timed(compute: Schedule, tl: Any, how: str) -> Schedule:

@@ -20,6 +20,7 @@ from planner.bounds import interleaved_bound, least_bottleneck, prior_bound
 from planner.cluster import Device, Link
 from planner.memory import RECOMPUTE_MODES
 from planner.partition import Partition, cut_table, split_cuts
+from profiler.artifact import InputError
 from profiler.types import RuntimeOverhead
 from schedules import Costs, build_schedule, simulate
 from tests.conftest import synthetic_profile
@@ -1245,3 +1246,41 @@ def test_a_finished_search_leaves_nothing_holding_its_profile(memory):
         if was:
             gc.enable()
     assert plan.stages
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])
+@pytest.mark.parametrize("K, latency", [(2, 0.0), (3, 1.0), (4, 0.3)])
+def test_a_torchrun_plan_names_the_lowering_its_program_runs(schedule, K, latency):
+    """The lowering the search found fastest is in the plan: made again alone, it is the
+    program the full search over lowerings gives (what `check` and `codegen` ran before), and
+    the plan's time is that program's. A plan without it (made before) is searched again."""
+    from planner.search import stage_costs
+    from schedules.comm import insert_comms
+
+    layers = [0.5, 1, 1.5, 2, 1, 1, 0.5, 2, 1.5, 1, 0.7, 1.2]
+    profile = synthetic_profile(layers, sizes=(1, 2, 4, 8))
+    cluster = Cluster.uniform(K, "1GiB", latency_ms=latency)
+    plan = plan_pipeline(profile, cluster, 8, microbatches=8 if K != 3 else 6, schedule=schedule,
+                         target="torchrun")  # fmt: skip
+    assert plan.lowering is not None
+    costs = stage_costs(
+        plan.stages, plan.runtime, plan.device_type, step_sync_ms=plan.cluster.step_sync_ms
+    )  # fmt: skip
+    searched = insert_comms(search.schedule_of(plan), costs)
+    assert search.torchrun_schedule(plan) == searched
+    assert search.simulate_plan(plan).makespan == plan.predicted.iteration_ms
+    older = plan.model_copy(update={"lowering": None})
+    assert search.torchrun_schedule(older) == searched
+    assert "lowering" not in json.loads(older.canonical_json())  # (bytes as they were)
+
+
+def test_a_plan_whose_lowering_was_edited_is_refused(tmp_path):
+    profile = synthetic_profile([0.5, 1, 1.5, 2, 1, 1, 0.5, 2], sizes=(1, 2, 4, 8))
+    plan = plan_pipeline(profile, Cluster.uniform(2, "1GiB"), 8, target="torchrun")
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    data = json.loads(path.read_text())
+    data["lowering"] = (data["lowering"] + 1) % 5
+    path.write_text(json.dumps(data))
+    with pytest.raises(InputError, match="edited since"):
+        Plan.load(path)
