@@ -2073,7 +2073,9 @@ def torchrun_schedule(plan: Plan, schedule: Schedule | None = None) -> Schedule:
     own = schedule_of(plan)
     if plan.lowering is not None and (schedule is None or schedule is own or schedule == own):
         # the one the search found fastest, made again alone (the others are not timed)
-        return lowering_of(own, costs, plan.lowering)
+        lowered = lowering_of(own, costs, plan.lowering)
+        if lowered is not None:  # (else named by another version: searched again)
+            return lowered
     return insert_comms(schedule or own, costs)
 
 

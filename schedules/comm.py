@@ -398,17 +398,16 @@ def fastest_lowering(schedule: Schedule, costs: Costs) -> tuple[Schedule, float 
     return fastest_lowering_of(schedule, costs)[:2]
 
 
-def lowering_of(schedule: Schedule, costs: Costs, which: int) -> Schedule:
+def lowering_of(schedule: Schedule, costs: Costs, which: int) -> Schedule | None:
     """The lowering fastest_lowering_of named `which` (the same one again, made alone: the
-    plain one, lock-step, or one timed from the compute-only timeline under `costs`)."""
+    plain one, lock-step, or one timed from the compute-only timeline under `costs`); None
+    where the schedule has no lock-step one."""
     from .simulate import simulate
 
     if which == 0:
         return _plain(schedule)
     if which == 1:
-        stepped = _lockstep(schedule)
-        assert stepped is not None, "lock-step was named, but this schedule has none"
-        return stepped
+        return _lockstep(schedule)
     compute = schedule.compute_only()
     return _timed_all(compute, simulate(compute, costs, memory=False))[which - 2]
 
