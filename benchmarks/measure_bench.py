@@ -148,10 +148,13 @@ def main() -> None:
             free += (planned.cluster.step_sync_ms or 0.0) if torchrun else 0.0
             # the same program without the runtime's own costs (profile.runtime), as before
             bare = simulate_plan(
-                planned.model_copy(update={"runtime": None}), levels=False, rendezvous=torchrun
+                planned.model_copy(update={"runtime": None, "lowering": None}),
+                levels=False,
+                rendezvous=torchrun,
             ).makespan
             # the model before late receives and the step's all-reduces were in it
-            older = planned.model_copy(update={
+            older = planned.model_copy(update={  # (its own fastest lowering, found again)
+                "lowering": None,
                 "cluster": planned.cluster.model_copy(update={"step_sync_ms": None}),
                 "stages": [st.model_copy(update={"late_send_ms": None}) for st in planned.stages],
             })  # fmt: skip
