@@ -240,14 +240,14 @@ def plan_pipeline(
             optimizer=optimizer, solver=solver, progress=progress, allow_reorder=allow_reorder,
             target=target,
         )  # fmt: skip
-        return _with_checkpoints(profile, cluster, batch_size, started, time_limit_s, kw)
+        return _sealed(_with_checkpoints(profile, cluster, batch_size, started, time_limit_s, kw))
     if allow_reorder and isinstance(cluster, Cluster) and cluster.size > 1:
-        return _reordered(
+        return _sealed(_reordered(
             profile, cluster, batch_size, started,
             microbatches=microbatches, schedule=schedule, recompute=recompute,
             optimizer=optimizer, solver=solver, time_limit_s=time_limit_s, progress=progress,
             target=target, checkpoint=checkpoint,
-        )  # fmt: skip
+        ))  # fmt: skip
     if not isinstance(profile, Profile):
         raise ArgumentError("profile", type(profile).__name__, "expected a Profile")
     if not isinstance(cluster, Cluster):
@@ -445,7 +445,15 @@ def plan_pipeline(
     )
     best.alternatives = _alternatives(problem, candidates, visited, best, best_cand)
     best._solve_ms = (time.perf_counter() - started) * 1e3
-    return best
+    return _sealed(best)
+
+
+def _sealed(plan: Plan) -> Plan:
+    """The plan with the digest of its content in `meta`, as a file of it carries: its
+    `lowering` is then trusted only while the content is what it was made for (a copy with
+    other stages or costs finds its own again: torchrun_schedule)."""
+    plan.meta = plan.meta.model_copy(update={"content_digest": plan.digest()})
+    return plan
 
 
 def _with_checkpoints(
@@ -2066,14 +2074,17 @@ def simulate_plan(plan: Plan, *, levels: bool = True, rendezvous: bool | None = 
 def torchrun_schedule(plan: Plan, schedule: Schedule | None = None) -> Schedule:
     """`schedule` (by default the plan's own) with the communication the torchrun target
     posts: of the lowerings that meet where sends block, the one the simulator finds fastest
-    under the plan's costs (insert_comms)."""
+    under the plan's costs (insert_comms): the one the plan names (`lowering`), made alone,
+    where its content is what it was sealed with (a file, or the search's own plan); else
+    found again (a copy of a plan with other stages or costs)."""
     costs = stage_costs(
         plan.stages, plan.runtime, plan.device_type, step_sync_ms=plan.cluster.step_sync_ms
     )  # (the search's own: the same lowering, whatever the sync does to near ties)
     own = schedule_of(plan)
-    if plan.lowering is not None and (schedule is None or schedule is own or schedule == own):
+    sealed = plan.lowering is not None and plan.meta.content_digest == plan.digest()
+    if sealed and (schedule is None or schedule is own or schedule == own):
         # the one the search found fastest, made again alone (the others are not timed)
-        lowered = lowering_of(own, costs, plan.lowering)
+        lowered = lowering_of(own, costs, plan.lowering)  # type: ignore[arg-type]
         if lowered is not None:  # (else named by another version: searched again)
             return lowered
     return insert_comms(schedule or own, costs)

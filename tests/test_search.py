@@ -1267,11 +1267,21 @@ def test_a_torchrun_plan_names_the_lowering_its_program_runs(schedule, K, latenc
         plan.stages, plan.runtime, plan.device_type, step_sync_ms=plan.cluster.step_sync_ms
     )  # fmt: skip
     searched = insert_comms(search.schedule_of(plan), costs)
-    assert search.torchrun_schedule(plan) == searched
+    with pytest.MonkeyPatch.context() as m:  # (made alone: no lowering timed)
+        m.setattr(search, "insert_comms", lambda *a: pytest.fail("lowerings searched"))
+        assert search.torchrun_schedule(plan) == searched
     assert search.simulate_plan(plan).makespan == plan.predicted.iteration_ms
     older = plan.model_copy(update={"lowering": None})
     assert search.torchrun_schedule(older) == searched
     assert "lowering" not in json.loads(older.canonical_json())  # (bytes as they were)
+    # a copy with other costs (found by a review: it kept a lowering made for the old ones)
+    slower = plan.model_copy(update={"stages": [
+        st.model_copy(update={"send_ms": 20 * st.send_ms + 3}) for st in plan.stages
+    ]})  # fmt: skip
+    costs = stage_costs(
+        slower.stages, slower.runtime, slower.device_type, step_sync_ms=slower.cluster.step_sync_ms
+    )  # fmt: skip
+    assert search.torchrun_schedule(slower) == insert_comms(search.schedule_of(slower), costs)
 
 
 def test_a_plan_whose_lowering_was_edited_is_refused(tmp_path):
