@@ -1169,6 +1169,10 @@ def _one_of(flag: str, allowed: tuple[str, ...]) -> Callable[[str], str]:
 def _build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gpipe-plan", description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+    from planner.version import VERSION
+
+    # (the version a plan names in meta.tool_version, which `check` compares with its own)
+    p.add_argument("--version", action="version", version=f"gpipe-plan {VERSION}")
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     sub_parser = sub.add_parser
 

@@ -4,6 +4,7 @@ way to run the CLI in-process and read what it printed."""
 from __future__ import annotations
 
 import dataclasses
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -12,6 +13,29 @@ import pytest
 
 import cli
 from profiler.types import LayerProfile, Profile, Timing
+
+TEST_BOUND_S = 300  # the longest a test may run: a hang fails its test, not the whole suite
+
+
+class Hung(BaseException):
+    """A test ran past TEST_BOUND_S (a BaseException: nothing the code under test catches may
+    swallow it)."""
+
+
+@pytest.fixture(autouse=True)
+def _no_test_hangs():
+    """Every test under an alarm (a test that sets its own takes over for its run)."""
+
+    def ring(signum: int, frame: object) -> None:
+        raise Hung(f"the test ran past {TEST_BOUND_S} s: it hangs")
+
+    previous = signal.signal(signal.SIGALRM, ring)
+    signal.setitimer(signal.ITIMER_REAL, TEST_BOUND_S)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def synthetic_profile(

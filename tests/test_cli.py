@@ -517,3 +517,14 @@ def test_plan_notes_micro_batches_outside_the_profiled_sizes(
     assert (note in r.err) is noted, r.err
     if noted:
         assert f"({', '.join(map(str, sizes))})" in r.err and f"including {mb})" in r.err
+
+
+def test_version_is_the_one_plans_name(plan_path):
+    """`gpipe-plan --version` prints the version a plan made now records, and exits 0."""
+    made = subprocess.run(
+        [sys.executable, "-c", "import sys, cli; sys.exit(cli.main())", "--version"],
+        capture_output=True, text=True, cwd=Path(cli.__file__).parent,
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    recorded = json.loads(plan_path.read_text())["meta"]["tool_version"]
+    assert made.stdout.strip() == f"gpipe-plan {recorded}"

@@ -1273,7 +1273,23 @@ def test_a_memory_split_whose_weights_cannot_fit_is_decided_before_the_memory_mo
     finally:
         partition._reach = kept
     least = partition._weights_need(memory, specs, L)
-    if least[0] > 0:  # the whole chain's weights do not fit the stages: no memory model asked
+
+    # By hand and by brute force: whether some split (stages may be empty) holds every stage's
+    # weights, gradients, optimizer slots, buffers and reserved bytes in its budget under one
+    # of its options. Where none does, no memory model is asked.
+    def weights(i, j, shape):
+        p, b = chain.params[i:j], chain.buffers[i:j]
+        return int(((2 + shape.optimizer_slots) * p + b).sum()) + shape.reserved
+
+    some = any(
+        all(
+            min(weights(i, j, sh) for sh in sp.shapes) <= sp.budget
+            for sp, i, j in zip(specs, (0, *inner), (*inner, L))
+        )
+        for inner in itertools.combinations_with_replacement(range(L + 1), K - 1)
+    )
+    assert (least[0] > 0) == (not some)
+    if not some:  # the whole chain's weights do not fit the stages: no memory model asked
         assert (decided, bounds, asked) == (True, None, [])
     if decided:
         assert (bounds is None) == (fitting == [])
@@ -1365,8 +1381,18 @@ def test_stages_bytes_together_are_each_stages_own(problem, data):
     """stages_bytes (a chain's stages worked out together, as the search checks an
     interleaved split's devices) against stage_bytes of each, on drawn and real shapes."""
     chain = problem[0]
-    memory = MemoryModel(chain)
     L = chain.num_layers
+    if L > 1 and data.draw(st.booleans()):  # a parameter two layers share (tied embeddings)
+        a, b = sorted(data.draw(st.lists(st.integers(0, L - 1), min_size=2, max_size=2,
+                                         unique=True)))  # fmt: skip
+        nbytes = data.draw(st.integers(1, 50))
+        params = chain.params.copy()
+        params[[a, b]] += nbytes  # (each user's params include it, as a profile's do)
+        chain = dataclasses.replace(
+            chain, params=params, tied=((nbytes, (a, b)),),
+            copies_keep_state=data.draw(st.booleans()),
+        )  # fmt: skip
+    memory = MemoryModel(chain)
     shapes = [
         dataclasses.replace(sh, optimizer_step=data.draw(st.sampled_from([0.0, 0.5, 2.0])),
                             foreach=data.draw(st.booleans()), reserved=data.draw(st.integers(0, 9)))
@@ -1376,3 +1402,22 @@ def test_stages_bytes_together_are_each_stages_own(problem, data):
     j = np.array([data.draw(st.integers(a + 1, L)) for a in i])
     together = memory.stages_bytes(i, j, shapes)
     assert together == [memory.stage_bytes(a, b, sh) for a, b, sh in zip(i, j, shapes)]
+
+
+def test_a_tied_parameters_optimizer_state_is_on_its_first_stage_alone():
+    """Layers 0 and 4 of 6 share a 100-byte parameter; Adam-like (2 slots). Stage [0, 3) holds
+    its weight, gradient and optimizer state: 2 x 103 + 2 x 103 = 412 bytes. Stage [3, 6)
+    holds its weight and gradient, but not its optimizer state, which the first stage keeps:
+    2 x 103 + 2 x 3 = 212 (the streams program; torchrun keeps it on both: 412)."""
+    p = np.ones(6, dtype=np.int64)
+    p[[0, 4]] += 100
+    shape = StageShape(occupancy=(occ(),), optimizer_slots=2)
+    for keep, second in ((False, 212), (True, 412)):
+        chain = dataclasses.replace(
+            unit_chain(list(p)), tied=((100, (0, 4)),), copies_keep_state=keep
+        )
+        memory = MemoryModel(chain)
+        i, j = np.array([0, 3]), np.array([3, 6])
+        together = memory.stages_bytes(i, j, [shape, shape])
+        alone = [memory.stage_bytes(0, 3, shape), memory.stage_bytes(3, 6, shape)]
+        assert [b.static for b in together] == [b.static for b in alone] == [412, second]
