@@ -315,7 +315,8 @@ def plan_pipeline(
         ):
             raise outrun
         deadline = None if time_limit_s is None else started + time_limit_s
-        err = _infeasible(problem, candidates, floor, deadline)
+        show = sys.stderr.isatty() if progress is None else progress
+        err = _infeasible(problem, candidates, floor, deadline, show)
         if err.closest is None or not err.closest.fits:
             if _beat is not None:
                 raise outrun
@@ -1406,14 +1407,14 @@ def _step_sync(problem: _Problem) -> float:
 
 
 @contextmanager
-def _progress_bar(total: int, show: bool) -> Iterator[Callable[[], None]]:
+def _progress_bar(total: int, show: bool, desc: str = "planning") -> Iterator[Callable[[], None]]:
     """A bar on the terminal, for searches long enough to wonder about (over a second)."""
     if not show:
         yield lambda: None
         return
     from tqdm import tqdm
 
-    with tqdm(total=total, desc="planning", unit="candidate", file=sys.stderr, leave=False,
+    with tqdm(total=total, desc=desc, unit="candidate", file=sys.stderr, leave=False,
               delay=1.0) as bar:  # fmt: skip
         yield lambda: bar.update(1)
 
@@ -2379,6 +2380,7 @@ def _infeasible(
     candidates: list[Candidate],
     floor: int = 0,
     deadline: float | None = None,
+    progress: bool = False,
 ) -> InfeasibleError:
     """Find the least memory per device that any candidate split needs (a min-max partition on
     memory, by bisection on a budget that every device with less is raised to: on equal devices
@@ -2386,7 +2388,8 @@ def _infeasible(
     and say how far each device falls short. `floor`: a budget below which none fits
     (_static_need). Past `deadline` (time.perf_counter()), once one candidate's need is known,
     the others are left untried and the message says so (the need is then one that fits, not
-    proven the least)."""
+    proven the least). `progress`: a bar on stderr while the candidates are tried (at 1 000
+    layers on 64 devices that takes tens of seconds)."""
     cluster = problem.cluster
     shown = problem  # (the closest plans are made against the cluster's own budgets)
     if len({d.memory_bytes for d in cluster.devices}) == 1:
@@ -2409,50 +2412,53 @@ def _infeasible(
     united: dict[tuple, bool] = {}  # (size and stage count, least so far): none of those fits
     ordered = sorted(candidates, key=_likely_small)
     untried = 0
-    for n, cand in enumerate(ordered):
-        if need is not None and deadline is not None and time.perf_counter() > deadline:
-            untried = len(ordered) - n
-            break
-        if (
-            cand.per_device == 1
-            and cand.recompute in ("never", "except_last")
-            and ((cand.microbatches, cand.schedule) in tried)
-        ):
-            # its per-stage twin, tried before it (_SMALL_RANK), may choose its mode on every
-            # stage: it fits every budget this one fits, so this one needs no less
-            continue
-        if cand.per_device == 1 and cand.recompute == PER_STAGE:
-            tried.add((cand.microbatches, cand.schedule))
-        if need is not None:
-            # One test for the candidates left of its size and stage count (_none_fits_any):
-            # where none of them fits just below the least so far, none is tried alone. With
-            # their occupancy floors first (made faster than their exact occupancy, and enough
-            # for most); with the exact ones too on one stage per device.
-            group = (problem.costs(cand).mb, cand.per_device)
-            if (group, need) not in united:
-                rest = [c for c in ordered[n:] if (problem.costs(c).mb, c.per_device) == group]
-                united[(group, need)] = _none_fits_any(problem, rest, need - 1, "floor") or (
-                    cand.per_device == 1 and _none_fits_any(problem, rest, need - 1)
-                )
-            if united[(group, need)]:
+    bar = _progress_bar(len(ordered), progress, "no split fits; finding the least memory")
+    with bar as tick:
+        for n, cand in enumerate(ordered):
+            if need is not None and deadline is not None and time.perf_counter() > deadline:
+                untried = len(ordered) - n
+                break
+            tick()
+            if (
+                cand.per_device == 1
+                and cand.recompute in ("never", "except_last")
+                and ((cand.microbatches, cand.schedule) in tried)
+            ):
+                # its per-stage twin, tried before it (_SMALL_RANK), may choose its mode on every
+                # stage: it fits every budget this one fits, so this one needs no less
                 continue
-        if cand.per_device == 1:
-            # What fits reads of a candidate with one stage per device is the chain at its
-            # micro-batch size, its stage shapes and where cuts may go (the same for every
-            # candidate of that size; never its times, nor its schedule's name): candidates
-            # alike in those (1F1B's and zero bubble's past their steady state) need the
-            # same least budget, and only the first is searched
-            _stage_specs(problem, cand)  # (its shapes, kept in problem.shapes)
-            key = (problem.costs(cand).mb, tuple(map(tuple, problem.shapes[(cand, "exact")])))
-            if key in alike:
-                continue
-            alike.add(key)
-        fits = _fits_within(problem, cand)
-        # (interleaved: whether a budget fits need not carry over to a larger one, so the
-        # least budget is a bisection's from nothing, as it always was)
-        least = _least(fits, need, floor if cand.per_device == 1 else 0)
-        if least is not None:
-            need, chosen, chosen_fits = least, cand, fits
+            if cand.per_device == 1 and cand.recompute == PER_STAGE:
+                tried.add((cand.microbatches, cand.schedule))
+            if need is not None:
+                # One test for the candidates left of its size and stage count (_none_fits_any):
+                # where none of them fits just below the least so far, none is tried alone. With
+                # their occupancy floors first (made faster than their exact occupancy, and enough
+                # for most); with the exact ones too on one stage per device.
+                group = (problem.costs(cand).mb, cand.per_device)
+                if (group, need) not in united:
+                    rest = [c for c in ordered[n:] if (problem.costs(c).mb, c.per_device) == group]
+                    united[(group, need)] = _none_fits_any(problem, rest, need - 1, "floor") or (
+                        cand.per_device == 1 and _none_fits_any(problem, rest, need - 1)
+                    )
+                if united[(group, need)]:
+                    continue
+            if cand.per_device == 1:
+                # What fits reads of a candidate with one stage per device is the chain at its
+                # micro-batch size, its stage shapes and where cuts may go (the same for every
+                # candidate of that size; never its times, nor its schedule's name): candidates
+                # alike in those (1F1B's and zero bubble's past their steady state) need the
+                # same least budget, and only the first is searched
+                _stage_specs(problem, cand)  # (its shapes, kept in problem.shapes)
+                key = (problem.costs(cand).mb, tuple(map(tuple, problem.shapes[(cand, "exact")])))
+                if key in alike:
+                    continue
+                alike.add(key)
+            fits = _fits_within(problem, cand)
+            # (interleaved: whether a budget fits need not carry over to a larger one, so the
+            # least budget is a bisection's from nothing, as it always was)
+            least = _least(fits, need, floor if cand.per_device == 1 else 0)
+            if least is not None:
+                need, chosen, chosen_fits = least, cand, fits
     if chosen is not None and chosen_fits is not None and need is not None:
         # (only the closest one's split is solved for speed and made a plan)
         closest = _shown(shown, chosen, chosen_fits(need, True))

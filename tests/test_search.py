@@ -1294,3 +1294,30 @@ def test_a_plan_whose_lowering_was_edited_is_refused(tmp_path):
     path.write_text(json.dumps(data))
     with pytest.raises(InputError, match="edited since"):
         Plan.load(path)
+
+
+def test_the_search_for_the_least_memory_shows_its_progress(monkeypatch):
+    """Where no split fits, finding the memory that would do tries the candidates one by one
+    (tens of seconds at 1 000 layers on 64 devices): on a terminal a bar counts them, as the
+    search's own does; off one (progress False), none."""
+    import contextlib
+
+    bars: list[tuple[str, int, list[int]]] = []
+
+    @contextlib.contextmanager
+    def recorded(total, show, desc="planning"):
+        ticks: list[int] = []
+        bars.append((desc, total, ticks))
+        yield lambda: ticks.append(1) if show else None
+
+    monkeypatch.setattr(search, "_progress_bar", recorded)
+    profile = synthetic_profile([1.0] * 6, sizes=(1, 2, 4))
+    for shown in (True, False):
+        bars.clear()
+        with pytest.raises(search.InfeasibleError):
+            plan_pipeline(profile, Cluster.uniform(2, 500), 4, progress=shown, checkpoint=())
+        least = [b for b in bars if b[0] == "no split fits; finding the least memory"]
+        assert len(least) == 1
+        desc, total, ticks = least[0]
+        assert total > 1  # (every candidate: no time limit, so each is ticked)
+        assert len(ticks) == (total if shown else 0)
