@@ -66,6 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args_list
     own = argv is None  # the process's own entry point (not a caller's, in process)
+    if own and sys.stdout is None:  # (started with its stdout closed: `gpipe-plan ... >&-`)
+        if sys.stderr is not None:
+            print("gpipe-plan: error: cannot write the output (stdout is closed)", file=sys.stderr)
+        return EXIT_BAD_INPUT  # (not check's 1, which a CI job reads as over budget)
     try:
         if own:  # a file name that is not UTF-8 is shown escaped, not an error at the end
             for stream in (sys.stdout, sys.stderr):
@@ -279,9 +283,9 @@ def _plan(args: argparse.Namespace, out: Path, profile: Profile) -> int:
         if e.closest is not None:
             print(_stage_table(e.closest), file=sys.stderr)
         return EXIT_FAILED
-    plan.save(out)
     print(_summary(plan))
     print(_stage_table(plan))
+    plan.save(out)  # (after the terminal's lines: one that cannot be written leaves no file)
     if not plan.loss:
         print(
             "note: the profile has no loss, so the last stage's loss is not in this plan "

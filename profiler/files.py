@@ -172,6 +172,8 @@ def write_output(
     """Write `content` (text, bytes, or a function that writes a file at the path it is given)
     to `path`, all or nothing. Call `check_output` first for the refusals it makes."""
     target = Path(os.path.realpath(path))
+    if sys.stdout is not None:  # what the command printed first reaches the terminal first:
+        sys.stdout.flush()  # where it cannot (`> /dev/full`), no file is written
     try:
         st: os.stat_result | None = os.stat(target)
     except FileNotFoundError:

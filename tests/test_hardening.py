@@ -1132,6 +1132,38 @@ def test_a_full_disk_on_stdout_or_a_name_not_in_utf8_is_one_line(plan_file, prof
     assert os.path.exists(odd) and done.stdout.splitlines()[-1].endswith("\\udcfe.json")
 
 
+def test_a_terminal_that_cannot_be_written_leaves_no_file_and_a_closed_one_no_traceback(
+    plan_file, prof, tmp_path
+):
+    """Found by a red team: `plan ... -o out.json > /dev/full` wrote out.json and then exited 2
+    (bad input, nothing done); with stdout closed (`>&-`) `check` gave a traceback and exit 1,
+    which a CI job reads as over budget, and `plan` wrote its file."""
+    import subprocess
+    import sys
+
+    cli_py = str(ROOT / "cli.py")
+    out = tmp_path / "out.json"
+    if os.path.exists("/dev/full"):
+        with open("/dev/full", "w") as full:
+            done = subprocess.run([sys.executable, cli_py, "plan", str(prof), *PLAN_ARGS, "-o",
+                                   str(out)], stdout=full, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.splitlines()[-1] == (
+            "gpipe-plan: error: cannot write the output (No space left on device)"
+        )
+        assert not out.exists() and not list(tmp_path.glob(".out.json.*"))
+    for command in (["check", str(plan_file)], ["plan", str(prof), *PLAN_ARGS, "-o", str(out)]):
+        done = subprocess.run(
+            [sys.executable, cli_py, *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True, pass_fds=(), preexec_fn=lambda: os.close(1),
+        )  # fmt: skip
+        assert done.returncode == 2, done.stderr
+        assert done.stderr.splitlines() == [
+            "gpipe-plan: error: cannot write the output (stdout is closed)"
+        ]
+        assert not out.exists()
+
+
 def test_a_factory_that_calls_sys_exit_is_reported_not_obeyed(run_cli, tmp_path):
     model = tmp_path / "quits.py"
     model.write_text("import sys\ndef make():\n    sys.exit(0)\n")
