@@ -418,6 +418,19 @@ class Plan(Artifact):
                     f"stage {st.index}: memory total {held['total']} is not the sum of its "
                     f"parts ({parts})"
                 )
+            # (the bytes `check` simulates are state_bytes: they must be the breakdown's, found
+            # by a red team: a plan whose workspace was raised in the breakdown alone passed)
+            static = sum(held[k] for k in ("params", "grads", "optimizer", "workspace"))
+            if st.state_bytes.static != static:
+                raise ValueError(
+                    f"stage {st.index}: state_bytes.static {st.state_bytes.static} is not its "
+                    f"weights, gradients, optimizer state and workspace ({static})"
+                )
+            if held["optimizer_step"] not in (0, st.state_bytes.optimizer_step):
+                raise ValueError(
+                    f"stage {st.index}: memory.optimizer_step {held['optimizer_step']} is "
+                    f"neither 0 nor the step's temporaries ({st.state_bytes.optimizer_step})"
+                )
             back = st.grads_back or []
             if back:  # what it sends back to each stage it takes values from
                 senders = sorted(a for a, t in self.routes if t == st.index) if self.routes else (

@@ -382,6 +382,33 @@ def test_a_clusters_reserved_memory_edited_is_refused(run_cli, plan_file):
     assert_bad_input(run_cli("check", bad), mentions="reserved_bytes")
 
 
+def test_a_breakdown_that_is_not_the_bytes_check_simulates_is_refused(run_cli, plan_file):
+    """Found by a red team: a device given 60 of its 64 MiB as reserved, its stages' workspace
+    raised in the breakdown alone (and the plan resealed), passed `check` at 64%: the gate
+    simulates state_bytes, which nothing tied to the breakdown. So was a stage's params set to
+    0 with its total lowered to match."""
+    half = 512 * 1024
+
+    def reserve(d: dict) -> None:
+        d["cluster"]["devices"][0]["reserved_bytes"] = half
+        share = half // d["stages_per_device"]
+        for st in d["stages"]:
+            if st["rank"] == 0:
+                st["memory"]["workspace"] += share
+                st["memory"]["total"] += share
+
+    bad = _edited_plan(plan_file, reserve, reseal=True)
+    assert_bad_input(run_cli("check", bad), mentions="state_bytes.static")
+
+    def no_params(d: dict) -> None:
+        m = d["stages"][0]["memory"]
+        m["total"] -= m["params"]
+        m["params"] = 0
+
+    bad = _edited_plan(plan_file, no_params, reseal=True)
+    assert_bad_input(run_cli("check", bad), mentions="state_bytes.static")
+
+
 def test_a_total_edited_by_one_byte_is_refused_in_bytes_by_check_and_measure(run_cli, plan_file):
     """Found by a red team: one byte more on a device's total read "dev1's total (4.55 MiB) is
     not what its stages hold (4.55 MiB)", and measure ran the edited plan and gated its run on
