@@ -283,9 +283,17 @@ def _plan(args: argparse.Namespace, out: Path, profile: Profile) -> int:
         if e.closest is not None:
             print(_stage_table(e.closest), file=sys.stderr)
         return EXIT_FAILED
-    print(_summary(plan))
-    print(_stage_table(plan))
-    plan.save(out)  # (after the terminal's lines: one that cannot be written leaves no file)
+    # The terminal's lines first: where they cannot be written (`> /dev/full`), no file is
+    # (found by a red team: the plan was written, then the command exited 2). A reader that
+    # left (`| head`) does not cost the file: it is written, then the pipe's end reported.
+    try:
+        print(_summary(plan))
+        print(_stage_table(plan))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        plan.save(out)
+        raise
+    plan.save(out)
     if not plan.loss:
         print(
             "note: the profile has no loss, so the last stage's loss is not in this plan "
@@ -342,6 +350,14 @@ def _held_as_planned(plan: Any, path: str) -> None:
                 f"{path}: its predicted {what} ({stated:.6g}) is not what its schedule gives "
                 f"({got:.6g}): {why}; plan again"
             )
+
+    ms = timeline.makespan
+    rate = plan.batch_size / ms * 1e3 if ms > 0 else 0.0
+    if not math.isclose(said.throughput_samples_per_s, rate, rel_tol=1e-9, abs_tol=1e-12):
+        raise InputError(
+            f"{path}: its predicted throughput ({said.throughput_samples_per_s:.6g} samples/s) "
+            f"is not its batch of {plan.batch_size} per step ({rate:.6g}): {why}; plan again"
+        )
 
     def size(n: int, other: int) -> str:
         """Rounded, or in bytes where the rounded figures would read alike."""
@@ -545,6 +561,7 @@ def cmd_codegen(args: argparse.Namespace) -> int:
         )
     check_output(args.output, inputs=[args.plan, *_sources(args.model)])
     _runs_as_planned(model, plan, args.plan)
+    _held_as_planned(plan, args.plan)  # (what check refuses is not compiled either)
     asked, args.target = args.target, args.target or plan.target
     if args.target == "torch-pipelining":
         from codegen.emit import pipelining_refusal

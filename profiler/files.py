@@ -173,7 +173,10 @@ def write_output(
     to `path`, all or nothing. Call `check_output` first for the refusals it makes."""
     target = Path(os.path.realpath(path))
     if sys.stdout is not None:  # what the command printed first reaches the terminal first:
-        sys.stdout.flush()  # where it cannot (`> /dev/full`), no file is written
+        try:  # where it cannot (`> /dev/full`), no file is written
+            sys.stdout.flush()
+        except BrokenPipeError:  # (a reader that left, `| head`: the file is still wanted)
+            pass
     try:
         st: os.stat_result | None = os.stat(target)
     except FileNotFoundError:

@@ -1164,7 +1164,8 @@ def test_a_terminal_that_cannot_be_written_leaves_no_file_and_a_closed_one_no_tr
 ):
     """Found by a red team: `plan ... -o out.json > /dev/full` wrote out.json and then exited 2
     (bad input, nothing done); with stdout closed (`>&-`) `check` gave a traceback and exit 1,
-    which a CI job reads as over budget, and `plan` wrote its file."""
+    which a CI job reads as over budget, and `plan` wrote its file. A pipe whose reader left
+    (`| head`) is no reason to lose the plan, though."""
     import subprocess
     import sys
 
@@ -1179,6 +1180,13 @@ def test_a_terminal_that_cannot_be_written_leaves_no_file_and_a_closed_one_no_tr
             "gpipe-plan: error: cannot write the output (No space left on device)"
         )
         assert not out.exists() and not list(tmp_path.glob(".out.json.*"))
+    # a reader that left (`| head`): the file is still written, and the pipe's end reported
+    piped = subprocess.Popen([sys.executable, cli_py, "plan", str(prof), *PLAN_ARGS, "-o",
+                              str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
+    piped.stdout.close()  # (before anything is read)
+    assert piped.wait(timeout=120) == 141 and out.exists(), piped.stderr.read()
+    piped.stderr.close()
+    out.unlink()
     for command in (["check", str(plan_file)], ["plan", str(prof), *PLAN_ARGS, "-o", str(out)]):
         done = subprocess.run(
             [sys.executable, cli_py, *command], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -1339,6 +1347,29 @@ def test_check_refuses_a_plan_whose_time_or_bubble_was_edited(run_cli, plan_file
         r = run_cli("check", edited, "--max-bubble", "0.99")
         assert_bad_input(r, mentions="the plan was edited")
     assert run_cli("check", plan_file, "--max-bubble", "0.99").code == 0
+
+
+def test_a_throughput_edited_is_refused_and_codegen_refuses_what_check_does(
+    run_cli, plan_file, tmp_path
+):
+    """Found by a red team: a plan's batch and micro-batch size raised 1024x (and resealed)
+    passed `check` while `show` printed the old throughput; and `codegen` compiled plans that
+    `check` refuses (an edited micro-batch count among them)."""
+    edited = _edited_plan(
+        plan_file, lambda d: d["predicted"].update(throughput_samples_per_s=1e9), reseal=True
+    )
+    assert_bad_input(run_cli("check", edited), mentions="its predicted throughput")
+    prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    assert run_cli("profile", "example:mlp", "--batch-sizes", "2", "--repeats", "1",
+                   "--max-repeats", "1", "-o", prof).code == 0  # fmt: skip
+    args = ("--devices", 2, "--memory", "1GiB", "--batch-size", 4, "--microbatches", 2)
+    assert run_cli("plan", prof, *args, "-o", plan).code == 0
+    out = tmp_path / "program.py"
+    assert run_cli("codegen", plan, "--model", "example:mlp", "-o", out).code == 0
+    out.unlink()
+    _edited_plan(plan, lambda d: d["predicted"].update(iteration_ms=1.0), reseal=True)
+    r = run_cli("codegen", plan, "--model", "example:mlp", "-o", out)
+    assert_bad_input(r, mentions="its predicted step time", no_file=out)
 
 
 def test_a_plan_that_disagrees_with_itself_is_refused(run_cli, plan_file, tmp_path):
