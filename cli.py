@@ -655,7 +655,9 @@ def cmd_measure(args: argparse.Namespace) -> int:
         )
     _host_holds(plan, args.target or plan.target)
     if (args.target or plan.target) == "torchrun":
-        report = measure_torchrun(plan, args.model, steps=args.steps, tolerance=tolerance)
+        report = measure_torchrun(  # (each rank with the profile's threads, else one)
+            plan, args.model, steps=args.steps, tolerance=tolerance, threads=plan.threads or 1
+        )
     else:
         import warnings
 

@@ -222,7 +222,7 @@ class PlanMeta(_Strict):
 
 class Plan(Artifact):
     FORMAT_VERSION: ClassVar[int] = 2
-    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("runtime", "checkpointed", "lowering")
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("runtime", "checkpointed", "lowering", "threads")
 
     @classmethod
     def from_json_text(cls, text: str, *, source: str = "<input>") -> Plan:  # type: ignore[override]
@@ -316,6 +316,15 @@ class Plan(Artifact):
         description="torchrun: which lowering of the schedule (how its sends and receives are "
         "posted) the program runs, the fastest of those that meet where sends block: 0 as "
         "issued, 1 in lock-step, 2-4 timed from the compute-only timeline (absent: found again)",
+    )
+    threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        strict=True,
+        description="the intra-op threads the profile measured with: on the CPU some kernels' "
+        "memory grows with them (bfloat16 matmuls' workspace), so `measure` runs with as many "
+        "(absent: not recorded)",
     )
     routes: list[tuple[Count, Count]] = Field(
         default_factory=list,

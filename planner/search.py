@@ -1966,6 +1966,7 @@ def _build_plan(
         runtime=profile.runtime,
         checkpointed=list(chain.checkpointed) or None,
         lowering=lowering,
+        threads=profile.meta.threads or None,
         stages=stages,
         devices=devices,
         predicted=Prediction(

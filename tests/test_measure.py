@@ -537,3 +537,45 @@ def test_torchrun_gpipe_with_receives_posted_ahead_holds_what_the_plan_counts(pr
     report = measure_torchrun(plan, f"{__file__}:small_transformer", steps=1)
     for d in report.devices:  # (measured exactly: what the plan leaves out would show)
         assert -0.05 <= d.memory_error <= 0.001, d
+
+
+class _Threads(nn.Module):
+    """Records the intra-op threads each forward runs with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(torch.get_num_threads())
+        return x
+
+
+def test_measure_runs_with_the_threads_the_profile_measured_with():
+    """Found by a review: a bfloat16 model profiled with one thread and measured in a process
+    of two read 5% over its plan on a device (a matmul's workspace grows with the threads). The
+    plan records the profile's threads, and measure runs the stages with as many, then gives
+    the process its own back."""
+    torch.manual_seed(0)
+    probe = _Threads()
+    model = nn.Sequential(nn.Linear(16, 16), probe, nn.Tanh(), nn.Linear(16, 4))
+    prof = quick_profile(model, torch.randn(4, 16), batch_sizes=[2], threads=1)
+    plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 4, microbatches=2)
+    assert plan.threads == 1 == prof.meta.threads
+    assert Plan.model_validate_json(plan.model_dump_json()).threads == 1  # (kept in the file)
+    kept = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pipe = compile_pipe(model, plan)
+        x, y, loss_fn = make_data(model, plan)
+        probe.seen.clear()
+        pipe.measure(x, y, loss_fn, steps=1)
+        assert probe.seen and set(probe.seen) == {1}
+        assert torch.get_num_threads() == 2
+        probe.seen.clear()
+        pipe.train_step(x, y, loss_fn)  # (a step of its own is the caller's business)
+        assert set(probe.seen) == {2}
+    finally:
+        torch.set_num_threads(kept)
