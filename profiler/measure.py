@@ -402,6 +402,13 @@ def _memory(
                 f"the loss {layer.loss.name} failed on the model's output of shape "
                 f"{_shape_text(inp)}: {type(e).__name__}: {_first_line(e)}"
             ) from None
+        if "leaf Variable that requires grad is being used in an in-place" in str(e):
+            # (found by a review: ReLU(inplace=True) as a layer of its own, common in CNNs)
+            raise InputError(
+                f"layer {i} ({type(layer).__name__}) changes its input in place: a stage may "
+                "begin at any layer, and there its input is a tensor autograd does not let "
+                "change; build that layer with inplace=False (or inside the module before it)"
+            ) from None
         raise InputError(
             f"the model rejected input of shape {_shape_text(inp)} at layer {i} "
             f"({type(layer).__name__}): {_first_line(e)}"

@@ -579,3 +579,21 @@ def test_measure_runs_with_the_threads_the_profile_measured_with():
         assert set(probe.seen) == {2}
     finally:
         torch.set_num_threads(kept)
+
+
+def test_an_action_the_profile_timed_at_zero_is_predicted_at_zero_not_rounding():
+    """Found by a review: a stage with no weights, its W timed at 0 ms, was predicted the
+    rounding its span left less the runtime's overhead (about 1e-17 ms), and the report read
+    its run +5.9e16% off."""
+    from types import SimpleNamespace
+
+    from codegen.measure import predicted_actions
+
+    def timeline(end: float) -> SimpleNamespace:  # (all predicted_actions reads of one)
+        return SimpleNamespace(spans=[SimpleNamespace(action=Action(0, Kind.W, 0), start=1.0,
+                                                      end=end)])  # fmt: skip
+
+    overhead = 0.1 + 0.2  # 0.30000000000000004, the action's span: 1e-17 ms left over
+    assert 1.0 + overhead - 1.0 - 0.3 > 0
+    assert predicted_actions(timeline(1.0 + overhead), 0.3) == {(0, "W"): 0.0}
+    assert predicted_actions(timeline(1.5), 0.3) == {(0, "W"): 1.5 - 1.0 - 0.3}

@@ -11,7 +11,7 @@ from torch import nn
 from planner import Plan
 from profiler import InputError, Profile, profile_model
 from profiler.examples import mlp, transformer
-from tests.conftest import synthetic_profile
+from tests.conftest import quick_profile, synthetic_profile
 
 F32 = 4
 
@@ -319,3 +319,13 @@ def test_profiling_the_transformer_twice_gives_the_same_plan(tmp_path, run_cli):
         assert r.code == 0, r.err
         plans.append(Plan.load(plan))
     assert [s.layers for s in plans[0].stages] == [s.layers for s in plans[1].stages]
+
+
+def test_a_layer_that_changes_its_input_in_place_is_named_with_what_to_do():
+    """Found by a review: ReLU(inplace=True) as a layer of its own (common in CNNs) was refused
+    as "the model rejected input ... a leaf Variable that requires grad is being used in an
+    in-place operation", which reads as the model's fault on its input."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Linear(16, 4))
+    with pytest.raises(InputError, match=r"layer 1 \(ReLU\) changes its input in place.*"
+                       r"inplace=False"):  # fmt: skip
+        quick_profile(model, torch.randn(4, 16), batch_sizes=[2])
