@@ -20,6 +20,9 @@ class Chained(nn.Module):
 
     def __init__(self, layers: list[nn.Module]) -> None:
         super().__init__()
+        for layer in layers:  # (its first one's input is a tensor autograd does not let change)
+            if getattr(layer, "inplace", None) is True:
+                layer.inplace = False
         self.layers = nn.ModuleList(layers)
 
     def forward(self, *args: Any) -> Any:

@@ -139,6 +139,15 @@ def _handed_on(
 Tied = list[tuple[nn.Parameter, list[nn.Parameter]]]
 
 
+def out_of_place(layers: list[nn.Module]) -> None:
+    """Layers that change their input in place (ReLU(inplace=True)) made to write a new
+    tensor: a stage's input is a tensor autograd does not let change, and any layer may begin
+    a stage. The profile measures them so too (profiler/measure.py); the values are the same."""
+    for layer in layers:
+        if getattr(layer, "inplace", None) is True:
+            layer.inplace = False
+
+
 def untie(stages: list[nn.Sequential], ranks: list[int]) -> Tied:
     """Give each device but the first its own copy of a parameter that stages on several
     devices use (tied weights, e.g. an embedding and the output head): (the model's own
@@ -221,6 +230,7 @@ class PipelineRuntime:
         deferred_batch_norm: bool = False,
     ) -> None:
         layers = list(model)
+        out_of_place(layers)
         if not self.STAGES or self.STAGES[-1][1] != len(layers):
             raise ValueError(
                 f"this program splits {self.STAGES[-1][1] if self.STAGES else 0} layers; "

@@ -100,6 +100,12 @@ def profile_model(
     kept: _Snapshot | None = None
     model_storages = {t.untyped_storage().data_ptr() for t in _state(model)}
     layers = list(model)
+    # Layers that change their input in place (ReLU(inplace=True), common in CNNs) are measured
+    # writing a new tensor, as the pipeline runs them (codegen/_runtime.py, out_of_place): any
+    # layer may begin a stage, whose input autograd does not let change. Given back after.
+    in_place = [layer for layer in layers if getattr(layer, "inplace", None) is True]
+    for layer in in_place:
+        layer.inplace = False
     per_size: dict[int, list[dict[str, Any]]] = {}
     show = sys.stderr.isatty() if progress is None else progress
     try:
@@ -124,6 +130,8 @@ def profile_model(
     finally:
         torch.set_num_threads(saved_threads)
         model.train(was_training)
+        for layer in in_place:
+            layer.inplace = True
 
     first = per_size[sizes[0]]
 
@@ -407,7 +415,7 @@ def _memory(
             raise InputError(
                 f"layer {i} ({type(layer).__name__}) changes its input in place: a stage may "
                 "begin at any layer, and there its input is a tensor autograd does not let "
-                "change; build that layer with inplace=False (or inside the module before it)"
+                "change; make that layer write a new tensor (inplace=False), or put it inside the module before it"
             ) from None
         raise InputError(
             f"the model rejected input of shape {_shape_text(inp)} at layer {i} "

@@ -5,6 +5,7 @@ emitted program itself."""
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import shutil
 import subprocess
@@ -993,3 +994,28 @@ def test_torch_pipelining_refuses_weights_tied_across_ranks(tmp_path, run_cli, t
     assert r.stderr.count("tied weights") == 2, r.stderr[-3000:]  # one line from each rank
     assert 'program.py", line' not in r.stderr  # no rank's own traceback
     assert "exitcode: 2" in r.stderr
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_layers_that_change_their_input_in_place_may_begin_a_stage(schedule):
+    """Found by a review: ReLU(inplace=True) as a layer of its own (common in CNNs) could not
+    be profiled, and a stage beginning with it could not run: a stage's input is a tensor
+    autograd does not let change. Such layers are profiled and run writing a new tensor (the
+    same values); the profile gives the model back as it was. Here each layer is a stage."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(inplace=True), nn.Linear(16, 16),
+                          nn.Dropout(0.0, inplace=True), nn.Linear(16, 4))  # fmt: skip
+    prof = quick_profile(model, torch.randn(8, 16), batch_sizes=[1, 2, 4])
+    assert model[1].inplace and model[3].inplace  # (given back)
+    plan = plan_pipeline(prof, Cluster.uniform(5, "1GiB"), 8, microbatches=2,
+                         schedule=schedule, recompute="never")  # fmt: skip
+    assert [st.layers for st in plan.stages] == [(k, k + 1) for k in range(5)]
+    reference = copy.deepcopy(model)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+    loss_fn = nn.MSELoss()
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    loss = compile_quiet(model, plan).train_step(x, y, loss_fn)
+    assert rel_err(loss, expected.detach()) <= 1e-6
+    for p, q in zip(model.parameters(), reference.parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-6
