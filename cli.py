@@ -195,14 +195,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
         loss_fn=args.loss,
         threads=args.threads,
     )
-    profile.save(out)
     _unsettled_note(profile)
     fwd = sum(x.forward_ms[profile.batch_sizes[-1]].median for x in profile.layers)
     loss = f" and its loss ({profile.loss.type})" if profile.loss is not None else ""
-    print(
+    _said_then_written(
         f"profiled {len(profile.layers)} layers of {args.model}{loss} on {profile.device_name} "
         f"at batch sizes {profile.batch_sizes} (forward {fwd:.2f} ms at "
-        f"{profile.batch_sizes[-1]}{_runtime_note(profile.runtime)}) -> {out}"
+        f"{profile.batch_sizes[-1]}{_runtime_note(profile.runtime)}) -> {out}",
+        lambda: profile.save(out),
     )
     return EXIT_OK
 
@@ -283,17 +283,7 @@ def _plan(args: argparse.Namespace, out: Path, profile: Profile) -> int:
         if e.closest is not None:
             print(_stage_table(e.closest), file=sys.stderr)
         return EXIT_FAILED
-    # The terminal's lines first: where they cannot be written (`> /dev/full`), no file is
-    # (found by a red team: the plan was written, then the command exited 2). A reader that
-    # left (`| head`) does not cost the file: it is written, then the pipe's end reported.
-    try:
-        print(_summary(plan))
-        print(_stage_table(plan))
-        sys.stdout.flush()
-    except BrokenPipeError:
-        plan.save(out)
-        raise
-    plan.save(out)
+    _said_then_written(f"{_summary(plan)}\n{_stage_table(plan)}", lambda: plan.save(out))
     if not plan.loss:
         print(
             "note: the profile has no loss, so the last stage's loss is not in this plan "
@@ -317,6 +307,20 @@ def _plan(args: argparse.Namespace, out: Path, profile: Profile) -> int:
         )
     print(f"wrote {out}")
     return EXIT_OK
+
+
+def _said_then_written(lines: str, write: Callable[[], None]) -> None:
+    """The terminal's lines, then the file: where they cannot be written (`> /dev/full`), no
+    file is (found by a red team: the file was written, then the command exited 2, which says
+    nothing was done). A reader that left (`| head`) does not cost the file: it is written,
+    then the pipe's end reported."""
+    try:
+        print(lines)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        write()
+        raise
+    write()
 
 
 def _held_as_planned(plan: Any, path: str) -> None:
@@ -585,17 +589,17 @@ def cmd_codegen(args: argparse.Namespace) -> int:
     checked = _check_program_streams(source, args.output) if args.check_streams else EXIT_OK
     if checked == 2:
         return EXIT_BAD_INPUT
-    write_output(out, source)
-    _other_target(plan, args.plan, asked)  # (once nothing is refused: errors are one line)
     run = (
         f"python {args.output}"
         if args.target == "streams"
         else f"torchrun --nproc-per-node {len(plan.devices)} {args.output}"
     )
-    print(
+    _said_then_written(
         f"wrote {args.output}: {plan.schedule} over {len(plan.devices)} device(s), "
-        f"{len(plan.stages)} stage(s), M={plan.microbatches}; run it with: {run}"
+        f"{len(plan.stages)} stage(s), M={plan.microbatches}; run it with: {run}",
+        lambda: write_output(out, source),
     )
+    _other_target(plan, args.plan, asked)  # (once nothing is refused: errors are one line)
     return checked
 
 
@@ -655,9 +659,16 @@ def cmd_measure(args: argparse.Namespace) -> int:
         )
     _host_holds(plan, args.target or plan.target)
     if (args.target or plan.target) == "torchrun":
-        report = measure_torchrun(  # (each rank with the profile's threads, else one)
-            plan, args.model, steps=args.steps, tolerance=tolerance, threads=plan.threads or 1
-        )
+        # each rank with one thread, as torchrun runs them (found by a review: the profile's
+        # threads here would hide how far a profile of more is from the job as it runs)
+        if plan.threads not in (None, 1):
+            print(
+                f"note: the profile measured with {plan.threads} threads and torchrun runs each "
+                "rank with one (OMP_NUM_THREADS=1): some kernels' memory and every time differ "
+                "with them; profile with --threads 1",
+                file=sys.stderr,
+            )
+        report = measure_torchrun(plan, args.model, steps=args.steps, tolerance=tolerance)
     else:
         import warnings
 

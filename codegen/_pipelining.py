@@ -20,9 +20,6 @@ class Chained(nn.Module):
 
     def __init__(self, layers: list[nn.Module]) -> None:
         super().__init__()
-        for layer in layers:  # (its first one's input is a tensor autograd does not let change)
-            if getattr(layer, "inplace", None) is True:
-                layer.inplace = False
         self.layers = nn.ModuleList(layers)
 
     def forward(self, *args: Any) -> Any:
@@ -87,6 +84,9 @@ def torch_pipeline(
     refusal = tied_across(layers, stages, ranks)
     if refusal is not None:
         raise ValueError(refusal)
+    for layer in layers[1:]:  # (as out_of_place in codegen/_runtime.py: a stage's input is a
+        if getattr(layer, "inplace", None) is True:  # tensor autograd does not let change)
+            layer.inplace = False
     built = []
     for s, (a, b) in enumerate(stages):
         if ranks[s] != rank:

@@ -140,10 +140,12 @@ Tied = list[tuple[nn.Parameter, list[nn.Parameter]]]
 
 
 def out_of_place(layers: list[nn.Module]) -> None:
-    """Layers that change their input in place (ReLU(inplace=True)) made to write a new
-    tensor: a stage's input is a tensor autograd does not let change, and any layer may begin
-    a stage. The profile measures them so too (profiler/measure.py); the values are the same."""
-    for layer in layers:
+    """Layers after the first that change their input in place (ReLU(inplace=True)) made to
+    write a new tensor: a stage's input is a tensor autograd does not let change, and any of
+    them may begin a stage (the first works on the caller's batch, which needs no gradient, as
+    the model alone does). The profile measures them so too (profiler/measure.py); the values
+    are the same."""
+    for layer in layers[1:]:
         if getattr(layer, "inplace", None) is True:
             layer.inplace = False
 
@@ -230,12 +232,12 @@ class PipelineRuntime:
         deferred_batch_norm: bool = False,
     ) -> None:
         layers = list(model)
-        out_of_place(layers)
         if not self.STAGES or self.STAGES[-1][1] != len(layers):
             raise ValueError(
                 f"this program splits {self.STAGES[-1][1] if self.STAGES else 0} layers; "
                 f"the model has {len(layers)}"
             )
+        out_of_place(layers)
         self.devices = [_indexed(torch.device(devices[r])) for r in self.RANKS]
         # The stages hold the model's own layers (and so its own parameters), moved in place;
         # a parameter that stages on several devices use (tied weights) is copied to the others.

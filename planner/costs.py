@@ -86,6 +86,12 @@ class Chain:
     # re-run of a stage (or of the layer) ends when this is its last layer (None: the whole
     # forward, forward_transient; never more than that)
     stop_transient: np.ndarray | None = None
+    # each entry's trainable parameter tensors (bytes), in the order an optimizer steps them
+    # (None: not in the profile), and what the step of one still holds while the next is
+    # stepped, per byte of the one before and relative to the step's own per byte (the
+    # optimizer's carry / per_byte, set by the search for its optimizer: MemoryModel.step_size)
+    param_tensors: tuple[tuple[int, ...], ...] | None = None
+    step_carry: float = 0.0
 
     @property
     def stop(self) -> np.ndarray:
@@ -222,6 +228,11 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         tied=tuple((t.bytes, tuple(t.layers)) for t in profile.tied) if profile.captured else (),
         borrowed_input=profile.device.split(":")[0] == "cpu",
         last_grad=int(kept[L - 1]) if n == L else 0,
+        param_tensors=(
+            tuple(tuple(x.param_tensor_bytes) for x in layers)  # type: ignore[arg-type]
+            if all(x.param_tensor_bytes is not None for x in layers)
+            else None
+        ),
     )
 
 

@@ -91,6 +91,7 @@ candidate stages in one call; scalars work too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -358,6 +359,51 @@ class MemoryModel:
     @cached_property
     def _largest(self) -> _RangeMax:
         return _RangeMax(self.chain.largest_param)
+
+    @cached_property
+    def _step(self) -> tuple[_RangeMax, _RangeMax, np.ndarray] | None:
+        """Per layer, for step_size: `inner`, the most of t + carry x (the tensor stepped before
+        t) over its parameter tensors t but its first, and that first alone; `cross`, its first
+        after the last tensor of the layers before it (0 without either); and per layer the
+        first layer from it on that has tensors (n: none). None where the largest alone is the
+        figure: no carry, no tensors known, or a tied parameter (stepped once, not where each
+        user's list has it)."""
+        c = self.chain
+        if not c.step_carry or c.param_tensors is None or self._tied:
+            return None
+        n = c.num_layers
+        inner, cross = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        last = 0  # the last tensor of the layers before (none: 0)
+        for k, tensors in enumerate(c.param_tensors):
+            if not tensors:
+                continue
+            own = [t + math.ceil(c.step_carry * p) for p, t in zip(tensors, tensors[1:])]
+            inner[k] = max([tensors[0], *own])
+            cross[k] = tensors[0] + math.ceil(c.step_carry * last) if last else 0
+            last = tensors[-1]
+        has = np.array([bool(t) for t in c.param_tensors])
+        first = np.full(n + 1, n, dtype=np.int64)
+        for k in range(n - 1, -1, -1):
+            first[k] = k if has[k] else first[k + 1]
+        return _RangeMax(inner), _RangeMax(cross), first
+
+    def step_size(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """What a one-tensor-at-a-time optimizer step over stage [i, j) is charged for, per its
+        per_byte: its largest parameter tensor, or, where the step of a tensor still holds
+        some of its temporaries while the next is stepped (Chain.step_carry: Adam's
+        denominator), the most of t + step_carry x (the tensor before t) over the stage's
+        tensors in order, its first with none before it (another optimizer's, or none)."""
+        i = np.atleast_1d(np.asarray(i, dtype=np.int64))
+        j = np.atleast_1d(np.asarray(j, dtype=np.int64))
+        step = self._step
+        if step is None:
+            return self._largest(i, j)
+        inner, cross, first = step
+        # after the stage's first layer with tensors, each layer's first follows a tensor of
+        # the stage's own
+        after = first[i] + 1
+        crossed = np.where(after < j, cross(np.minimum(after, j - 1), j), 0)
+        return np.maximum(inner(i, j), crossed)
 
     @cached_property
     def _pulled(self) -> _RangeMax:
@@ -670,7 +716,9 @@ class MemoryModel:
             forward = np.where(inner, self._inner_forward.take(after), 0)
             out["forward_live"] = np.maximum(self._forward_peak[i], forward)
         if only is not None and "largest" in only:  # (for the partition: optimizer_step())
-            out["largest"] = self._largest.take(whole)
+            out["largest"] = (
+                self._largest.take(whole) if self._step is None else self.step_size(i, j)
+            )
         return out if only is None else {k: out[k] for k in only}
 
     def stage_bytes(
@@ -710,7 +758,7 @@ class MemoryModel:
         # terms(): params and buffers, grads, optimizer slots (beside its workspace)
         weights = (2 * p + self._buffers[j] - self._buffers[i]).tolist()
         slots = (p - self.copied(i, j)).tolist()
-        sizes = {True: p, False: self._largest(i, j) if not all(s.foreach for s in shapes) else p}
+        sizes = {True: p, False: self.step_size(i, j) if not all(s.foreach for s in shapes) else p}
         out = []
         for s, shape in enumerate(shapes):
             if shape.bound:
@@ -791,7 +839,7 @@ class MemoryModel:
         if shape.foreach:
             size = self.params(i, j)
         else:
-            size = self._largest(i, j)
+            size = self.step_size(i, j)
         return np.ceil(shape.optimizer_step * size).astype(np.int64)
 
     def total(self, i: np.ndarray | int, j: np.ndarray | int, shape: StageShape) -> np.ndarray:

@@ -166,6 +166,11 @@ class _Problem:
             chain = checkpointed(chain_at(self.table, mb), self.checkpointed)
             if self.target == "torchrun" and chain.tied:  # each rank steps its own copy
                 chain = dataclasses.replace(chain, copies_keep_state=True)
+            step = self.profile.optimizer_step.get(self.optimizer)
+            if step is not None and not step.foreach and step.carry and step.per_byte > 0:
+                # what the step of a tensor still holds while the next is stepped (Adam's
+                # denominator), relative to the step's own per byte (MemoryModel.step_size)
+                chain = dataclasses.replace(chain, step_carry=step.carry / step.per_byte)
             self.chains[mb] = chain
         return self.chains[mb]
 

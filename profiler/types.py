@@ -8,7 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal, get_origin
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
-from .artifact import Artifact
+from .artifact import Artifact, LaterFields
 from .limits import MAX_BATCH, MAX_BYTES, MAX_LAYERS, MAX_MS, MIN_MS, DType, Text
 
 # (strict: "0_5" or true is no time)
@@ -101,6 +101,12 @@ class LayerProfile(BaseModel):
     forward_peak_bytes: dict[int, Bytes]
     input_grad_transient_bytes: dict[int, Bytes]
     weight_grad_transient_bytes: dict[int, Bytes]
+    param_tensor_bytes: list[Bytes] | None = Field(
+        default=None,
+        description="each trainable parameter tensor's bytes, in the order an optimizer steps "
+        "them (a stage's optimizer takes its layers' in turn); absent in profiles made before "
+        "it was recorded (the planner then counts the optimizer step by the largest alone)",
+    )
     stop_transient_bytes: dict[int, Bytes] | None = Field(
         default=None,
         description="the most its forward allocates beyond what it saves, up to the moment it "
@@ -116,6 +122,7 @@ PER_SIZE = tuple(
 )
 """The LayerProfile fields measured at every micro-batch size."""
 LATER_PER_SIZE = ("stop_transient_bytes",)
+LATER_LAYER = ("param_tensor_bytes",)  # (not per size: left out of the file where unset too)
 """Per-size fields added since the format's version: absent (None) in older profiles."""
 
 
@@ -131,14 +138,18 @@ def _by_size(layer: LayerProfile, sizes: list[int]) -> bool:
     return all(list(kept[field]) == sizes for field in _per_size(layer))
 
 
-class OptimizerStep(BaseModel):
+class OptimizerStep(LaterFields):
     """What one optimizer step allocates for its temporaries on the profiled device: `per_byte`
     bytes per byte of parameters, over all of a device's parameters at once when `foreach`
-    (multi-tensor kernels), else over the largest parameter (one tensor after another)."""
+    (multi-tensor kernels), else over the largest parameter (one tensor after another). One
+    tensor after another, `carry` bytes per byte of the tensor stepped before are still held
+    while the next is (Adam's denominator: 1)."""
 
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("carry",)
     model_config = ConfigDict(extra="forbid", strict=True)
     foreach: bool
     per_byte: float = Field(ge=0, le=1e3, allow_inf_nan=False)
+    carry: float | None = Field(default=None, ge=0, le=1e3, allow_inf_nan=False)
 
 
 class RuntimeOverhead(BaseModel):
@@ -238,7 +249,8 @@ class Profile(Artifact):
         if not with_meta:
             drop["meta"] = True
         entries = self.layers + ([self.loss] if self.loss else [])
-        unset = {f for f in LATER_PER_SIZE if all(getattr(x, f) is None for x in entries)}
+        later = LATER_PER_SIZE + LATER_LAYER
+        unset = {f for f in later if all(getattr(x, f) is None for x in entries)}
         if unset:
             drop["layers"] = {"__all__": unset}
             if self.loss:

@@ -640,9 +640,14 @@ def test_auto_pipe_profiles_plans_and_compiles():
 
 
 def torchrun(
-    nproc: int, *args: str, timeout: int = 240, cwd: Path | None = None, repo_on_path: bool = True
+    nproc: int,
+    *args: str,
+    timeout: int = 240,
+    cwd: Path | None = None,
+    repo_on_path: bool = True,
+    extra_env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", **(extra_env or {})}
     if repo_on_path:
         env |= {"PYTHONPATH": str(ROOT), "GPIPE_ROOT": str(ROOT)}
     cmd = [
@@ -704,6 +709,33 @@ def test_torchrun_gradient_parity(profiles, tmp_path, torchrun_available):
         for name, res in results.items():
             assert res["loss_err"] <= 1e-5, (rank, name)
             assert res["params"] > 0 and res["grad_err"] <= 1e-5, (rank, name, res)
+
+
+def test_torchrun_stages_beginning_with_a_layer_that_changes_its_input_in_place(
+    profiles, tmp_path, torchrun_available
+):
+    """A review's: the torchrun program's stage 1 beginning with ReLU(inplace=True) failed
+    ("a leaf Variable that requires grad is being used in an in-place operation"); it runs
+    such layers writing a new tensor, as the profile measured them, with the model's
+    gradients."""
+    from planner import search
+    from planner.partition import Partition
+
+    problem = search._Problem(profiles["mlp"], Cluster.uniform(2, "1GiB"), N, "adam",
+                              ("", ""), target="torchrun")  # fmt: skip
+    cand = search.Candidate(2, "1f1b", "never")
+    specs = search._stage_specs(problem, cand)
+    part = Partition(bounds=[0, 3, 9], bottleneck=1.0)  # stage 1 begins at layer 3, a ReLU
+    plan = search._build_plan(problem, cand, specs, part, "test")
+    assert [st.layer_types[0] for st in plan.stages] == ["Linear", "ReLU"]
+    path = tmp_path / "inplace.py"
+    path.write_text(emit_program(plan, target="torchrun"))
+    r = torchrun(2, str(ROOT / "tests" / "dist_driver.py"), str(tmp_path), str(path),
+                 extra_env={"GPIPE_INPLACE": "1"})  # fmt: skip
+    assert r.returncode == 0, r.stderr[-3000:]
+    for rank in (0, 1):
+        res = json.loads((tmp_path / f"rank{rank}.json").read_text())["inplace.py"]
+        assert res["loss_err"] <= 1e-5 and res["params"] > 0 and res["grad_err"] <= 1e-5, res
 
 
 def test_torchrun_program_runs_from_another_directory(

@@ -388,6 +388,7 @@ def test_a_breakdown_that_is_not_the_bytes_check_simulates_is_refused(run_cli, p
     simulates state_bytes, which nothing tied to the breakdown. So was a stage's params set to
     0 with its total lowered to match."""
     half = 512 * 1024
+    original = plan_file.read_text()
 
     def reserve(d: dict) -> None:
         d["cluster"]["devices"][0]["reserved_bytes"] = half
@@ -405,8 +406,18 @@ def test_a_breakdown_that_is_not_the_bytes_check_simulates_is_refused(run_cli, p
         m["total"] -= m["params"]
         m["params"] = 0
 
+    plan_file.write_text(original)
     bad = _edited_plan(plan_file, no_params, reseal=True)
     assert_bad_input(run_cli("check", bad), mentions="state_bytes.static")
+
+    def step(d: dict) -> None:  # (the step's term: 0, or the step's temporaries)
+        m = d["stages"][0]["memory"]
+        m["total"] += 100 - m["optimizer_step"]
+        m["optimizer_step"] = 100
+
+    plan_file.write_text(original)  # (each edit above was made on the file in place)
+    bad = _edited_plan(plan_file, step, reseal=True)
+    assert_bad_input(run_cli("check", bad), mentions="neither 0 nor the step's temporaries")
 
 
 def test_a_total_edited_by_one_byte_is_refused_in_bytes_by_check_and_measure(run_cli, plan_file):
@@ -1180,6 +1191,12 @@ def test_a_terminal_that_cannot_be_written_leaves_no_file_and_a_closed_one_no_tr
             "gpipe-plan: error: cannot write the output (No space left on device)"
         )
         assert not out.exists() and not list(tmp_path.glob(".out.json.*"))
+        with open("/dev/full", "w") as full:  # (a review's: profile and codegen did too)
+            done = subprocess.run([sys.executable, cli_py, "profile", "example:mlp",
+                                   "--batch-sizes", "2", "--repeats", "1", "--max-repeats", "1",
+                                   "-o", str(out)], stdout=full, stderr=subprocess.PIPE,
+                                  text=True)  # fmt: skip
+        assert done.returncode == 2 and not out.exists(), done.stderr
     # a reader that left (`| head`): the file is still written, and the pipe's end reported
     piped = subprocess.Popen([sys.executable, cli_py, "plan", str(prof), *PLAN_ARGS, "-o",
                               str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip

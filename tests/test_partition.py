@@ -1421,3 +1421,33 @@ def test_a_tied_parameters_optimizer_state_is_on_its_first_stage_alone():
         together = memory.stages_bytes(i, j, [shape, shape])
         alone = [memory.stage_bytes(0, 3, shape), memory.stage_bytes(3, 6, shape)]
         assert [b.static for b in together] == [b.static for b in alone] == [412, second]
+
+
+def test_an_optimizer_step_is_charged_for_what_the_tensor_before_still_holds():
+    """A one-tensor-at-a-time step (CPU Adam) still holds the tensor before's denominator
+    while the next is stepped: step_size is the most of t + carry x (the one before) over the
+    stage's tensors in order, the first with none before it (also where the stage begins
+    with a layer without parameters): a walk of each stage's tensors, on every stage."""
+    tensors = ((8, 2), (8,), (), (4, 4), (6,))
+    chain = dataclasses.replace(
+        unit_chain([sum(t) for t in tensors]), param_tensors=tensors, step_carry=0.5,
+        largest_param=np.array([max(t, default=0) for t in tensors]),
+    )  # fmt: skip
+    memory = MemoryModel(chain)
+
+    def walked(i: int, j: int) -> int:
+        order = [t for layer in tensors[i:j] for t in layer]
+        return max([0, *(t + (0.5 * p if k else 0) for k, (p, t) in
+                         enumerate(zip([0, *order], order)))])  # fmt: skip
+
+    pairs = [(i, j) for i in range(5) for j in range(i + 1, 6)]
+    got = memory.step_size(np.array([i for i, _ in pairs]), np.array([j for _, j in pairs]))
+    assert got.tolist() == [walked(i, j) for i, j in pairs]
+    assert int(memory.step_size(np.array([0]), np.array([5]))[0]) == 9  # 8 after its bias 2
+    # without a carry (or the tensors), the largest, as before
+    plain = MemoryModel(dataclasses.replace(chain, step_carry=0.0))
+    assert plain.step_size(np.array([0]), np.array([5])).tolist() == [8]
+    shape = StageShape(occupancy=(occ(),), optimizer_slots=2, optimizer_step=2.0)
+    assert memory.stage_bytes(0, 5, shape).optimizer_step == 18  # ceil(2.0 x 9)
+    assert memory.stages_bytes(np.array([0]), np.array([5]), [shape])[0].optimizer_step == 18
+    assert int(memory.optimizer_step(0, 5, shape)[0]) == 18
