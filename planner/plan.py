@@ -323,8 +323,8 @@ class Plan(Artifact):
         le=1024,
         strict=True,
         description="the intra-op threads the profile measured with: on the CPU some kernels' "
-        "memory grows with them (bfloat16 matmuls' workspace), so `measure` runs with as many "
-        "(absent: not recorded)",
+        "memory grows with them (bfloat16 matmuls' workspace), so `measure` runs the streams "
+        "program with as many (absent: not recorded)",
     )
     routes: list[tuple[Count, Count]] = Field(
         default_factory=list,

@@ -167,9 +167,14 @@ class _Problem:
             if self.target == "torchrun" and chain.tied:  # each rank steps its own copy
                 chain = dataclasses.replace(chain, copies_keep_state=True)
             step = self.profile.optimizer_step.get(self.optimizer)
-            if step is not None and not step.foreach and step.carry and step.per_byte > 0:
+            if (
+                step is not None and not step.foreach and step.carry
+                and step.carry <= 1e3 * step.per_byte
+            ):  # fmt: skip
                 # what the step of a tensor still holds while the next is stepped (Adam's
-                # denominator), relative to the step's own per byte (MemoryModel.step_size)
+                # denominator: 1), relative to the step's own per byte (MemoryModel.step_size;
+                # an optimizer whose step makes next to nothing of its own, an edited
+                # profile's, is counted by its largest tensor as before: no ratio past 1e3)
                 chain = dataclasses.replace(chain, step_carry=step.carry / step.per_byte)
             self.chains[mb] = chain
         return self.chains[mb]

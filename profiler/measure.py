@@ -420,8 +420,9 @@ def _memory(
             # (found by a review: ReLU(inplace=True) as a layer of its own, common in CNNs)
             raise InputError(
                 f"layer {i} ({type(layer).__name__}) changes its input in place: a stage may "
-                "begin at any layer, and there its input is a tensor autograd does not let "
-                "change; make that layer write a new tensor (inplace=False), or put it inside the module before it"
+                "begin at any layer after the first, and there its input is a tensor autograd "
+                "does not let change; make that layer write a new tensor, or put it inside the "
+                "module before it"
             ) from None
         raise InputError(
             f"the model rejected input of shape {_shape_text(inp)} at layer {i} "
