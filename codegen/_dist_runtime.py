@@ -169,9 +169,9 @@ class DistPipelineRuntime(PipelineRuntime):
         self.rank, world = dist.get_rank(), dist.get_world_size()
         ranks = max(self.RANKS) + 1
         layers = list(model)
-        for layer in layers[1:]:  # (as out_of_place in codegen/_runtime.py: a stage's input
-            if getattr(layer, "inplace", None) is True:  # is a tensor autograd does not let
-                layer.inplace = False  # change; the first's is the caller's batch)
+        for layer in layers:  # (as out_of_place in codegen/_runtime.py: a stage's input is a
+            if getattr(layer, "inplace", None) is True:  # tensor autograd does not let change)
+                layer.inplace = False
         problem = ""
         try:
             self.device = self._own_device()

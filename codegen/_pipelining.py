@@ -84,7 +84,7 @@ def torch_pipeline(
     refusal = tied_across(layers, stages, ranks)
     if refusal is not None:
         raise ValueError(refusal)
-    for layer in layers[1:]:  # (as out_of_place in codegen/_runtime.py: a stage's input is a
+    for layer in layers:  # (as out_of_place in codegen/_runtime.py: a stage's input is a
         if getattr(layer, "inplace", None) is True:  # tensor autograd does not let change)
             layer.inplace = False
     built = []

@@ -169,7 +169,7 @@ class _Problem:
             step = self.profile.optimizer_step.get(self.optimizer)
             if (
                 step is not None and not step.foreach and step.carry
-                and step.carry <= 1e3 * step.per_byte
+                and step.carry <= 1e3 * step.per_byte  # (as the profile is read: types.py)
             ):  # fmt: skip
                 # what the step of a tensor still holds while the next is stepped (Adam's
                 # denominator: 1), relative to the step's own per byte (MemoryModel.step_size;

@@ -102,9 +102,8 @@ def profile_model(
     layers = list(model)
     # Layers that change their input in place (ReLU(inplace=True), common in CNNs) are measured
     # writing a new tensor, as the pipeline runs them (codegen/_runtime.py, out_of_place): any
-    # layer after the first may begin a stage, whose input autograd does not let change (the
-    # first works on the caller's batch, which needs no gradient). Given back after.
-    in_place = [layer for layer in layers[1:] if getattr(layer, "inplace", None) is True]
+    # layer may begin a stage, whose input autograd does not let change. Given back after.
+    in_place = [layer for layer in layers if getattr(layer, "inplace", None) is True]
     for layer in in_place:
         layer.inplace = False
     per_size: dict[int, list[dict[str, Any]]] = {}

@@ -14,6 +14,7 @@ from .limits import MAX_BATCH, MAX_BYTES, MAX_LAYERS, MAX_MS, MIN_MS, DType, Tex
 # (strict: "0_5" or true is no time)
 Ms = Annotated[float, Field(ge=0, le=MAX_MS, allow_inf_nan=False, strict=True)]
 Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+_StrictBytes = Annotated[int, Field(ge=0, le=MAX_BYTES, strict=True)]  # ("8", true: refused)
 
 
 @pydantic_dataclass(config=ConfigDict(extra="forbid"), slots=True)
@@ -101,7 +102,7 @@ class LayerProfile(BaseModel):
     forward_peak_bytes: dict[int, Bytes]
     input_grad_transient_bytes: dict[int, Bytes]
     weight_grad_transient_bytes: dict[int, Bytes]
-    param_tensor_bytes: list[Bytes] | None = Field(
+    param_tensor_bytes: list[_StrictBytes] | None = Field(
         default=None,
         description="each trainable parameter tensor's bytes, in the order an optimizer steps "
         "them (a stage's optimizer takes its layers' in turn); absent in profiles made before "
@@ -151,6 +152,19 @@ class OptimizerStep(LaterFields):
     per_byte: float = Field(ge=0, le=1e3, allow_inf_nan=False)
     carry: float | None = Field(default=None, ge=0, le=1e3, allow_inf_nan=False)
 
+    @model_validator(mode="after")
+    def _carry_with_a_step(self) -> OptimizerStep:
+        # (the plan counts the carry relative to per_byte: one a thousand times past it is not
+        # what a step that makes next to nothing of its own can carry; found by a red team)
+        if self.carry and self.carry > 1e3 * self.per_byte:
+            raise ValueError(
+                f"carry {self.carry} is more than a thousand times per_byte {self.per_byte}: a "
+                "step carries over part of what it makes"
+            )
+        if self.carry and self.foreach:
+            raise ValueError("carry is of a step one tensor after another, not of foreach")
+        return self
+
 
 class RuntimeOverhead(BaseModel):
     """What the pipeline runtime adds to the profiled compute (profiler/overhead.py):
@@ -184,7 +198,7 @@ class ProfileMeta(BaseModel):
     torch_version: str = ""
     warmup: int = 0
     repeats: int = 0
-    threads: int = 0
+    threads: int = Field(default=0, ge=0, le=1024, strict=True)  # (0: not recorded)
 
 
 class Profile(Artifact):
@@ -311,4 +325,11 @@ class Profile(Artifact):
         for t in self.tied:
             if sorted(set(t.layers)) != t.layers or t.layers[-1] >= len(self.layers):
                 raise ValueError("a tied parameter's layers must be distinct layers, in order")
+        for layer in self.layers:  # (found by a red team: a list that contradicts the layer's
+            tensors = layer.param_tensor_bytes  # weights gave nonsense, not a refusal)
+            if tensors and max(tensors) > layer.largest_param_bytes:
+                raise ValueError(
+                    f"layer {layer.index}: param_tensor_bytes lists a tensor of {max(tensors)} "
+                    f"bytes, more than its largest_param_bytes ({layer.largest_param_bytes})"
+                )
         return self

@@ -1581,3 +1581,44 @@ def test_a_profile_without_the_optimizers_step_is_said_to_leave_it_out(run_cli, 
     assert done.code == 0 and "measured no" not in done.err
     done = run_cli("plan", measured, *PLAN_ARGS, "--optimizer", "sgd", "-o", tmp_path / "p2.json")
     assert done.code == 0 and "measured no sgd step" in done.err
+
+
+@pytest.mark.parametrize(
+    "edit, mentions",
+    [
+        (
+            lambda d: d["layers"][0].update(largest_param_bytes=100, param_tensor_bytes=[2**49]),
+            "more than its largest_param_bytes",
+        ),
+        (
+            lambda d: d["layers"][0].update(largest_param_bytes=100, param_tensor_bytes=["100"]),
+            "valid integer",
+        ),
+        (
+            lambda d: d["layers"][0].update(largest_param_bytes=100, param_tensor_bytes=[True]),
+            "valid integer",
+        ),
+        (lambda d: d["meta"].update(threads=-3), "greater than or equal to 0"),
+        (lambda d: d["meta"].update(threads=10**6), "less than or equal to 1024"),
+        (
+            lambda d: d["optimizer_step"].update(
+                adam={"foreach": False, "per_byte": 0.0, "carry": 1.0}
+            ),
+            "a thousand times",
+        ),
+        (
+            lambda d: d["optimizer_step"].update(
+                adam={"foreach": True, "per_byte": 2.0, "carry": 1.0}
+            ),
+            "not of foreach",
+        ),
+    ],  # fmt: skip
+)
+def test_the_profiles_step_order_and_threads_are_read_strictly(run_cli, prof, tmp_path, edit,
+                                                                 mentions):  # fmt: skip
+    """Found by a red team: a profile's meta.threads of -3 gave `plan` a traceback (the plan
+    takes 1 to 1024); param_tensor_bytes contradicting the layer's largest tensor, or given as
+    strings, and a carry on a step that makes nothing of its own, were planned."""
+    bad = _mutated_profile(prof, tmp_path, edit)
+    out = tmp_path / "plan.json"
+    assert_bad_input(run_cli("plan", bad, *PLAN_ARGS, "-o", out), mentions=mentions, no_file=out)

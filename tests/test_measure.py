@@ -620,3 +620,26 @@ def test_a_stage_of_weights_stepped_back_to_back_holds_what_its_plan_says():
         # the first's denominator while the second is stepped (Adam's step counters, 4 bytes
         # each, are the rest)
         assert 0 <= d.measured_peak_bytes - d.predicted_peak_bytes <= 16, d
+
+
+def test_a_device_predicted_at_zero_bytes_and_over_is_named():
+    """Found by a red team: a device predicted at 0 bytes that held 1 KiB read "+0.0%" and the
+    FAIL line named no device (its error in percent is 0)."""
+    import cli
+    from codegen.measure import DeviceMeasure, MeasureReport
+
+    def dev(name: str, predicted: int, measured: int) -> DeviceMeasure:
+        return DeviceMeasure(name=name, predicted_peak_bytes=predicted,
+                             measured_peak_bytes=measured,
+                             memory_error=(measured - predicted) / predicted if predicted else 0.0,
+                             static_bytes=0, predicted_ms=1.0, measured_ms=1.0, time_error=0.0)  # fmt: skip
+
+    report = MeasureReport(
+        plan_digest="x", target="streams", steps=1, tolerance=0.05, concurrent=False,
+        predicted_step_ms=1.0, measured_step_ms=1.0, step_range_ms=(1.0, 1.0), step_error=0.0,
+        devices=[dev("dev0", 0, 1024), dev("dev1", 1000, 1040), dev("dev2", 1000, 1060)],
+        actions=[], unattributed_bytes=0, ok=False,
+    )  # fmt: skip
+    assert cli._over(report, 0.05) == ["dev0", "dev2"]
+    table = cli._measure_table(report)
+    assert "+1 KiB" in table.splitlines()[3] and "+4.0%" in table.splitlines()[4]
