@@ -228,3 +228,33 @@ def test_more_memory_can_give_a_slower_plan_so_no_order_is_skipped_for_it():
                     links=cluster.links)  # fmt: skip
     assert plan_pipeline(profile, large, 1, **kw).predicted.iteration_ms == 35.5
     assert plan.predicted.iteration_ms == min(every) == 27.5
+
+
+def test_the_device_orders_searched_show_one_bar(monkeypatch):
+    """Found by a red team: `--allow-reorder` on 8 devices of two hosts took 140 s without a
+    word on the terminal (each order's search was under the second a bar waits for). A bar now
+    counts the orders, and each order's own search shows none."""
+    import contextlib
+
+    import planner.search as search
+
+    bars: list[tuple[str, int, bool, list[int]]] = []
+
+    @contextlib.contextmanager
+    def recorded(total, show, desc="planning"):
+        ticks: list[int] = []
+        bars.append((desc, total, show, ticks))
+        yield lambda: ticks.append(1)
+
+    monkeypatch.setattr(search, "_progress_bar", recorded)
+    profile = synthetic_profile([4.0, 4.0, 1.0], sizes=(1, 2, 4))
+    cluster = Cluster(devices=[Device(name="slow", memory_bytes=10**9, speed=0.25),
+                               Device(name="fast0", memory_bytes=10**9),
+                               Device(name="fast1", memory_bytes=10**9)])  # fmt: skip
+    plan = plan_pipeline(profile, cluster, 4, allow_reorder=True, progress=True,
+                         microbatches=4, schedule="1f1b", recompute="never")  # fmt: skip
+    orders = [b for b in bars if b[0] == "device orders"]
+    assert len(orders) == 1 and orders[0][2]
+    tried = int(plan.solver.method.split(", ")[1].split()[0])
+    assert orders[0][1] == len(cluster.placements()[0]) and len(orders[0][3]) == tried > 1
+    assert not any(shown for desc, _, shown, _ in bars if desc != "device orders")
