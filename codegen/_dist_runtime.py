@@ -51,6 +51,7 @@ from ._runtime import (  # emit: drop
     _tensors,  # emit: drop
     _to,  # emit: drop
     described,  # emit: drop
+    out_of_place,  # emit: drop
 )  # emit: drop
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -169,9 +170,7 @@ class DistPipelineRuntime(PipelineRuntime):
         self.rank, world = dist.get_rank(), dist.get_world_size()
         ranks = max(self.RANKS) + 1
         layers = list(model)
-        for layer in layers:  # (as out_of_place in codegen/_runtime.py: a stage's input is a
-            if getattr(layer, "inplace", None) is True:  # tensor autograd does not let change)
-                layer.inplace = False
+        out_of_place(layers)
         problem = ""
         try:
             self.device = self._own_device()
