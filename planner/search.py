@@ -58,7 +58,14 @@ from schedules.comm import fastest_lowering_of, lowering_of, preposted, receive_
 from schedules.memory import StageBytes, occupancy, occupancy_bound, occupancy_floor, peaks
 from schedules.order import freeze
 
-from .bounds import interleaved_bound_of, least_bottleneck, prior_bound_of, work_summary
+from .bounds import (
+    interleaved_bound_of,
+    interleaved_runs_bound,
+    least_bottleneck,
+    prior_bound_of,
+    work_shares,
+    work_summary,
+)
 from .cluster import Cluster
 from .costs import OPTIMIZER_SLOTS, Chain, ProfileTable, chain_at, checkpoint_gain, checkpointed
 from .dp import solve_partition_dp
@@ -147,6 +154,7 @@ class _Problem:
     memories: dict[int, MemoryModel] = field(default_factory=dict)
     granular: dict[tuple[int, bool, int], tuple] = field(default_factory=dict)
     summaries: dict[tuple[int, bool, float], tuple[float, float]] = field(default_factory=dict)
+    shares: dict[tuple[int, bool, float], tuple[float, ...]] = field(default_factory=dict)
     # _solve's shortcuts, per shortcut (and schedule and recompute): [successes, misses]
     records: dict[tuple, list[int]] = field(default_factory=dict)
     link_floors: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
@@ -1395,6 +1403,13 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     # nothing from the one before it)
     if cand.per_device == INTERLEAVE == 2 and not problem.profile.captured:
         spread = max(spread, interleaved_bound_of(W, rho, M, len(speeds), speeds))
+        # and paths through the schedule's own order (bounds.py)
+        if summary not in problem.shares:
+            problem.shares[summary] = work_shares(
+                chain.forward, back, chain.forward * (1 + share) + back
+            )
+        sched = plan_schedule(cand.schedule, len(speeds), M)
+        spread = max(spread, interleaved_runs_bound(sched, W, problem.shares[summary], speeds))
     return step + max(spread, M * granular + runtime, layer + M * per_mb, load + runtime, links)
 
 
