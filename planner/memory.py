@@ -305,6 +305,15 @@ def _prefix(values: np.ndarray) -> np.ndarray:
     return np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(values.astype(np.int64))])
 
 
+def _step_ends_bytes(shape: StageShape, head: int, tail: int) -> dict[str, int]:
+    """StageBytes' step_head and step_tail from step_ends (what a device's next stage steps
+    beside: schedules.memory.device_step); none with multi-tensor kernels or no carry."""
+    if shape.foreach or not tail:
+        return {}
+    per = shape.optimizer_step
+    return {"step_head": math.ceil(per * head), "step_tail": math.ceil(per * tail)}
+
+
 class MemoryModel:
     """Prefix sums and range-maximum tables over one Chain."""
 
@@ -386,6 +395,40 @@ class MemoryModel:
         for k in range(n - 1, -1, -1):
             first[k] = k if has[k] else first[k + 1]
         return _RangeMax(inner), _RangeMax(cross), first
+
+    @cached_property
+    def _step_ends(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Per layer its first parameter tensor and the carry of its last (step_carry x the
+        tensor, as _step counts it), and per end j the last layer before j with tensors (-1:
+        none); None where _step is."""
+        if self._step is None:
+            return None
+        c = self.chain
+        heads = np.array([t[0] if t else 0 for t in c.param_tensors], dtype=np.int64)
+        tails = np.array(
+            [math.ceil(c.step_carry * t[-1]) if t else 0 for t in c.param_tensors], dtype=np.int64
+        )
+        before = np.full(c.num_layers + 1, -1, dtype=np.int64)
+        for k, tensors in enumerate(c.param_tensors):
+            before[k + 1] = k if tensors else before[k]
+        return heads, tails, before
+
+    def step_ends(self, i: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For stages [i, j) stepped one tensor at a time with a carry (step_size): the first
+        tensor's size, and the carry its last tensor leaves to the next tensor stepped (per
+        the optimizer's per_byte, as step_size's); 0 and 0 without tensors or a carry."""
+        i = np.atleast_1d(np.asarray(i, dtype=np.int64))
+        j = np.atleast_1d(np.asarray(j, dtype=np.int64))
+        ends = self._step_ends
+        if ends is None:
+            return np.zeros(i.shape, dtype=np.int64), np.zeros(i.shape, dtype=np.int64)
+        heads, tails, before = ends
+        first = self._step[2][i]  # type: ignore[index]
+        last = before[j]
+        has = first < j
+        head = np.where(has, heads[np.minimum(first, len(heads) - 1)], 0)
+        tail = np.where(has, tails[np.maximum(last, 0)], 0)
+        return head, tail
 
     def step_size(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """What a one-tensor-at-a-time optimizer step over stage [i, j) is charged for, per its
@@ -737,11 +780,13 @@ class MemoryModel:
         b["pulled"] = b[self._pulled_key(shape)]
         static = sum(int(terms[k][0]) for k in ("params", "grads", "optimizer", "workspace"))
         step = int(terms["optimizer_step_size"][0])
+        head, tail = self.step_ends(i, j)
         return StageBytes(
             **{name: b[name] for name in STATES + TRANSIENTS},
             optimizer_step=step,
             foreach=shape.foreach,
             static=static,
+            **_step_ends_bytes(shape, int(head[0]), int(tail[0])),
         )
 
     def stages_bytes(
@@ -759,6 +804,7 @@ class MemoryModel:
         weights = (2 * p + self._buffers[j] - self._buffers[i]).tolist()
         slots = (p - self.copied(i, j)).tolist()
         sizes = {True: p, False: self.step_size(i, j) if not all(s.foreach for s in shapes) else p}
+        heads, tails = self.step_ends(i, j)
         out = []
         for s, shape in enumerate(shapes):
             if shape.bound:
@@ -772,6 +818,7 @@ class MemoryModel:
                 optimizer_step=step,
                 foreach=shape.foreach,
                 static=weights[s] + shape.optimizer_slots * slots[s] + shape.reserved,
+                **_step_ends_bytes(shape, int(heads[s]), int(tails[s])),
             ))  # fmt: skip
         return out
 

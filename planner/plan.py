@@ -62,8 +62,10 @@ _PER_MICROBATCH = ("input", "activations", "during_i", "between_iw", "grad", "pu
                    "late")  # fmt: skip
 
 
-class StateBytes(_Strict):
+class StateBytes(_Strict, LaterFields):
     """Bytes one micro-batch holds on the stage's device in each state (schedules/memory.py)."""
+
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("step_head", "step_tail")
 
     input: Bytes
     activations: Bytes
@@ -93,6 +95,16 @@ class StateBytes(_Strict):
     optimizer_step: Bytes = Field(description="the optimizer step's temporaries, after the step")
     foreach: bool = Field(description="the optimizer's multi-tensor kernels make them all at once")
     static: Bytes = Field(description="weights, gradients, optimizer state and workspace")
+    step_head: Bytes | None = Field(
+        default=None,
+        description="one tensor at a time: the step temporaries of the stage's first tensor; "
+        "absent where no tensor's step holds anything while the next is stepped",
+    )
+    step_tail: Bytes | None = Field(
+        default=None,
+        description="... and what its last tensor's step still holds while the next tensor "
+        "(a later stage's on the same device) is stepped",
+    )
 
 
 class StagePlan(_Strict, LaterFields):

@@ -1225,8 +1225,13 @@ def _fits_jointly_by_bound(problem: _Problem, cand: Candidate, part: Partition) 
     device's stages' totals by occupancy_bound (never below the exact occupancy's, StageShape
     .bound), under the options the split chose, add up within the device's memory. What a
     device holds at any moment is its stages' own holdings then, each at most its peak, and
-    their reserved shares make the device's."""
-    _, memory = problem.chain(cand)
+    their reserved shares make the device's. (And at the optimizer step, a stage's first tensor
+    stepped beside the carry of the device's other stage's last tensor: within the two stages'
+    own steps, which the totals add, where that carry is at most the temporaries of the tensor
+    it comes from, step_carry <= 1; else this says nothing.)"""
+    chain, memory = problem.chain(cand)
+    if chain.step_carry > 1:
+        return False
     specs = _stage_specs(problem, cand, halve=False, which="bound")
     K = problem.cluster.size
     choices = part.choices or [0] * len(specs)
@@ -1885,7 +1890,13 @@ def _build_plan(
                 stash_bytes=int(states["saved"][0]),
                 input_bytes=received[s],
                 grads_back=sorted(back[s].items()) if back is not None else None,
-                state_bytes=StateBytes(**vars(sizes)),
+                state_bytes=StateBytes(
+                    **{
+                        k: v
+                        for k, v in vars(sizes).items()
+                        if v or k not in StateBytes.LATER_FIELDS  # (unset: left out of the plan)
+                    }
+                ),  # fmt: skip
                 memory=MemoryBreakdown(**terms, total=sum(terms.values()), budget=spec.budget),
             )
         )
@@ -2028,6 +2039,8 @@ def stage_bytes(stage: StagePlan) -> StageBytes:
     got = stage.state_bytes.model_dump()
     if got["stop_live"] is None:  # a plan made before it was counted: the whole forward
         got["stop_live"] = got["remat_live"]
+    for name in StateBytes.LATER_FIELDS:  # (a plan without them: nothing carried across)
+        got[name] = got.get(name) or 0
     return StageBytes(**got)
 
 

@@ -101,6 +101,11 @@ class StageBytes:
     optimizer_step: int = 0  # the optimizer step's temporaries, after the pipeline's step
     foreach: bool = False  # those of a device's stages add up (multi-tensor) or not (one by one)
     static: int = 0
+    # One tensor at a time, where a tensor's step holds some of its temporaries while the next
+    # is stepped (Adam's denominator): what the stage's first tensor's step makes, and what its
+    # last one's leaves to the next tensor, a later stage's on the same device (device_step)
+    step_head: int = 0
+    step_tail: int = 0
 
     def per_state(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in STATES)
@@ -112,6 +117,23 @@ class StageBytes:
         """Bytes for one occupancy tuple (counts per state, then a flag per transient)."""
         names = STATES + TRANSIENTS
         return sum(n * getattr(self, name) for n, name in zip(occupancy, names))
+
+
+def device_step(mine: Sequence[StageBytes]) -> int:
+    """The optimizer step's temporaries on a device holding stages `mine` (in stage order, as
+    its optimizer takes their parameters): multi-tensor kernels make every stage's at once;
+    one tensor at a time, the most of any stage's own, and of each stage's first tensor
+    stepped while the last tensor of the device's stage before it (with tensors) still holds
+    its carry (an interleaved device's second stage)."""
+    if any(b.foreach for b in mine):
+        return sum(b.optimizer_step for b in mine)
+    most, carry = 0, 0
+    for b in mine:
+        most = max(most, b.optimizer_step)
+        if b.step_head or b.step_tail:  # (a stage with tensors)
+            most = max(most, carry + b.step_head)
+            carry = b.step_tail
+    return most
 
 
 Changes = tuple[tuple[int, int, int], ...]  # (stage, state, +-1)
@@ -281,9 +303,7 @@ def peaks(
     np.add.at(left, place[ev.change_stage], weights)
     out = []
     for r in range(R):
-        mine = [sizes[s] for s in schedule.stages_of(r)]
-        steps = [b.optimizer_step for b in mine]
-        step = sum(steps) if any(b.foreach for b in mine) else max(steps, default=0)
+        step = device_step([sizes[s] for s in schedule.stages_of(r)])
         out.append(int(static[r] + max(top[r], left[r] + step, 0)))
     return out
 
@@ -687,9 +707,7 @@ def replay(
             levels[rr].append((2 * k + 1, level[rr]))
             peaks[rr] = max(peaks[rr], level[rr])
     for r in range(R):
-        steps_r = [sizes[s].optimizer_step for s in schedule.stages_of(r)]
-        foreach = any(sizes[s].foreach for s in schedule.stages_of(r))
-        peaks[r] = max(peaks[r], level[r] + (sum(steps_r) if foreach else max(steps_r, default=0)))
+        peaks[r] = max(peaks[r], level[r] + device_step([sizes[s] for s in schedule.stages_of(r)]))
     return Replay([st.action for st in steps], levels, peaks)
 
 

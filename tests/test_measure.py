@@ -622,6 +622,41 @@ def test_a_stage_of_weights_stepped_back_to_back_holds_what_its_plan_says():
         assert 0 <= d.measured_peak_bytes - d.predicted_peak_bytes <= 16, d
 
 
+def test_an_interleaved_devices_second_stage_is_stepped_beside_its_firsts_carry():
+    """Found by measuring: a device holding (LayerNorm, Linear) and then (Linear, LayerNorm)
+    read 10% over its plan. Its optimizer steps the second stage's weight while the first's
+    weight still holds its denominator, which each stage alone does not see. The device's
+    step is now counted across its stages."""
+    torch.manual_seed(0)
+    D = 128
+
+    def lin() -> nn.Module:
+        return nn.Linear(D, D, bias=False)
+
+    # (the split below puts a weight at the end of each device's first stage and at the
+    # start of its second; a LayerNorm steps a weight and a bias of D floats)
+    layers = [lin(), nn.LayerNorm(D), lin(), lin(), nn.LayerNorm(D), nn.LayerNorm(D), lin()]
+    model = nn.Sequential(*layers, nn.LayerNorm(D))
+    prof = even_times(quick_profile(model, torch.randn(8, D), batch_sizes=[2, 4], loss_fn="mse"))
+    plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 8, microbatches=2, optimizer="adam",
+                         schedule="interleaved-1f1b", recompute="never")  # fmt: skip
+    assert [st.layers for st in plan.stages] == [(0, 1), (1, 3), (3, 6), (6, 8)]
+    assert [st.rank for st in plan.stages] == [0, 1, 0, 1]
+    weight = D * D * 4
+    # each device's step: its second stage's weight beside the first's carry (Adam's
+    # denominator, one byte per byte), above what either stage's own step is
+    step = plan.stages[0].state_bytes
+    assert step.step_tail is not None and step.step_tail >= weight
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(model, plan)
+    x, y, loss_fn = make_data(model, plan)
+    report = pipe.measure(x, y, loss_fn, steps=1, tolerance=0.0)
+    for d in report.devices:
+        # (Adam's step counters, 4 bytes a tensor, are the rest)
+        assert 0 <= d.measured_peak_bytes - d.predicted_peak_bytes <= 32, d
+
+
 def test_a_device_predicted_at_zero_bytes_and_over_is_named():
     """Found by a red team: a device predicted at 0 bytes that held 1 KiB read "+0.0%" and the
     FAIL line named no device (its error in percent is 0)."""
