@@ -198,6 +198,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     _unsettled_note(profile)
     fwd = sum(x.forward_ms[profile.batch_sizes[-1]].median for x in profile.layers)
     loss = f" and its loss ({profile.loss.type})" if profile.loss is not None else ""
+    # (and what it imported as it ran: found by a red team, a helper a layer's forward imports)
+    check_output(args.output, inputs=_sources(args.model, args.loss))
     _said_then_written(
         f"profiled {len(profile.layers)} layers of {args.model}{loss} on {profile.device_name} "
         f"at batch sizes {profile.batch_sizes} (forward {fwd:.2f} ms at "
@@ -594,6 +596,7 @@ def cmd_codegen(args: argparse.Namespace) -> int:
         if args.target == "streams"
         else f"torchrun --nproc-per-node {len(plan.devices)} {args.output}"
     )
+    check_output(args.output, inputs=[args.plan, *_sources(args.model)])  # (and as it ran)
     _said_then_written(
         f"wrote {args.output}: {plan.schedule} over {len(plan.devices)} device(s), "
         f"{len(plan.stages)} stage(s), M={plan.microbatches}; run it with: {run}",
@@ -689,6 +692,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
         print(_measure_table(report))
     else:  # (a reader that left, `| true`, does not cost the report: found by a red team)
         text = report.model_dump_json(indent=1) + "\n"
+        check_output(args.output, inputs=[args.plan, *_sources(args.model)])  # (and as it ran)
         _said_then_written(
             f"{_measure_table(report)}\nwrote {args.output}", lambda: write_output(out, text)
         )

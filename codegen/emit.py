@@ -384,14 +384,22 @@ def main(argv: list[str] | None = None) -> None:
     devices = [f"cuda:{k % n_gpu}" if n_gpu else "cpu" for k in range(NUM_DEVICES)]
     model = load_model()
     x = random_batch(model)
-    pipe = Pipeline(model, devices)
-    pipe.train_step(x, None, stand_in_loss)  # warm-up
-    if n_gpu:
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    loss = pipe.train_step(x, None, stand_in_loss)
-    if n_gpu:
-        torch.cuda.synchronize()
+    try:
+        pipe = Pipeline(model, devices)
+    except ValueError as e:  # not the model planned (its layers): one line
+        print(f"{MODEL}: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        pipe.train_step(x, None, stand_in_loss)  # warm-up
+        if n_gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = pipe.train_step(x, None, stand_in_loss)
+        if n_gpu:
+            torch.cuda.synchronize()
+    except StageError as e:  # a stage raised: which, where, and why, in one line
+        print(f"{MODEL}: {e}", file=sys.stderr)
+        sys.exit(1)
     ms = (time.perf_counter() - t0) * 1e3
     print(f"{MODEL}: one {pipe.SCHEDULE} step on {devices}: {ms:.1f} ms, loss {float(loss):.4f}")
 
@@ -450,12 +458,15 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(2) from None
         try:
             pipe.train_step(x, None, stand_in_loss)  # warm-up
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = pipe.train_step(x, None, stand_in_loss)
         except BatchRefused as e:  # every rank refuses the batch together: one line each
             print(f"{MODEL}: rank {pipe.rank}: {e}", file=sys.stderr)
             raise SystemExit(2) from None
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = pipe.train_step(x, None, stand_in_loss)
+        except StageError as e:  # a rank failed: every rank names it, in one line
+            print(f"{MODEL}: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
         dist.barrier()
         ms = (time.perf_counter() - t0) * 1e3
         if pipe.rank == 0:

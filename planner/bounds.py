@@ -187,11 +187,22 @@ def interleaved_runs_bound(
     its first action to its later stage's last backward. Their weights are solved with every
     column exactly 1 (2 K equations, 2 K weights; on uniform work, the best weights over every
     run that begins with a forward and ends with a backward, which an LP in the tests finds
-    too), then scaled by the least column; where that gives a negative weight, no bound (0).
-    At K = 64, M = 4 K: 6.3% above the load, where interleaved_bound says 1.2%."""
-    K, M = len(speeds), schedule.num_microbatches
+    too), then scaled by the least column; where that gives a negative weight (forward-heavy
+    layers, uneven speeds, M < K), by an LP over y >= 0 instead (_best_weights). At K = 64,
+    M = 4 K: 6.3% above the load, where interleaved_bound says 1.2%."""
+    K = len(speeds)
     if W <= 0 or K < 1 or schedule.num_ranks != K:
         return 0.0
+    key = (schedule_key(schedule, ("runs",)), tuple(shares), tuple(speeds))
+    return W * kept(_FACTORS, key, lambda: _runs_factor(schedule, shares, speeds))
+
+
+_FACTORS: dict[tuple, float] = {}
+
+
+def _runs_factor(schedule: Schedule, shares: tuple[float, ...], speeds: Sequence[float]) -> float:
+    """interleaved_runs_bound per unit of W."""
+    K, M = len(speeds), schedule.num_microbatches
     counts = _run_counts(schedule)
     if counts is None:
         return 0.0
@@ -204,12 +215,39 @@ def interleaved_runs_bound(
     try:
         y = np.linalg.solve(c.T, np.ones(2 * K))
     except np.linalg.LinAlgError:
-        return 0.0
-    if not np.isfinite(y).all() or y.min() < -1e-9 * max(1.0, float(np.abs(y).max())):
-        return 0.0
+        y = None
+    if y is None or not np.isfinite(y).all() or y.min() < -1e-9 * max(1.0, float(abs(y).max())):
+        y = _best_weights(c)  # (forward-heavy layers, uneven speeds, M < K: an LP)
+        if y is None:
+            return 0.0
     y = np.maximum(y, 0.0)
     least, total = float((y @ c).min()), float(y.sum())
-    return W * least / total if least > 0 and total > 0 else 0.0
+    return least / total if least > 0 and total > 0 else 0.0
+
+
+def _best_weights(c: np.ndarray) -> np.ndarray | None:
+    """Weights y >= 0 on the rows of `c` (paths) that make the least column (stage) of y c
+    the largest, sum y = 1: an LP (OR-tools' GLOP), for where the square system's solution
+    has a negative weight. None where GLOP finds none."""
+    from ortools.linear_solver import pywraplp
+
+    lp = pywraplp.Solver.CreateSolver("GLOP")
+    if lp is None:
+        return None
+    y = [lp.NumVar(0.0, 1.0, "") for _ in range(c.shape[0])]
+    t = lp.NumVar(0.0, lp.infinity(), "t")
+    total = lp.Constraint(1.0, 1.0)
+    for v in y:
+        total.SetCoefficient(v, 1.0)
+    for s in range(c.shape[1]):
+        column = lp.Constraint(0.0, lp.infinity())
+        column.SetCoefficient(t, -1.0)
+        for p in np.flatnonzero(c[:, s]):
+            column.SetCoefficient(y[p], float(c[p, s]))
+    lp.Maximize(t)
+    if lp.Solve() not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        return None
+    return np.array([v.solution_value() for v in y])
 
 
 def _run_counts(schedule: Schedule) -> tuple[np.ndarray, np.ndarray] | None:

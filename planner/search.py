@@ -154,7 +154,7 @@ class _Problem:
     memories: dict[int, MemoryModel] = field(default_factory=dict)
     granular: dict[tuple[int, bool, int], tuple] = field(default_factory=dict)
     summaries: dict[tuple[int, bool, float], tuple[float, float]] = field(default_factory=dict)
-    shares: dict[tuple[int, bool, float], tuple[float, ...]] = field(default_factory=dict)
+    runs: dict[tuple, float] = field(default_factory=dict)  # interleaved_runs_bound's
     # _solve's shortcuts, per shortcut (and schedule and recompute): [successes, misses]
     records: dict[tuple, list[int]] = field(default_factory=dict)
     link_floors: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
@@ -1408,13 +1408,16 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     # nothing from the one before it)
     if cand.per_device == INTERLEAVE == 2 and not problem.profile.captured:
         spread = max(spread, interleaved_bound_of(W, rho, M, len(speeds), speeds))
-        # and paths through the schedule's own order (bounds.py)
-        if summary not in problem.shares:
-            problem.shares[summary] = work_shares(
-                chain.forward, back, chain.forward * (1 + share) + back
-            )
-        sched = plan_schedule(cand.schedule, len(speeds), M)
-        spread = max(spread, interleaved_runs_bound(sched, W, problem.shares[summary], speeds))
+        # and paths through the schedule's own order (bounds.py), of the work without
+        # recomputation (which only adds to it): once per size and M, for every mode; where M
+        # exceeds the devices (at M = K they say what interleaved_bound says)
+        runs = (chain.mb, M)
+        if runs not in problem.runs and M > len(speeds):
+            plain = chain.forward + back
+            shares = work_shares(chain.forward, back, plain)
+            sched = plan_schedule(cand.schedule, len(speeds), M)
+            problem.runs[runs] = interleaved_runs_bound(sched, float(plain.sum()), shares, speeds)
+        spread = max(spread, problem.runs.get(runs, 0.0))
     return step + max(spread, M * granular + runtime, layer + M * per_mb, load + runtime, links)
 
 

@@ -172,6 +172,9 @@ def write_output(
     """Write `content` (text, bytes, or a function that writes a file at the path it is given)
     to `path`, all or nothing. Call `check_output` first for the refusals it makes."""
     target = Path(os.path.realpath(path))
+    # (found by a red team: a module a model's forward imported as it ran, after check_output)
+    if (what := _code(target)) is not None:
+        raise InputError(f"{path}: is {what}; write to another file")
     if sys.stdout is not None:  # what the command printed first reaches the terminal first:
         try:  # where it cannot (`> /dev/full`), no file is written
             sys.stdout.flush()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import copy
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -581,6 +582,77 @@ def test_module_model_is_imported_by_name(profiles, tmp_path, without_gpipe_plan
         "this program where nets.small is importable, e.g. with the directory that holds it on "
         "PYTHONPATH"
     ) in r.stderr
+
+
+def test_the_streams_program_says_in_one_line_what_went_wrong(tmp_path, run_cli, monkeypatch):
+    """Found by a red team: the emitted streams program printed a traceback where its model had
+    other layers than planned (the torchrun program said it in one line) and where a stage
+    raised. Now one line each: exit 2 for the model, 1 for the stage that failed."""
+    source = (
+        "import os\nimport torch\nfrom torch import nn\n\n"
+        "class Raise(torch.autograd.Function):\n"
+        "    @staticmethod\n"
+        "    def forward(ctx, x):\n"
+        "        return x.clone()\n\n"
+        "    @staticmethod\n"
+        "    def backward(ctx, g):\n"
+        "        if os.environ.get('BOOM'):\n"
+        "            raise ValueError('boom')\n"
+        "        return g\n\n"
+        "class Boom(nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        return Raise.apply(x)\n\n"
+        "def make():\n"
+        "    extra = [nn.Linear(8, 8)] * int(os.environ.get('EXTRA', '0'))\n"
+        "    m = nn.Sequential(nn.Linear(8, 8), Boom(), nn.Linear(8, 8), *extra, nn.Linear(8, 4))\n"
+        "    m.example_input = torch.randn(4, 8)\n"
+        "    return m\n"
+    )
+    (tmp_path / "boommodel.py").write_text(source)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    prof, plan_path, program = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "prog.py"
+    spec = f"{tmp_path}/boommodel.py:make"
+    try:
+        r = run_cli("profile", spec, "--batch-sizes", "2,4", "--repeats", 1, "--max-repeats", 1,
+                    "--warmup", 0, "--loss", "mse", "-o", prof)  # fmt: skip
+        assert r.code == 0, r.err
+        r = run_cli("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 8,
+                    "--microbatches", 2, "-o", plan_path)  # fmt: skip
+        assert r.code == 0, r.err
+        r = run_cli("codegen", plan_path, "--model", spec, "-o", program)
+        assert r.code == 0, r.err
+    finally:
+        sys.modules.pop("boommodel", None)
+    env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+    def run(**extra: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, str(program), "--device", "cpu"]
+        return subprocess.run(cmd, capture_output=True, text=True, env={**env, **extra},
+                              cwd=tmp_path, timeout=120)  # fmt: skip
+
+    assert run().returncode == 0
+    more = run(EXTRA="2")
+    assert more.returncode == 2 and "Traceback" not in more.stderr, more.stderr
+    assert more.stderr.strip().splitlines() == [f"{spec}: this program splits 4 layers; the "
+                                                "model has 6"]  # fmt: skip
+    boom = run(BOOM="1")
+    assert boom.returncode == 1 and "Traceback" not in boom.stderr, boom.stderr
+    (line,) = boom.stderr.strip().splitlines()
+    assert re.search(r"backward\w* of stage \d, micro-batch \d failed: ValueError: boom$", line), (
+        line
+    )
+    # the torchrun program: each rank one line, naming the rank and stage that failed
+    r = run_cli("codegen", plan_path, "--model", spec, "--target", "torchrun", "-o", program)
+    sys.modules.pop("boommodel", None)
+    assert r.code == 0, r.err
+    ranks = torchrun(2, str(program), cwd=tmp_path, extra_env={"BOOM": "1"}, timeout=120)
+    assert ranks.returncode != 0
+    said = [x for x in ranks.stderr.splitlines() if x.startswith(f"{spec}: ")]
+    # (torchrun's own summary of the failed ranks is a traceback of its launcher's)
+    assert len(said) == 2 and 'prog.py", line' not in ranks.stderr, ranks.stderr[-3000:]
+    assert all(re.search(r"stage \d, micro-batch \d failed: ValueError: boom$", x) for x in said), (
+        said
+    )
 
 
 def test_codegen_refuses_another_model(tmp_path, mlp_plan_path, run_cli):

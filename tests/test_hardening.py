@@ -966,6 +966,37 @@ def test_profile_refuses_to_overwrite_its_loss_module_or_a_helper(
         assert (module_model / target).read_bytes() == before
 
 
+def test_a_helper_the_model_imports_as_it_runs_is_not_overwritten(run_cli, tmp_path, monkeypatch):
+    """Found by a red team: a layer whose forward imports a helper of its own folder; the
+    outputs were checked before the model ran, and `-o helper.py` replaced the helper's source
+    with the profile (also codegen's program, measure's report)."""
+    (tmp_path / "late_helper.py").write_text("def act(x):\n    return x * 2\n")
+    (tmp_path / "latemodel.py").write_text(
+        "import os\nimport sys\n\nimport torch\nfrom torch import nn\n\n"
+        "sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))\n\n"
+        "class Lazy(nn.Module):\n"
+        "    def forward(self, x):\n"
+        "        import late_helper\n\n"
+        "        return late_helper.act(x)\n\n"
+        "def make():\n"
+        "    m = nn.Sequential(nn.Linear(8, 8), Lazy(), nn.Linear(8, 4))\n"
+        "    m.example_input = torch.randn(4, 8)\n"
+        "    return m\n"
+    )
+    before = (tmp_path / "late_helper.py").read_bytes()
+    monkeypatch.setattr(sys, "path", list(sys.path))  # (whatever loading the model adds)
+    try:
+        r = run_cli("profile", f"{tmp_path}/latemodel.py:make", "--batch-sizes", "1,2",
+                    "--repeats", 1, "--max-repeats", 1, "--warmup", 0, "--loss", "mse",
+                    "-o", tmp_path / "late_helper.py")  # fmt: skip
+    finally:
+        for name in ("late_helper", "latemodel"):
+            sys.modules.pop(name, None)
+    assert_bad_input(r, mentions="late_helper")
+    assert "profiled" not in r.out  # (nothing said written)
+    assert (tmp_path / "late_helper.py").read_bytes() == before
+
+
 def test_a_pipe_given_as_output_is_refused_as_a_fifo(run_cli, prof, tmp_path):
     read, write = os.pipe()
     try:
