@@ -177,6 +177,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     sizes = _int_list(args.batch_sizes, "--batch-sizes") if args.batch_sizes else None
     if sizes is not None and min(sizes) <= 0:
         raise InputError(f"--batch-sizes {args.batch_sizes}: every size must be positive")
+    if sizes is not None and len(set(sizes)) < len(sizes):
+        raise InputError(f"--batch-sizes {args.batch_sizes}: a size given twice; give each once")
     model = load_model(args.model)
     check_output(args.output, inputs=_sources(args.model, args.loss))  # and what it imported
     if any(p.is_floating_point() for p in model.parameters()):
@@ -548,7 +550,8 @@ def _runs_as_planned(model: Any, plan: Any, path: str) -> None:
     except Exception as e:  # noqa: BLE001 - what the program would meet at its first step
         raise InputError(
             f"{path}: the model does not run on the plan's input shape {plan.input_shape} "
-            f"({type(e).__name__}: {e}); plan it again"
+            f"({type(e).__name__}: {e}); where the model is at fault, mend it; where its input "
+            "changed since, profile and plan it again"
         ) from None
 
 
@@ -1083,13 +1086,12 @@ def _table(head: list[str], rows: list[list[str]]) -> str:
 
 
 def _int_list(text: str, flag: str) -> list[int]:
-    parts = [v.strip() for v in text.replace("x", ",").split(",") if v.strip()]
-    values = [_ascii_int(v) for v in parts]
-    if None in values:
+    # (an empty part, "1,,2" or "1,2,", is refused: found by a red team, as --checkpoint-layers
+    # refuses it)
+    values = [_ascii_int(v.strip()) for v in text.replace("x", ",").split(",")]
+    if None in values or not values:
         raise InputError(f"{flag} {text!r}: expected whole numbers separated by commas")
-    if not values:
-        raise InputError(f"{flag} {text!r}: expected whole numbers separated by commas")
-    return values
+    return values  # type: ignore[return-value]
 
 
 def _recordable(flag: str, spec: str | None) -> None:

@@ -219,6 +219,12 @@ class Cluster(LaterFields, Artifact):
     def _by_host(cls, data: object) -> object:
         """`links` written as {"intra_host": ..., "inter_host": ...} means links by host."""
         if isinstance(data, dict) and isinstance(data.get("links"), dict):
+            if data.get("host_links") not in (None, data["links"]):
+                # (found by a red team: the host_links given beside were dropped unread)
+                raise ValueError(
+                    "links are given by host twice, as `links` and as `host_links`, and they "
+                    "differ: give them once"
+                )
             data = {**data, "host_links": data["links"], "links": []}
         return data
 

@@ -201,6 +201,21 @@ def profile_model(
     )
 
 
+def _whole(got: tuple[int, ...], batch: tuple[int, ...]) -> bool:
+    """Whether some tensor's leading size (`got`, of a value's tensors) is the batch's, or a
+    whole multiple of it (also where either has no tensor of a dimension or more)."""
+    if not got or not batch:
+        return True
+    return any(n > 0 and n % batch[0] == 0 for n in got)
+
+
+def _batch_of(v: Value) -> tuple[int, ...]:
+    """The leading sizes of a value's tensors of a dimension or more."""
+    return tuple(
+        int(t.shape[0]) for t in _tensors(v) if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
+
+
 def _measure_size(
     layers: list[nn.Module],
     loss: Any,
@@ -222,6 +237,7 @@ def _measure_size(
     # Storages that some earlier layer saves and that still cross the cut: a captured graph's
     # skip, passed from layer to layer, is already counted where it was saved.
     saved_before: set[int] = set()
+    batch, changed = _batch_of(x), None  # (the first layer whose output's batch is another)
     for i, layer in enumerate(layers):
         inp = _detach(x, requires_grad=i > 0)  # the model's own input needs no gradient
         # zero bubble keeps each layer's output gradient from I to W (the last one's too: the
@@ -236,7 +252,19 @@ def _measure_size(
         prev_saved = saved
         rows.append(row)
         inputs.append(inp)
+        if changed is None and not _whole(_batch_of(x), batch):
+            changed = (i, type(layer).__name__, _batch_of(x))
         tick()
+    if changed is not None and not _whole(_batch_of(x), batch):
+        # (found by a red team: the loss then broadcast over targets of another batch, and
+        # `measure` ran it with torch's warning). A whole multiple is a batch flattened with
+        # another dimension (a language model's tokens): its micro-batches' rows are its own
+        i, kind, got = changed
+        raise InputError(
+            f"layer {i} ({kind}) turns a batch of {batch[0]} samples into {got[0]}: a pipeline "
+            "splits the batch into micro-batches, so the model's output must keep its input's "
+            "batch first (or a whole multiple of it, flattened)"
+        )
     if loss is not None:
         try:
             target = loss.make_target(x)

@@ -333,6 +333,10 @@ def test_bad_profile_arguments(run_cli, tmp_path):
     assert_bad_input(
         run_cli("profile", "example:mlp", "--batch-sizes", "0,2", "-o", out), mentions="positive"
     )
+    # (found by a red team: an empty part was skipped, a size given twice kept)
+    for sizes, says in (("1,,2", "whole numbers"), ("1,2,", "whole numbers"), ("2,1,2", "twice")):
+        r = run_cli("profile", "example:mlp", "--batch-sizes", sizes, "-o", out)
+        assert_bad_input(r, mentions=says, no_file=out)
     assert_bad_input(
         run_cli("profile", "example:mlp", "--device", "cuda:7", "-o", out),
         mentions="--device cuda:7",

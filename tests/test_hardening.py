@@ -1460,6 +1460,15 @@ def test_link_flags_with_a_cluster_file_are_refused(run_cli, prof, tmp_path):
     path.write_text(json.dumps(mixed))
     assert run_cli("plan", prof, "--cluster", path, "--batch-size", 8, "-o",
                    tmp_path / "p.json").code == 0  # fmt: skip
+    # (found by a red team: links by host given twice, as `links` and as `host_links`, and
+    # the second dropped unread)
+    twice = {**mixed, "links": {"intra_host": {}, "inter_host": {}}}
+    path.write_text(json.dumps(twice))
+    r = run_cli("plan", prof, "--cluster", path, "--batch-size", 8)
+    assert_bad_input(r, mentions="given by host twice")
+    path.write_text(json.dumps({**mixed, "links": by_host}))  # the same twice: as once
+    assert run_cli("plan", prof, "--cluster", path, "--batch-size", 8, "-o",
+                   tmp_path / "p.json").code == 0  # fmt: skip
 
 
 def test_codegen_refuses_an_input_shape_its_model_does_not_take(

@@ -334,3 +334,26 @@ def test_a_layer_that_changes_its_input_in_place_is_named_with_what_to_do():
     model = nn.Sequential(nn.Linear(16, 16), _AddsInPlace(), nn.Linear(16, 4))
     with pytest.raises(InputError, match=r"layer 1 \(_AddsInPlace\) changes its input in place"):
         quick_profile(model, torch.randn(4, 16), batch_sizes=[2])
+
+
+class _Halves(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[: x.shape[0] // 2]
+
+
+class _Flattens(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1, 2)
+
+
+def test_a_layer_that_changes_the_batch_is_named_but_a_flattened_batch_is_not():
+    """Found by a red team: a layer that halved its batch was profiled, planned and measured
+    (the loss broadcast over targets of the whole batch, with torch's warning). A pipeline
+    splits the batch: the model's output must keep it first, or a whole multiple of it (a
+    language model's tokens, flattened for the loss)."""
+    model = nn.Sequential(nn.Linear(8, 8), _Halves(), nn.Linear(8, 4))
+    with pytest.raises(InputError, match=r"layer 1 \(_Halves\) turns a batch of 2 samples into 1"):
+        quick_profile(model, torch.randn(4, 8), batch_sizes=[2, 4], loss_fn="mse")
+    flat = nn.Sequential(nn.Linear(8, 8), _Flattens(), nn.Linear(2, 2))
+    prof = quick_profile(flat, torch.randn(4, 8), batch_sizes=[2, 4], loss_fn="mse")
+    assert len(prof.layers) == 3
