@@ -47,6 +47,10 @@ class StageError(RuntimeError):
     """An exception inside a stage, naming the action, the stage and the micro-batch."""
 
 
+class ModelMismatch(ValueError):
+    """The model given is not the one this program was planned for (its layers, its routes)."""
+
+
 def described(e: BaseException) -> str:
     """`Type: message` of an exception, even one whose own str() raises (found by a red team:
     the message was made before the other ranks were told, and a launch hung on it)."""
@@ -234,7 +238,7 @@ class PipelineRuntime:
     ) -> None:
         layers = list(model)
         if not self.STAGES or self.STAGES[-1][1] != len(layers):
-            raise ValueError(
+            raise ModelMismatch(
                 f"this program splits {self.STAGES[-1][1] if self.STAGES else 0} layers; "
                 f"the model has {len(layers)}"
             )
@@ -287,7 +291,7 @@ class PipelineRuntime:
             self.gives.append(names)
         self.input_name = layers[0].inputs[0] if self.routed else ""
         if self.routed and self.ROUTES and sorted(self.routes) != sorted(self.ROUTES):
-            raise ValueError(
+            raise ModelMismatch(
                 f"this program was planned to send along stages {sorted(self.ROUTES)}, but "
                 f"the model's graph sends along {sorted(self.routes)}: plan it again"
             )

@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     x = random_batch(model)
     try:
         pipe = Pipeline(model, devices)
-    except ValueError as e:  # not the model planned (its layers): one line
+    except ModelMismatch as e:  # not the model planned (its layers, its routes): one line
         print(f"{MODEL}: {e}", file=sys.stderr)
         sys.exit(2)
     try:

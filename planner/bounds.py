@@ -147,9 +147,10 @@ def _framed_share(K: int, microbatches: int, rho: float) -> float:
 
 
 def work_shares(forward: np.ndarray, backward: np.ndarray, work: np.ndarray) -> tuple[float, ...]:
-    """What interleaved_runs_bound reads of the layers: the least share of a layer's work (its
-    recomputation included) that its forward is, that its backward without recomputation is,
-    and that the two together are (each 1 where there is no work)."""
+    """What interleaved_runs_bound reads of the layers: the least share of a layer's work (as
+    passed: the search passes it without recomputation, which only adds) that its forward is,
+    that its backward without recomputation is, and that the two together are (each 1 where
+    there is no work)."""
     busy = work > 0
     if not busy.any():
         return 1.0, 1.0, 1.0
@@ -177,7 +178,7 @@ def interleaved_runs_bound(
     y's way back (the backwards of the stages before it); every action on such a path waits
     for the one before it, so the path's length is at most the makespan. On any split a
     path's length is at least sum_s c_s w_s / speed_s, where c_s counts stage s's actions on
-    it: M where it holds all of them (their work, recomputation included), else a forward and
+    it: M where it holds all of them (their work, w_s), else a forward and
     a backward together at least the smaller `shares`[2] of w_s, a lone forward `shares`[0],
     a lone backward `shares`[1].
 

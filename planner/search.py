@@ -1897,7 +1897,9 @@ def _build_plan(
                     **{
                         k: v
                         for k, v in vars(sizes).items()
-                        if v or k not in StateBytes.LATER_FIELDS  # (unset: left out of the plan)
+                        # (unset: left out of the plan, and only an interleaved device reads
+                        # them: a plan of one stage per device stays readable by an older tool)
+                        if k not in StateBytes.LATER_FIELDS or (v and cand.per_device > 1)
                     }
                 ),  # fmt: skip
                 memory=MemoryBreakdown(**terms, total=sum(terms.values()), budget=spec.budget),

@@ -170,7 +170,8 @@ def write_output(
     path: str | os.PathLike[str], content: str | bytes | Callable[[str], None]
 ) -> None:
     """Write `content` (text, bytes, or a function that writes a file at the path it is given)
-    to `path`, all or nothing. Call `check_output` first for the refusals it makes."""
+    to `path`, all or nothing. Call `check_output` first for the refusals it makes (this
+    refuses again, as it writes, gpipe-plan's code and what this process has loaded since)."""
     target = Path(os.path.realpath(path))
     # (found by a red team: a module a model's forward imported as it ran, after check_output)
     if (what := _code(target)) is not None:

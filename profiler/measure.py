@@ -252,7 +252,9 @@ def _measure_size(
         prev_saved = saved
         rows.append(row)
         inputs.append(inp)
-        if changed is None and not _whole(_batch_of(x), batch):
+        if _whole(_batch_of(x), batch):
+            changed = None  # (a layer that puts the batch first again: the last break counts)
+        elif changed is None:
             changed = (i, type(layer).__name__, _batch_of(x))
         tick()
     if changed is not None and not _whole(_batch_of(x), batch):
@@ -263,7 +265,8 @@ def _measure_size(
         raise InputError(
             f"layer {i} ({kind}) turns a batch of {batch[0]} samples into {got[0]}: a pipeline "
             "splits the batch into micro-batches, so the model's output must keep its input's "
-            "batch first (or a whole multiple of it, flattened)"
+            "batch first (or a whole multiple of it, flattened): put it first again before the "
+            "model's last layer"
         )
     if loss is not None:
         try:

@@ -985,16 +985,29 @@ def test_a_helper_the_model_imports_as_it_runs_is_not_overwritten(run_cli, tmp_p
     )
     before = (tmp_path / "late_helper.py").read_bytes()
     monkeypatch.setattr(sys, "path", list(sys.path))  # (whatever loading the model adds)
+    spec, helper = f"{tmp_path}/latemodel.py:make", tmp_path / "late_helper.py"
+    profile = ("profile", spec, "--batch-sizes", "1,2", "--repeats", 1, "--max-repeats", 1,
+               "--warmup", 0, "--loss", "mse")  # fmt: skip
     try:
-        r = run_cli("profile", f"{tmp_path}/latemodel.py:make", "--batch-sizes", "1,2",
-                    "--repeats", 1, "--max-repeats", 1, "--warmup", 0, "--loss", "mse",
-                    "-o", tmp_path / "late_helper.py")  # fmt: skip
+        r = run_cli(*profile, "-o", helper)
+        assert_bad_input(r, mentions="late_helper")
+        assert "profiled" not in r.out  # (nothing said written)
+        assert helper.read_bytes() == before
+        # codegen too: its model runs (on fake tensors) after its first check
+        for name in ("late_helper", "latemodel"):
+            sys.modules.pop(name, None)
+        assert run_cli(*profile, "-o", tmp_path / "p.json").code == 0
+        r = run_cli("plan", tmp_path / "p.json", "--devices", 2, "--memory", "1GiB",
+                    "--batch-size", 4, "-o", tmp_path / "plan.json")  # fmt: skip
+        assert r.code == 0, r.err
+        for name in ("late_helper", "latemodel"):
+            sys.modules.pop(name, None)
+        r = run_cli("codegen", tmp_path / "plan.json", "--model", spec, "-o", helper)
+        assert_bad_input(r, mentions="late_helper")
+        assert helper.read_bytes() == before
     finally:
         for name in ("late_helper", "latemodel"):
             sys.modules.pop(name, None)
-    assert_bad_input(r, mentions="late_helper")
-    assert "profiled" not in r.out  # (nothing said written)
-    assert (tmp_path / "late_helper.py").read_bytes() == before
 
 
 def test_a_pipe_given_as_output_is_refused_as_a_fifo(run_cli, prof, tmp_path):

@@ -655,6 +655,12 @@ def test_an_interleaved_devices_second_stage_is_stepped_beside_its_firsts_carry(
     for d in report.devices:
         # (Adam's step counters, 4 bytes a tensor, are the rest)
         assert 0 <= d.measured_peak_bytes - d.predicted_peak_bytes <= 32, d
+    # one stage per device: nothing crosses, and the plan stays as an older tool reads it
+    # (found by a review)
+    plain = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 8, microbatches=2,
+                          optimizer="adam", schedule="1f1b", recompute="never")  # fmt: skip
+    assert "step_head" not in plain.canonical_json() and "step_tail" not in plain.canonical_json()
+    assert "step_head" in plan.canonical_json()
 
 
 def test_a_device_predicted_at_zero_bytes_and_over_is_named():

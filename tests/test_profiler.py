@@ -341,6 +341,11 @@ class _Halves(nn.Module):
         return x[: x.shape[0] // 2]
 
 
+class _Transposes(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1)
+
+
 class _Flattens(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1, 2)
@@ -354,6 +359,12 @@ def test_a_layer_that_changes_the_batch_is_named_but_a_flattened_batch_is_not():
     model = nn.Sequential(nn.Linear(8, 8), _Halves(), nn.Linear(8, 4))
     with pytest.raises(InputError, match=r"layer 1 \(_Halves\) turns a batch of 2 samples into 1"):
         quick_profile(model, torch.randn(4, 8), batch_sizes=[2, 4], loss_fn="mse")
+    # a batch put first again does not count: the layer that broke it last is named
+    # (found by a review)
+    layers = [nn.Linear(8, 8), _Transposes(), nn.Linear(8, 8), _Transposes(), nn.Linear(8, 8)]
+    there_and_back = nn.Sequential(*layers, _Halves(), nn.Linear(8, 4))
+    with pytest.raises(InputError, match=r"layer 5 \(_Halves\) turns a batch of 2 samples"):
+        quick_profile(there_and_back, torch.randn(4, 5, 8), batch_sizes=[2, 4], loss_fn="mse")
     flat = nn.Sequential(nn.Linear(8, 8), _Flattens(), nn.Linear(2, 2))
     prof = quick_profile(flat, torch.randn(4, 8), batch_sizes=[2, 4], loss_fn="mse")
     assert len(prof.layers) == 3
