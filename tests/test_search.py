@@ -1204,7 +1204,7 @@ def _candidate_groups(
     return problem, list(groups.values())
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(st.integers(0, 10**6), st.integers(2, 3), st.booleans())
 def test_a_group_shown_to_fit_nowhere_has_no_candidate_that_fits(seed, K, mixed):
     """_infeasible tries the candidates of one micro-batch size and stage count together
@@ -1228,7 +1228,7 @@ def test_a_group_shown_to_fit_nowhere_has_no_candidate_that_fits(seed, K, mixed)
     assert shown > 0
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(
     st.integers(0, 10**6),
     st.integers(2, 3),
@@ -1270,7 +1270,7 @@ def test_the_least_memory_is_the_least_over_every_candidate_on_its_own(monkeypat
     draw: dict = {}
     monkeypatch.setattr(search, "_likely_small", lambda c: draw.setdefault(c, rng.random()))
     later = close = 0
-    for seed in range(40):
+    for seed in range(16, 28):  # (four of each kind of problem below)
         saved = (10, 600) if seed % 3 == 1 else (1, 8)  # (needs far apart, or bytes apart)
         problem, groups = _candidate_groups(seed, 2 + seed % 3 // 2, seed % 3 == 0, saved=saved)
         cands = [
