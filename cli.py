@@ -179,6 +179,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise InputError(f"--batch-sizes {args.batch_sizes}: every size must be positive")
     if sizes is not None and len(set(sizes)) < len(sizes):
         raise InputError(f"--batch-sizes {args.batch_sizes}: a size given twice; give each once")
+    if args.max_repeats is not None and args.max_repeats < args.repeats:
+        raise InputError(
+            f"--max-repeats {args.max_repeats} is below --repeats {args.repeats}: the most timed "
+            "rounds cannot be fewer than the least"
+        )
     model = load_model(args.model)
     check_output(args.output, inputs=_sources(args.model, args.loss))  # and what it imported
     if any(p.is_floating_point() for p in model.parameters()):
@@ -191,7 +196,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         batch_sizes=sizes,
         repeats=args.repeats,
         warmup=args.warmup,
-        max_repeats=max(args.max_repeats, args.repeats),
+        max_repeats=args.max_repeats,
         time_budget_s=args.time_budget,
         model_spec=args.model,
         loss_fn=args.loss,
@@ -1251,8 +1256,9 @@ def _build_parser() -> argparse.ArgumentParser:
     s.add_argument("--loss", help="mse, cross_entropy or pkg.mod:fn (examples carry their own)")
     s.add_argument("--repeats", type=_count("--repeats", 10_000), default=5,
                    help="timed rounds at least (identical layers are timed together)")  # fmt: skip
-    s.add_argument("--max-repeats", type=_count("--max-repeats", 100_000), default=100,
-                   help="timed rounds at most, until the median is stable")  # fmt: skip
+    s.add_argument("--max-repeats", type=_count("--max-repeats", 100_000),
+                   help="timed rounds at most, until the median is stable (default 100, or "
+                   "--repeats where more)")  # fmt: skip
     s.add_argument("--time-budget", type=_number("--time-budget", 0, 86400), default=30.0,
                    help="seconds of timing beyond the minimum rounds")  # fmt: skip
     s.add_argument("--threads", type=_count("--threads", 1024),

@@ -89,6 +89,8 @@ class Device(BaseModel):
         would read it as 1 byte)."""
         if isinstance(v, bool):
             raise ValueError("a size is a number of bytes or text such as 80GiB, not true/false")
+        if isinstance(v, float) and v.is_integer() and abs(v) <= MAX_BYTES:
+            return int(v)  # (80e9 in a file: files are read strictly, where 80e9 is no int)
         if isinstance(v, str):
             if v.strip() in ("0", "0B"):
                 return 0

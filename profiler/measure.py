@@ -51,7 +51,7 @@ def profile_model(
     *,
     repeats: int = 5,
     warmup: int = 2,
-    max_repeats: int = 100,
+    max_repeats: int | None = None,
     time_budget_s: float = 30.0,
     model_spec: str = "<python>",
     progress: bool | None = None,
@@ -60,7 +60,8 @@ def profile_model(
     overhead: bool = True,
 ) -> Profile:
     """Measure every layer of `model` at each micro-batch size (default: powers of two up to the
-    sample's batch). The model is moved to `device`; `sample` is batch-first. `loss_fn`: "mse",
+    sample's batch). The model is moved to `device`; `sample` is batch-first. `max_repeats`: the
+    most timed rounds (default 100, or `repeats` where more). `loss_fn`: "mse",
     "cross_entropy", "pkg.mod:fn" or a callable(output, target); None takes the model's own
     `example_loss` if it has one. `threads`: intra-op threads while measuring (as the pipeline
     will run: one per rank under torchrun on CPU). `overhead`: also measure what the pipeline
@@ -77,7 +78,11 @@ def profile_model(
         raise ArgumentError("model", f"{len(model)} layers", f"more than {MAX_LAYERS} layers")
     whole(repeats, "repeats", 1, 10_000)
     whole(warmup, "warmup", 0, 1000)
+    if max_repeats is None:
+        max_repeats = max(repeats, 100)
     whole(max_repeats, "max_repeats", 1, 100_000)
+    if max_repeats < repeats:
+        raise ArgumentError("max_repeats", max_repeats, f"fewer than repeats ({repeats})")
     real(time_budget_s, "time_budget_s", 0, 86400)
     if threads is not None:
         whole(threads, "threads", 1, 1024)
@@ -779,6 +784,8 @@ def _device(device: str | torch.device) -> torch.device:
             )
     elif dev.type != "cpu":
         raise ArgumentError("device", device, "only cpu and cuda[:N] are supported")
+    elif dev.index not in (None, 0):  # (torch takes cpu:1 as the one CPU: said, not silent)
+        raise ArgumentError("device", device, "the CPU is one device: give cpu")
     return dev
 
 

@@ -341,6 +341,14 @@ def test_bad_profile_arguments(run_cli, tmp_path):
         run_cli("profile", "example:mlp", "--device", "cuda:7", "-o", out),
         mentions="--device cuda:7",
     )
+    # (found by a red team: cpu:1 measured the one CPU, and --max-repeats below --repeats
+    # was raised to it, both without a word)
+    assert_bad_input(
+        run_cli("profile", "example:mlp", "--device", "cpu:1", "-o", out),
+        mentions="the CPU is one device",
+    )
+    r = run_cli("profile", "example:mlp", "--repeats", "9", "--max-repeats", "3", "-o", out)
+    assert_bad_input(r, mentions="--max-repeats 3 is below --repeats 9")
     assert_bad_input(
         run_cli("profile", "example:mlp", "-o", tmp_path / "no" / "p.json"),
         mentions="does not exist",

@@ -259,6 +259,11 @@ def _mutated_profile(prof: Path, tmp_path: Path, edit) -> Path:
         (lambda d: d["layers"][1]["forward_ms"]["2"].update(samples="3"), "valid integer"),
         (lambda d: d["layers"][1]["forward_ms"]["2"].update(foo=1), "extra inputs"),
         (lambda d: d.update(model="x\u200f\u200b"), "invisible character"),
+        # found by a red team: a byte count of true read as 1, of "8" or 8.0 as 8
+        (lambda d: d["layers"][1]["saved_bytes"].update({"2": True}), "valid integer"),
+        (lambda d: d["layers"][0].update(param_bytes="4096"), "valid integer"),
+        (lambda d: d["layers"][2].update(output_bytes=8.0), "valid integer"),
+        (lambda d: d.update(input_bytes=True), "valid integer"),
     ],
 )
 def test_profiles_with_impossible_values_are_refused_at_load(
@@ -572,6 +577,16 @@ def test_a_devices_speed_is_a_number_not_a_flag_or_a_string(run_cli, prof, tmp_p
         _refused_device_field(run_cli, prof, tmp_path, "speed", speed)
 
 
+def test_a_cluster_files_sizes_are_whole_numbers_of_bytes(run_cli, prof, tmp_path):
+    """Files are read strictly (true, "8" and 8.0 are no counts), but a size written as 80e9 in
+    a cluster file is a whole number of bytes, as it was read before."""
+    _refused_device_field(run_cli, prof, tmp_path, "reserved_bytes", 1024.5)
+    devices = [{"name": "d0", "memory_bytes": 1e9}, {"name": "d1", "memory_bytes": 2**30}]
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"kind": "cluster", "format_version": 1, "devices": devices}))
+    assert Cluster.load(path).devices[0].memory_bytes == 10**9
+
+
 def test_whole_numbers_are_digits_and_an_output_is_no_folder(run_cli, prof, tmp_path):
     """Found by a red team: int() read `--devices 1_0` as 10 (and "+2", " 4", full-width
     digits), and `-o newdir/` wrote a file named newdir."""
@@ -795,6 +810,19 @@ def test_plan_pipeline_names_the_bad_argument(small_profile, kwargs, arg):
 def test_cluster_uniform_names_the_bad_argument(args, kwargs, arg):
     with pytest.raises(ArgumentError) as e:
         Cluster.uniform(*args, **kwargs)
+    assert e.value.arg == arg and "--" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kwargs, arg",
+    [({"repeats": 9, "max_repeats": 3}, "max_repeats"), ({"device": "cpu:1"}, "device")],
+)
+def test_profile_model_names_the_bad_argument(kwargs, arg):
+    from profiler.measure import profile_model
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    with pytest.raises(ArgumentError) as e:
+        profile_model(model, torch.ones(2, 4), progress=False, **kwargs)
     assert e.value.arg == arg and "--" not in str(e.value)
 
 
@@ -1308,6 +1336,8 @@ def test_a_model_or_loss_name_no_profile_can_record_is_refused_before_profiling(
         ({"format_version": 2.0}, "format_version 2.0 is not a whole number"),  # as this one's)
         ({"routes": [[0, 1]]}, "only a captured graph's plan lists routes"),
         ({"kind": "pl\nan" + "x" * 10_000}, "is a 'pl\\nanxxx"),
+        ({"batch_size": True}, "batch_size: Input should be a valid integer"),  # (read as 1)
+        ({"microbatches": "2"}, "microbatches: Input should be a valid integer"),
     ],
 )
 def test_hand_edits_the_red_team_slipped_past_are_refused(run_cli, plan_file, edit, mentions):
