@@ -118,6 +118,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         print(f"gpipe-plan: error: cannot write the output ({e.strerror})", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BaseException as e:
+        # a model's own BaseException (not an Exception: what runs the model does not catch
+        # it; found by a red team). A caller in process gets it back as raised.
+        if isinstance(e, (Exception, SystemExit, GeneratorExit)) or not own or debug:
+            raise
+        said = " ".join("".join(c if c.isprintable() else " " for c in str(e)).split())
+        said = said if len(said) <= 200 else said[:200] + "..."
+        print(
+            f"gpipe-plan: error: the model, loss or program raised {type(e).__name__}"
+            f"{': ' + said if said else ''} (a BaseException, not an Exception); gpipe-plan "
+            "stopped there",
+            file=sys.stderr,
+        )
+        return EXIT_BAD_INPUT
 
 
 _UNWRITABLE = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG}
@@ -479,19 +493,24 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _planned_model(spec: str, plan: Any) -> Any:
+def _planned_model(spec: str, plan: Any, path: str) -> Any:
     """MODEL as the plan's layers: an nn.Sequential, or its graph captured as the profile did."""
+    from codegen.pipe import layers_mismatch
     from profiler.models import as_layers, capture_sample, in_dtype, load_model
 
     model = in_dtype(load_model(spec), plan.dtype)
     try:
-        return as_layers(model, capture_sample(model, plan.input_shape, plan.input_dtype))
+        layers = as_layers(model, capture_sample(model, plan.input_shape, plan.input_dtype))
     except InputError as e:  # on the plan's input: perhaps not the plan's model at all
         if spec == plan.model:
             raise
         raise InputError(
             f"{spec} does not run on the plan's input (the plan was made for {plan.model}): {e}"
         ) from None
+    mismatch = layers_mismatch(layers, plan)
+    if mismatch:
+        raise InputError(f"{path}: {mismatch}")
+    return layers
 
 
 def _host_available() -> int | None:
@@ -567,7 +586,7 @@ def cmd_codegen(args: argparse.Namespace) -> int:
     from profiler.models import model_digest
 
     plan = Plan.load(args.plan)
-    model = _planned_model(args.model, plan)
+    model = _planned_model(args.model, plan, args.plan)
     if model_digest(model) != plan.model_digest:
         raise InputError(
             f"{args.plan} was made for a different model ({plan.model}); profile and plan "
@@ -646,6 +665,7 @@ def _loss_named(plan: Any, path: str, given: str | None) -> None:
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
+    tolerance = _fraction(args.tolerance, "--tolerance") + 0.0  # (-0 is 0; before torch loads)
     out = (
         check_output(args.output, inputs=[args.plan, *_sources(args.model)])
         if args.output
@@ -659,8 +679,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     _held_as_planned(plan, args.plan)  # (its figures are the gate here too)
     _loss_named(plan, args.plan, args.loss)
-    tolerance = _fraction(args.tolerance, "--tolerance") + 0.0  # (-0 is 0)
-    model = _planned_model(args.model, plan)
+    model = _planned_model(args.model, plan, args.plan)
     if args.output:
         check_output(args.output, inputs=[args.plan, *_sources(args.model)])
     if model_digest(model) != plan.model_digest:

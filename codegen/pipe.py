@@ -172,6 +172,18 @@ def _other_shape(got: list[int], planned: list[int]) -> str:
     )
 
 
+def layers_mismatch(layers: nn.Module, plan: Plan) -> str | None:
+    """Where the model's layers (profiler.models.as_layers) are not of the plan's kind: an
+    nn.Sequential's own against a plan for a captured graph, or the other way (a hand-edited
+    `captured`: found by a red team, a traceback from codegen or a program that fails)."""
+    captured = bool(getattr(layers, "captured", False))
+    if captured == plan.captured:
+        return None
+    kind = "a graph captured from the model" if plan.captured else "an nn.Sequential's layers"
+    own = "a graph captured from it" if captured else "an nn.Sequential"
+    return f"splits {kind}, but {plan.model} is {own}; profile and plan the model again"
+
+
 def compile_pipe(
     model: nn.Module,
     plan: Plan,
@@ -192,6 +204,9 @@ def compile_pipe(
     if not isinstance(plan, Plan):
         raise ArgumentError("plan", type(plan).__name__, "expected a Plan (Plan.load(path))")
     model = as_layers(model, capture_sample(model, plan.input_shape, plan.input_dtype))
+    mismatch = layers_mismatch(model, plan)
+    if mismatch:
+        raise InputError(f"the plan {mismatch}")
     if deferred_batch_norm and getattr(model, "captured", False):
         raise ArgumentError(
             "deferred_batch_norm",

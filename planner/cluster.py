@@ -76,9 +76,10 @@ class Device(BaseModel):
     def _device_kind(cls, v: str | None) -> str | None:
         """A device a pipeline can train on (found by a red team: "meta" and "nonsense" passed,
         and the program failed when it ran)."""
-        if v is not None and not re.fullmatch(r"(cpu|cuda|mps|xpu)(:[0-9]{1,4})?", v):
+        if v is not None and not re.fullmatch(r"(cpu(:0)?|(cuda|mps|xpu)(:[0-9]{1,4})?)", v):
             raise ValueError(
-                f"torch_device {v!r} is not a device to train on: cpu, cuda, cuda:N (or mps, xpu)"
+                f"torch_device {v!r} is not a device to train on: cpu, cuda, cuda:N (or mps, xpu; "
+                "the CPU is one device, cpu)"
             )
         return v
 
@@ -89,7 +90,7 @@ class Device(BaseModel):
         would read it as 1 byte)."""
         if isinstance(v, bool):
             raise ValueError("a size is a number of bytes or text such as 80GiB, not true/false")
-        if isinstance(v, float) and v.is_integer() and abs(v) <= MAX_BYTES:
+        if isinstance(v, float) and v.is_integer():
             return int(v)  # (80e9 in a file: files are read strictly, where 80e9 is no int)
         if isinstance(v, str):
             if v.strip() in ("0", "0B"):

@@ -134,8 +134,12 @@ class Artifact(BaseModel):
             raise InputError(f"{source}: not a gpipe-plan {expected} file (no 'kind' field)")
         if data["kind"] != expected:
             kind = data["kind"]
-            odd = not isinstance(kind, str) or not kind.isprintable()
-            shown = _clipped(ascii(kind) if odd else kind)  # one short line, whatever it holds
+            if not isinstance(kind, str):  # (found by a red team: "is a True", "is a None")
+                raise InputError(
+                    f"{source}: its kind is {_clipped(json.dumps(kind))}, not a name; a "
+                    f"{expected} is expected here"
+                )
+            shown = _clipped(kind if kind.isprintable() else ascii(kind))  # one short line
             raise InputError(f"{source} is a {shown}, but a {expected} is expected here")
         version = data.get("format_version")
         if "format_version" in data and (isinstance(version, bool) or not isinstance(version, int)):

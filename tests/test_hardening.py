@@ -523,6 +523,30 @@ def test_user_code_that_calls_sys_exit_is_one_line_and_exit_2(run_cli, tmp_path)
     assert_bad_input(r, mentions="called sys.exit(0) during `profile`", no_file=out)
 
 
+def test_a_models_own_base_exception_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    """Found by a red team: a forward raising a BaseException subclass (not an Exception)
+    printed a traceback from `profile`. The process says it in one line; a caller of
+    cli.main(argv) in process gets the exception back."""
+    (tmp_path / "boom.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Boom(BaseException):\n    pass\n"
+        "class L(nn.Module):\n    def forward(self, x):\n        raise Boom('kaboom\\x1b[31m')\n"
+        "def make():\n    m = nn.Sequential(nn.Linear(4, 4), L())\n"
+        "    m.example_input = torch.randn(4, 4)\n    return m\n"
+    )
+    out = tmp_path / "p.json"
+    argv = ["profile", f"{tmp_path / 'boom.py'}:make", "--loss", "mse", "-o", str(out)]
+    import cli
+
+    monkeypatch.setattr(sys, "argv", ["gpipe-plan", *argv])
+    assert cli.main() == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "\x1b" not in err
+    assert "raised Boom: kaboom" in err and "Traceback" not in err and not out.exists()
+    with pytest.raises(BaseException, match="kaboom"):
+        cli.main(argv)
+
+
 def test_names_with_terminal_controls_are_refused(run_cli, prof, tmp_path):
     """Found by a red team: device names with a C1 control (CSI) or a bidirectional override
     passed, and `check` printed them to the terminal as they were."""
@@ -581,6 +605,7 @@ def test_a_cluster_files_sizes_are_whole_numbers_of_bytes(run_cli, prof, tmp_pat
     """Files are read strictly (true, "8" and 8.0 are no counts), but a size written as 80e9 in
     a cluster file is a whole number of bytes, as it was read before."""
     _refused_device_field(run_cli, prof, tmp_path, "reserved_bytes", 1024.5)
+    _refused_device_field(run_cli, prof, tmp_path, "memory_bytes", 2e15)  # ("less than or equal")
     devices = [{"name": "d0", "memory_bytes": 1e9}, {"name": "d1", "memory_bytes": 2**30}]
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"kind": "cluster", "format_version": 1, "devices": devices}))
@@ -651,9 +676,9 @@ def test_a_devices_torch_device_is_one_to_train_on(run_cli, prof, tmp_path):
     failed when it ran, inside torch. Refused where the cluster is read; cuda:N and cpu pass."""
     from planner import Cluster
 
-    for named in ("meta", "nonsense", "cuda:-1", "cuda:0 "):
+    for named in ("meta", "nonsense", "cuda:-1", "cuda:0 ", "cpu:3"):  # (cpu:3: one CPU)
         _refused_device_field(run_cli, prof, tmp_path, "torch_device", named)
-    for named in ("cpu", "cuda", "cuda:3"):
+    for named in ("cpu", "cpu:0", "cuda", "cuda:3"):
         Cluster.model_validate(
             {"devices": [{"name": "d", "memory_bytes": 1, "torch_device": named}]}
         )
@@ -923,6 +948,30 @@ def test_plan_text_cannot_carry_code_into_the_program(run_cli, plan_file, tmp_pa
     out = tmp_path / "prog.py"
     r = run_cli("codegen", bad, "--model", "example:mlp", "-o", out)
     assert_bad_input(r, mentions=field, no_file=out)
+
+
+def test_a_plan_for_another_kind_of_model_is_refused_before_a_program(run_cli, plan_file, tmp_path):
+    """Found by a red team: a resealed plan that says `captured` for an nn.Sequential gave
+    codegen a traceback, and one for a graph that says it is not, a program that failed when
+    it ran. Both are refused in one line, from the CLI and from Python."""
+    from codegen.pipe import compile_pipe
+
+    plan = Plan.load(plan_file)
+    bad = _edited_plan(plan_file, lambda d: d.update(captured=True), reseal=True)
+    out = tmp_path / "prog.py"
+    r = run_cli("codegen", bad, "--model", "example:mlp", "-o", out)
+    assert_bad_input(r, mentions="splits a graph captured from the model", no_file=out)
+
+    class TwoPaths(torch.nn.Module):  # no nn.Sequential: its graph is captured
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.a(x) + self.b(x)
+
+    with pytest.raises(InputError, match="splits an nn.Sequential's layers, but .* is a graph"):
+        compile_pipe(TwoPaths(), plan, check_model=False)
 
 
 def test_device_names_are_one_line(run_cli, prof, tmp_path):
@@ -1336,6 +1385,7 @@ def test_a_model_or_loss_name_no_profile_can_record_is_refused_before_profiling(
         ({"format_version": 2.0}, "format_version 2.0 is not a whole number"),  # as this one's)
         ({"routes": [[0, 1]]}, "only a captured graph's plan lists routes"),
         ({"kind": "pl\nan" + "x" * 10_000}, "is a 'pl\\nanxxx"),
+        ({"kind": True}, "its kind is true, not a name"),  # (it read "is a True")
         ({"batch_size": True}, "batch_size: Input should be a valid integer"),  # (read as 1)
         ({"microbatches": "2"}, "microbatches: Input should be a valid integer"),
     ],
