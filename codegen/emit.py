@@ -591,6 +591,8 @@ def load_model() -> nn.Module:
     assert module_spec is not None and module_spec.loader is not None
     module = importlib.util.module_from_spec(module_spec)
     sys.modules["_planned_model"] = module  # dataclasses and pickling look the module up here
+    if os.path.dirname(path) not in sys.path:  # (its folder's modules, as gpipe-plan had them)
+        sys.path.append(os.path.dirname(path))
     module_spec.loader.exec_module(module)
     return module.{name}()
 '''

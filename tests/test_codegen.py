@@ -547,8 +547,10 @@ def test_file_model_is_found_by_absolute_path(
     tmp_path, run_cli, monkeypatch, without_gpipe_plan, elsewhere
 ):
     """`net.py:build` names the file relative to where gpipe-plan ran; the program records the
-    absolute path, so it runs from any directory."""
-    (tmp_path / "net.py").write_text(NET)
+    absolute path, so it runs from any directory. The modules beside it are importable, as
+    `python net.py` has them (found by a red team: `import helper` failed in every command)."""
+    (tmp_path / "sibling_of_net.py").write_text(NET)
+    (tmp_path / "net.py").write_text("from sibling_of_net import build  # noqa: F401\n")
     monkeypatch.chdir(tmp_path)
     r = run_cli("profile", "net.py:build", "--batch-sizes", "2,4", "--repeats", "1", "-o", "p.json")
     assert r.code == 0, r.err
@@ -556,9 +558,10 @@ def test_file_model_is_found_by_absolute_path(
         "plan", "p.json", "--devices", 2, "--memory", "1GiB", "--batch-size", 8, "-o", "plan"
     )
     assert r.code == 0, r.err
-    assert run_cli("codegen", "plan", "--model", "net.py:build", "-o", "program.py").code == 0
-    assert f'path = "{(tmp_path / "net.py").resolve()}"' in (tmp_path / "program.py").read_text()
-    r = run_isolated(without_gpipe_plan, tmp_path / "program.py", cwd=elsewhere)
+    program = elsewhere / "program.py"  # (not beside the model: python puts its own folder first)
+    assert run_cli("codegen", "plan", "--model", "net.py:build", "-o", program).code == 0
+    assert f'path = "{(tmp_path / "net.py").resolve()}"' in program.read_text()
+    r = run_isolated(without_gpipe_plan, program, cwd=elsewhere)
     assert r.returncode == 0, r.stderr
     assert "net.py:build: one" in r.stdout
 
