@@ -7,13 +7,14 @@ last device for every micro-batch in flight. A profile measures it like one more
     mse            mean squared error against a target shaped like the output
     cross_entropy  classes on the last dimension (a language model's tokens x vocabulary
                    flattened), integer targets
+    (both read a library model's named outputs' `logits`, else their first value)
     pkg.mod:fn     fn(output, target) -> scalar; profiled with fn.make_target(output) when the
     file.py:fn     function has one, else a random target shaped like the output
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,19 +27,33 @@ from .limits import ArgumentError
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
+def read_out(out: Any) -> Any:
+    """What a built-in loss reads of a model's output: a library model's named outputs (a
+    Hugging Face ModelOutput, a mapping) give their `logits`, else their first value (found by
+    a red team: cross_entropy on GPT-2 was refused); anything else as it is."""
+    if isinstance(out, Mapping) and not isinstance(out, torch.Tensor):
+        if "logits" in out:
+            return out["logits"]
+        return next(iter(out.values()), out)
+    return out
+
+
 def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(out, target)
+    return nn.functional.mse_loss(read_out(out), target)
 
 
 def cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    out = read_out(out)
     return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
 
 
 def _float_target(out: Any) -> Any:
+    out = read_out(out)
     return torch.randn_like(out) if isinstance(out, torch.Tensor) else None
 
 
 def _class_target(out: torch.Tensor) -> torch.Tensor:
+    out = read_out(out)
     return torch.randint(0, out.shape[-1], out.shape[:-1], device=out.device)
 
 
