@@ -513,6 +513,23 @@ def _planned_model(spec: str, plan: Any, path: str) -> Any:
     return layers
 
 
+def _same_model(layers: Any, plan: Any, args: argparse.Namespace) -> None:
+    """Refuse MODEL where its layers are not the ones the plan was made for (their digest)."""
+    from profiler.models import model_digest
+
+    if model_digest(layers) == plan.model_digest:
+        return
+    if args.model == plan.model:  # (found by a red team: "made for a different model (m.py)")
+        raise InputError(
+            f"{args.plan} was made for a different model: {plan.model} has other layers or "
+            "parameters than when it was profiled; profile and plan it again"
+        )
+    raise InputError(
+        f"{args.plan} was made for a different model ({plan.model}); profile and plan "
+        f"{args.model} first"
+    )
+
+
 def _host_available() -> int | None:
     """Bytes of memory this host has available (Linux's MemAvailable), None where unknown."""
     try:
@@ -583,15 +600,10 @@ def cmd_codegen(args: argparse.Namespace) -> int:
     out = check_output(args.output, inputs=[args.plan, *_sources(args.model)])
     from codegen.emit import emit_program
     from planner import Plan
-    from profiler.models import model_digest
 
     plan = Plan.load(args.plan)
     model = _planned_model(args.model, plan, args.plan)
-    if model_digest(model) != plan.model_digest:
-        raise InputError(
-            f"{args.plan} was made for a different model ({plan.model}); profile and plan "
-            f"{args.model} first"
-        )
+    _same_model(model, plan, args)
     check_output(args.output, inputs=[args.plan, *_sources(args.model)])
     _runs_as_planned(model, plan, args.plan)
     _held_as_planned(plan, args.plan)  # (what check refuses is not compiled either)
@@ -674,7 +686,6 @@ def cmd_measure(args: argparse.Namespace) -> int:
     from codegen.measure import make_data, measure_torchrun
     from codegen.pipe import StageError, compile_pipe
     from planner import Plan
-    from profiler.models import model_digest
 
     plan = Plan.load(args.plan)
     _held_as_planned(plan, args.plan)  # (its figures are the gate here too)
@@ -682,11 +693,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     model = _planned_model(args.model, plan, args.plan)
     if args.output:
         check_output(args.output, inputs=[args.plan, *_sources(args.model)])
-    if model_digest(model) != plan.model_digest:
-        raise InputError(
-            f"{args.plan} was made for a different model ({plan.model}); profile and plan "
-            f"{args.model} first"
-        )
+    _same_model(model, plan, args)
     _host_holds(plan, args.target or plan.target)
     if (args.target or plan.target) == "torchrun":
         # each rank with one thread, as torchrun runs them (found by a review: the profile's

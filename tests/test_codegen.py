@@ -664,6 +664,25 @@ def test_codegen_refuses_another_model(tmp_path, mlp_plan_path, run_cli):
     assert r.code == 2 and "different model" in r.err and not out.exists()
 
 
+def test_a_model_changed_since_its_profile_is_said_to_have_changed(tmp_path, run_cli):
+    """Found by a red team: a model file edited after its plan read "made for a different
+    model (m.py:make); profile and plan m.py:make first", the same name twice."""
+    src = tmp_path / "m.py"
+    make = (
+        "import torch\ndef make():\n    m = torch.nn.Sequential(*[torch.nn.Linear({d}, {d}) "
+        "for _ in range(3)])\n    m.example_input = torch.randn(4, {d})\n    return m\n"
+    )
+    src.write_text(make.format(d=8))
+    prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    assert run_cli("profile", f"{src}:make", "--batch-sizes", "2", "--repeats", "1",
+                   "-o", prof).code == 0  # fmt: skip
+    assert run_cli("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 4,
+                   "-o", plan).code == 0  # fmt: skip
+    src.write_text(make.format(d=16))
+    r = run_cli("codegen", plan, "--model", f"{src}:make", "-o", tmp_path / "prog.py")
+    assert r.code == 2 and "has other layers or parameters than when it was profiled" in r.err
+
+
 def test_codegen_refuses_a_plan_of_fewer_layers_than_the_model(tmp_path, mlp_plan_path, run_cli):
     """Found by a red team: a profile with its last layer cut keeps the model's digest; the
     program was written, and refused the model only when run."""
