@@ -508,6 +508,10 @@ def _planned_model(spec: str, plan: Any, path: str) -> Any:
             f"{spec} does not run on the plan's input (the plan was made for {plan.model}): {e}"
         ) from None
     mismatch = layers_mismatch(layers, plan)
+    if mismatch and spec != plan.model:  # (another model: say that first; a cold review's)
+        raise InputError(
+            f"{path} was made for a different model ({plan.model}); profile and plan {spec} first"
+        )
     if mismatch:
         raise InputError(f"{path}: {mismatch}")
     return layers

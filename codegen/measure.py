@@ -323,7 +323,7 @@ def build_report(
 def make_data(model: nn.Module, plan: Plan, seed: int = 0) -> tuple[torch.Tensor, Any, Any]:
     """A mini-batch of the plan's shapes from a fixed seed, targets for the plan's loss, and the
     loss: what `measure` runs (the same on every rank and for every target)."""
-    from profiler.losses import read_out, resolve_loss
+    from profiler.losses import BUILT_IN, read_out, resolve_loss
 
     g = torch.Generator().manual_seed(seed)
     shape = (plan.batch_size, *plan.input_shape)
@@ -359,7 +359,8 @@ def make_data(model: nn.Module, plan: Plan, seed: int = 0) -> tuple[torch.Tensor
             out = model(x[:1])
     finally:
         model.train(was_training)
-    out = read_out(out)  # (a library model's named outputs: the tensor the loss reads)
+    if plan.loss in BUILT_IN:  # (a library model's named outputs: the tensor it reads)
+        out = read_out(out)
     like = torch.empty((plan.batch_size, *out.shape[1:]), dtype=out.dtype)
     torch.manual_seed(seed)
     return x, loss.make_target(like), loss.fn

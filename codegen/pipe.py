@@ -180,8 +180,8 @@ def layers_mismatch(layers: nn.Module, plan: Plan) -> str | None:
     if captured == plan.captured:
         return None
     kind = "a graph captured from the model" if plan.captured else "an nn.Sequential's layers"
-    own = "a graph captured from it" if captured else "an nn.Sequential"
-    return f"splits {kind}, but {plan.model} is {own}; profile and plan the model again"
+    own = "no nn.Sequential (its graph is captured)" if captured else "an nn.Sequential"
+    return f"splits {kind}, but the model given is {own}; profile and plan the model again"
 
 
 def compile_pipe(

@@ -157,21 +157,39 @@ class Artifact(BaseModel):
                 f"{source}: {expected} format version {version} was written by an older "
                 f"gpipe-plan (this one reads {cls.FORMAT_VERSION}); make the {expected} again"
             )
+        # The Python reading first, for its messages (a lone surrogate, a deep nesting: the
+        # JSON parser words them worse; a cold review's), then the strict one, whose own
+        # refusals (true, "8" or 8.0 as a count) come first where both refuse
+        try:
+            cls.model_validate(data)
+        except ValidationError as lax:
+            try:
+                cls.model_validate_json(text, strict=True)
+            except ValidationError as strict:
+                if strict.errors()[0]["type"] in _STRICT_ONLY:
+                    raise _invalid(strict, source, expected) from None
+            raise _invalid(lax, source, expected) from None
         try:
             return cls.model_validate_json(text, strict=True)
         except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            msg = first["msg"].removeprefix("Value error, ")
-            if first["type"] == "unexpected_keyword_argument":  # (a dataclass's: a file's key)
-                msg = "Extra inputs are not permitted"
-            if first["type"] == "dataclass_type":  # (a Timing given as a list or a string)
-                msg = "should be an object of median, min and max (ms)"
-            if first["type"] == "string_pattern_mismatch" and "\\x00" in str(first.get("ctx")):
-                msg = "holds a control, direction or invisible character"
-            raise InputError(
-                f"{source}: invalid {expected}: {where + ': ' if where else ''}{msg}"
-            ) from None
+            raise _invalid(e, source, expected) from None
+
+
+_STRICT_ONLY = {"int_type", "float_type", "bool_type", "string_type"}  # (lax reads these)
+
+
+def _invalid(e: ValidationError, source: str, expected: str) -> InputError:
+    """A validation error as one line that names the field."""
+    first = e.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "unexpected_keyword_argument":  # (a dataclass's: a file's key)
+        msg = "Extra inputs are not permitted"
+    if first["type"] == "dataclass_type":  # (a Timing given as a list or a string)
+        msg = "should be an object of median, min and max (ms)"
+    if first["type"] == "string_pattern_mismatch" and "\\x00" in str(first.get("ctx")):
+        msg = "holds a control, direction or invisible character"
+    return InputError(f"{source}: invalid {expected}: {where + ': ' if where else ''}{msg}")
 
 
 def _clipped(text: object, most: int = 60) -> str:

@@ -48,8 +48,11 @@ def cross_entropy(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _float_target(out: Any) -> Any:
-    out = read_out(out)
     return torch.randn_like(out) if isinstance(out, torch.Tensor) else None
+
+
+def _mse_target(out: Any) -> Any:
+    return _float_target(read_out(out))  # (a user's own loss gets the output as it is)
 
 
 def _class_target(out: torch.Tensor) -> torch.Tensor:
@@ -58,7 +61,7 @@ def _class_target(out: torch.Tensor) -> torch.Tensor:
 
 
 BUILT_IN: dict[str, tuple[LossFn, Callable[[Any], Any]]] = {
-    "mse": (mse, _float_target),
+    "mse": (mse, _mse_target),
     "cross_entropy": (cross_entropy, _class_target),
 }
 

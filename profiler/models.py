@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import math
 import os
@@ -68,6 +70,30 @@ def load_model(spec: str) -> nn.Module:
     return model
 
 
+class _Beside(importlib.abc.MetaPathFinder):
+    """The modules beside a model's file, importable as `python file.py` has them (found by a
+    red team: `import helper` beside the model failed), but only by a name nothing else
+    provides: after every other finder, so that a file there named like a package gpipe-plan
+    imports later (its own, installed editable, included: a cold review's) hides nothing."""
+
+    def __init__(self) -> None:
+        self.folders: list[str] = []
+
+    def add(self, folder: str) -> None:
+        if folder not in self.folders:
+            self.folders.append(folder)
+        if self not in sys.meta_path:
+            sys.meta_path.append(self)
+
+    def find_spec(self, name: str, path: object, target: object = None) -> object:
+        if path is not None:  # (a package's submodule: its package finds it)
+            return None
+        return importlib.machinery.PathFinder.find_spec(name, self.folders)
+
+
+_BESIDE = _Beside()
+
+
 def _import(where: str, spec: str, what: str = "MODEL") -> object:
     """The module `where` (a file.py or a dotted name) that `spec` names; `what` says which
     argument named it in a message (MODEL, or --loss)."""
@@ -81,12 +107,7 @@ def _import(where: str, spec: str, what: str = "MODEL") -> object:
             raise InputError(f"{what} {spec!r}: cannot import {where}")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
-        # its folder's modules importable, as `python file.py` has them (found by a red team:
-        # `import helper` beside the model failed); after the installed ones, which a file
-        # there named like one of them must not hide from gpipe-plan itself
-        folder = str(path.resolve().parent)
-        if folder not in sys.path:
-            sys.path.append(folder)
+        _BESIDE.add(str(path.resolve().parent))
         try:
             module_spec.loader.exec_module(module)
         except USER_ERRORS as e:

@@ -566,6 +566,25 @@ def test_file_model_is_found_by_absolute_path(
     assert "net.py:build: one" in r.stdout
 
 
+def test_a_file_beside_the_model_hides_none_of_gpipe_plans_own_modules(tmp_path):
+    """Found by a cold review: with the model's folder on the import path, a codegen.py there
+    took the place of gpipe-plan's own package (installed editable, found after that path)
+    when profile imported it. The folder is searched after every other place."""
+    (tmp_path / "sibling_of_net.py").write_text(NET)
+    (tmp_path / "net.py").write_text("from sibling_of_net import build  # noqa: F401\n")
+    for own in ("codegen", "schedules", "planner"):
+        (tmp_path / f"{own}.py").write_text("raise RuntimeError('the wrong module')\n")
+    gpipe_plan = str(Path(sys.executable).parent / "gpipe-plan")
+    r = subprocess.run(
+        [gpipe_plan, "profile", "net.py:build", "--batch-sizes", "2", "--repeats", "1",
+         "-o", "p.json"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=240,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (tmp_path / "p.json").exists()
+
+
 def test_module_model_is_imported_by_name(profiles, tmp_path, without_gpipe_plan, elsewhere):
     """`nets.small:build` is imported by name: the program runs where it is importable, and
     says what to do where it is not."""

@@ -150,7 +150,7 @@ def test_built_in_losses_read_a_library_models_logits():
     first value; a tensor is read as it is."""
     from collections import OrderedDict
 
-    from profiler.losses import BUILT_IN, read_out
+    from profiler.losses import BUILT_IN, read_out, resolve_loss
 
     logits = torch.randn(2, 3, 5)
     named = OrderedDict(loss=None, logits=logits)
@@ -161,3 +161,5 @@ def test_built_in_losses_read_a_library_models_logits():
     target = make_target(named)
     assert target.shape == (2, 3)
     assert torch.equal(fn(named, target), fn(logits, target))
+    # a user's own loss gets the output as it is (its default target: none for a mapping)
+    assert resolve_loss(lambda out, y: out["logits"].sum()).make_target(named) is None
