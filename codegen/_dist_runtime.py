@@ -52,6 +52,7 @@ from ._runtime import (  # emit: drop
     _to,  # emit: drop
     described,  # emit: drop
     out_of_place,  # emit: drop
+    owner,  # emit: drop
 )  # emit: drop
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -459,9 +460,10 @@ class DistPipelineRuntime(PipelineRuntime):
             if s in self.local and not self.routed and (self.post_each or last):
                 for m in range(M):
                     ops: list[Any] = []
-                    bufs = self._recv(
-                        ops, self.specs[(s - 1, s, m)], s - 1, self._tag("F", s - 1, s, m)
-                    )
+                    with owner(s):  # (the stage's memory: measure once missed them, unowned)
+                        bufs = self._recv(
+                            ops, self.specs[(s - 1, s, m)], s - 1, self._tag("F", s - 1, s, m)
+                        )
                     self.ahead[(s, m)] = (self._post(ops), bufs)
 
     def _shapes(self, shape: tuple[int, ...], dtype: torch.dtype) -> dict[Any, list[Spec]]:
