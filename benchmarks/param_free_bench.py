@@ -1,9 +1,9 @@
 """A parameter-free middle stage, predicted against measured peak memory on the streams and the
 torchrun targets (issue #7): Linear | Tanh, a slice of half its input, a concatenation back |
 Linear, K = 3, M = 4, micro-batches of 2 x 256 floats, every layer timed 1 ms so that the split
-is the one above. The streams program holds what the plan counts; the torchrun program held
-2 048 B less per micro-batch in flight on the middle stage when this was written (an
-over-count, the safe side, not yet traced).
+is the one above. Both programs hold what their plans count. Before 2026-12-06 `measure
+--target torchrun` read the middle stage under GPipe 36-50% low: the receives the program
+posts as the step begins were allocated outside every stage's range, and left out.
 
     python benchmarks/param_free_bench.py
 """
