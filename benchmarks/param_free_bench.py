@@ -1,16 +1,17 @@
 """A parameter-free middle stage, predicted against measured peak memory on the streams and the
-torchrun targets (issue #7): Linear | Tanh, a slice of half its input, a concatenation back |
-Linear, K = 3, M = 4, micro-batches of 2 x 256 floats, every layer timed 1 ms so that the split
-is the one above. Both programs hold what their plans count. Before 2026-12-06 `measure
---target torchrun` read the middle stage under GPipe 36-50% low: the receives the program
-posts as the step begins were allocated outside every stage's range, and left out.
+torchrun targets (issue #7): tests/test_measure.py's param_free_middle (Linear | Tanh, a slice
+of half its input, a concatenation back | Linear, Tanh; 64 features), K = 3, M = 4,
+micro-batches of 2 samples, every layer timed 1 ms so that the split is the one above, each
+plan made for the target it is measured on. Both programs hold what their plans count. Before
+2026-12-06 `measure --target torchrun` read the middle stage under GPipe 36-50% low: the
+receives the program posts as the step begins were allocated outside every stage's range,
+and left out.
 
     python benchmarks/param_free_bench.py
 """
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import warnings
 from pathlib import Path
@@ -18,50 +19,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-from torch import nn  # noqa: E402
-
-D = 256
-
-
-class Half(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x[:, : x.shape[1] // 2]
-
-
-class Double(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x, x], dim=1)
-
-
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(D, D), nn.Tanh(), Half(), Double(), nn.Linear(D, D), nn.Tanh())
-    m.example_input = torch.randn(8, D)  # type: ignore[assignment]
-    return m
-
 
 def main() -> None:
+    import torch
+
     from codegen.measure import make_data, measure_torchrun
     from codegen.pipe import compile_pipe
     from planner import Cluster
     from planner.search import plan_pipeline
-    from profiler import profile_model
+    from tests.conftest import even_times, quick_profile
+    from tests.test_measure import param_free_middle
 
-    net = model()
-    prof = profile_model(net, torch.randn(8, D), batch_sizes=[2, 4], repeats=1, warmup=0,
-                         max_repeats=1, overhead=False, progress=False, loss_fn="mse")  # fmt: skip
-    one = {"median": 1.0, "min": 1.0, "max": 1.0}
-    timed = ("forward_ms", "backward_ms", "backward_input_ms", "backward_weight_ms")
-
-    def even(x):  # type: ignore[no-untyped-def]
-        return x.model_copy(
-            update={f: {b: dataclasses.replace(t, **one) for b, t in getattr(x, f).items()}
-                    for f in timed}
-        )  # fmt: skip
-
-    prof = prof.model_copy(update={"layers": [even(x) for x in prof.layers],
-                                   "loss": even(prof.loss)})  # fmt: skip
+    net = param_free_middle()
+    prof = even_times(quick_profile(net, torch.randn(8, 64), batch_sizes=[2], loss_fn="mse"))
+    spec = f"{ROOT / 'tests' / 'test_measure.py'}:param_free_middle"
     print("| schedule | mode | stages | streams: predicted / measured B | "
           "torchrun: predicted / measured B |")  # fmt: skip
     print("|---|---|---|---:|---:|")
@@ -78,7 +49,7 @@ def main() -> None:
                     x, y, loss_fn = make_data(net, plan)
                     report = pipe.measure(x, y, loss_fn, steps=1, tolerance=1.0)
                 else:
-                    report = measure_torchrun(plan, f"{Path(__file__).resolve()}:model", steps=1)
+                    report = measure_torchrun(plan, spec, steps=1)
                 d = report.devices[1]
                 rows.append(f"{d.predicted_peak_bytes} / {d.measured_peak_bytes} "
                             f"({100 * d.memory_error:+.1f}%)")  # fmt: skip
