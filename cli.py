@@ -123,7 +123,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         # it; found by a red team). A caller in process gets it back as raised.
         if isinstance(e, (Exception, SystemExit, GeneratorExit)) or not own or debug:
             raise
-        said = " ".join("".join(c if c.isprintable() else " " for c in str(e)).split())
+        try:
+            text = str(e)
+        except Exception:  # noqa: BLE001 - (its own __str__ may raise too)
+            text = ""
+        said = " ".join("".join(c if c.isprintable() else " " for c in text).split())
         said = said if len(said) <= 200 else said[:200] + "..."
         print(
             f"gpipe-plan: error: the model, loss or program raised {type(e).__name__}"
