@@ -439,7 +439,8 @@ def measure_torchrun(
     return build_report(
         plan, "torchrun", steps, tolerance, True, walls,
         [by_rank[r]["static"] + by_rank[r]["dynamic_peak"] for r in range(K)],
-        [by_rank[r]["static"] for r in range(K)], 0, log,  # type: ignore[arg-type]
+        [by_rank[r]["static"] for r in range(K)],
+        max(by_rank[r]["other_peak"] for r in range(K)), log,  # type: ignore[arg-type]
     )  # fmt: skip
 
 

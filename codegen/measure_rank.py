@@ -20,7 +20,6 @@ from profiler.memtrack import trace_allocations
 from profiler.models import in_dtype, load_model
 
 from .measure import (
-    device_levels,
     device_name,
     make_data,
     make_optimizer,
@@ -60,8 +59,16 @@ def main(argv: list[str]) -> None:
         dist.barrier()
         with trace_allocations() as trace:
             step()
-        S = len(pipe.STAGES)
-        peaks, _ = device_levels(trace, [0] * S, [device_name(pipe.device)] * S)
+        # everything this rank allocates on its device is that device's: what its stages'
+        # ranges made, and what it made outside them (counted, and reported as unattributed,
+        # so that a miss cannot hide behind the ranges)
+        here = device_name(pipe.device)
+        whole = trace.peaks(lambda owner, device: 0 if device == here else None).get(0, 0)
+
+        def unowned(owner: str | None, device: str) -> int | None:
+            return 0 if device == here and (owner is None or not owner.isdigit()) else None
+
+        other = trace.peaks(unowned).get(0, 0)  # (on this device: a GPU's host memory is not)
         walls, log = [], []
         pipe.action_log = []
         for _ in range(int(steps)):
@@ -72,7 +79,8 @@ def main(argv: list[str]) -> None:
         result = {
             "rank": rank,
             "stages": local,
-            "dynamic_peak": peaks.get(0, 0),
+            "dynamic_peak": whole,
+            "other_peak": other,
             "static": static_bytes([pipe.stages[s] for s in local], optimizer),
             "walls": walls,
             "log": log,

@@ -204,7 +204,7 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
     ]
     for t in shape.occupancy:
         held = sum(n * v for n, v in zip(t, states + transients) if n)
-        m.add(weights + held + shape.reserved <= cap)  # type: ignore[attr-defined]
+        m.add(weights + held + shape.runtime + shape.reserved <= cap)  # type: ignore[attr-defined]
     if shape.optimizer_step:
         size = p if shape.foreach else largest(c.largest_param, c.largest_param, "param")
         # per_byte x size, rounded up as the model does; per_byte as a fraction of integers
@@ -229,7 +229,7 @@ def _held_bound(c: Chain, shape: object) -> int:
                     c.forward_peak, c.input_grad_transient, c.weight_grad_transient, c.boundary))  # fmt: skip
     count = max((sum(t) for t in shape.occupancy), default=1)  # type: ignore[attr-defined]
     step = math.ceil(shape.optimizer_step * int(c.params.sum()))  # type: ignore[attr-defined]
-    return weights + count * (per_mb + 6 * transient) + step + shape.reserved + 1  # type: ignore[attr-defined]
+    return weights + count * (per_mb + 6 * transient) + step + shape.runtime + shape.reserved + 1  # type: ignore[attr-defined]
 
 
 def solve_partition_cpsat(

@@ -51,9 +51,10 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
            (`Chain.stop`, profiled; its whole forward where it saves nothing: the run then ends
            in an earlier layer and holds less). Zero bubble's I re-runs the stage whole by
            hand: remat_live. A captured graph's: remat_live
-    input_live = max(input_grad[i], max over i < l < j of input_grad[l] - sum zgrad[i:l-1]):
-           while I runs, from the last layer: the output gradients of the layers before
-           l - 1 are not made yet; on a captured graph only those of the values they make
+    input_live = max(input_grad[i], max over i < l < j of input_grad[l] - sum zgrad[i:l-1]
+           - G): while I runs, from the last layer: the output gradients of the layers
+           before l - 1 are not made yet, nor the stage's input gradient (its first
+           layer's I makes it, last); on a captured graph only those of the values they make
            that no layer from l on reads, in the stage or after it (a residual stream's,
            read later, has its gradient made already), plus the largest gradient I sums
            from two parts inside the stage (a new buffer beside the first); plus the
@@ -104,6 +105,10 @@ from schedules.memory import TRANSIENTS
 from .costs import Chain
 
 RECOMPUTE_MODES = ("never", "except_last", "always")
+# torch.get_rng_state().numel(): the CPU generator's state (Mersenne Twister, 624 words and
+# what goes with them), which the torchrun program holds through a step (a test keeps it
+# equal to torch's own)
+CPU_RNG_STATE = 5056
 N_STATES = len(STATES)
 N_TRANSIENTS = len(TRANSIENTS)
 PULLED = STATES.index("pulled")
@@ -116,6 +121,7 @@ class StageShape:
     occupancy: tuple[tuple[int, ...], ...]  # (count per state..., running), schedules/memory.py
     optimizer_slots: int
     reserved: int = 0
+    runtime: int = 0  # what the runtime holds through the step (StageBytes.runtime)
     optimizer_step: float = 0.0  # temporaries per byte of parameters (see the module doc)
     foreach: bool = False
     # `occupancy` is one tuple at least every real one in every entry (occupancy_bound): then
@@ -745,6 +751,9 @@ class MemoryModel:
             out["input_live"] = self._flow_input_live[i, j]
         elif want("input_live"):
             later = self._inner_input_live.take(after) - self._zgrad[-1] + self._zgrad[i]
+            # (the stage's input gradient G, which during_i counts, is made last, by the
+            # first layer's I: an inner layer's I runs before it exists)
+            later = later - self.chain.grad_in[i].astype(np.int64)
             first = self._first_input_live[i]
             out["input_live"] = np.maximum(first, np.where(inner, later, 0))
         if want("input_live"):
@@ -787,6 +796,7 @@ class MemoryModel:
             foreach=shape.foreach,
             static=static,
             **_step_ends_bytes(shape, int(head[0]), int(tail[0])),
+            runtime=shape.runtime,
         )
 
     def stages_bytes(
@@ -819,6 +829,7 @@ class MemoryModel:
                 foreach=shape.foreach,
                 static=weights[s] + shape.optimizer_slots * slots[s] + shape.reserved,
                 **_step_ends_bytes(shape, int(heads[s]), int(tails[s])),
+                runtime=shape.runtime,
             ))  # fmt: skip
         return out
 
@@ -856,7 +867,8 @@ class MemoryModel:
             for key, value in (("stash", stash), ("grad", grads), ("live", live), ("loss", loss)):
                 parts[key] = np.where(better, value, parts[key])
         step = self.optimizer_step(i, j, shape)
-        at_step = step > best  # the optimizer step, after the pipeline, is the worst moment
+        # the optimizer step, after the pipeline (and the runtime's hold), is the worst moment
+        at_step = step > best + shape.runtime
         zero = np.zeros(i.shape, dtype=np.int64)
         return {
             "params": p + self._buffers[j] - self._buffers[i],
@@ -867,6 +879,7 @@ class MemoryModel:
             "gradient_buffers": np.where(at_step, zero, parts["grad"]),
             "live_activations": np.where(at_step, zero, parts["live"]),
             "optimizer_step": np.where(at_step, step, zero),
+            "runtime": np.where(at_step, zero, shape.runtime),
             "workspace": np.full(i.shape, shape.reserved, dtype=np.int64),
             "optimizer_step_size": step,
         }
@@ -940,7 +953,7 @@ class MemoryModel:
             step = np.ceil(shape.optimizer_step * size).astype(np.int64)  # optimizer_step()
             buffers = self._buffers[j[lo:hi]] - self._buffers[i[lo:hi]]
             static = _static(p[lo:hi], copied[lo:hi], buffers, shape.optimizer_slots)
-            out[lo:hi] = static + np.maximum(held, step) + shape.reserved
+            out[lo:hi] = static + np.maximum(held + shape.runtime, step) + shape.reserved
         return out
 
     def static(self, optimizer_slots: int) -> int:

@@ -14,6 +14,7 @@ from profiler.types import RuntimeOverhead
 from schedules.comm import LOWERINGS
 
 from .cluster import Cluster
+from .memory import CPU_RNG_STATE
 
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 Recompute = Literal["never", "except_last", "always"]
@@ -35,8 +36,10 @@ _StrictCount = Annotated[StrictInt, Field(ge=0)]
 _StrictBytes = Annotated[StrictInt, Field(ge=0, le=2**62)]
 
 
-class MemoryBreakdown(_Strict):
+class MemoryBreakdown(_Strict, LaterFields):
     """Bytes a stage holds at its peak (planner/memory.py says how each term is computed)."""
+
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("runtime",)
 
     params: Bytes
     grads: Bytes
@@ -53,6 +56,11 @@ class MemoryBreakdown(_Strict):
         default=0, description="the optimizer step's temporaries, when that is the worst moment"
     )
     workspace: Bytes
+    runtime: Bytes | None = Field(
+        default=None,
+        description="what the runtime holds through the step: the caller's RNG state, on a CPU "
+        "under torchrun (absent: none)",
+    )
     total: Bytes
     budget: int = Field(ge=0, le=MAX_BYTES, description="0 when a tiny device is split in two")
 
@@ -65,7 +73,7 @@ _PER_MICROBATCH = ("input", "activations", "during_i", "between_iw", "grad", "pu
 class StateBytes(_Strict, LaterFields):
     """Bytes one micro-batch holds on the stage's device in each state (schedules/memory.py)."""
 
-    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("step_head", "step_tail")
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("step_head", "step_tail", "runtime", "late_grad")
 
     input: Bytes
     activations: Bytes
@@ -105,10 +113,21 @@ class StateBytes(_Strict, LaterFields):
         description="... and what its last tensor's step still holds while the next tensor "
         "(a later stage's on the same device) is stepped",
     )
+    runtime: Bytes | None = Field(
+        default=None,
+        description="what the runtime holds from the step's start to its end, whatever runs "
+        "(the caller's RNG state where it lives on the device: a CPU, under torchrun)",
+    )
+    late_grad: Bytes | None = Field(
+        default=None,
+        description="a gradient counted in static that exists only from the stage's first "
+        "backward (B or W) to the step's end: the streams program's copy of a tied weight "
+        "(absent: none)",
+    )
 
 
 class StagePlan(_Strict, LaterFields):
-    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("late_send_ms", "grads_back")
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("late_send_ms", "grads_back", "state_bytes_rest")
 
     index: Count
     rank: Count = Field(description="position of the stage's device in the cluster")
@@ -157,6 +176,12 @@ class StagePlan(_Strict, LaterFields):
         "stage before)",
     )
     state_bytes: StateBytes
+    state_bytes_rest: StateBytes | None = Field(
+        default=None,
+        description="a batch split into unequal micro-batches: the state bytes of those one "
+        "sample smaller, the last M - batch_size % M (state_bytes: the first, larger ones; "
+        "memory: the stage at the larger size throughout, what its split was solved with)",
+    )
     memory: MemoryBreakdown
 
 
@@ -433,7 +458,7 @@ class Plan(Artifact):
                     f"{st.send_ms} (a late receive costs at least the hand-off)"
                 )
             held = st.memory.model_dump()
-            parts = sum(n for k, n in held.items() if k not in ("total", "budget"))
+            parts = sum(n or 0 for k, n in held.items() if k not in ("total", "budget"))
             if held["total"] != parts:
                 raise ValueError(
                     f"stage {st.index}: memory total {held['total']} is not the sum of its "
@@ -452,6 +477,37 @@ class Plan(Artifact):
                     f"stage {st.index}: memory.optimizer_step {held['optimizer_step']} is "
                     f"neither 0 nor the step's temporaries ({st.state_bytes.optimizer_step})"
                 )
+            # the torchrun program keeps the caller's CPU RNG state through the step, on each
+            # device's first stage (found by a review: a plan without it was taken)
+            on_cpu = self.device_type.split(":")[0] == "cpu"
+            first = st.index < K  # (each device's first stage)
+            rng = CPU_RNG_STATE if self.target == "torchrun" and on_cpu and first else None
+            if st.state_bytes.runtime != rng:
+                raise ValueError(
+                    f"stage {st.index}: state_bytes.runtime {st.state_bytes.runtime}; the "
+                    f"{self.target} program on {self.device_type} holds {rng or 0} there"
+                )
+            at_step = held["optimizer_step"] > 0
+            if held.get("runtime") != (None if at_step else rng):
+                raise ValueError(
+                    f"stage {st.index}: memory.runtime {held.get('runtime')} is not what the "
+                    f"runtime holds through the step ({st.state_bytes.runtime})"
+                )
+            rest = st.state_bytes_rest
+            if rest is not None:
+                uneven = self.target == "streams" and self.batch_size % self.microbatches
+                mine, theirs = st.state_bytes.model_dump(), rest.model_dump()
+                alike = ("static", "optimizer_step", "foreach", "runtime", "late_grad",
+                         "step_head", "step_tail")  # fmt: skip
+                if (
+                    not uneven
+                    or any(theirs.get(k) != mine.get(k) for k in alike)
+                    or any((theirs[k] or 0) > (mine[k] or 0) for k in _PER_MICROBATCH)
+                ):
+                    raise ValueError(
+                        f"stage {st.index}: state_bytes_rest is not what a smaller micro-batch "
+                        "of an uneven split holds beside state_bytes"
+                    )
             back = st.grads_back or []
             if back:  # what it sends back to each stage it takes values from
                 senders = sorted(a for a, t in self.routes if t == st.index) if self.routes else (

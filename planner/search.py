@@ -69,7 +69,7 @@ from .bounds import (
 from .cluster import Cluster
 from .costs import OPTIMIZER_SLOTS, Chain, ProfileTable, chain_at, checkpoint_gain, checkpointed
 from .dp import solve_partition_dp
-from .memory import RECOMPUTE_MODES, MemoryModel, StageShape
+from .memory import CPU_RNG_STATE, RECOMPUTE_MODES, MemoryModel, StageShape
 from .partition import (
     NoneWithin,
     Partition,
@@ -169,7 +169,10 @@ class _Problem:
 
     def costs(self, cand: Candidate) -> Chain:
         """The per-layer costs at the candidate's micro-batch size (read once per size)."""
-        mb = -(-self.batch_size // cand.microbatches)
+        return self.chain_of(-(-self.batch_size // cand.microbatches))
+
+    def chain_of(self, mb: int) -> Chain:
+        """The per-layer costs at micro-batch size `mb` (read once per size)."""
         if mb not in self.chains:
             chain = checkpointed(chain_at(self.table, mb), self.checkpointed)
             if self.target == "torchrun" and chain.tied:  # each rank steps its own copy
@@ -188,6 +191,15 @@ class _Problem:
         return self.chains[mb]
 
     @cached_property
+    def runtime_bytes(self) -> int:
+        """What each device's runtime holds through the step beside the stages' tensors: the
+        torchrun program keeps the caller's CPU RNG state there (to put it back), and on a
+        CPU that is the device's memory. The streams program keeps one for the whole process,
+        not a device's; on a GPU it is host memory."""
+        on_cpu = self.profile.device.split(":")[0] == "cpu"
+        return CPU_RNG_STATE if self.target == "torchrun" and on_cpu else 0
+
+    @cached_property
     def chain_order(self) -> bool:
         """Whether no stage starts before the one ahead of it has handed it something, as the
         bounds' fill and drain terms and the exact split take it. Not so for the torchrun
@@ -201,9 +213,26 @@ class _Problem:
     def chain(self, cand: Candidate) -> tuple[Chain, MemoryModel]:
         """The costs and the memory model built on them (once per size)."""
         chain = self.costs(cand)
-        if chain.mb not in self.memories:
-            self.memories[chain.mb] = MemoryModel(chain)
-        return chain, self.memories[chain.mb]
+        return chain, self.memory_of(chain.mb)
+
+    def memory_of(self, mb: int) -> MemoryModel:
+        if mb not in self.memories:
+            self.memories[mb] = MemoryModel(self.chain_of(mb))
+        return self.memories[mb]
+
+    def larger(self, cand: Candidate) -> int:
+        """How many micro-batches take one sample more than the rest (torch.tensor_split
+        makes the first batch_size % M the larger), where the batch splits unevenly and the
+        devices' peaks count each at its own size (the split is solved at the larger); 0
+        where they count all at the larger: for the torchrun program, whose messages
+        (comm.receive_offsets) are counted at one size per stage, and where the profile
+        measured nothing at or below the smaller size (scaled down from a larger one, a
+        layer's fixed part would shrink with it: found by a review, 0.5% low)."""
+        larger = self.batch_size % cand.microbatches
+        smaller = self.batch_size // cand.microbatches
+        if self.target != "streams" or smaller < min(self.profile.batch_sizes):
+            return 0
+        return larger
 
 
 def microbatch_candidates(batch_size: int, num_devices: int) -> list[int]:
@@ -1698,6 +1727,7 @@ def _stage_specs(
                     occupancy=o[s],
                     optimizer_slots=OPTIMIZER_SLOTS[optimizer],
                     reserved=cluster.devices[s % K].reserved_bytes // v,
+                    runtime=problem.runtime_bytes if s < K else 0,  # (once per device)
                     optimizer_step=step.per_byte if step else 0.0,
                     foreach=step.foreach if step else False,
                     bound=which == "bound",
@@ -1855,6 +1885,8 @@ def _build_plan(
     starts = [None] + [i for i, _ in part.stages[:-1]]
     received = _received(memory, part)
     back = _grads_back(chain.flow, part.bounds) if chain.flow is not None else None
+    larger = problem.larger(cand)
+    smaller = problem.memory_of(chain.mb - 1) if larger else None
     stages = []
     for s, ((i, j), spec) in enumerate(zip(part.stages, specs)):
         rank = s % K
@@ -1870,6 +1902,15 @@ def _build_plan(
         states = memory.state_bytes(i, j, starts[s])
         raw = memory.terms(i, j, shape, starts[s], states)
         sizes = memory.stage_bytes(i, j, shape, starts[s], known=(states, raw))
+        rest = smaller.stage_bytes(i, j, shape, starts[s]) if smaller is not None else None
+        if v == 1 and problem.target == "streams":
+            # the streams program's copy of a tied weight on this device: its gradient is
+            # handed to the model's parameter as each step ends, and made again by the stage's
+            # first backward (with stages sharing a device, a copy may be the parameter itself)
+            copy = int(memory.copied(np.array([i]), np.array([j]))[0])
+            if copy:
+                sizes = dataclasses.replace(sizes, late_grad=copy)
+                rest = dataclasses.replace(rest, late_grad=copy) if rest is not None else None
         terms = {k: int(x[0]) for k, x in raw.items()}
         terms.pop("optimizer_step_size")
         stages.append(
@@ -1893,21 +1934,18 @@ def _build_plan(
                 stash_bytes=int(states["saved"][0]),
                 input_bytes=received[s],
                 grads_back=sorted(back[s].items()) if back is not None else None,
-                state_bytes=StateBytes(
-                    **{
-                        k: v
-                        for k, v in vars(sizes).items()
-                        # (unset: left out of the plan, and only an interleaved device reads
-                        # them: a plan of one stage per device stays readable by an older tool)
-                        if k not in StateBytes.LATER_FIELDS or (v and cand.per_device > 1)
-                    }
-                ),  # fmt: skip
-                memory=MemoryBreakdown(**terms, total=sum(terms.values()), budget=spec.budget),
+                state_bytes=_state_bytes(sizes, cand.per_device),
+                state_bytes_rest=_state_bytes(rest, cand.per_device) if rest else None,
+                memory=MemoryBreakdown(
+                    **{**terms, "runtime": terms["runtime"] or None},  # (unset: left out)
+                    total=sum(terms.values()),
+                    budget=spec.budget,
+                ),
             )
         )
     timeline = simulate_stages(
         cand.schedule, K, cand.microbatches, stages, levels=False, routes=routes,
-        runtime=profile.runtime,
+        runtime=profile.runtime, larger=larger,
     )  # fmt: skip
     devices = [
         DeviceUse(
@@ -1930,7 +1968,9 @@ def _build_plan(
     lost = lost and all(d.total <= d.budget for d in devices)
     lowering = None  # (which lowering the torchrun program runs: fastest_lowering_of)
     if problem.target == "torchrun" and K > 1 and not lost:
-        costs = stage_costs(stages, profile.runtime, profile.device, step_sync_ms=sync)
+        costs = stage_costs(
+            stages, profile.runtime, profile.device, step_sync_ms=sync, larger=larger
+        )
         sched = plan_schedule(cand.schedule, K, cand.microbatches, routes)
         lowered, ran, lowering = fastest_lowering_of(sched, costs)  # timed as it runs
         # what its ranks hold beyond or short of the issue order, where their messages are
@@ -1942,7 +1982,10 @@ def _build_plan(
         )  # fmt: skip
         if ahead or after:
             fitted = all(d.total <= d.budget for d in devices)
-            peak_memory = peaks(lowered, modes, costs.memory, ahead, after)  # type: ignore[arg-type]
+            peak_memory = peaks(
+                lowered, modes, costs.memory, ahead, after,  # type: ignore[arg-type]
+                smaller=costs.memory_rest, larger=costs.larger,
+            )  # fmt: skip
             held_less = any(x < d.total for d, x in zip(devices, peak_memory))
             devices = [d.model_copy(update={"total": x}) for d, x in zip(devices, peak_memory)]
             ahead_over = fitted and any(d.total > d.budget for d in devices)
@@ -2040,8 +2083,25 @@ def _build_plan(
     return plan
 
 
-def stage_bytes(stage: StagePlan) -> StageBytes:
-    got = stage.state_bytes.model_dump()
+def _state_bytes(sizes: StageBytes, per_device: int) -> StateBytes:
+    return StateBytes(
+        **{
+            k: v
+            for k, v in vars(sizes).items()
+            # (unset: left out of the plan, and only an interleaved device reads
+            # them: a plan of one stage per device stays readable by an older tool)
+            if k not in StateBytes.LATER_FIELDS
+            or (v and (per_device > 1 or k in ("runtime", "late_grad")))
+        }
+    )
+
+
+def stage_bytes(stage: StagePlan, rest: bool = False) -> StageBytes:
+    """What the simulator counts of a stage's micro-batches (`rest`: of those one sample
+    smaller, where the batch splits unevenly)."""
+    got = (
+        stage.state_bytes_rest if rest and stage.state_bytes_rest else stage.state_bytes
+    ).model_dump()
     if got["stop_live"] is None:  # a plan made before it was counted: the whole forward
         got["stop_live"] = got["remat_live"]
     for name in StateBytes.LATER_FIELDS:  # (a plan without them: nothing carried across)
@@ -2055,13 +2115,18 @@ def stage_costs(
     device_type: str = "cpu",
     *,
     step_sync_ms: float | None = None,
+    larger: int = 0,
 ) -> Costs:
     """What the simulator charges each of the plan's stages (per micro-batch) and cuts, and
     what the runtime adds per action and per step (the profile's `runtime`, and for the
     torchrun program its all-reduces, the cluster's `step_sync_ms`); on a GPU
     (`device_type`, the profile's) the torchrun program's communication runs over NCCL,
-    each rank's in the order posted (Costs.ordered_p2p)."""
+    each rank's in the order posted (Costs.ordered_p2p). `larger`: where the batch splits
+    unevenly, how many micro-batches are the larger ones (the rest count state_bytes_rest)."""
+    uneven = larger and any(st.state_bytes_rest is not None for st in stages)
     return Costs(
+        memory_rest=[stage_bytes(st, rest=True) for st in stages] if uneven else None,
+        larger=larger if uneven else 0,
         ordered_p2p=device_type.split(":")[0] == "cuda",
         forward=[st.forward_ms for st in stages],
         backward=[st.backward_ms for st in stages],
@@ -2108,11 +2173,12 @@ def simulate_stages(
     levels: bool = True,
     routes: tuple[tuple[int, int], ...] = (),
     runtime: RuntimeOverhead | None = None,
+    larger: int = 0,
 ) -> Timeline:
     """Run the plan's schedule through the simulator with the plan's own stage costs
-    (`levels=False`: peaks only, not each device's memory over time)."""
+    (`levels=False`: peaks only, not each device's memory over time; `larger`: stage_costs')."""
     sched = plan_schedule(schedule, num_devices, microbatches, routes)
-    return simulate(sched, stage_costs(stages, runtime), levels=levels)
+    return simulate(sched, stage_costs(stages, runtime, larger=larger), levels=levels)
 
 
 def simulate_plan(plan: Plan, *, levels: bool = True, rendezvous: bool | None = None) -> Timeline:
@@ -2121,15 +2187,20 @@ def simulate_plan(plan: Plan, *, levels: bool = True, rendezvous: bool | None = 
     when that is the plan's target, whose times then match the plan's)."""
     if rendezvous is None:
         rendezvous = plan.target == "torchrun"
+    larger = plan.batch_size % plan.microbatches
     if not rendezvous or len(plan.devices) == 1:
         return simulate_stages(
             plan.schedule, len(plan.devices), plan.microbatches, plan.stages, levels=levels,
-            routes=_routes(plan), runtime=plan.runtime,
+            routes=_routes(plan), runtime=plan.runtime, larger=larger,
         )  # fmt: skip
     return simulate(
         torchrun_schedule(plan),
         stage_costs(
-            plan.stages, plan.runtime, plan.device_type, step_sync_ms=plan.cluster.step_sync_ms
+            plan.stages,
+            plan.runtime,
+            plan.device_type,
+            step_sync_ms=plan.cluster.step_sync_ms,
+            larger=larger,
         ),
         levels=levels,
         rendezvous=True,

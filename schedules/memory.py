@@ -106,6 +106,13 @@ class StageBytes:
     # last one's leaves to the next tensor, a later stage's on the same device (device_step)
     step_head: int = 0
     step_tail: int = 0
+    # What the runtime itself holds from the step's start to its end, whatever runs: the
+    # caller's RNG state (kept to be put back), where it lives on the device (a CPU)
+    runtime: int = 0
+    # A gradient `static` counts that exists only from the stage's first B or W until the
+    # step ends: the streams program's copy of a tied weight, whose gradient goes to the
+    # model's own parameter as each step ends (and is made again by the next backward)
+    late_grad: int = 0
 
     def per_state(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in STATES)
@@ -265,9 +272,15 @@ def peaks(
     sizes: Sequence[StageBytes],
     ahead: dict[Action, int] | None = None,
     after: dict[Action, int] | None = None,
+    *,
+    smaller: Sequence[StageBytes] | None = None,
+    larger: int = 0,
 ) -> list[int]:
     """Each device's peak over the issue order and the optimizer step after it: what `replay`
     finds, without walking the order in Python (the planner calls this for every plan).
+    `smaller`: a batch split unevenly, the bytes of micro-batches `larger` on (one sample
+    fewer each: torch.tensor_split makes the first ones the larger); `sizes` those of the
+    ones before.
     `ahead`: per compute action, bytes its rank holds beside the states, or short of them
     (comm.receive_offsets: a torchrun program's messages where it posts them), counted at
     every look at that rank during the action, and between two of the rank's own actions at
@@ -278,17 +291,24 @@ def peaks(
     modes = [recompute] * S if isinstance(recompute, str) else list(recompute)
     place = np.asarray(schedule.placement, dtype=np.int64)
     ev = _events(schedule, modes)
-    per_state = np.array([b.per_state() for b in sizes], dtype=np.int64).reshape(S, -1)
-    trans = np.array(
-        [[b.transient(k) for k in range(LIVE, LIVE + len(TRANSIENTS))] for b in sizes],
-        dtype=np.int64,
-    ).reshape(S, -1)
+    per_state, trans = _per_state(sizes, S), _transients(sizes, S)
     # Device levels: each change weighs its state's bytes on its stage; one column per device.
-    weights = per_state[ev.change_stage, ev.change_state] * ev.change_delta
-    level = ev.counts(place[ev.change_stage], place[ev.snap_stage], weights)[:, 0]
+    weights = per_state[ev.change_stage, ev.change_state]
     on = ev.snap_running >= 0
-    extra = np.zeros(len(level), dtype=np.int64)
+    extra = np.zeros(len(ev.snap_stage), dtype=np.int64)
     extra[on] = trans[ev.snap_stage[on], ev.snap_running[on] - LIVE]
+    if smaller is not None:  # (the micro-batches from `larger` on weigh their own bytes)
+        rest = ev.change_mb >= larger  # type: ignore[operator]
+        weights = np.where(rest, _per_state(smaller, S)[ev.change_stage, ev.change_state], weights)
+        rest = on & (ev.snap_mb >= larger)  # type: ignore[operator]
+        extra[rest] = _transients(smaller, S)[ev.snap_stage[rest], ev.snap_running[rest] - LIVE]
+    weights = weights * ev.change_delta
+    level = ev.counts(place[ev.change_stage], place[ev.snap_stage], weights)[:, 0]
+    late = [b.late_grad for b in sizes]
+    if any(late):  # (looks on its device before the stage's first B or W: not made yet)
+        first = _first_backward(schedule)
+        for s in np.flatnonzero(late):
+            extra[(place[ev.snap_stage] == place[s]) & (ev.snap_seq < 4 * first[s])] -= late[s]
     static = np.zeros(R, dtype=np.int64)
     np.add.at(static, place, [b.static for b in sizes])
     if ahead:
@@ -303,9 +323,31 @@ def peaks(
     np.add.at(left, place[ev.change_stage], weights)
     out = []
     for r in range(R):
-        step = device_step([sizes[s] for s in schedule.stages_of(r)])
-        out.append(int(static[r] + max(top[r], left[r] + step, 0)))
+        mine = [sizes[s] for s in schedule.stages_of(r)]
+        during = top[r] + sum(b.runtime for b in mine)  # (the optimizer step comes after)
+        stepped = left[r] + device_step(mine) - sum(b.late_grad for b in mine)
+        out.append(int(static[r] + max(during, stepped, 0)))
     return out
+
+
+def _first_backward(schedule: Schedule) -> np.ndarray:
+    """Per stage, the position in the issue order of its first B or W (past the end: none)."""
+    kind, stage, _ = issue_arrays(schedule)
+    first = np.full(schedule.num_stages, len(kind), dtype=np.int64)
+    at = np.flatnonzero((kind == 1) | (kind == 3))  # (B, W)
+    np.minimum.at(first, stage[at], at)
+    return first
+
+
+def _per_state(sizes: Sequence[StageBytes], S: int) -> np.ndarray:
+    return np.array([b.per_state() for b in sizes], dtype=np.int64).reshape(S, -1)
+
+
+def _transients(sizes: Sequence[StageBytes], S: int) -> np.ndarray:
+    return np.array(
+        [[b.transient(k) for k in range(LIVE, LIVE + len(TRANSIENTS))] for b in sizes],
+        dtype=np.int64,
+    ).reshape(S, -1)
 
 
 def _issued(
@@ -381,6 +423,8 @@ class _Events:
     snap_seq: np.ndarray
     snap_stage: np.ndarray
     snap_running: np.ndarray  # the transient running there, -1 for none
+    change_mb: np.ndarray | None = None  # the micro-batch each change is of
+    snap_mb: np.ndarray | None = None  # ... and the one whose transient each look counts
 
     def counts(
         self, change_group: np.ndarray, snap_group: np.ndarray, weights: np.ndarray | None = None
@@ -545,6 +589,7 @@ def _floor_of(schedule: Schedule, modes: Sequence[str]) -> list[Occupancy]:
     ev = dataclasses.replace(
         ev, change_seq=ev.change_seq[kept], change_stage=ev.change_stage[kept],
         change_state=ev.change_state[kept], change_delta=ev.change_delta[kept],
+        change_mb=None, snap_mb=None,
     )  # fmt: skip
     own = ev.snap_stage == acting[ev.snap_seq // 4]
     counts = ev.counts(ev.change_stage, ev.snap_stage)[own]
@@ -587,6 +632,8 @@ def _build_events(
         off = stage_off[idx] if isinstance(stage_off, np.ndarray) else stage_off
         change_parts.append((4 * k[idx] + p, s[idx] + off, state, d, idx))
 
+    # (every change is of the acting micro-batch: its input, activations, gradients)
+
     END = 3
     change(F & (s == 0), 0, 0, IN, 1)
     change(F & ~rec, 0, 0, IN, -1)
@@ -628,7 +675,11 @@ def _build_events(
     snap_stage = np.concatenate([s, s[remat], c_stage[looked]])
     again = np.where(B[remat], _b_remat(schedule), REMAT_LIVE).astype(np.int64)
     snap_running = np.concatenate([running, again, np.full(int(looked.sum()), -1)])
-    return _Events(c_seq, c_stage, c_state, c_delta, snap_seq, snap_stage, snap_running)
+    c_mb = np.concatenate([m[p[4]] for p in change_parts])
+    snap_mb = np.concatenate([m, m[remat], c_mb[looked]])
+    return _Events(
+        c_seq, c_stage, c_state, c_delta, snap_seq, snap_stage, snap_running, c_mb, snap_mb
+    )
 
 
 def _recomputed(modes: Sequence[str], s: np.ndarray, m: np.ndarray, M: int) -> np.ndarray:
@@ -674,27 +725,42 @@ class Replay:
 
 
 def replay(
-    schedule: Schedule, recompute: str | Sequence[str], sizes: Sequence[StageBytes]
+    schedule: Schedule,
+    recompute: str | Sequence[str],
+    sizes: Sequence[StageBytes],
+    *,
+    smaller: Sequence[StageBytes] | None = None,
+    larger: int = 0,
 ) -> Replay:
-    """Walk the issue order with the bytes of every stage: each device's level and peak."""
+    """Walk the issue order with the bytes of every stage: each device's level and peak
+    (`smaller`, `larger`: as for `peaks`)."""
     S, R = schedule.num_stages, schedule.num_ranks
     modes = [recompute] * S if isinstance(recompute, str) else list(recompute)
     place = schedule.placement
-    per_state = [b.per_state() for b in sizes]
+    big = [b.per_state() for b in sizes]
+    small = big if smaller is None else [b.per_state() for b in smaller]
     level = [0] * R
     for s in range(S):
         level[place[s]] += sizes[s].static
     levels = [[(-1, level[r])] for r in range(R)]
     peaks = list(level)
+    held = [sum(sizes[s].runtime for s in schedule.stages_of(r)) for r in range(R)]
+    late = [sizes[s].late_grad for s in range(S)]  # (not made until the stage's B or W)
+    level = [level[r] + held[r] - sum(late[s] for s in schedule.stages_of(r)) for r in range(R)]
     steps = _steps(schedule, modes)
     for k, step in enumerate(steps):
         s, r = step.action.stage, step.rank
+        if late[s] and step.action.kind.value in ("B", "W"):
+            level[r] += late[s]
+            late[s] = 0
+        rest = smaller is not None and step.action.microbatch >= larger
+        per_state, mine = (small, smaller) if rest else (big, sizes)
         for changes, running in step.phases:
             changed = {r}
             for stage, state, d in changes:
                 level[place[stage]] += d * per_state[stage][state]
                 changed.add(place[stage])
-            transient = sizes[s].transient(running)
+            transient = mine[s].transient(running)  # type: ignore[index]
             for rr in changed:
                 now = level[rr] + (transient if rr == r else 0)
                 levels[rr].append((2 * k, now))
@@ -707,6 +773,10 @@ def replay(
             levels[rr].append((2 * k + 1, level[rr]))
             peaks[rr] = max(peaks[rr], level[rr])
     for r in range(R):
+        gone = held[r] + sum(sizes[s].late_grad - late[s] for s in schedule.stages_of(r))
+        if gone:  # (the step over: the runtime's and the late gradients let go)
+            level[r] -= gone
+            levels[r].append((2 * len(steps), level[r]))
         peaks[r] = max(peaks[r], level[r] + device_step([sizes[s] for s in schedule.stages_of(r)]))
     return Replay([st.action for st in steps], levels, peaks)
 
@@ -716,6 +786,9 @@ def timed_levels(
     recompute: str | Sequence[str],
     sizes: Sequence[StageBytes],
     when: dict[Action, tuple[float, float]],
+    *,
+    smaller: Sequence[StageBytes] | None = None,
+    larger: int = 0,
 ) -> list[list[tuple[float, int]]]:
     """Each device's level over simulated time, for drawing: the same changes as `replay`, each
     at its action's start or end in `when` (frees first at a tie). Peaks come from the issue
@@ -723,10 +796,17 @@ def timed_levels(
     S, R = schedule.num_stages, schedule.num_ranks
     modes = [recompute] * S if isinstance(recompute, str) else list(recompute)
     place = schedule.placement
-    per_state = [b.per_state() for b in sizes]
+    big = [b.per_state() for b in sizes]
+    small = big if smaller is None else [b.per_state() for b in smaller]
     events: list[list[tuple[float, int]]] = [[] for _ in range(R)]
+    late = [b.late_grad for b in sizes]
     for step in _steps(schedule, modes):
         start, end = when[step.action]
+        per_state = small if step.action.microbatch >= larger else big
+        s = step.action.stage
+        if late[s] and step.action.kind.value in ("B", "W"):  # (made by the first of them)
+            events[place[s]].append((start, late[s]))
+            late[s] = 0
         for changes, _ in step.phases:
             for stage, state, d in changes:
                 events[place[stage]].append((start, d * per_state[stage][state]))
@@ -734,7 +814,9 @@ def timed_levels(
             events[place[stage]].append((end, d * per_state[stage][state]))
     out = []
     for r in range(R):
-        level = sum(sizes[s].static for s in schedule.stages_of(r))
+        mine = [sizes[s] for s in schedule.stages_of(r)]
+        # (the runtime's bytes from the step's start; late gradients not made yet)
+        level = sum(b.static + b.runtime - b.late_grad for b in mine)
         steps = [(0.0, level)]
         for t, delta in sorted(events[r]):
             level += delta

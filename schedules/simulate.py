@@ -53,6 +53,10 @@ class Costs:
     # cluster.Link's late figures). None: as `transfer`
     late_transfer: Sequence[float] | None = None
     memory: Sequence[StageBytes] | None = None  # per stage (default: count stashed micro-batches)
+    # a batch split unevenly: per stage, the bytes of the micro-batches from `larger` on, one
+    # sample smaller (None: all as `memory`)
+    memory_rest: Sequence[StageBytes] | None = None
+    larger: int = 0
     # what the runtime adds: to every compute action (F, B, I, W; a recomputation inside B or
     # I adds its forward's compute only), and once to the step
     action_overhead: float = 0.0
@@ -206,13 +210,14 @@ def simulate(
             if rendezvous
             else (None, None)
         )  # fmt: skip
-        peak = peaks(schedule, modes, sizes, ahead, after)
+        rest = {"smaller": costs.memory_rest, "larger": costs.larger}
+        peak = peaks(schedule, modes, sizes, ahead, after, **rest)  # type: ignore[arg-type]
         if levels:
             when: dict[Action, tuple[float, float]] = {}
             for r, acts in schedule.ranks.items():
                 for a, st, en in zip(acts, starts[r], ends[r]):
                     when[a] = (st, en)
-            memory_steps = timed_levels(schedule, modes, sizes, when)
+            memory_steps = timed_levels(schedule, modes, sizes, when, **rest)  # type: ignore[arg-type]
     return Timeline(schedule, starts, ends, transfers, makespan, busy, peak, memory_steps)
 
 

@@ -4,6 +4,7 @@ ways of computing a peak (occupancy tuples, the replay) against each other."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import numpy as np
@@ -21,7 +22,7 @@ from schedules import (
     replay,
     simulate,
 )
-from schedules.memory import peaks
+from schedules.memory import STATES, TRANSIENTS, peaks
 
 FLAGS = (0, 0, 0, 0, 0, 0)  # no transient running
 LIVE = (1, 0, 0, 0, 0, 0)
@@ -339,10 +340,22 @@ def test_array_occupancy_and_peaks_equal_the_step_by_step_walk(name, K, M, modes
             optimizer_step=data.draw(n),
             foreach=data.draw(st.booleans()),
             static=data.draw(n),
+            runtime=data.draw(n),
+            late_grad=data.draw(st.sampled_from([0, 0, 1, 500])),
         )  # fmt: skip
         for _ in range(S)
     ]
     assert peaks(sched, mode, sizes) == replay(sched, mode, sizes).peaks
+    # a batch split unevenly: the micro-batches from `larger` on weigh bytes of their own
+    smaller = [
+        dataclasses.replace(b, **{name: data.draw(n) for name in STATES + TRANSIENTS})
+        for b in sizes
+    ]
+    larger = data.draw(st.integers(0, M))
+    walked = replay(sched, mode, sizes, smaller=smaller, larger=larger).peaks
+    assert peaks(sched, mode, sizes, smaller=smaller, larger=larger) == walked
+    if larger == M:  # (none smaller)
+        assert walked == replay(sched, mode, sizes).peaks
 
 
 def test_every_b_of_a_stage_holds_its_pulled_gradient_alike_and_floors_hold_none():

@@ -49,9 +49,9 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + (X - Xs if G else 0) - lent, G, P,
               0, 0]  # fmt: skip
     # zero bubble's I, from the last layer: the gradients of layers i .. k - 2's outputs are
-    # not made yet while k's runs
+    # not made yet while k's runs, nor the stage's input gradient G (the first layer's I's)
     it = c.input_grad_transient
-    input_live = max([int(it[i])] + [int(it[k]) - int(c.zgrad[i : k - 1].sum()) for k in inner])
+    input_live = max([int(it[i])] + [int(it[k]) - int(c.zgrad[i : k - 1].sum()) - G for k in inner])
     transients = [live, remat, forward, input_live, int(c.weight_grad_transient[i:j].max()),
                   _stop(c, i, j)]  # fmt: skip
     held = max(sum(n * b for n, b in zip(t, states + transients)) for t in shape.occupancy)

@@ -107,9 +107,9 @@ def by_hand(
             [mb * (saved[i] + transient[i] + 3)]
             + [mb * (saved[k] + transient[k] + 3 + out[k - 1]) for k in range(i + 1, j)]
         ),
-        input_live=max(
+        input_live=max(  # (an inner layer's I runs before the stage's input gradient G)
             [mb * (transient[i] + 4)]
-            + [mb * (transient[k] + 4 - sum(out[i : k - 1])) for k in range(i + 1, j)]
+            + [mb * (transient[k] + 4 - sum(out[i : k - 1])) - G for k in range(i + 1, j)]
         ),
         weight_live=mb * (max(transient[i:j]) + 5),
         stop_live=stopped(j),
@@ -549,3 +549,48 @@ def test_other_solvers_agree_with_the_probe(solver):
     if solver == "cp-sat":
         assert other.solver.lower_bound_ms == pytest.approx(probe.predicted.bottleneck_ms, rel=1e-9)
         assert other.solver.gap == 0.0
+
+
+def test_a_plan_whose_runtime_or_smaller_micro_batches_were_edited_is_refused():
+    """Found by a review: a torchrun plan on a CPU with its RNG state taken out of a stage, or
+    state_bytes_rest added to a plan whose batch splits evenly (or larger than state_bytes),
+    validated (a resealed edit passes the digest)."""
+    profile = synthetic_profile([1.0] * 8, sizes=(1, 2, 4))
+    run = plan_pipeline(profile, Cluster.uniform(2, "1GiB"), 8, microbatches=4, target="torchrun")
+    uneven = plan_pipeline(profile, Cluster.uniform(2, "1GiB"), 7, microbatches=3)
+    assert run.stages[0].state_bytes.runtime == torch_rng_state()
+    assert uneven.stages[0].state_bytes_rest is not None
+    Plan.model_validate(run.model_dump())  # (as made: valid)
+    Plan.model_validate(uneven.model_dump())
+
+    def edited(plan: Plan, edit) -> dict:
+        data = plan.model_dump()
+        edit(data)
+        return data
+
+    def no_rng(d: dict) -> None:
+        st = d["stages"][0]
+        st["state_bytes"]["runtime"] = None
+        if st["memory"]["runtime"]:
+            st["memory"]["total"] -= st["memory"]["runtime"]
+            st["memory"]["runtime"] = None
+
+    even = plan_pipeline(profile, Cluster.uniform(2, "1GiB"), 8, microbatches=4)
+
+    def rest_on_even(d: dict) -> None:
+        d["stages"][1]["state_bytes_rest"] = dict(d["stages"][1]["state_bytes"])
+
+    def rest_larger(d: dict) -> None:
+        st = d["stages"][1]
+        st["state_bytes_rest"]["activations"] = st["state_bytes"]["activations"] + 1
+
+    for plan, edit, says in ((run, no_rng, "runtime"), (even, rest_on_even, "state_bytes_rest"),
+                             (uneven, rest_larger, "state_bytes_rest")):  # fmt: skip
+        with pytest.raises(ValueError, match=says):
+            Plan.model_validate(edited(plan, edit))
+
+
+def torch_rng_state() -> int:
+    import torch
+
+    return torch.get_rng_state().numel()
