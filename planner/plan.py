@@ -478,20 +478,28 @@ class Plan(Artifact):
                     f"neither 0 nor the step's temporaries ({st.state_bytes.optimizer_step})"
                 )
             # the torchrun program keeps the caller's CPU RNG state through the step, on each
-            # device's first stage (found by a review: a plan without it was taken)
+            # device's first stage (found by a review: any figure was taken); a plan made
+            # before it was counted has none, and is read as it was (5 056 bytes under)
             on_cpu = self.device_type.split(":")[0] == "cpu"
             first = st.index < K  # (each device's first stage)
             rng = CPU_RNG_STATE if self.target == "torchrun" and on_cpu and first else None
-            if st.state_bytes.runtime != rng:
+            if st.state_bytes.runtime not in (None, rng):
                 raise ValueError(
                     f"stage {st.index}: state_bytes.runtime {st.state_bytes.runtime}; the "
                     f"{self.target} program on {self.device_type} holds {rng or 0} there"
                 )
             at_step = held["optimizer_step"] > 0
-            if held.get("runtime") != (None if at_step else rng):
+            if held.get("runtime") != (None if at_step else st.state_bytes.runtime):
                 raise ValueError(
                     f"stage {st.index}: memory.runtime {held.get('runtime')} is not what the "
                     f"runtime holds through the step ({st.state_bytes.runtime})"
+                )
+            late = st.state_bytes.late_grad  # (a tied copy's gradient: at most the grads')
+            if late is not None and (self.target != "streams" or v != 1 or late > held["grads"]):
+                raise ValueError(
+                    f"stage {st.index}: state_bytes.late_grad {late} is not a gradient the "
+                    f"{self.target} program makes late (only a streams plan's tied copy's, at "
+                    f"most its gradients' {held['grads']} bytes)"
                 )
             rest = st.state_bytes_rest
             if rest is not None:

@@ -632,8 +632,6 @@ def _build_events(
         off = stage_off[idx] if isinstance(stage_off, np.ndarray) else stage_off
         change_parts.append((4 * k[idx] + p, s[idx] + off, state, d, idx))
 
-    # (every change is of the acting micro-batch: its input, activations, gradients)
-
     END = 3
     change(F & (s == 0), 0, 0, IN, 1)
     change(F & ~rec, 0, 0, IN, -1)
@@ -675,7 +673,7 @@ def _build_events(
     snap_stage = np.concatenate([s, s[remat], c_stage[looked]])
     again = np.where(B[remat], _b_remat(schedule), REMAT_LIVE).astype(np.int64)
     snap_running = np.concatenate([running, again, np.full(int(looked.sum()), -1)])
-    c_mb = np.concatenate([m[p[4]] for p in change_parts])
+    c_mb = np.concatenate([m[p[4]] for p in change_parts])  # (each change: the acting one's)
     snap_mb = np.concatenate([m, m[remat], c_mb[looked]])
     return _Events(
         c_seq, c_stage, c_state, c_delta, snap_seq, snap_stage, snap_running, c_mb, snap_mb

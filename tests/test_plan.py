@@ -552,9 +552,10 @@ def test_other_solvers_agree_with_the_probe(solver):
 
 
 def test_a_plan_whose_runtime_or_smaller_micro_batches_were_edited_is_refused():
-    """Found by a review: a torchrun plan on a CPU with its RNG state taken out of a stage, or
+    """Found by a review: a torchrun plan on a CPU whose stage's RNG state was edited, or
     state_bytes_rest added to a plan whose batch splits evenly (or larger than state_bytes),
-    validated (a resealed edit passes the digest)."""
+    validated (a resealed edit passes the digest). A plan made before the RNG state was
+    counted (none on any stage) is still read."""
     profile = synthetic_profile([1.0] * 8, sizes=(1, 2, 4))
     run = plan_pipeline(profile, Cluster.uniform(2, "1GiB"), 8, microbatches=4, target="torchrun")
     uneven = plan_pipeline(profile, Cluster.uniform(2, "1GiB"), 7, microbatches=3)
@@ -568,12 +569,25 @@ def test_a_plan_whose_runtime_or_smaller_micro_batches_were_edited_is_refused():
         edit(data)
         return data
 
-    def no_rng(d: dict) -> None:
+    def no_rng(d: dict) -> None:  # (as a plan made before it was counted)
+        for stage in d["stages"]:
+            stage["memory"]["total"] -= stage["memory"]["runtime"] or 0
+            stage["state_bytes"]["runtime"] = stage["memory"]["runtime"] = None
+
+    Plan.model_validate(edited(run, no_rng))
+
+    def less_rng(d: dict) -> None:
         st = d["stages"][0]
-        st["state_bytes"]["runtime"] = None
+        st["state_bytes"]["runtime"] -= 1000
         if st["memory"]["runtime"]:
-            st["memory"]["total"] -= st["memory"]["runtime"]
-            st["memory"]["runtime"] = None
+            st["memory"]["runtime"] -= 1000
+            st["memory"]["total"] -= 1000
+
+    def rng_on_streams(d: dict) -> None:
+        d["stages"][0]["state_bytes"]["runtime"] = torch_rng_state()
+
+    def late_on_torchrun(d: dict) -> None:  # (lowers the peak check simulates)
+        d["stages"][1]["state_bytes"]["late_grad"] = 1000
 
     even = plan_pipeline(profile, Cluster.uniform(2, "1GiB"), 8, microbatches=4)
 
@@ -584,7 +598,9 @@ def test_a_plan_whose_runtime_or_smaller_micro_batches_were_edited_is_refused():
         st = d["stages"][1]
         st["state_bytes_rest"]["activations"] = st["state_bytes"]["activations"] + 1
 
-    for plan, edit, says in ((run, no_rng, "runtime"), (even, rest_on_even, "state_bytes_rest"),
+    for plan, edit, says in ((run, less_rng, "runtime"), (even, rng_on_streams, "runtime"),
+                             (run, late_on_torchrun, "late_grad"),
+                             (even, rest_on_even, "state_bytes_rest"),
                              (uneven, rest_larger, "state_bytes_rest")):  # fmt: skip
         with pytest.raises(ValueError, match=says):
             Plan.model_validate(edited(plan, edit))
