@@ -449,6 +449,8 @@ class Plan(Artifact):
                     "checkpointed layers run only in a sequential model's plan without zero "
                     "bubble and without other recomputation"
                 )
+        # (a plan made before the runtime's bytes were counted has them on no stage)
+        counted = any(st.state_bytes.runtime is not None for st in self.stages)
         for st in self.stages:
             if len(st.layer_types) != st.layers[1] - st.layers[0]:
                 raise ValueError(f"stage {st.index}: {len(st.layer_types)} layer types listed")
@@ -483,7 +485,7 @@ class Plan(Artifact):
             on_cpu = self.device_type.split(":")[0] == "cpu"
             first = st.index < K  # (each device's first stage)
             rng = CPU_RNG_STATE if self.target == "torchrun" and on_cpu and first else None
-            if st.state_bytes.runtime not in (None, rng):
+            if st.state_bytes.runtime not in ({rng} if counted else {None, rng}):
                 raise ValueError(
                     f"stage {st.index}: state_bytes.runtime {st.state_bytes.runtime}; the "
                     f"{self.target} program on {self.device_type} holds {rng or 0} there"

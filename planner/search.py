@@ -55,7 +55,15 @@ from schedules import (
     simulate,
 )
 from schedules.comm import fastest_lowering_of, lowering_of, preposted, receive_offsets
-from schedules.memory import StageBytes, occupancy, occupancy_bound, occupancy_floor, peaks
+from schedules.memory import (
+    STATES,
+    TRANSIENTS,
+    StageBytes,
+    occupancy,
+    occupancy_bound,
+    occupancy_floor,
+    peaks,
+)
 from schedules.order import freeze
 
 from .bounds import (
@@ -1903,6 +1911,12 @@ def _build_plan(
         raw = memory.terms(i, j, shape, starts[s], states)
         sizes = memory.stage_bytes(i, j, shape, starts[s], known=(states, raw))
         rest = smaller.stage_bytes(i, j, shape, starts[s]) if smaller is not None else None
+        if rest is not None:  # (no state of a smaller micro-batch above the larger's: B's
+            # pulled gradient, raised so that a stage grows with its end, was above it on a
+            # last stage at one sample, where the larger's was none: found by a red team)
+            rest = dataclasses.replace(
+                rest, **{k: min(getattr(rest, k), getattr(sizes, k)) for k in STATES + TRANSIENTS}
+            )
         if v == 1 and problem.target == "streams":
             # the streams program's copy of a tied weight on this device: its gradient is
             # handed to the model's parameter as each step ends, and made again by the stage's
