@@ -12,6 +12,7 @@ from profiler.artifact import Artifact, InputError, LaterFields
 from profiler.limits import MAX_BATCH, MAX_BYTES, MAX_MICROBATCHES, DType, Text
 from profiler.types import RuntimeOverhead
 from schedules.comm import LOWERINGS
+from schedules.memory import TRANSIENTS
 
 from .cluster import Cluster
 from .memory import CPU_RNG_STATE
@@ -512,7 +513,7 @@ class Plan(Artifact):
                 if (
                     not uneven
                     or any(theirs.get(k) != mine.get(k) for k in alike)
-                    or any((theirs[k] or 0) > (mine[k] or 0) for k in _PER_MICROBATCH)
+                    or any((theirs[k] or 0) > (mine[k] or 0) for k in _PER_MICROBATCH + TRANSIENTS)
                 ):
                     raise ValueError(
                         f"stage {st.index}: state_bytes_rest is not what a smaller micro-batch "

@@ -598,10 +598,15 @@ def test_a_plan_whose_runtime_or_smaller_micro_batches_were_edited_is_refused():
         st = d["stages"][1]
         st["state_bytes_rest"]["activations"] = st["state_bytes"]["activations"] + 1
 
+    def rest_transient_larger(d: dict) -> None:
+        st = d["stages"][1]
+        st["state_bytes_rest"]["live"] = st["state_bytes"]["live"] + 1
+
     for plan, edit, says in ((run, less_rng, "runtime"), (even, rng_on_streams, "runtime"),
                              (run, late_on_torchrun, "late_grad"),
                              (even, rest_on_even, "state_bytes_rest"),
-                             (uneven, rest_larger, "state_bytes_rest")):  # fmt: skip
+                             (uneven, rest_larger, "state_bytes_rest"),
+                             (uneven, rest_transient_larger, "state_bytes_rest")):  # fmt: skip
         with pytest.raises(ValueError, match=says):
             Plan.model_validate(edited(plan, edit))
 
