@@ -324,12 +324,14 @@ def _plan(args: argparse.Namespace, out: Path, profile: Profile) -> int:
             file=sys.stderr,
         )
     sizes = profile.batch_sizes
-    mb = plan.microbatch_size
-    if mb not in sizes and (len(sizes) == 1 or not sizes[0] < mb < sizes[-1]):
+    used = [plan.microbatch_size]  # (and an uneven batch's smaller ones, where counted so)
+    used += [used[0] - 1] if any(st.state_bytes_rest for st in plan.stages) else []
+    if outside := [mb for mb in used if mb not in sizes and not sizes[0] < mb < sizes[-1]]:
+        named = " and ".join(map(str, outside))
         print(
-            f"note: micro-batches of {mb} lie outside the profiled batch sizes "
+            f"note: micro-batches of {named} lie outside the profiled batch sizes "
             f"({', '.join(map(str, sizes))}): their costs are extended from them, not measured "
-            f"(profile with --batch-sizes including {mb})",
+            f"(profile with --batch-sizes including {named})",
             file=sys.stderr,
         )
     print(f"wrote {out}")

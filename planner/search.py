@@ -1911,12 +1911,8 @@ def _build_plan(
         raw = memory.terms(i, j, shape, starts[s], states)
         sizes = memory.stage_bytes(i, j, shape, starts[s], known=(states, raw))
         rest = smaller.stage_bytes(i, j, shape, starts[s]) if smaller is not None else None
-        if rest is not None:  # (no state of a smaller micro-batch above the larger's: B's
-            # pulled gradient, raised so that a stage grows with its end, was above it on a
-            # last stage at one sample, where the larger's was none: found by a red team)
-            rest = dataclasses.replace(
-                rest, **{k: min(getattr(rest, k), getattr(sizes, k)) for k in STATES + TRANSIENTS}
-            )
+        if rest is not None:
+            rest = _no_state_above(rest, sizes)
         if v == 1 and problem.target == "streams":
             # the streams program's copy of a tied weight on this device: its gradient is
             # handed to the model's parameter as each step ends, and made again by the stage's
@@ -2369,6 +2365,15 @@ def _none_fits_any(
     return not feasible_split(np.stack(list(options.values())), memory, specs, cuts, reach_from=0)
 
 
+def _no_state_above(rest: StageBytes, sizes: StageBytes) -> StageBytes:
+    """A smaller micro-batch's bytes, no state or transient above the larger's (B's pulled
+    gradient, raised so that a stage grows with its end, was above it on a last stage at one
+    sample, where the larger's was none: found by a red team)."""
+    return dataclasses.replace(
+        rest, **{k: min(getattr(rest, k), getattr(sizes, k)) for k in STATES + TRANSIENTS}
+    )
+
+
 def _device_peaks(
     problem: _Problem, cand: Candidate, specs: list[StageSpec], part: Partition
 ) -> list[int]:
@@ -2380,12 +2385,15 @@ def _device_peaks(
         plan = _build_plan(problem, cand, specs, part, "probe-bisection")
         return [d.total for d in plan.devices]
     modes = _stage_modes(cand, part)
-    sizes = memory.stages_bytes(
-        np.array([i for i, _ in part.stages]), np.array([j for _, j in part.stages]),
-        [spec.shapes[cand.modes.index(modes[s])] for s, spec in enumerate(specs)],
-    )  # fmt: skip
+    lo, hi = np.array([i for i, _ in part.stages]), np.array([j for _, j in part.stages])
+    shapes = [spec.shapes[cand.modes.index(modes[s])] for s, spec in enumerate(specs)]
+    sizes = memory.stages_bytes(lo, hi, shapes)
+    rest = None
+    if larger := problem.larger(cand):  # (the micro-batches from batch % M on, as _build_plan)
+        smaller = problem.memory_of(chain.mb - 1).stages_bytes(lo, hi, shapes)
+        rest = [_no_state_above(r, b) for r, b in zip(smaller, sizes)]
     schedule = plan_schedule(cand.schedule, problem.cluster.size, cand.microbatches)
-    return peaks(schedule, modes, sizes)
+    return peaks(schedule, modes, sizes, smaller=rest, larger=larger)
 
 
 def _shown(

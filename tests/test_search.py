@@ -1176,11 +1176,17 @@ def test_the_least_memory_is_a_plain_bisections_from_the_floor_up(seed, K, mixed
 
 
 def _candidate_groups(
-    seed: int, K: int, mixed: bool, target: str = "streams", saved: tuple[int, int] = (10, 600)
+    seed: int,
+    K: int,
+    mixed: bool,
+    target: str = "streams",
+    saved: tuple[int, int] = (10, 600),
+    batch: int = 4,
 ) -> tuple[search._Problem, list[list]]:
     """A small memory-bound problem and its candidates in the groups _infeasible tests together
     (one micro-batch size, one number of stages). `saved`: the range of each layer's saved
-    bytes (small: the weights decide, and the candidates' needs lie bytes apart)."""
+    bytes (small: the weights decide, and the candidates' needs lie bytes apart). `batch`: 7
+    splits unevenly under M = 2 and 4."""
     rng = np.random.default_rng(seed)
     L = 8
     prof = synthetic_profile(
@@ -1193,7 +1199,7 @@ def _candidate_groups(
     cluster = Cluster.model_validate(
         {"devices": [{"name": f"d{k}", "memory_bytes": m} for k, m in enumerate(mems)]}
     )
-    problem = search._Problem(prof, cluster, 4, "adam", ("", ""), target, ())
+    problem = search._Problem(prof, cluster, batch, "adam", ("", ""), target, ())
     groups: dict[tuple, list] = {}
     for M in (1, 2, 4):
         for schedule in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b"):
@@ -1257,6 +1263,34 @@ def test_device_peaks_are_the_plans_own(seed, K, mixed, target):
             assert got == [d.total for d in plan.devices], cand
             checked += 1
     assert checked
+
+
+def test_device_peaks_count_an_uneven_batchs_smaller_micro_batches_as_the_plan(monkeypatch):
+    """With 7 samples in 2 or 4 micro-batches, an interleaved streams plan counts the
+    micro-batches from batch % M on at their own, smaller, bytes: _device_peaks, which decides
+    whether such a split fits, says the same to the byte (it used to count every micro-batch at
+    the larger size, and so refused splits the plan would have shown fitting)."""
+    below = 0
+    for seed in range(3):
+        problem, groups = _candidate_groups(seed, 2, seed == 1, batch=7)
+        for cand in (c for g in groups for c in g):
+            if cand.per_device == 1 or not problem.larger(cand):
+                continue
+            specs = search._stage_specs(problem, cand, halve=False)
+            fits = search._fits_within(problem, cand)
+            least = search._least(fits, None)
+            found = fits(least, True) if least is not None else None
+            if found is None:
+                continue
+            split = found[1]
+            plan = search._build_plan(problem, cand, specs, split, "probe-bisection")
+            got = search._device_peaks(problem, cand, specs, split)
+            assert got == [d.total for d in plan.devices], cand
+            with monkeypatch.context() as m:  # (every micro-batch at the larger size)
+                m.setattr(problem, "larger", lambda c: 0)
+                as_larger = search._device_peaks(problem, cand, specs, split)
+            below += any(x < y for x, y in zip(got, as_larger))
+    assert below  # (the smaller micro-batches hold less somewhere)
 
 
 def test_the_least_memory_is_the_least_over_every_candidate_on_its_own(monkeypatch):
