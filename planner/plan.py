@@ -12,7 +12,6 @@ from profiler.artifact import Artifact, InputError, LaterFields
 from profiler.limits import MAX_BATCH, MAX_BYTES, MAX_MICROBATCHES, DType, Text
 from profiler.types import RuntimeOverhead
 from schedules.comm import LOWERINGS
-from schedules.memory import TRANSIENTS
 
 from .cluster import Cluster
 from .memory import CPU_RNG_STATE
@@ -381,7 +380,7 @@ class Plan(Artifact):
     # the search's: its torchrun program was not timed, since the plan where sends never
     # wait (predicted) already lost; that time is then a lower bound of the program's
     _untimed: bool = PrivateAttr(default=False)
-    _ahead_over: bool = PrivateAttr(default=False)
+    _ahead_over: str = PrivateAttr(default="")  # (why: search.AHEAD_OVER, UNEVEN_OVER)
     # its torchrun program holds less on some device than the issue order counts (search.py)
     _held_less: bool = PrivateAttr(default=False)
 
@@ -513,7 +512,7 @@ class Plan(Artifact):
                 if (
                     not uneven
                     or any(theirs.get(k) != mine.get(k) for k in alike)
-                    or any((theirs[k] or 0) > (mine[k] or 0) for k in _PER_MICROBATCH + TRANSIENTS)
+                    or any((theirs[k] or 0) > (mine[k] or 0) for k in _PER_MICROBATCH)
                 ):
                     raise ValueError(
                         f"stage {st.index}: state_bytes_rest is not what a smaller micro-batch "

@@ -378,13 +378,14 @@ def plan_pipeline(
             if visited.ahead_over:  # (the memory search, like the split's, does not see them)
                 mems = [d.memory_bytes for d in cluster.devices]
                 need = err.needed_bytes
+                why = visited.ahead_over
                 if err.closest is None or not min(mems) < need < INT64_SAFE:
-                    raise InfeasibleError(f"no split fits: {AHEAD_OVER}", INT64_SAFE, err.closest)
+                    raise InfeasibleError(f"no split fits: {why}", INT64_SAFE, err.closest)
                 # (a budget at which it plans, _planned_need; a smaller one may too, with a
                 # slower split: whether a budget plans need not carry over to a larger one)
                 where = "per device" if max(mems) < need else "on every device with less"
                 raise InfeasibleError(
-                    f"no split fits: {AHEAD_OVER}; it plans with {format_size(need, up=True)} "
+                    f"no split fits: {why}; it plans with {format_size(need, up=True)} "
                     f"({need} bytes) {where}",
                     need,
                     err.closest,
@@ -479,7 +480,7 @@ def plan_pipeline(
             )
     unproven = best.solver.unproven
     if visited.ahead_over:
-        unproven = f"{AHEAD_OVER}" + (f"; {unproven}" if unproven else "")
+        unproven = visited.ahead_over + (f"; {unproven}" if unproven else "")
     # (judged on the plan chosen: a memory-bound candidate whose own program would have held
     # less is not looked at)
     held_less = best._held_less and visited.memory_bound
@@ -732,8 +733,9 @@ class _Visited:
     solved: int = 0
     pruned: int = 0
     timed_out: bool = False
-    # a split overran a device only by what its torchrun program holds beyond the search's count
-    ahead_over: bool = False
+    # a split overran a device only by what the split search does not count: why (AHEAD_OVER,
+    # UNEVEN_OVER), else ""
+    ahead_over: str = ""
     # memory bound some solved candidate's split, or let none fit
     memory_bound: bool = False
     outcomes: dict[int, _Outcome] = field(default_factory=dict)
@@ -835,9 +837,12 @@ def _search(
         # a per-stage split that chose what a single-mode candidate's did is that plan
         same = (cand.microbatches, cand.schedule, tuple(part.bounds),
                 tuple(_stage_modes(cand, part)), part.bottleneck, tuple(part.extra.items()))  # fmt: skip
-        if fits and cand.per_device == 1 and chain.flow is None and problem.target != "torchrun":
+        lazy = cand.per_device == 1 and chain.flow is None and problem.target != "torchrun"
+        if fits and lazy and not problem.larger(cand):
             # It fits by the bound: time it alone, and make the plan (its issue order, its
-            # memory) only if it wins or is listed as a runner-up (_alternatives)
+            # memory) only if it wins or is listed as a runner-up (_alternatives). (Not on an
+            # uneven batch, whose smaller micro-batches the split search, solved at the larger
+            # size, does not count: their working memory may be larger, _no_state_above)
             later = timed.get(same)
             if later is None:
                 modes = _stage_modes(cand, part)
@@ -876,7 +881,7 @@ def _search(
         peak = max(plan.predicted.peak_memory)
         if not plan.fits:
             outcomes[k] = _Outcome("over", t, peak, _over_budget(plan))
-            visited.ahead_over |= plan._ahead_over
+            visited.ahead_over = visited.ahead_over or plan._ahead_over
             return
         outcomes[k] = _Outcome("plan", t, peak, recompute=plan.recompute)
         if free:
@@ -1896,6 +1901,7 @@ def _build_plan(
     larger = problem.larger(cand)
     smaller = problem.memory_of(chain.mb - 1) if larger else None
     stages = []
+    pairs: list[tuple[StageBytes, StageBytes]] = []  # (each stage's larger and smaller bytes)
     for s, ((i, j), spec) in enumerate(zip(part.stages, specs)):
         rank = s % K
         shape = spec.shapes[cand.modes.index(modes[s])]
@@ -1921,6 +1927,8 @@ def _build_plan(
             if copy:
                 sizes = dataclasses.replace(sizes, late_grad=copy)
                 rest = dataclasses.replace(rest, late_grad=copy) if rest is not None else None
+        if rest is not None:
+            pairs.append((sizes, rest))
         terms = {k: int(x[0]) for k, x in raw.items()}
         terms.pop("optimizer_step_size")
         stages.append(
@@ -1969,6 +1977,7 @@ def _build_plan(
     total_ms, bubble = timeline.makespan, timeline.bubble_fraction
     peak_memory = timeline.peak_memory
     ahead_over = held_less = False
+    uneven_over = pairs and _uneven_over(cand, K, modes, routes, pairs, larger, devices)
     waits = ""
     # (one stage per device, and it fits: else the search goes on to the interleaved
     # fallback, or reports by how much it is over budget)
@@ -2088,7 +2097,7 @@ def _build_plan(
         meta=PlanMeta(tool_version=VERSION),
     )
     plan._untimed = problem.target == "torchrun" and K > 1 and lost
-    plan._ahead_over = ahead_over
+    plan._ahead_over = AHEAD_OVER if ahead_over else UNEVEN_OVER if uneven_over else ""
     plan._held_less = held_less
     return plan
 
@@ -2365,13 +2374,37 @@ def _none_fits_any(
     return not feasible_split(np.stack(list(options.values())), memory, specs, cuts, reach_from=0)
 
 
-def _no_state_above(rest: StageBytes, sizes: StageBytes) -> StageBytes:
-    """A smaller micro-batch's bytes, no state or transient above the larger's (B's pulled
-    gradient, raised so that a stage grows with its end, was above it on a last stage at one
-    sample, where the larger's was none: found by a red team)."""
-    return dataclasses.replace(
-        rest, **{k: min(getattr(rest, k), getattr(sizes, k)) for k in STATES + TRANSIENTS}
-    )
+def _no_state_above(
+    rest: StageBytes, sizes: StageBytes, keys: tuple[str, ...] = STATES
+) -> StageBytes:
+    """A smaller micro-batch's bytes, no state above the larger's (B's pulled gradient, raised
+    so that a stage grows with its end, was above it on a last stage at one sample, where the
+    larger's was none: found by a red team). Its working memory (the transients) may be
+    larger, as measured: convolutions on a CPU take more at one sample than at two (a U-Net's
+    device was 32% over its plan where they were capped too: found by a red team). `keys`:
+    STATES + TRANSIENTS for what the split search, solved at the larger size, counts."""
+    return dataclasses.replace(rest, **{k: min(getattr(rest, k), getattr(sizes, k)) for k in keys})
+
+
+def _uneven_over(
+    cand: Candidate,
+    K: int,
+    modes: list[str],
+    routes: tuple,
+    pairs: list[tuple[StageBytes, StageBytes]],
+    larger: int,
+    devices: list[DeviceUse],
+) -> bool:
+    """Whether a device overran its budget only by the working memory of a smaller micro-batch
+    of an uneven batch beyond the larger's, which the split search (solved at the larger size)
+    does not count: it would fit with them capped at the larger's."""
+    sizes = [b for b, _ in pairs]
+    capped = [_no_state_above(r, b, STATES + TRANSIENTS) for b, r in pairs]
+    if capped == [r for _, r in pairs] or all(d.total <= d.budget for d in devices):
+        return False
+    schedule = plan_schedule(cand.schedule, K, cand.microbatches, routes)
+    counted = peaks(schedule, modes, sizes, smaller=capped, larger=larger)
+    return all(x <= d.budget for x, d in zip(counted, devices))
 
 
 def _device_peaks(
@@ -2457,6 +2490,15 @@ AHEAD_OVER = (
     "search's count (a gradient received ahead of the backward that reads it, or what a batch "
     "of sends and receives holds while it goes), which the split search does not see (a slower "
     "split of that candidate may fit; plan with more memory, or with --target streams)"
+)
+
+
+UNEVEN_OVER = (
+    "a split overran a device only by the working memory of the batch's smaller micro-batches "
+    "beyond the larger ones' (measured so by the profile: a convolution on a CPU may take more "
+    "at fewer samples), which the split search, solved at the larger size, does not see (a "
+    "slower split of that candidate may fit; plan with more memory, or with a batch size the "
+    "micro-batches divide)"
 )
 
 

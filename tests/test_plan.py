@@ -553,8 +553,8 @@ def test_other_solvers_agree_with_the_probe(solver):
 
 def test_a_plan_whose_runtime_or_smaller_micro_batches_were_edited_is_refused():
     """Found by a review: a torchrun plan on a CPU whose stage's RNG state was edited, or
-    state_bytes_rest added to a plan whose batch splits evenly (or larger than state_bytes),
-    validated (a resealed edit passes the digest). A plan made before the RNG state was
+    state_bytes_rest added to a plan whose batch splits evenly (or a state larger than
+    state_bytes'), validated (a resealed edit passes the digest). A plan made before the RNG state was
     counted (none on any stage) is still read."""
     profile = synthetic_profile([1.0] * 8, sizes=(1, 2, 4))
     run = plan_pipeline(profile, Cluster.uniform(2, "1GiB"), 8, microbatches=4, target="torchrun")
@@ -605,10 +605,11 @@ def test_a_plan_whose_runtime_or_smaller_micro_batches_were_edited_is_refused():
     for plan, edit, says in ((run, less_rng, "runtime"), (even, rng_on_streams, "runtime"),
                              (run, late_on_torchrun, "late_grad"),
                              (even, rest_on_even, "state_bytes_rest"),
-                             (uneven, rest_larger, "state_bytes_rest"),
-                             (uneven, rest_transient_larger, "state_bytes_rest")):  # fmt: skip
+                             (uneven, rest_larger, "state_bytes_rest")):  # fmt: skip
         with pytest.raises(ValueError, match=says):
             Plan.model_validate(edited(plan, edit))
+    # (its working memory may be larger: a convolution on a CPU takes more at one sample)
+    Plan.model_validate(edited(uneven, rest_transient_larger))
 
 
 def torch_rng_state() -> int:

@@ -1483,3 +1483,37 @@ def test_past_the_time_limit_with_no_plan_the_likeliest_to_fit_come_by_turns():
     for plan in plans.values():
         assert plan.fits and not plan.solver.optimal and "time limit" in plan.solver.unproven
     assert plans[True].predicted.iteration_ms == plans[False].predicted.iteration_ms
+
+
+def test_a_split_fits_only_where_a_smaller_micro_batchs_own_working_memory_does():
+    """A smaller micro-batch may take more working memory than a larger one (a convolution on
+    a CPU at one sample; here a layer's backward at one sample given five times its figure at
+    two). The plan counts it as measured, and a budget the split search would take at the
+    larger size alone (the smaller one's capped there) gets no plan over it: either one that
+    fits, or "no split fits" with a need at which one plans."""
+    from planner.search import InfeasibleError, simulate_plan
+    from tests.conftest import synthetic_profile
+
+    prof = synthetic_profile([1.0] * 6, saved=[100] * 6, transient=[10] * 6, sizes=(1, 2))
+    wide = prof.layers[4]
+    live = {**wide.backward_transient_bytes, 1: 5 * wide.backward_transient_bytes[2] + 2000}
+    layers = list(prof.layers)
+    layers[4] = wide.model_copy(update={"backward_transient_bytes": live})
+    prof = prof.model_copy(update={"layers": layers})
+    kw = {"microbatches": 2, "schedule": "gpipe", "recompute": "never"}
+    plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 3, **kw)
+    st = plan.stages[1]
+    assert st.state_bytes_rest.live > st.state_bytes.live  # (as measured, not capped)
+    assert [d.total for d in plan.devices] == simulate_plan(plan, levels=False).peak_memory
+    need = max(d.total for d in plan.devices)
+    told = 0
+    for budget in range(need - 2200, need + 1, 200):
+        try:
+            got = plan_pipeline(prof, Cluster.uniform(2, budget), 3, **kw)
+        except InfeasibleError as e:
+            told += "working memory of the batch's smaller micro-batches" in str(e)
+            again = plan_pipeline(prof, Cluster.uniform(2, e.needed_bytes), 3, **kw)
+            assert all(d.total <= d.budget for d in again.devices), e
+            continue
+        assert all(d.total <= d.budget for d in got.devices), budget
+    assert told  # (and said why, where the split search alone would have taken the budget)
