@@ -199,6 +199,8 @@ def interleaved_runs_bound(
 
 
 _FACTORS: dict[tuple, float] = {}
+LEAST_SHARE = 1e-6  # interleaved_runs_bound's shares below it are taken as none
+LP_LIMIT_MS = 2000  # the most _best_weights' LP may take
 
 
 def _runs_factor(schedule: Schedule, shares: tuple[float, ...], speeds: Sequence[float]) -> float:
@@ -207,7 +209,10 @@ def _runs_factor(schedule: Schedule, shares: tuple[float, ...], speeds: Sequence
     counts = _run_counts(schedule)
     if counts is None:
         return 0.0
-    f, b, both = shares
+    # (a share below a millionth taken as none: a smaller share only weakens the bound, and
+    # GLOP never returned on one of 1.2e-16, a backward that float rounding left of a layer
+    # all forward: found by a hypothesis test)
+    f, b, both = (x if x >= LEAST_SHARE else 0.0 for x in shares)
     nf, nb = counts  # (paths, stages)
     pairs = np.minimum(nf, nb)
     c = pairs * both + (nf - pairs) * f + (nb - pairs) * b
@@ -235,6 +240,7 @@ def _best_weights(c: np.ndarray) -> np.ndarray | None:
     lp = pywraplp.Solver.CreateSolver("GLOP")
     if lp is None:
         return None
+    lp.SetTimeLimit(LP_LIMIT_MS)  # (then no weights: the bound is 0, still a bound)
     y = [lp.NumVar(0.0, 1.0, "") for _ in range(c.shape[0])]
     t = lp.NumVar(0.0, lp.infinity(), "t")
     total = lp.Constraint(1.0, 1.0)
