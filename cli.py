@@ -1086,7 +1086,7 @@ def _stage_table(plan: Any) -> str:
                 (f"{100 * m.total / m.budget:.0f}%" if m.budget else "-")
                 # (over where its device is, by what check gates: the stage's own figure may
                 # be above its budget where the device's is not, on an uneven batch)
-                + (" OVER" if m.total > m.budget and _over(plan.devices[st.rank]) else ""),
+                + (" OVER" if m.total > m.budget and _device_over(plan.devices[st.rank]) else ""),
             ]
         )
     head = ["stage", "device", "layers", "types", "fwd ms", "I+W ms" if zero_bubble else "bwd ms",
@@ -1105,7 +1105,7 @@ def _stage_table(plan: Any) -> str:
     return table
 
 
-def _over(device: Any) -> bool:
+def _device_over(device: Any) -> bool:
     return device.total > device.budget
 
 
