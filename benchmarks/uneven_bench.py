@@ -4,10 +4,13 @@ process (issue #7): torch.tensor_split makes 7 samples in 3 micro-batches 3, 2 a
 (up to 12% over the run on the GPT); now each device's peak counts each at its own.
 
 Models: tests/test_measure.py's mlp and transformer, and tests/test_graph.py's small GPT
-(captured), each with its own loss. Every layer timed alike (even_times), so the
-split depends on memory alone and is the same before and after; recomputation never.
+(captured), each with its own loss, profiled at 2 and 3 samples. Every layer timed alike
+(even_times), so the split depends on memory alone and is the same before and after;
+recomputation never. `--models unet`: example:unet (captured) profiled at 1 and 2 samples,
+where a CPU's convolutions take more working memory at one sample than at two (a red team
+measured 32% over the plan when the smaller micro-batch's were capped at the larger's).
 
-    python benchmarks/uneven_bench.py
+    python benchmarks/uneven_bench.py [--models mlp,transformer,gpt,unet]
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 CASES = [(3, 3, 7), (2, 3, 8)]  # (devices, micro-batches, samples)
+UNET_CASES = [(2, 2, 3), (4, 2, 3), (2, 4, 5)]
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 
 
@@ -30,12 +34,20 @@ def _models() -> list[tuple[str, Any, Any]]:
     from tests.test_graph import gpt_small
     from tests.test_measure import MODELS
 
+    from profiler.examples import unet
+
     out = [(name, build, lambda m: m) for name, build in MODELS.items()]
     out.append(("gpt", gpt_small, lambda m: capture(m, m.example_input)))
+    out.append(("unet", unet, lambda m: capture(m, m.example_input)))
     return out
 
 
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="mlp,transformer,gpt")
+    wanted = ap.parse_args().models.split(",")
     from codegen.measure import make_data
     from codegen.pipe import compile_pipe
     from planner import Cluster
@@ -46,10 +58,13 @@ def main() -> None:
           "(error) |")  # fmt: skip
     print("|---|---|---|---|")
     for name, build, layers_of in _models():
+        if name not in wanted:
+            continue
         model = build()
         x = model.example_input[:4]
-        prof = even_times(quick_profile(layers_of(model), x, batch_sizes=[2, 3]))
-        for K, M, N in CASES:
+        sizes, cases = ([1, 2], UNET_CASES) if name == "unet" else ([2, 3], CASES)
+        prof = even_times(quick_profile(layers_of(model), x, batch_sizes=sizes))
+        for K, M, N in cases:
             for schedule in SCHEDULES:
                 try:
                     plan = plan_pipeline(prof, Cluster.uniform(K, "1GiB"), N, microbatches=M,
