@@ -324,8 +324,9 @@ def _plan(args: argparse.Namespace, out: Path, profile: Profile) -> int:
             file=sys.stderr,
         )
     sizes = profile.batch_sizes
-    used = [plan.microbatch_size]  # (and an uneven batch's smaller ones, where counted so)
-    used += [used[0] - 1] if any(st.state_bytes_rest for st in plan.stages) else []
+    used = [plan.microbatch_size]  # (and an uneven batch's smaller ones: counted at their
+    # own size, or at the larger, whose figures stand for them unmeasured below the profile)
+    used += [used[0] - 1] if plan.batch_size % plan.microbatches else []
     if outside := [mb for mb in used if mb not in sizes and not sizes[0] < mb < sizes[-1]]:
         named = " and ".join(map(str, outside))
         print(

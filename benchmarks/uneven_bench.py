@@ -30,11 +30,10 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 
 def _models() -> list[tuple[str, Any, Any]]:
     """(name, build, the layers of a build) per model."""
+    from profiler.examples import unet
     from profiler.graph import capture
     from tests.test_graph import gpt_small
     from tests.test_measure import MODELS
-
-    from profiler.examples import unet
 
     out = [(name, build, lambda m: m) for name, build in MODELS.items()]
     out.append(("gpt", gpt_small, lambda m: capture(m, m.example_input)))

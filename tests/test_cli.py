@@ -513,6 +513,7 @@ def test_a_working_directory_that_is_gone_is_one_line(tmp_path):
         ((3,), 7, 2, "4"),
         ((1, 3), 7, 2, "4"),
         ((2, 4), 7, 2, None),
+        ((2,), 3, 2, "1"),  # (counted at 2, which stands for it unmeasured)
     ],
 )
 def test_plan_notes_micro_batches_outside_the_profiled_sizes(
