@@ -1243,6 +1243,15 @@ def test_a_group_shown_to_fit_nowhere_has_no_candidate_that_fits(seed, K, mixed)
     assert shown > 0
 
 
+def _split_at_least(problem: search._Problem, cand: search.Candidate) -> Partition | None:
+    """The candidate's split at the least memory it plans with (where memory binds: stages
+    recompute), or None."""
+    fits = search._fits_within(problem, cand)
+    least = search._least(fits, None)
+    found = fits(least, True) if least is not None else None
+    return None if found is None else found[1]
+
+
 @settings(max_examples=6, deadline=None)
 @given(
     st.integers(0, 10**6),
@@ -1260,12 +1269,8 @@ def test_device_peaks_are_the_plans_own(seed, K, mixed, target):
     for group in groups:
         for cand in group:
             specs = search._stage_specs(problem, cand, halve=cand.per_device == 1)
-            fits = search._fits_within(problem, cand)
-            least = search._least(fits, None)  # (where memory binds: stages recompute)
-            found = fits(least, True) if least is not None else None
-            if found is None:
+            if (split := _split_at_least(problem, cand)) is None:
                 continue
-            split = found[1]
             plan = search._build_plan(problem, cand, specs, split, "probe-bisection")
             got = search._device_peaks(problem, cand, specs, split)
             assert got == [d.total for d in plan.devices], cand
@@ -1289,12 +1294,8 @@ def test_device_peaks_of_an_uneven_batch_are_at_least_the_plans_and_the_larger_s
             if cand.per_device == 1 or not problem.larger(cand):
                 continue
             specs = search._stage_specs(problem, cand, halve=False)
-            fits = search._fits_within(problem, cand)
-            least = search._least(fits, None)
-            found = fits(least, True) if least is not None else None
-            if found is None:
+            if (split := _split_at_least(problem, cand)) is None:
                 continue
-            split = found[1]
             plan = search._build_plan(problem, cand, specs, split, "probe-bisection")
             got = search._device_peaks(problem, cand, specs, split)
             with monkeypatch.context() as m:  # (every micro-batch at the larger size)
