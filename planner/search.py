@@ -233,9 +233,10 @@ class _Problem:
         makes the first batch_size % M the larger), where the batch splits unevenly and the
         devices' peaks count each at its own size (the split is solved at the larger); 0
         where they count all at the larger: for the torchrun program, whose messages
-        (comm.receive_offsets) are counted at one size per stage, and where the profile
-        measured nothing at or below the smaller size (scaled down from a larger one, a
-        layer's fixed part would shrink with it: found by a review, 0.5% low)."""
+        (comm.receive_offsets) are counted at one size per stage (its working memory at least
+        the smaller one's, _build_plan), and where the profile measured nothing at or below
+        the smaller size (scaled down from a larger one, a layer's fixed part would shrink
+        with it: found by a review, 0.5% low)."""
         larger = self.batch_size % cand.microbatches
         smaller = self.batch_size // cand.microbatches
         if self.target != "streams" or smaller < min(self.profile.batch_sizes):
@@ -2571,7 +2572,8 @@ def _planned_need(
     deadline: float | None,
 ) -> tuple[int, Plan, bool]:
     """Where the closest plan's program holds more than the split search counts (a torchrun
-    program's gradients received ahead of their backward, its batches of messages in flight),
+    program's gradients received ahead of their backward, its batches of messages in flight;
+    an uneven batch's smaller micro-batches' working memory beyond the larger ones'),
     `plan` at the split search's `need` fails (found by a red team: 12 of 200 small torchrun
     cases were told a need at which `plan` then failed). The closest plan itself fits from
     `held`, the most any device it overruns holds: there `plan` returns it (on equal devices
