@@ -505,7 +505,9 @@ class Plan(Artifact):
                 )
             rest = st.state_bytes_rest
             if rest is not None:
-                uneven = self.target == "streams" and self.batch_size % self.microbatches
+                # (a torchrun plan counts them on a chain, whose messages are known per size)
+                chain = all(x.grads_back is None for x in self.stages)
+                uneven = (self.target == "streams" or chain) and self.batch_size % self.microbatches
                 mine, theirs = st.state_bytes.model_dump(), rest.model_dump()
                 alike = ("static", "optimizer_step", "foreach", "runtime", "late_grad",
                          "step_head", "step_tail")  # fmt: skip

@@ -65,6 +65,7 @@ from schedules.memory import (
     peaks,
 )
 from schedules.order import freeze
+from schedules.simulate import smaller_messages
 
 from .bounds import (
     interleaved_bound_of,
@@ -228,20 +229,29 @@ class _Problem:
             self.memories[mb] = MemoryModel(self.chain_of(mb))
         return self.memories[mb]
 
+    def measured_smaller(self, cand: Candidate) -> bool:
+        """Whether the batch splits unevenly and the profile measured the smaller size (or
+        below it): then the plan counts the smaller micro-batches' working memory, for any
+        target (larger, and _build_plan's `wide`)."""
+        smaller = self.batch_size // cand.microbatches
+        return bool(self.batch_size % cand.microbatches) and smaller >= min(
+            self.profile.batch_sizes
+        )
+
     def larger(self, cand: Candidate) -> int:
         """How many micro-batches take one sample more than the rest (torch.tensor_split
         makes the first batch_size % M the larger), where the batch splits unevenly and the
         devices' peaks count each at its own size (the split is solved at the larger); 0
-        where they count all at the larger: for the torchrun program, whose messages
-        (comm.receive_offsets) are counted at one size per stage (its working memory at least
-        the smaller one's, _build_plan), and where the profile measured nothing at or below
-        the smaller size (scaled down from a larger one, a layer's fixed part would shrink
-        with it: found by a review, 0.5% low)."""
-        larger = self.batch_size % cand.microbatches
-        smaller = self.batch_size // cand.microbatches
-        if self.target != "streams" or smaller < min(self.profile.batch_sizes):
+        where they count all at the larger: for the torchrun program of a captured graph,
+        whose gradients sent back (Costs.grads_back) are known at one size (its working
+        memory at least the smaller one's, _build_plan), and where the profile measured
+        nothing at or below the smaller size (scaled down from a larger one, a layer's fixed
+        part would shrink with it: found by a review, 0.5% low)."""
+        if not self.measured_smaller(cand):
             return 0
-        return larger
+        if self.target != "streams" and self.profile.captured:
+            return 0
+        return self.batch_size % cand.microbatches
 
 
 def microbatch_candidates(batch_size: int, num_devices: int) -> list[int]:
@@ -1283,10 +1293,40 @@ def _fits_jointly_by_bound(problem: _Problem, cand: Candidate, part: Partition) 
         int(memory.total(i, j, specs[s].shapes[choices[s]])[0])
         for s, (i, j) in enumerate(part.stages)
     ]
+    if problem.measured_smaller(cand):
+        # An uneven batch: the totals count every micro-batch at the larger size, whose
+        # states bound the smaller ones' (_no_state_above) but whose working memory need not,
+        # and the plan counts the smaller's where it is known (a stress run: True on splits
+        # whose plan overran, so a fallback that might have won went unsolved and the plan
+        # was claimed optimal).
+        grown = _smaller_growth(problem, cand, part, choices)
+        if grown is None:
+            return False
+        totals = [t + g for t, g in zip(totals, grown)]
     held = [0] * K
     for s, total in enumerate(totals):
         held[s % K] += total
     return all(h <= d.memory_bytes for h, d in zip(held, problem.cluster.devices))
+
+
+def _smaller_growth(
+    problem: _Problem, cand: Candidate, part: Partition, choices: list[int]
+) -> list[int] | None:
+    """Per stage, how much more working memory a smaller micro-batch of an uneven batch may
+    take than a larger one: its transients' growth over the larger's, added up (what a stage
+    holds at any moment is its states, each a smaller micro-batch's at most the larger's, and
+    its working memory then). None for a captured graph (its stages have no breakdown here)."""
+    chain, memory = problem.chain(cand)
+    if chain.flow is not None:
+        return None
+    specs = _stage_specs(problem, cand, halve=False)
+    shapes = [specs[s].shapes[choices[s]] for s in range(len(specs))]
+    lo, hi = np.array([i for i, _ in part.stages]), np.array([j for _, j in part.stages])
+    sizes = memory.stages_bytes(lo, hi, shapes)
+    rest = problem.memory_of(chain.mb - 1).stages_bytes(lo, hi, shapes)
+    return [
+        sum(max(0, getattr(r, k) - getattr(b, k)) for k in TRANSIENTS) for b, r in zip(sizes, rest)
+    ]
 
 
 def _faster(a: Plan, b: Plan) -> bool:
@@ -1904,14 +1944,14 @@ def _build_plan(
     back = _grads_back(chain.flow, part.bounds) if chain.flow is not None else None
     larger = problem.larger(cand)
     smaller = problem.memory_of(chain.mb - 1) if larger else None
-    # The torchrun program's plan counts every micro-batch at the larger size: each stage's
-    # working memory there is at least a smaller one's (a CPU's convolutions take more at one
-    # sample: a U-Net's rank was 4.8% over its plan, found by a review). Over where it is
-    # larger, at the looks the larger micro-batches run (11-14% on that U-Net), not under.
+    # The torchrun program of a captured graph: its plan counts every micro-batch at the
+    # larger size, each stage's working memory there at least a smaller one's (a CPU's
+    # convolutions take more at one sample: a U-Net's rank was 4.8% over its plan, found by a
+    # review). Over where it is larger, at the looks the larger micro-batches run (11-14% on
+    # that U-Net), not under.
     wide = None
-    if not larger and problem.batch_size % cand.microbatches:
-        if problem.target != "streams" and chain.mb - 1 >= min(profile.batch_sizes):
-            wide = problem.memory_of(chain.mb - 1)
+    if not larger and problem.target != "streams" and problem.measured_smaller(cand):
+        wide = problem.memory_of(chain.mb - 1)
     widened = False
     stages = []
     pairs: list[tuple[StageBytes, StageBytes]] = []  # (each stage's larger and smaller bytes)
@@ -2016,6 +2056,7 @@ def _build_plan(
             lowered, [st.state_bytes.input for st in stages],
             [st.state_bytes.grad for st in stages], costs.grads_back,
             preposted(lowered, costs), sends_held=ran is None,
+            rest=smaller_messages(costs), larger=costs.larger,
         )  # fmt: skip
         if ahead or after:
             fitted = all(d.total <= d.budget for d in devices)
@@ -2324,7 +2365,15 @@ def _fits_within(problem: _Problem, cand: Candidate) -> Callable[..., _Fit | Non
         """`solved`: the split is the fastest that fits (else any that fits, found faster)."""
         specs = _stage_specs(problem, cand, budget)
         bounds = fitting_split(times, memory, specs, cuts=cuts)
-        if bounds is not None:
+        if bounds is not None and v > 1 and problem.measured_smaller(cand):
+            # Each stage within half its device at the larger size: the smaller micro-batches'
+            # working memory may be larger, as their plan counts it (_fits_jointly_by_bound's
+            # case). Such a split fits where its devices' peaks do; else as below.
+            part = fastest(specs)
+            totals = _device_peaks(problem, cand, specs, part)
+            if all(t <= max(d.memory_bytes, budget) for t, d in zip(totals, devices)):
+                return specs, part, True, budget
+        elif bounds is not None:
             part = fastest(specs) if solved else Partition(bounds=bounds, bottleneck=math.nan)
             return specs, part, v > 1, budget if v > 1 else need_of(specs, part, budget)
         if v == 1:

@@ -78,10 +78,15 @@ def _received_back(
     lowered: Schedule,
     grads: Sequence[int],
     back: Sequence[dict[int, int] | None] | None = None,
+    rest: Sequence[int] | None = None,
+    larger: int = 0,
 ) -> tuple[dict[Action, int], dict[Action, int]]:
     """received_ahead's figures during each compute action, and those of the batch of sends
     and receives after it (its receives' buffers are made as the batch is posted, those of
-    the action after it included)."""
+    the action after it included). `rest`: per stage, the input gradient's bytes of the
+    micro-batches from `larger` on (an uneven batch's smaller ones; `grads` the others')."""
+    if rest is not None and back is not None:
+        raise ValueError("a captured graph's gradients sent back are known at one size only")
     S = lowered.num_stages
     _, receivers = _neighbours(S, tuple(map(tuple, lowered.routes)))
     place = lowered.placement
@@ -95,7 +100,8 @@ def _received_back(
             for t in [q.peer] if q.peer >= 0 else receivers[q.stage]:
                 if place[t] != r:
                     piece = back[t] if back is not None else None
-                    n += piece.get(q.stage, 0) if piece is not None else grads[t]
+                    own = grads if rest is None or q.microbatch < larger else rest
+                    n += piece.get(q.stage, 0) if piece is not None else own[t]
         return n
 
     for r, acts in lowered.ranks.items():
@@ -127,6 +133,8 @@ def receive_offsets(
     back: Sequence[dict[int, int] | None] | None = None,
     preposted: frozenset[int] = frozenset(),
     sends_held: bool = False,
+    rest: tuple[Sequence[int], Sequence[int]] | None = None,
+    larger: int = 0,
 ) -> tuple[dict[Action, int], dict[Action, int]]:
     """For memory.peaks: what each rank of a program with its communication placed (as the
     torchrun target runs it) holds beyond (+) or short of (-) what the issue-order memory
@@ -151,10 +159,16 @@ def receive_offsets(
     out. A look at a rank between two of its own actions, where another rank's action ends,
     takes the larger of the two actions' `during` figures (memory.peaks). Messages into a
     stage that also takes values from further back (a captured graph's skips) are counted
-    as the issue order has them."""
+    as the issue order has them.
+
+    `rest`: where a batch splits unevenly, the (`inputs`, `grads`) of the micro-batches from
+    `larger` on, the smaller ones (`inputs` and `grads` then the larger ones'), each message
+    counted at its own micro-batch's size as the program allocates it (a chain's only)."""
     from .order import issue_arrays
 
-    during, after = _received_back(lowered, grads, back)
+    during, after = _received_back(
+        lowered, grads, back, rest[1] if rest is not None else None, larger
+    )
     S, place = lowered.num_stages, lowered.placement
     kinds = (Kind.F, Kind.B, Kind.I, Kind.W)
     kind, stage, mb = issue_arrays(lowered)
@@ -204,8 +218,9 @@ def receive_offsets(
         if r == q or lowered.senders(t) != [a]:
             continue
         for m in range(lowered.num_microbatches):
+            ins, outs = (inputs, grads) if rest is None or m < larger else rest
             # forward: a's output, made by F(a, m), read by F(t, m)
-            n, made = inputs[t], at[(Kind.F, a, m)]
+            n, made = ins[t], at[(Kind.F, a, m)]
             sent = posted(Kind.SEND_F, a, m, t)
             end = len(compute[r]) if sends_held or sent is None else sent
             hold(r, made + 1, end, n, 0)
@@ -217,7 +232,7 @@ def receive_offsets(
             counted(q, issued[(Kind.F, a, m)], issued[(Kind.F, t, m)], n)
             # backward: t's input gradient, made by its B or I, read by a's B or I (received
             # as received_ahead has it)
-            n, make = grads[t], backward(t, m)
+            n, make = outs[t], backward(t, m)
             sent = posted(Kind.SEND_B, t, m, a)
             end = len(compute[q]) if sends_held or sent is None else sent
             hold(q, at[make] + 1, end, n, 0)

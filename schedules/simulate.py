@@ -206,6 +206,7 @@ def simulate(
             receive_offsets(
                 schedule, [b.input for b in sizes], [b.grad for b in sizes], costs.grads_back,
                 preposted(schedule, costs), sends_held=not _meets(schedule),
+                rest=smaller_messages(costs), larger=costs.larger,
             )
             if rendezvous
             else (None, None)
@@ -219,6 +220,15 @@ def simulate(
                     when[a] = (st, en)
             memory_steps = timed_levels(schedule, modes, sizes, when, **rest)  # type: ignore[arg-type]
     return Timeline(schedule, starts, ends, transfers, makespan, busy, peak, memory_steps)
+
+
+def smaller_messages(costs: Costs) -> tuple[list[int], list[int]] | None:
+    """What an uneven batch's smaller micro-batches send on and back per stage (their inputs,
+    their input gradients), where the costs count them (memory_rest); on a captured graph,
+    whose gradients sent back are known at one size, None (all at the larger size)."""
+    if costs.memory_rest is None or not costs.larger or costs.grads_back is not None:
+        return None
+    return [b.input for b in costs.memory_rest], [b.grad for b in costs.memory_rest]
 
 
 _Run = tuple[
