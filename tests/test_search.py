@@ -1535,7 +1535,8 @@ def test_a_split_fits_only_where_a_smaller_micro_batchs_own_working_memory_does(
     # the torchrun plan of a chain counts them alike, its messages each at its own size
     # (before, every micro-batch at the larger size: 10-17% over a transformer's ranks)
     run = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 3, target="torchrun", **kw)
-    assert [x.state_bytes_rest for x in run.stages] == [x.state_bytes_rest for x in plan.stages]
+    mine = [x.state_bytes_rest.model_dump(exclude={"runtime"}) for x in run.stages]
+    assert mine == [x.state_bytes_rest.model_dump(exclude={"runtime"}) for x in plan.stages]
     assert [d.total for d in run.devices] == simulate_plan(run, levels=False).peak_memory
 
 
