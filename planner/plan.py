@@ -127,7 +127,9 @@ class StateBytes(_Strict, LaterFields):
 
 
 class StagePlan(_Strict, LaterFields):
-    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("late_send_ms", "grads_back", "state_bytes_rest")
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = (
+        "late_send_ms", "grads_back", "state_bytes_rest", "grads_back_rest"
+    )  # fmt: skip
 
     index: Count
     rank: Count = Field(description="position of the stage's device in the cluster")
@@ -174,6 +176,12 @@ class StagePlan(_Strict, LaterFields):
         description="a captured graph's: per stage this one takes values from, the bytes of their "
         "gradients it sends back there per micro-batch (None: all of state_bytes.grad, to the "
         "stage before)",
+    )
+    grads_back_rest: list[tuple[_StrictCount, _StrictBytes]] | None = Field(
+        default=None,
+        strict=True,
+        description="grads_back of the smaller micro-batches of an uneven split, where the "
+        "torchrun program's plan counts them (None: as grads_back)",
     )
     state_bytes: StateBytes
     state_bytes_rest: StateBytes | None = Field(
@@ -505,9 +513,7 @@ class Plan(Artifact):
                 )
             rest = st.state_bytes_rest
             if rest is not None:
-                # (a torchrun plan counts them on a chain, whose messages are known per size)
-                chain = all(x.grads_back is None for x in self.stages)
-                uneven = (self.target == "streams" or chain) and self.batch_size % self.microbatches
+                uneven = self.batch_size % self.microbatches
                 mine, theirs = st.state_bytes.model_dump(), rest.model_dump()
                 alike = ("static", "optimizer_step", "foreach", "runtime", "late_grad",
                          "step_head", "step_tail")  # fmt: skip
@@ -521,6 +527,16 @@ class Plan(Artifact):
                         "of an uneven split holds beside state_bytes"
                     )
             back = st.grads_back or []
+            rest_back = st.grads_back_rest
+            if rest_back is not None and (
+                st.state_bytes_rest is None
+                or [a for a, _ in rest_back] != [a for a, _ in back]
+                or any(n > m for (_, n), (_, m) in zip(rest_back, back))
+            ):
+                raise ValueError(
+                    f"stage {st.index}: grads_back_rest is not what a smaller micro-batch of "
+                    "an uneven split sends back to the stages grads_back names"
+                )
             if back:  # what it sends back to each stage it takes values from
                 senders = sorted(a for a, t in self.routes if t == st.index) if self.routes else (
                     [st.index - 1] if st.index else []

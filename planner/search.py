@@ -242,14 +242,10 @@ class _Problem:
         """How many micro-batches take one sample more than the rest (torch.tensor_split
         makes the first batch_size % M the larger), where the batch splits unevenly and the
         devices' peaks count each at its own size (the split is solved at the larger); 0
-        where they count all at the larger: for the torchrun program of a captured graph,
-        whose gradients sent back (Costs.grads_back) are known at one size (its working
-        memory at least the smaller one's, _build_plan), and where the profile measured
-        nothing at or below the smaller size (scaled down from a larger one, a layer's fixed
-        part would shrink with it: found by a review, 0.5% low)."""
+        where they count all at the larger: where the profile measured nothing at or below
+        the smaller size (scaled down from a larger one, a layer's fixed part would shrink
+        with it: found by a review, 0.5% low)."""
         if not self.measured_smaller(cand):
-            return 0
-        if self.target != "streams" and self.profile.captured:
             return 0
         return self.batch_size % cand.microbatches
 
@@ -1271,7 +1267,73 @@ def _interleaved_fallback(
         plan = _build_plan(problem, cand, try_specs, part, method, relaxed=relaxed)
         if plan.fits and (best is None or not best.fits or _faster(plan, best)):
             best = plan
+    if best is None or not best.fits:
+        # Each stage free to use its whole device, but a device's overrun taken from one of
+        # its stages: another split of the same bottleneck, or near it, may share the device
+        # where the relaxed one does not (found by a red team: the dp solver's tie fit, the
+        # probe's did not, and each stage in half its device fit nowhere).
+        for r in range(cand.per_device):
+            tight, part, plan = list(specs), relaxed, relaxed_plan
+            for _ in range(TIGHTEN_ROUNDS):
+                if plan is None:
+                    plan = _build_plan(problem, cand, specs, part, method)
+                tight = _tightened(problem, cand, tight, part, plan, r)
+                if tight is None:
+                    break
+                try:
+                    part = solve(times, memory, tight, cuts=cuts, **within)
+                except NoneWithin:
+                    at_least = min(at_least, limit * cand.microbatches)
+                    break
+                if part is None:
+                    break
+                bound = _lower_bound(problem, cand, [sp.speed for sp in specs], part)
+                if beat is not None and bound > beat * (1 + 1e-12):
+                    at_least = min(at_least, bound)
+                    break
+                # (as fast as the relaxation, which no split that fits beats: proven)
+                same = part.bottleneck <= relaxed.bottleneck * (1 + 1e-12)
+                plan = _build_plan(
+                    problem, cand, specs, part, method, relaxed=None if same else relaxed
+                )
+                if plan.fits:
+                    if best is None or not best.fits or _faster(plan, best):
+                        best = plan
+                    break
     return best, (at_least if math.isfinite(at_least) else None)
+
+
+TIGHTEN_ROUNDS = 2  # splits tried per choice of the stage a device's overrun comes from
+
+
+def _tightened(
+    problem: _Problem,
+    cand: Candidate,
+    specs: list[StageSpec],
+    part: Partition,
+    plan: Plan,
+    r: int,
+) -> list[StageSpec] | None:
+    """`specs` for an interleaved split that may share its devices where `part` (its plan:
+    `plan`) overran one: on each device over its memory, the stage that holds the r-th most
+    there gets its own total less the overrun as its budget (or less, where it had one
+    already); None where no device is over."""
+    _, memory = problem.chain(cand)
+    K, v = problem.cluster.size, cand.per_device
+    over = {d: x.total - x.budget for d, x in enumerate(plan.devices) if x.total > x.budget}
+    if not over:
+        return None
+    modes = _stage_modes(cand, part)
+    totals = [
+        int(memory.total(i, j, specs[s].shapes[cand.modes.index(modes[s])])[0])
+        for s, (i, j) in enumerate(part.stages)
+    ]
+    tight = list(specs)
+    for d, o in over.items():
+        s = sorted(range(d, K * v, K), key=lambda t: (-totals[t], t))[r]
+        sp = tight[s]
+        tight[s] = StageSpec(sp.speed, min(sp.budget, totals[s] - o), sp.shape, sp.more)
+    return tight
 
 
 def _fits_jointly_by_bound(problem: _Problem, cand: Candidate, part: Partition) -> bool:
@@ -1944,15 +2006,10 @@ def _build_plan(
     back = _grads_back(chain.flow, part.bounds) if chain.flow is not None else None
     larger = problem.larger(cand)
     smaller = problem.memory_of(chain.mb - 1) if larger else None
-    # The torchrun program of a captured graph: its plan counts every micro-batch at the
-    # larger size, each stage's working memory there at least a smaller one's (a CPU's
-    # convolutions take more at one sample: a U-Net's rank was 4.8% over its plan, found by a
-    # review). Over where it is larger, at the looks the larger micro-batches run (11-14% on
-    # that U-Net), not under.
-    wide = None
-    if not larger and problem.target != "streams" and problem.measured_smaller(cand):
-        wide = problem.memory_of(chain.mb - 1)
-    widened = False
+    # what a captured graph's stages send back per stage they take values from, per size
+    back_rest = None
+    if larger and back is not None:
+        back_rest = _grads_back(problem.chain_of(chain.mb - 1).flow, part.bounds)
     stages = []
     pairs: list[tuple[StageBytes, StageBytes]] = []  # (each stage's larger and smaller bytes)
     for s, ((i, j), spec) in enumerate(zip(part.stages, specs)):
@@ -1972,11 +2029,6 @@ def _build_plan(
         rest = smaller.stage_bytes(i, j, shape, starts[s]) if smaller is not None else None
         if rest is not None:
             rest = _no_state_above(rest, sizes)
-        if wide is not None:
-            w = wide.stage_bytes(i, j, shape, starts[s])
-            up = {k: getattr(w, k) for k in TRANSIENTS if getattr(w, k) > getattr(sizes, k)}
-            sizes = dataclasses.replace(sizes, **up)
-            widened |= bool(up)
         if v == 1 and problem.target == "streams":
             # the streams program's copy of a tied weight on this device: its gradient is
             # handed to the model's parameter as each step ends, and made again by the stage's
@@ -2010,6 +2062,7 @@ def _build_plan(
                 stash_bytes=int(states["saved"][0]),
                 input_bytes=received[s],
                 grads_back=sorted(back[s].items()) if back is not None else None,
+                grads_back_rest=sorted(back_rest[s].items()) if back_rest is not None else None,
                 state_bytes=_state_bytes(sizes, cand.per_device),
                 state_bytes_rest=_state_bytes(rest, cand.per_device) if rest else None,
                 memory=MemoryBreakdown(
@@ -2156,8 +2209,6 @@ def _build_plan(
         meta=PlanMeta(tool_version=VERSION),
     )
     plan._untimed = problem.target == "torchrun" and K > 1 and lost
-    # (torchrun: the split search did not see the widened transients either)
-    uneven_over = uneven_over or (widened and not ahead_over and not plan.fits)
     plan._ahead_over = AHEAD_OVER if ahead_over else UNEVEN_OVER if uneven_over else ""
     plan._held_less = held_less
     return plan
@@ -2229,6 +2280,11 @@ def stage_costs(
         grads_back=(
             [None if st.grads_back is None else dict(st.grads_back) for st in stages]
             if any(st.grads_back is not None for st in stages)
+            else None
+        ),
+        grads_back_rest=(
+            [None if st.grads_back_rest is None else dict(st.grads_back_rest) for st in stages]
+            if uneven and any(st.grads_back_rest is not None for st in stages)
             else None
         ),
     )

@@ -78,15 +78,15 @@ def _received_back(
     lowered: Schedule,
     grads: Sequence[int],
     back: Sequence[dict[int, int] | None] | None = None,
-    rest: Sequence[int] | None = None,
+    rest: tuple[Sequence[int], Sequence[dict[int, int] | None] | None] | None = None,
     larger: int = 0,
 ) -> tuple[dict[Action, int], dict[Action, int]]:
     """received_ahead's figures during each compute action, and those of the batch of sends
     and receives after it (its receives' buffers are made as the batch is posted, those of
-    the action after it included). `rest`: per stage, the input gradient's bytes of the
-    micro-batches from `larger` on (an uneven batch's smaller ones; `grads` the others')."""
-    if rest is not None and back is not None:
-        raise ValueError("a captured graph's gradients sent back are known at one size only")
+    the action after it included). `rest`: the (`grads`, `back`) of the micro-batches from
+    `larger` on (an uneven batch's smaller ones; `grads` and `back` the others')."""
+    if rest is not None and (back is None) != (rest[1] is None):
+        raise ValueError("the smaller micro-batches' gradients sent back are given unlike the rest")
     S = lowered.num_stages
     _, receivers = _neighbours(S, tuple(map(tuple, lowered.routes)))
     place = lowered.placement
@@ -99,8 +99,8 @@ def _received_back(
         for q in pending:
             for t in [q.peer] if q.peer >= 0 else receivers[q.stage]:
                 if place[t] != r:
-                    piece = back[t] if back is not None else None
-                    own = grads if rest is None or q.microbatch < larger else rest
+                    own, each = (grads, back) if rest is None or q.microbatch < larger else rest
+                    piece = each[t] if each is not None else None
                     n += piece.get(q.stage, 0) if piece is not None else own[t]
         return n
 
@@ -133,7 +133,7 @@ def receive_offsets(
     back: Sequence[dict[int, int] | None] | None = None,
     preposted: frozenset[int] = frozenset(),
     sends_held: bool = False,
-    rest: tuple[Sequence[int], Sequence[int]] | None = None,
+    rest: tuple[Sequence[int], Sequence[int], Sequence[dict[int, int] | None] | None] | None = None,
     larger: int = 0,
 ) -> tuple[dict[Action, int], dict[Action, int]]:
     """For memory.peaks: what each rank of a program with its communication placed (as the
@@ -161,13 +161,14 @@ def receive_offsets(
     stage that also takes values from further back (a captured graph's skips) are counted
     as the issue order has them.
 
-    `rest`: where a batch splits unevenly, the (`inputs`, `grads`) of the micro-batches from
-    `larger` on, the smaller ones (`inputs` and `grads` then the larger ones'), each message
-    counted at its own micro-batch's size as the program allocates it (a chain's only)."""
+    `rest`: where a batch splits unevenly, the (`inputs`, `grads`, `back`) of the
+    micro-batches from `larger` on, the smaller ones (`inputs`, `grads` and `back` then the
+    larger ones'), each message counted at its own micro-batch's size as the program
+    allocates it."""
     from .order import issue_arrays
 
     during, after = _received_back(
-        lowered, grads, back, rest[1] if rest is not None else None, larger
+        lowered, grads, back, rest[1:] if rest is not None else None, larger
     )
     S, place = lowered.num_stages, lowered.placement
     kinds = (Kind.F, Kind.B, Kind.I, Kind.W)
@@ -218,7 +219,7 @@ def receive_offsets(
         if r == q or lowered.senders(t) != [a]:
             continue
         for m in range(lowered.num_microbatches):
-            ins, outs = (inputs, grads) if rest is None or m < larger else rest
+            ins, outs = (inputs, grads) if rest is None or m < larger else rest[:2]
             # forward: a's output, made by F(a, m), read by F(t, m)
             n, made = ins[t], at[(Kind.F, a, m)]
             sent = posted(Kind.SEND_F, a, m, t)

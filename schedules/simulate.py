@@ -73,6 +73,8 @@ class Costs:
     # per stage, the gradient bytes it sends back to each stage it takes values from (a
     # captured graph's routes; None: all of memory[t].grad, to the stage before)
     grads_back: Sequence[dict[int, int] | None] | None = None
+    # the same for the micro-batches from `larger` on (None: as grads_back)
+    grads_back_rest: Sequence[dict[int, int] | None] | None = None
 
     @classmethod
     def uniform(
@@ -222,13 +224,19 @@ def simulate(
     return Timeline(schedule, starts, ends, transfers, makespan, busy, peak, memory_steps)
 
 
-def smaller_messages(costs: Costs) -> tuple[list[int], list[int]] | None:
+def smaller_messages(
+    costs: Costs,
+) -> tuple[list[int], list[int], Sequence[dict[int, int] | None] | None] | None:
     """What an uneven batch's smaller micro-batches send on and back per stage (their inputs,
-    their input gradients), where the costs count them (memory_rest); on a captured graph,
-    whose gradients sent back are known at one size, None (all at the larger size)."""
-    if costs.memory_rest is None or not costs.larger or costs.grads_back is not None:
+    their input gradients, a captured graph's per stage it sends to), where the costs count
+    them (memory_rest); None where they do not, or a captured graph's gradients sent back are
+    known at one size (all at the larger)."""
+    if costs.memory_rest is None or not costs.larger:
         return None
-    return [b.input for b in costs.memory_rest], [b.grad for b in costs.memory_rest]
+    if costs.grads_back is not None and costs.grads_back_rest is None:
+        return None
+    inputs, grads = [b.input for b in costs.memory_rest], [b.grad for b in costs.memory_rest]
+    return inputs, grads, costs.grads_back_rest
 
 
 _Run = tuple[

@@ -402,6 +402,12 @@ def test_simulate_writes_trace_and_png(run_cli, plan_path, tmp_path):
         sum(1 for e in events if e["ph"] == "X" and e.get("cat") in ("F", "B", "I", "W")) == actions
     )
     assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "note" not in r.err
+    # another name gets a PNG too, and says so (found by a red team: an .svg unsaid)
+    svg = tmp_path / "gantt.svg"
+    r = run_cli("simulate", plan_path, "--png", svg)
+    assert r.code == 0 and svg.read_bytes()[:4] == b"\x89PNG", r.err
+    assert "writes a PNG image, whatever" in r.err
 
 
 def test_simulate_the_torchrun_program(run_cli, plan_path, tmp_path):
