@@ -530,6 +530,7 @@ class Plan(Artifact):
             rest_back = st.grads_back_rest
             if rest_back is not None and (
                 st.state_bytes_rest is None
+                or st.grads_back is None
                 or [a for a, _ in rest_back] != [a for a, _ in back]
                 or any(n > m for (_, n), (_, m) in zip(rest_back, back))
             ):
