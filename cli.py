@@ -463,9 +463,6 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     check_distinct(outputs)
     if args.png:
         _needs_matplotlib()  # before anything is written
-        suffix = Path(args.png).suffix
-        if suffix and suffix.lower() != ".png":  # (a red team's .svg got PNG data unsaid)
-            print(f"note: --png writes a PNG image, whatever {args.png} ends with", file=sys.stderr)
     plan = Plan.load(args.plan)
     torchrun = (args.target or plan.target) == "torchrun"
     tl = simulate_plan(plan, rendezvous=torchrun)
@@ -500,6 +497,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         except RuntimeError as e:
             raise InputError(str(e)) from None
         print(f"wrote {args.png}")
+        suffix = Path(args.png).suffix
+        if suffix and suffix.lower() != ".png":  # (a red team's .svg got PNG data unsaid)
+            print(f"note: --png writes a PNG image, whatever {args.png} ends with", file=sys.stderr)
     return EXIT_OK
 
 

@@ -231,8 +231,8 @@ class _Problem:
 
     def measured_smaller(self, cand: Candidate) -> bool:
         """Whether the batch splits unevenly and the profile measured the smaller size (or
-        below it): then the plan counts the smaller micro-batches' working memory, for any
-        target (larger, and _build_plan's `wide`)."""
+        below it): then the plan counts the smaller micro-batches at their own size, for
+        either target (`larger`)."""
         smaller = self.batch_size // cand.microbatches
         return bool(self.batch_size % cand.microbatches) and smaller >= min(
             self.profile.batch_sizes
@@ -1232,10 +1232,10 @@ def _interleaved_fallback(
     jointly; where none fits, the overrun taken from one stage of each device over
     (_tightened). The fastest that fits, marked not proven (the relaxed bottleneck bounds it
     from below) unless its bottleneck is that bound; else the relaxed plan, which does not
-    fit. A try whose split's lower bound cannot
-    beat `beat` (the best time so far) is not made into a plan (nor solved past the bottleneck
-    that could: _bottleneck_limit); with the relaxed plan comes then the least such bound (else
-    None). `relaxed_plan` None: not made yet, and None back where no try fits."""
+    fit. A try whose split's lower bound cannot beat `beat` (the best time so far) is not made
+    into a plan (nor solved past the bottleneck that could: _bottleneck_limit); with the
+    relaxed plan comes then the least such bound (else None). `relaxed_plan` None: not made
+    yet, and None back where no try fits."""
     chain, memory = problem.chain(cand)
     cuts = _cut_costs(problem.cluster, cand, chain)
     limit = _bottleneck_limit(problem, cand, chain, beat)
