@@ -1377,26 +1377,34 @@ def test_a_gradient_sent_back_holds_no_more_than_its_own_bytes():
     contiguous, so the stage's input kept it as a view of the whole buffer until the first
     stage pulled it: the last device held 3% more than its plan (41 044 bytes here; more than
     its budget where `check` passed). The runtime now leaves gradients of their own size."""
+    report, _ = _unet_measured_on(size=1, microbatches=5, cuts=[8, 19])
+    for d in report.devices:
+        assert d.measured_peak_bytes <= d.predicted_peak_bytes + 256, d  # (a few scalars)
+
+
+def _unet_measured_on(size: int, microbatches: int, cuts: list[int]) -> tuple[Any, Any]:
+    """example:unet profiled at `size` samples, its streams program under 1F1B on 3 devices
+    with the stages cut at `cuts` (whatever the search would choose), measured: the report and
+    the memory model of the split."""
     import planner.search as search
     from codegen.measure import make_data
     from planner.partition import Partition
 
     model = unet()
     layers = capture(model, model.example_input)
-    prof = quick_profile(layers, model.example_input, batch_sizes=[1], model_spec="example:unet")
-    problem = search._Problem(prof, Cluster.uniform(3, "1GiB"), 5, "adam", ("", ""), "streams", ())
-    cand = search.Candidate(5, "1f1b", "never")
-    chain, _ = problem.chain(cand)
-    split = Partition(bounds=[0, 8, 19, chain.num_layers], bottleneck=0.0)
+    prof = quick_profile(layers, model.example_input, batch_sizes=[size], model_spec="example:unet")
+    problem = search._Problem(prof, Cluster.uniform(3, "1GiB"), size * microbatches, "adam",
+                              ("", ""), "streams", ())  # fmt: skip
+    cand = search.Candidate(microbatches, "1f1b", "never")
+    chain, memory = problem.chain(cand)
+    split = Partition(bounds=[0, *cuts, chain.num_layers], bottleneck=0.0)
     specs = search._stage_specs(problem, cand, halve=False)
     plan = search._sealed(search._build_plan(problem, cand, specs, split, "probe-bisection"))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pipe = compile_pipe(layers, plan)
     x, y, loss_fn = make_data(model, plan)
-    report = pipe.measure(x, y, loss_fn, steps=1)
-    for d in report.devices:
-        assert d.measured_peak_bytes <= d.predicted_peak_bytes + 256, d  # (a few scalars)
+    return pipe.measure(x, y, loss_fn, steps=1), memory
 
 
 def test_a_skip_inside_a_stage_is_counted_while_its_gradient_waits():
@@ -1405,25 +1413,8 @@ def test_a_skip_inside_a_stage_is_counted_while_its_gradient_waits():
     backward, while layers 15 to 12 run: none of those layers' own figures sees it (each was
     measured alone), and 1F1B's middle device read 1.3% over its plan, by that gradient
     (8 192 bytes a sample). The plan's B now counts such a gradient while it waits."""
-    import planner.search as search
-    from codegen.measure import make_data
-    from planner.partition import Partition
-
-    model = unet()
-    layers = capture(model, model.example_input)
-    prof = quick_profile(layers, model.example_input, batch_sizes=[2], model_spec="example:unet")
-    problem = search._Problem(prof, Cluster.uniform(3, "1GiB"), 4, "adam", ("", ""), "streams", ())
-    cand = search.Candidate(2, "1f1b", "never")
-    chain, memory = problem.chain(cand)
+    report, memory = _unet_measured_on(size=2, microbatches=2, cuts=[10, 22])
     assert memory._inner_skips()[11] == [(11, 16, 8192 * 2)]  # (its gradient: two samples)
-    split = Partition(bounds=[0, 10, 22, chain.num_layers], bottleneck=0.0)
-    specs = search._stage_specs(problem, cand, halve=False)
-    plan = search._sealed(search._build_plan(problem, cand, specs, split, "probe-bisection"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pipe = compile_pipe(layers, plan)
-    x, y, loss_fn = make_data(model, plan)
-    report = pipe.measure(x, y, loss_fn, steps=1)
     for d in report.devices:
         assert d.predicted_peak_bytes - 256 <= d.measured_peak_bytes, d  # (not over-counted)
         assert d.measured_peak_bytes <= d.predicted_peak_bytes + 256, d  # (a few scalars)

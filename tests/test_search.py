@@ -27,7 +27,7 @@ from planner.cluster import Device, Link
 from planner.memory import CPU_RNG_STATE, RECOMPUTE_MODES
 from planner.partition import Partition, cut_table, split_cuts
 from profiler.artifact import InputError
-from profiler.types import RuntimeOverhead
+from profiler.types import Profile, RuntimeOverhead
 from schedules import Costs, build_schedule, simulate
 from schedules.ir import Kind
 from tests.conftest import synthetic_profile
@@ -1608,8 +1608,7 @@ def test_an_interleaved_plan_claimed_optimal_has_the_least_bottleneck_of_any_spl
         specs = search._stage_specs(problem, cand, halve=False)
         least = math.inf  # the least bottleneck of a split that fits, by brute force
         for inner in itertools.combinations(range(1, chain.num_layers), 3):
-            part = Partition(bounds=[0, *inner, chain.num_layers], bottleneck=0.0)
-            plan = search._build_plan(problem, cand, specs, part, "probe-bisection")
+            plan = _plan_cut_at(problem, cand, list(inner))
             if plan.fits:
                 least = min(least, max(max(st.work_ms, st.send_ms) for st in plan.stages))
         try:
@@ -1634,14 +1633,7 @@ def test_a_plan_of_an_uneven_batch_is_not_claimed_optimal_where_memory_bound_its
     larger size, while its plan counts each at its own. Where memory bound the split, another
     one over a device only at the larger size may fit as its plan counts it, and be faster: here
     by 7%, while the plan was said to be optimal. It is not claimed now, and says why."""
-    rng = np.random.default_rng(10)
-    prof = synthetic_profile(
-        list(rng.uniform(0.2, 3.0, 8)),
-        params=[int(x) for x in rng.integers(10, 400, 8)],
-        saved=[int(x) for x in rng.integers(10, 600, 8)],
-        transient=[int(x) for x in rng.integers(1, 300, 8)],
-        sizes=(1, 2, 4),
-    )
+    prof = _drawn_profile(10)
     cluster = Cluster.model_validate(
         {"devices": [{"name": "d0", "memory_bytes": 9324}, {"name": "d1", "memory_bytes": 6526}]}
     )
@@ -1650,10 +1642,7 @@ def test_a_plan_of_an_uneven_batch_is_not_claimed_optimal_where_memory_bound_its
     assert not plan.solver.optimal and "splits unevenly" in plan.solver.unproven
     problem = search._Problem(prof, cluster, 6, "adam", ("", ""), "streams", ())
     cand = search.Candidate(4, "interleaved-1f1b", "except_last")
-    chain, _ = problem.chain(cand)
-    faster = Partition(bounds=[0, 2, 4, 7, chain.num_layers], bottleneck=0.0)
-    specs = search._stage_specs(problem, cand, halve=False)
-    other = search._build_plan(problem, cand, specs, faster, "probe-bisection")
+    other = _plan_cut_at(problem, cand, [2, 4, 7])
     assert other.fits and other.predicted.iteration_ms < 0.95 * plan.predicted.iteration_ms
     # where memory does not bind the split, the claim stands
     assert plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 6, **kw).solver.optimal
@@ -1666,25 +1655,35 @@ def test_interleaved_no_split_fits_says_that_one_may_have_been_missed():
     It now says that a split with less may have been missed."""
     from planner.search import InfeasibleError
 
-    rng = np.random.default_rng(1)
-    prof = synthetic_profile(
-        list(rng.uniform(0.2, 3.0, 8)),
-        params=[int(x) for x in rng.integers(10, 400, 8)],
-        saved=[int(x) for x in rng.integers(10, 600, 8)],
-        transient=[int(x) for x in rng.integers(1, 300, 8)],
-        sizes=(1, 2, 4),
-    )
+    prof = _drawn_profile(1)
     cluster = Cluster.uniform(2, 6149)
     kw = {"microbatches": 4, "schedule": "interleaved-1f1b", "recompute": "never"}
     with pytest.raises(InfeasibleError, match="may have been missed"):
         plan_pipeline(prof, cluster, 4, **kw)
     problem = search._Problem(prof, cluster, 4, "adam", ("", ""), "streams", ())
     cand = search.Candidate(4, "interleaved-1f1b", "never")
-    chain, _ = problem.chain(cand)
-    part = Partition(bounds=[0, 1, 2, 5, chain.num_layers], bottleneck=0.0)
-    specs = search._stage_specs(problem, cand, halve=False)
-    assert search._build_plan(problem, cand, specs, part, "probe-bisection").fits
+    assert _plan_cut_at(problem, cand, [1, 2, 5]).fits
     # (one stage per device: the least stated is the least, and nothing more is said)
     with pytest.raises(InfeasibleError) as e:
         plan_pipeline(prof, Cluster.uniform(2, 2000), 4, microbatches=4, schedule="1f1b")
     assert "may have been missed" not in str(e.value)
+
+
+def _drawn_profile(seed: int) -> Profile:
+    """An 8-layer synthetic profile drawn from `seed`, measured at 1, 2 and 4 samples."""
+    rng = np.random.default_rng(seed)
+    return synthetic_profile(
+        list(rng.uniform(0.2, 3.0, 8)),
+        params=[int(x) for x in rng.integers(10, 400, 8)],
+        saved=[int(x) for x in rng.integers(10, 600, 8)],
+        transient=[int(x) for x in rng.integers(1, 300, 8)],
+        sizes=(1, 2, 4),
+    )
+
+
+def _plan_cut_at(problem: search._Problem, cand: search.Candidate, cuts: list[int]) -> Plan:
+    """The candidate's plan on the split cut at `cuts`, each stage free to use its device."""
+    chain, _ = problem.chain(cand)
+    part = Partition(bounds=[0, *cuts, chain.num_layers], bottleneck=0.0)
+    specs = search._stage_specs(problem, cand, halve=False)
+    return search._build_plan(problem, cand, specs, part, "probe-bisection")
