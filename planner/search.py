@@ -1229,13 +1229,11 @@ def _interleaved_fallback(
     """The relaxed split (its plan: `relaxed_plan`) overran a device once both its stages were
     counted. Try what is sufficient instead: each stage on half its device, and (per-stage
     candidates) every stage recomputing alike, each free to use its whole device and checked
-    jointly; where none fits, the overrun taken from one stage of each device over
-    (_tightened). The fastest that fits, marked not proven (the relaxed bottleneck bounds it
-    from below) unless its bottleneck is that bound; else the relaxed plan, which does not
-    fit. A try whose split's lower bound cannot beat `beat` (the best time so far) is not made
-    into a plan (nor solved past the bottleneck that could: _bottleneck_limit); with the
-    relaxed plan comes then the least such bound (else None). `relaxed_plan` None: not made
-    yet, and None back where no try fits."""
+    jointly. The fastest that fits, marked not proven (the relaxed bottleneck bounds it from
+    below); else the relaxed plan, which does not fit. A try whose split's lower bound cannot
+    beat `beat` (the best time so far) is not made into a plan (nor solved past the bottleneck
+    that could: _bottleneck_limit); with the relaxed plan comes then the least such bound (else
+    None). `relaxed_plan` None: not made yet, and None back where no try fits."""
     chain, memory = problem.chain(cand)
     cuts = _cut_costs(problem.cluster, cand, chain)
     limit = _bottleneck_limit(problem, cand, chain, beat)
@@ -1269,84 +1267,7 @@ def _interleaved_fallback(
         plan = _build_plan(problem, cand, try_specs, part, method, relaxed=relaxed)
         if plan.fits and (best is None or not best.fits or _faster(plan, best)):
             best = plan
-    speeds = [sp.speed for sp in specs]
-    if best is None or not best.fits:
-        # Each stage free to use its whole device, but a device's overrun taken from one of
-        # its stages: another split of the same bottleneck, or near it, may share the device
-        # where the relaxed one does not (found by a red team: the dp solver's tie fit, the
-        # probe's did not, and each stage in half its device fit nowhere). Tried whatever
-        # the relaxed split's own bound: a split near it may win where that one loses (a
-        # suite test: skipped so, the pruned search missed the exhaustive one's plan).
-        for r in range(TIGHTEN_STAGES if cand.per_device > TIGHTEN_STAGES else cand.per_device):
-            tight, part, plan = list(specs), relaxed, relaxed_plan
-            for _ in range(TIGHTEN_ROUNDS):
-                if plan is None:
-                    plan = _build_plan(problem, cand, specs, part, method)
-                tight = _tightened(problem, cand, tight, part, plan, r)
-                if tight is None:
-                    break
-                try:
-                    part = solve(times, memory, tight, cuts=cuts, **within)
-                except NoneWithin:
-                    at_least = min(at_least, limit * cand.microbatches)
-                    break
-                if part is None:
-                    break
-                bound = _lower_bound(problem, cand, speeds, part)
-                if beat is not None and bound > beat * (1 + 1e-12):
-                    at_least = min(at_least, bound)
-                    break
-                # (as fast as the relaxation, proven the least, which no split that fits
-                # beats: proven too)
-                exact = relaxed.extra.get("optimal", 1.0) == 1.0
-                same = exact and part.bottleneck <= relaxed.bottleneck * (1 + 1e-12)
-                plan = _build_plan(
-                    problem, cand, specs, part, method, relaxed=None if same else relaxed
-                )
-                if plan.fits:
-                    if best is None or not best.fits or _faster(plan, best):
-                        best = plan
-                    break
     return best, (at_least if math.isfinite(at_least) else None)
-
-
-TIGHTEN_ROUNDS = 1  # splits tried per choice of the stage a device's overrun comes from (a second
-# round found nothing more in 420 small instances)
-TIGHTEN_STAGES = 2  # choices tried: the stage that holds the most on the device, the next
-# tried only where no device is over by more than this share of its memory: a split near the
-# relaxed one is what it finds (at 10 000 layers on 64 devices, interleaved candidates far
-# over cost 3 s in such solves and won nothing)
-TIGHTEN_OVERRUN = 0.05
-
-
-def _tightened(
-    problem: _Problem,
-    cand: Candidate,
-    specs: list[StageSpec],
-    part: Partition,
-    plan: Plan,
-    r: int,
-) -> list[StageSpec] | None:
-    """`specs` for an interleaved split that may share its devices where `part` (its plan:
-    `plan`) overran one: on each device over its memory, the stage that holds the r-th most
-    there gets its own total less the overrun as its budget (or less, where it had one
-    already); None where no device is over, or one is by more than TIGHTEN_OVERRUN."""
-    _, memory = problem.chain(cand)
-    K, v = problem.cluster.size, cand.per_device
-    over = {d: x.total - x.budget for d, x in enumerate(plan.devices) if x.total > x.budget}
-    if not over or any(o > TIGHTEN_OVERRUN * plan.devices[d].budget for d, o in over.items()):
-        return None
-    modes = _stage_modes(cand, part)
-    totals = [
-        int(memory.total(i, j, specs[s].shapes[cand.modes.index(modes[s])])[0])
-        for s, (i, j) in enumerate(part.stages)
-    ]
-    tight = list(specs)
-    for d, o in over.items():
-        s = sorted(range(d, K * v, K), key=lambda t: (-totals[t], t))[r]
-        sp = tight[s]
-        tight[s] = StageSpec(sp.speed, min(sp.budget, totals[s] - o), sp.shape, sp.more)
-    return tight
 
 
 def _fits_jointly_by_bound(problem: _Problem, cand: Candidate, part: Partition) -> bool:
@@ -2171,8 +2092,7 @@ def _build_plan(
         unproven = (
             "interleaved: the best split with each stage free to use its whole device overran "
             "a device once both stages were counted; this one was found with each stage in "
-            "half its device's memory, with every stage recomputing alike, or with a device's "
-            "overrun taken from one of its stages"
+            "half its device's memory, or with every stage recomputing alike"
         )
         lower = relaxed.bottleneck
         gap = (part.bottleneck - lower) / part.bottleneck if part.bottleneck > 0 else 0.0

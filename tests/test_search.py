@@ -1579,17 +1579,16 @@ def test_an_interleaved_split_said_to_fit_an_uneven_batch_fits_with_its_smaller_
 
 
 @pytest.mark.parametrize(
-    "seed, budgets", [(3, range(5100, 6000, 150)), (9, range(4800, 5700, 150))]
+    "seed, budgets", [(3, range(3000, 9000, 250)), (9, range(3000, 9000, 250))]
 )
 def test_an_interleaved_plan_claimed_optimal_has_the_least_bottleneck_of_any_split_that_fits(
     seed, budgets
 ):
-    """Interleaved, each stage is first free to use its whole device; where that split overruns
-    a device with both stages counted, the search tries splits with the device's overrun taken
-    from one of its stages (_tightened), then each stage in half its device. A plan said to be
-    optimal has the least bottleneck of every split that fits its devices (brute force over all
-    splits); here some are found only by taking the overrun from one stage (a red team found
-    the dp solver's tie fit where the probe's did not, and halving fit nowhere)."""
+    """Interleaved, each stage is first free to use its whole device, and the devices are
+    checked with both stages counted after; where that split overruns a device, the search
+    falls back on splits that fit for sure (each stage in half its device), not proven. A
+    plan said to be optimal has the least bottleneck of every split that fits its devices
+    (brute force over all splits), on budgets where memory binds: some splits do not fit."""
     from planner.search import InfeasibleError
 
     rng = np.random.default_rng(seed)
@@ -1600,17 +1599,17 @@ def test_an_interleaved_plan_claimed_optimal_has_the_least_bottleneck_of_any_spl
         sizes=(1, 2, 4),
     )
     cand = search.Candidate(4, "interleaved-1f1b", "never")
-    rescued = 0
+    proven = 0
     for budget in budgets:
         cluster = Cluster.uniform(2, budget)
         problem = search._Problem(prof, cluster, 4, "adam", ("", ""), "streams", ())
-        chain, memory = problem.chain(cand)
-        specs = search._stage_specs(problem, cand, halve=False)
-        least = math.inf  # the least bottleneck of a split that fits, by brute force
+        chain, _ = problem.chain(cand)
+        least, over = math.inf, 0  # the least bottleneck of a split that fits, by brute force
         for inner in itertools.combinations(range(1, chain.num_layers), 3):
             plan = _plan_cut_at(problem, cand, list(inner))
             if plan.fits:
                 least = min(least, max(max(st.work_ms, st.send_ms) for st in plan.stages))
+            over += not plan.fits
         try:
             plan = plan_pipeline(prof, cluster, 4, microbatches=4, schedule="interleaved-1f1b",
                                  recompute="never")  # fmt: skip
@@ -1619,13 +1618,8 @@ def test_an_interleaved_plan_claimed_optimal_has_the_least_bottleneck_of_any_spl
         assert plan.fits
         if plan.solver.optimal:
             assert plan.predicted.bottleneck_ms == pytest.approx(least, rel=1e-9), budget
-            relaxed = search.solve_partition(
-                search._balance_times(chain, cand), memory, specs,
-                cuts=search._cut_costs(cluster, cand, chain),
-            )  # fmt: skip
-            first = search._build_plan(problem, cand, specs, relaxed, "probe-bisection")
-            rescued += not first.fits
-    assert rescued  # (the relaxed split overran; one with a stage lowered fit, as fast)
+            proven += over > 0
+    assert proven  # (where memory binds)
 
 
 def test_a_plan_of_an_uneven_batch_is_not_claimed_optimal_where_memory_bound_its_split():
