@@ -379,6 +379,8 @@ def test_pruned_search_returns_the_exhaustive_plan(
     )
     for plan in (a, b):  # what the search did, and what it learnt of the losers, differ
         plan["solver"].pop("solved"), plan["solver"].pop("pruned"), plan.pop("alternatives")
+        if plan["batch_size"] % plan["microbatches"]:  # (whether memory bound the split: the
+            plan["solver"].pop("optimal"), plan["solver"].pop("unproven")  # probe's, popped)
     assert a == b
     # every runner-up the exhaustive search simulated is slower than the plan, by its reason
     for alt in full.alternatives:
