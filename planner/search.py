@@ -65,7 +65,7 @@ from schedules.memory import (
     peaks,
 )
 from schedules.order import freeze
-from schedules.simulate import smaller_messages
+from schedules.simulate import message_sizes
 
 from .bounds import (
     interleaved_bound_of,
@@ -2043,7 +2043,7 @@ def _build_plan(
             lowered, [st.state_bytes.input for st in stages],
             [st.state_bytes.grad for st in stages], costs.grads_back,
             preposted(lowered, costs), sends_held=ran is None,
-            rest=smaller_messages(costs), larger=costs.larger,
+            **message_sizes(costs),
         )  # fmt: skip
         if ahead or after:
             fitted = all(d.total <= d.budget for d in devices)

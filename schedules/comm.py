@@ -135,6 +135,8 @@ def receive_offsets(
     sends_held: bool = False,
     rest: tuple[Sequence[int], Sequence[int], Sequence[dict[int, int] | None] | None] | None = None,
     larger: int = 0,
+    far_bytes: Sequence[tuple[int, int]] | None = None,
+    far_rest: Sequence[tuple[int, int]] | None = None,
 ) -> tuple[dict[Action, int], dict[Action, int]]:
     """For memory.peaks: what each rank of a program with its communication placed (as the
     torchrun target runs it) holds beyond (+) or short of (-) what the issue-order memory
@@ -157,14 +159,21 @@ def receive_offsets(
     `inputs`, `grads`: per stage, the bytes of its input and of its input gradient
     (StageBytes.input, .grad); `back` as received_ahead's. Actions with no offset are left
     out. A look at a rank between two of its own actions, where another rank's action ends,
-    takes the larger of the two actions' `during` figures (memory.peaks). Messages into a
-    stage that also takes values from further back (a captured graph's skips) are counted
-    as the issue order has them.
+    takes the larger of the two actions' `during` figures (memory.peaks).
+
+    A stage that also takes values from further back (a captured graph's skips) holds what
+    each sender sends it from the batch that posts its receive, and each part of its input
+    gradient until the batch that posts its send, where every sender is on another rank and
+    the far senders' messages are posted together: `far_bytes` (per stage, StageBytes'
+    (early, late): what its senders before t - 1 send it, and their gradient) says which part
+    is theirs. On a far sender, what it sends is counted as the issue order has it (most
+    often a tensor its own layers keep anyway). A stage whose `far_bytes` are not given is
+    counted as the issue order has it.
 
     `rest`: where a batch splits unevenly, the (`inputs`, `grads`, `back`) of the
     micro-batches from `larger` on, the smaller ones (`inputs`, `grads` and `back` then the
     larger ones'), each message counted at its own micro-batch's size as the program
-    allocates it."""
+    allocates it (`far_rest` their `far_bytes`)."""
     from .order import issue_arrays
 
     during, after = _received_back(
@@ -214,31 +223,72 @@ def receive_offsets(
         action carries every route of a stage to or from a rank unless it names its peer.)"""
         return at.get((kind_, s, m, peer), at.get((kind_, s, m, -1)))
 
+    def sending(s: int, t: int, m: int, n: int) -> None:
+        """Stage s's message to t of micro-batch m (n bytes), on s's rank from the forward
+        that makes it until the batch that posts its send has gone."""
+        r, made = place[s], at[(Kind.F, s, m)]
+        sent = posted(Kind.SEND_F, s, m, t)
+        end = len(compute[r]) if sends_held or sent is None else sent
+        hold(r, made + 1, end, n, 0)
+        hold(r, made, end, n, 1)
+
+    def posts(kind_: Kind, t: int, m: int, far: list[int]) -> tuple[int | None, ...] | None:
+        """Where stage t's rank posts micro-batch m's messages with t - 1 and with the far
+        senders (one place for them all, else None)."""
+        if kind_ == Kind.RECV_F and t in preposted:
+            return 0, 0
+        far_at = {posted(kind_, t, m, s) for s in far} or {None}
+        return (posted(kind_, t, m, t - 1), *far_at) if len(far_at) == 1 else None
+
+    far_first = lowered.early_from()
     for t in range(1, S):
         a, r, q = t - 1, place[t - 1], place[t]
-        if r == q or lowered.senders(t) != [a]:
+        senders = lowered.senders(t)
+        far = [s for s in senders if s != a]
+        if r == q or a not in senders:
             continue
-        for m in range(lowered.num_microbatches):
+        if far and (
+            far_bytes is None
+            or (rest is None) != (far_rest is None)
+            or any(place[s] == q for s in far)
+        ):
+            continue
+        M = lowered.num_microbatches
+
+        gots = [posts(Kind.RECV_F, t, m, far) for m in range(M)]
+        sents = [posts(Kind.SEND_B, t, m, far) for m in range(M)]
+        if None in gots or None in sents:
+            continue  # (the far senders' posted apart: as the issue order has them)
+        for m in range(M):
             ins, outs = (inputs, grads) if rest is None or m < larger else rest[:2]
-            # forward: a's output, made by F(a, m), read by F(t, m)
-            n, made = ins[t], at[(Kind.F, a, m)]
-            sent = posted(Kind.SEND_F, a, m, t)
-            end = len(compute[r]) if sends_held or sent is None else sent
-            hold(r, made + 1, end, n, 0)
-            hold(r, made, end, n, 1)
-            got = 0 if t in preposted else posted(Kind.RECV_F, t, m, a) or 0
-            read = at[(Kind.F, t, m)]  # (a receive not found: held from the start)
-            hold(q, got, read, n, 0)
-            hold(q, got - 1, read, n, 1)
+            ahead, late = 0, 0
+            if far:
+                ahead, late = (far_bytes if rest is None or m < larger else far_rest)[t]  # type: ignore[index]
+            # forward: the input, made by the senders' F(s, m), read by F(t, m); the far
+            # senders' part in the issue order from the first one's F to the end of t - 1's.
+            # (On a far sender, what it sends is held as the issue order has it: a skip is
+            # most often a tensor the sender's own layers keep for backward, so sending it
+            # holds nothing more.)
+            n, read = ins[t], at[(Kind.F, t, m)]
+            sending(a, t, m, n - ahead)
+            for part, got in zip((n - ahead, ahead), gots[m]):  # type: ignore[arg-type]
+                got = got or 0  # (a receive not found: held from the start)
+                hold(q, got, read, part, 0)
+                hold(q, got - 1, read, part, 1)
             counted(q, issued[(Kind.F, a, m)], issued[(Kind.F, t, m)], n)
+            if far:
+                counted(q, issued[(Kind.F, far_first[t], m)], issued[(Kind.F, a, m)], ahead)
             # backward: t's input gradient, made by its B or I, read by a's B or I (received
-            # as received_ahead has it)
+            # as received_ahead has it), until the batch that posts its send has gone; the far
+            # senders' part in the issue order until the first one's B or I
             n, make = outs[t], backward(t, m)
-            sent = posted(Kind.SEND_B, t, m, a)
-            end = len(compute[q]) if sends_held or sent is None else sent
-            hold(q, at[make] + 1, end, n, 0)
-            hold(q, at[make], end, n, 1)
+            for part, sent in zip((n - late, late), sents[m]):  # type: ignore[arg-type]
+                end = len(compute[q]) if sends_held or sent is None else sent
+                hold(q, at[make] + 1, end, part, 0)
+                hold(q, at[make], end, part, 1)
             counted(q, issued[make], issued[backward(a, m)], n)
+            if far:
+                counted(q, issued[backward(a, m)], issued[backward(far_first[t], m)], late)
     for r, acts in compute.items():
         for when, out in ((0, during), (1, after)):
             level = 0

@@ -208,7 +208,7 @@ def simulate(
             receive_offsets(
                 schedule, [b.input for b in sizes], [b.grad for b in sizes], costs.grads_back,
                 preposted(schedule, costs), sends_held=not _meets(schedule),
-                rest=smaller_messages(costs), larger=costs.larger,
+                **message_sizes(costs),
             )
             if rendezvous
             else (None, None)
@@ -222,6 +222,24 @@ def simulate(
                     when[a] = (st, en)
             memory_steps = timed_levels(schedule, modes, sizes, when, **rest)  # type: ignore[arg-type]
     return Timeline(schedule, starts, ends, transfers, makespan, busy, peak, memory_steps)
+
+
+def message_sizes(costs: Costs) -> dict[str, Any]:
+    """receive_offsets' keywords for the sizes of the messages the costs count: what a stage's
+    senders from further back send it and its gradient (`far_bytes`), and an uneven batch's
+    smaller micro-batches' messages (`rest`, `larger`, `far_rest`) where the costs count them."""
+    rest = smaller_messages(costs)
+    memory = list(costs.memory) if costs.memory is not None else None
+    return {
+        "rest": rest,
+        "larger": costs.larger,
+        "far_bytes": [(b.early, b.late) for b in memory] if memory is not None else None,
+        "far_rest": (
+            [(b.early, b.late) for b in costs.memory_rest]
+            if rest is not None and costs.memory_rest is not None
+            else None
+        ),
+    }
 
 
 def smaller_messages(
