@@ -257,7 +257,7 @@ def receive_offsets(
 
         gots = [posts(Kind.RECV_F, t, m, far) for m in range(M)]
         sents = [posts(Kind.SEND_B, t, m, far) for m in range(M)]
-        if None in gots or None in sents:
+        if any(p is None for p in gots + sents):
             continue  # (the far senders' posted apart: as the issue order has them)
         for m in range(M):
             ins, outs = (inputs, grads) if rest is None or m < larger else rest[:2]
