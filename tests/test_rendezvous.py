@@ -1764,6 +1764,34 @@ def test_a_chains_messages_are_counted_where_its_torchrun_program_holds_them():
     }
 
 
+def test_a_stage_taking_a_skip_has_its_messages_counted_where_its_program_holds_them():
+    """1F1B on 3 ranks, 2 micro-batches, stage 2 taking 200 bytes from stage 1 and 100 from
+    stage 0 (a skip), and sending back 260 and 40 of their gradients; written out. Issue
+    order: 0F0 0F1 1F0 1F1 2F0 2B0 1B0 2F1 2B1 0B0 1B1 0B1. It counts micro-batch 1's 300
+    bytes on rank 2 from 1F1 on, and the 40 of micro-batch 0's gradient for stage 0 until
+    0B0; rank 2 posts that receive only after 2B0, and the gradients go in the batch after
+    2B0: 300 fewer during 2F0 and 2B0 (and after 2F0), 40 fewer during 2F1 and 2B1 (and
+    after them). Rank 1 holds its 200 bytes while its send goes (after 1F0, 1F1). Without
+    the far senders' bytes the stage is counted as the issue order has it."""
+    from schedules.comm import receive_offsets
+    from schedules.ir import Schedule
+
+    s = build_schedule("1f1b", 3, 2)
+    plain = comm._plain(Schedule(s.name, 3, 2, s.ranks, s.placement, [(0, 1), (0, 2), (1, 2)]))
+    assert "2F0 2B0 2SEND_B0 2RECV_F1 2F1" in str(plain)
+
+    def offsets(**kw):
+        during, after = receive_offsets(plain, [0, 10, 300], [0, 10, 300], **kw)
+        return {str(a): n for a, n in during.items()}, {str(a): n for a, n in after.items()}
+
+    back = {"0F0": 10, "0F1": 320, "0B0": 310, "1F1": 300, "1B0": 300}  # (received ahead)
+    assert offsets() == ({"1F0": -10}, back)
+    assert offsets(far_bytes=[(0, 0), (0, 0), (100, 40)]) == (
+        {"1F0": -10, "2F0": -300, "2B0": -300, "2F1": -40, "2B1": -40},
+        {**back, "1F0": 200, "1F1": 500, "2F0": -300, "2F1": -40, "2B1": -40},
+    )
+
+
 def _held_by_program(lowered, inputs, grads, preposted, sends_held):
     """Per compute action: the bytes of a chain's messages its rank holds then, and while the
     batch of sends and receives after it goes, walking each rank's program alone. A sender
