@@ -264,6 +264,7 @@ def receive_offsets(
             ahead, late = 0, 0
             if far:
                 ahead, late = (far_bytes if rest is None or m < larger else far_rest)[t]  # type: ignore[index]
+                ahead, late = min(ahead, ins[t]), min(late, outs[t])  # (parts of the whole)
             # forward: the input, made by the senders' F(s, m), read by F(t, m); the far
             # senders' part in the issue order from the first one's F to the end of t - 1's.
             # (On a far sender, what it sends is held as the issue order has it: a skip is

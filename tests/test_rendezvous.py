@@ -1790,6 +1790,10 @@ def test_a_stage_taking_a_skip_has_its_messages_counted_where_its_program_holds_
         {"1F0": -10, "2F0": -300, "2B0": -300, "2F1": -40, "2B1": -40},
         {**back, "1F0": 200, "1F1": 500, "2F0": -300, "2F1": -40, "2B1": -40},
     )
+    # (a plan whose far part says more than the whole, edited by hand: taken as the whole)
+    whole = offsets(far_bytes=[(0, 0), (0, 0), (300, 300)])
+    assert offsets(far_bytes=[(0, 0), (0, 0), (900, 900)]) == whole
+    assert "1F0" not in whole[1]  # (all of it from stage 0: rank 1 sends stage 2 nothing)
 
 
 def _held_by_program(lowered, inputs, grads, preposted, sends_held):
