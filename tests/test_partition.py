@@ -301,7 +301,7 @@ def assert_optimal(part, expected, times, chain, specs, cuts=None):
         assert part.bottleneck == expected
 
 
-@settings(max_examples=220, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(problems(), st.booleans())
 def test_probe_and_dp_match_brute_force(problem, reach):
     """(`reach`: feasible_split by memory_split first, as on long chains.)"""
@@ -1297,7 +1297,7 @@ def test_a_memory_split_whose_weights_cannot_fit_is_decided_before_the_memory_mo
             assert all(b[s] >= least[s] for b in [bounds] for s in range(K))
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(problems())
 def test_the_guess_of_memorys_end_is_never_below_the_last_end_that_fits(problem):
     """end_guess, on drawn shapes and those of real schedules (which count transients and

@@ -1221,7 +1221,7 @@ def _candidate_groups(
     return problem, list(groups.values())
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(st.integers(0, 10**6), st.integers(2, 3), st.booleans())
 def test_a_group_shown_to_fit_nowhere_has_no_candidate_that_fits(seed, K, mixed):
     """_infeasible tries the candidates of one micro-batch size and stage count together
@@ -1254,7 +1254,7 @@ def _split_at_least(problem: search._Problem, cand: search.Candidate) -> Partiti
     return None if found is None else found[1]
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(
     st.integers(0, 10**6),
     st.integers(2, 3),
