@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import re
+from itertools import repeat
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -91,10 +92,12 @@ def row(kind: Kind, stage: int, count: int) -> list[Action]:
             _MADE.clear()
             _ROWS.clear()
             have = _ROWS.setdefault((kind, stage), [])
-        intern = _MADE.setdefault
-        have.extend(
-            intern(a, a) for a in map(_NEW, ((stage, kind, m, -1) for m in range(len(have), count)))
-        )
+        # (all in C: the tuples zipped, made and interned by map, where a generator of
+        # Python tuples took most of a large schedule's first build)
+        n = count - len(have)
+        fresh = list(map(_NEW, zip(repeat(stage, n), repeat(kind, n), range(len(have), count),
+                                   repeat(-1, n))))  # fmt: skip
+        have.extend(map(_MADE.setdefault, fresh, fresh))
     return have[:count]
 
 
