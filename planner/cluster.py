@@ -319,18 +319,29 @@ class Cluster(LaterFields, Artifact):
 
     def placements(self, limit: int = 120) -> tuple[list[list[int]], bool]:
         """The device orders worth planning for: every distinct order (devices alike in memory,
-        speed, reserve and host are interchangeable). Where there are more than `limit` and
+        speed, reserve and host are interchangeable; with links by host, orders alike but for
+        the hosts' names are one). Where there are more than `limit` and
         links are given by host, those that keep each host's devices together (the pipeline
         crosses hosts no more than it must), which need not hold the fastest: the flag says
         whether the orders returned are all of them. At most `limit`, the given order first."""
         sig = [(d.memory_bytes, d.speed, d.reserved_bytes) for d in self.devices]
         if self.host_links is not None:
             hosted = [(*k, d.host) for k, d in zip(sig, self.devices)]
-            every = _distinct_orders(hosted, limit)
-            if len(every) <= limit:  # (found by the red team: an intra-host link slower than
-                # the inter-host one, or a host's small device better placed elsewhere, makes
-                # an order that splits a host the fastest)
-                return [_assign(list(range(self.size)), q, hosted) for q in every], True
+            # Two orders with the same devices position by position and a host change at the
+            # same neighbours are one problem (the hosts' names aside: a, a, b, b and b, b, a, a
+            # on alike devices), planned once, the first listed; so up to `limit` problems
+            # from as many as SAME_PROBLEM times that many orders
+            every = _distinct_orders(hosted, SAME_PROBLEM * limit)
+            problems: dict[tuple, tuple] = {}
+            for q in every:
+                key = (tuple(x[:3] for x in q), tuple(a[3] == b[3] for a, b in zip(q, q[1:])))
+                problems.setdefault(key, q)
+            if len(every) <= SAME_PROBLEM * limit and len(problems) <= limit:
+                # (found by the red team: an intra-host link slower than the inter-host one,
+                # or a host's small device better placed elsewhere, makes an order that
+                # splits a host the fastest)
+                given = list(range(self.size))
+                return [_assign(given, q, hosted) for q in problems.values()], True
             hosts: dict[str, list[int]] = {}
             for k, d in enumerate(self.devices):
                 hosts.setdefault(str(d.host), []).append(k)
@@ -363,6 +374,11 @@ class Cluster(LaterFields, Artifact):
             return [given, *[o for o in orders if o != given]][:limit], False
         seqs = _distinct_orders(sig, limit)
         return [_assign(list(range(self.size)), q, sig) for q in seqs[:limit]], len(seqs) <= limit
+
+
+# how many orders placements() enumerates per problem it may list, to find those that are one
+# problem (2 hosts of alike devices: 2 orders each; 3 hosts: up to 6)
+SAME_PROBLEM = 8
 
 
 def _distinct_orders(items: list, limit: int) -> list[tuple]:

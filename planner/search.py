@@ -158,7 +158,7 @@ class _Problem:
     digests: tuple[str, str] = ("", "")  # of the profile and the cluster: computed once
     target: str = "streams"  # the program whose time each plan predicts (Plan.target)
     checkpointed: tuple[int, ...] = ()  # layers each run under a checkpoint of its own
-    table: ProfileTable = field(init=False)
+    table: ProfileTable = None  # type: ignore[assignment]  # (read from the profile unless given)
     chains: dict[int, Chain] = field(default_factory=dict)
     memories: dict[int, MemoryModel] = field(default_factory=dict)
     granular: dict[tuple[int, bool, int], tuple] = field(default_factory=dict)
@@ -174,7 +174,8 @@ class _Problem:
     splits: dict[tuple, tuple[float, Partition | None]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.table = ProfileTable(self.profile)
+        if self.table is None:
+            self.table = ProfileTable(self.profile)
 
     def costs(self, cand: Candidate) -> Chain:
         """The per-layer costs at the candidate's micro-batch size (read once per size)."""
@@ -277,6 +278,7 @@ def plan_pipeline(
     target: str = "streams",
     checkpoint: Sequence[int] | str = "auto",
     _beat: float | None = None,
+    _shared: dict[str, Any] | None = None,
 ) -> Plan:
     """The fastest predicted plan for `profile` on `cluster` that fits every device's memory.
     `time_limit_s`: return the best plan found by then, marked not proven (the search goes on
@@ -353,10 +355,23 @@ def plan_pipeline(
     solve, method = (
         (solve_partition_dp, "dp") if solver == "dp" else (solve_partition, "probe-bisection")
     )
-    problem = _Problem(
-        profile, cluster, batch_size, optimizer, (profile.digest(), cluster.digest()), target,
-        layers,
-    )  # fmt: skip
+    if _shared is None:
+        problem = _Problem(
+            profile, cluster, batch_size, optimizer, (profile.digest(), cluster.digest()), target,
+            layers,
+        )  # fmt: skip
+    else:  # one device order of several (_reordered): what the cluster does not change, once
+        if not _shared:
+            _shared["digest"] = profile.digest()
+            _shared["problem"] = _Problem(profile, cluster, batch_size, optimizer, ("", ""),
+                                          target, layers)  # fmt: skip
+        # the per-layer costs and the memory tables read the profile alone (the devices'
+        # budgets are the tables' keys), so every order reads the first one's
+        first = _shared["problem"]
+        problem = _Problem(
+            profile, cluster, batch_size, optimizer, (_shared["digest"], cluster.digest()),
+            target, layers, table=first.table, chains=first.chains, memories=first.memories,
+        )  # fmt: skip
     _check_magnitude(problem.table, batch_size, max(c.microbatches for c in candidates))
 
     floor = _static_need(problem, candidates[0])
@@ -651,6 +666,7 @@ def _reordered(
     cannot beat it are pruned, so an order that cannot win costs its bounds, not its search.
     `time_limit_s` holds for all the orders together, found or not."""
     orders, complete = cluster.placements()  # (not complete: past the most it lists)
+    shared: dict[str, Any] = {}  # (plan_pipeline's: what every order reads alike)
     best: Plan | None = None
     error: InfeasibleError | None = None
     candidates = solved = pruned = 0
@@ -677,6 +693,7 @@ def _reordered(
                     batch_size,
                     time_limit_s=None if left is None else max(left, 0.0),
                     _beat=None if best is None else best.predicted.iteration_ms,
+                    _shared=shared,
                     **inner,
                 )
             except _Outrun as e:

@@ -190,19 +190,42 @@ def test_an_order_that_splits_a_host_is_planned_where_it_is_the_fastest():
                   "inter_host": {"bandwidth_bytes_per_s": 1e9}},
     })  # fmt: skip
     orders, complete = cluster.placements()
-    assert complete and len(orders) == 6  # a's two alike, b's two alike: 4! / (2! 2!)
+    # a's two alike, b's two alike: 4! / (2! 2!) = 6 orders, and aabb is bbaa with the hosts'
+    # names swapped (so are abab and baba, abba and baab): 3 problems
+    assert complete and len(orders) == 3
     plan = plan_pipeline(profile, cluster, 4, allow_reorder=True)
-    every = [
-        plan_pipeline(profile, cluster.reordered(list(p)), 4).predicted.iteration_ms for p in orders
+    every = [  # brute force: all 24 orders
+        plan_pipeline(profile, cluster.reordered(list(p)), 4).predicted.iteration_ms
+        for p in itertools.permutations(range(4))
     ]
     assert plan.predicted.iteration_ms == min(every) < every[0] and plan.solver.optimal
     hosts = [d.host for d in plan.cluster.devices]
     assert hosts[0] != hosts[1] != hosts[2] != hosts[3]
     # past the most it lists, the orders keeping hosts together only, and not proven
-    big = host_cluster(["a", "b"] * 4)  # 8 devices, 4 per host: 70 distinct orders
-    orders, complete = big.placements(limit=60)
+    big = host_cluster(["a", "b"] * 4)  # 8 devices, 4 per host: 70 orders, 35 problems
+    assert len(big.placements()[0]) == 35 and big.placements()[1]
+    orders, complete = big.placements(limit=30)
     assert not complete and orders[0] == list(range(8))  # the order given, hosts alternating
     assert len(orders) == len({tuple(o) for o in orders})
+
+
+def test_orders_alike_but_for_the_hosts_names_are_planned_once():
+    """Alike devices on two hosts: an order and the one with the hosts' names swapped have the
+    same devices and the same links position by position, so the same plan; only one of each
+    pair is planned (70 orders of 8 devices, 35 problems). Devices that differ keep every
+    order: a host's larger device makes aabb and bbaa two problems."""
+    big = host_cluster(["a", "b"] * 4)
+    orders, complete = big.placements()
+    hosts = [[big.devices[k].host for k in o] for o in orders]
+    flips = {tuple(x == y for x, y in itertools.pairwise(h)) for h in hosts}
+    assert complete and len(orders) == len(flips) == 35 and orders[0] == list(range(8))
+    swapped = {tuple("b" if x == "a" else "a" for x in h) for h in hosts}
+    assert not swapped & {tuple(h) for h in hosts}  # (of each pair, one)
+    assert len(swapped | {tuple(h) for h in hosts}) == 70  # (and together, every order)
+    mixed = host_cluster(["a", "a", "b", "b"])
+    mixed.devices[0].memory_bytes = 2 << 30
+    orders, complete = mixed.placements()
+    assert complete and len(orders) == 12  # a's devices differ: 4! / 2!
 
 
 def test_more_memory_can_give_a_slower_plan_so_no_order_is_skipped_for_it():
@@ -258,3 +281,35 @@ def test_the_device_orders_searched_show_one_bar(monkeypatch):
     tried = int(plan.solver.method.split(", ")[1].split()[0])
     assert orders[0][1] == len(cluster.placements()[0]) and len(orders[0][3]) == tried > 1
     assert not any(shown for desc, _, shown, _ in bars if desc != "device orders")
+
+
+def test_the_device_orders_read_the_profile_once(monkeypatch):
+    """Every order's search reads the same per-layer costs and memory tables (they depend on
+    the profile, not on the devices' order): the profile is digested and read into its table
+    once for all of them, and the memory tables found for one order serve the next. The plan
+    is the one each order planned alone gives at best."""
+    import planner.search as search
+    from profiler.types import Profile
+
+    calls = {"digest": 0, "table": 0}
+    digest, table = Profile.digest, search.ProfileTable
+
+    def counted(name, fn):
+        def call(*args):
+            calls[name] += 1
+            return fn(*args)
+
+        return call
+
+    monkeypatch.setattr(Profile, "digest", counted("digest", digest))
+    monkeypatch.setattr(search, "ProfileTable", counted("table", table))
+    profile = synthetic_profile([1.0, 2.0, 1.0, 3.0, 1.0, 1.0, 2.0, 1.0],
+                                output_bytes=[4000] * 8, sizes=(1, 2, 4))  # fmt: skip
+    cluster = host_cluster(["a", "b", "a", "b"])
+    plan = plan_pipeline(profile, cluster, 4, allow_reorder=True, checkpoint=())
+    assert "3 device orders" in plan.solver.method and calls == {"digest": 1, "table": 1}
+    alone = [
+        plan_pipeline(profile, cluster.reordered(o), 4, checkpoint=()).predicted.iteration_ms
+        for o in cluster.placements()[0]
+    ]
+    assert plan.predicted.iteration_ms == min(alone)
