@@ -94,6 +94,7 @@ candidate stages in one call; scalars work too.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -146,6 +147,15 @@ class StageShape:
             b_or_f = flags[0] or flags[1] or flags[5]
             if b_or_f and t[act] + t[during] < 1 or flags[3] and t[during] < 1:
                 raise ValueError(f"occupancy {t} runs a transient on no micro-batch's activations")
+
+    def __hash__(self) -> int:
+        """The fields' hash, made once: a shape keys the memory tables, and a search hashes it
+        millions of times (its occupancy is a tuple per distinct moment of the stage)."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
 
     @property
     def inflight(self) -> int:
@@ -329,6 +339,7 @@ class MemoryModel:
         self.chain = chain
         # per (shape, budget): the ends found from each start, and the ends searched to
         self._ends: dict[tuple[StageShape, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._ends_size = 0  # the entries of found ends in _ends (max_ends keeps the count)
         self._one_layer: dict[StageShape, np.ndarray] = {}  # (one_layer)
         self._single: dict[str, np.ndarray] = {}  # (one_layer: each layer's state_bytes)
         self._weights: dict[int, np.ndarray] = {}  # (weights)
@@ -1086,9 +1097,11 @@ class MemoryModel:
             search = at[(found[at] >= to[at]) & (top[at] > to[at])]
             if search.size:  # from what is known to fit, up to the cap
                 todo.append((key, search, found[search]))
-        size = sum(found.size for found, _ in kept.values())
-        if size + 2 * n * len(todo) > self.KEEP:  # past what is worth keeping: start over
-            kept.clear()
+        # (counted as kept, not summed over every key per call: with many budgets, one per
+        # device order of --allow-reorder, that sum took a third of the search)
+        if self._ends_size + 2 * n * len(todo) > self.KEEP:  # past what is worth keeping
+            kept.clear()  # start over
+            self._ends_size = 0
         # in batches of about 2^16 entries: larger arrays only spill out of the caches
         batch: list = []
         entries = 0
@@ -1113,6 +1126,8 @@ class MemoryModel:
             found, to = known[key]
             found.setflags(write=False)
             to.setflags(write=False)
+            old = kept.get(key)
+            self._ends_size += found.size - (0 if old is None else old[0].size)
             kept[key] = (found, to)
             answers[key] = np.minimum(found, tops[key])
         return [answers[k] for k in wanted]
