@@ -29,14 +29,15 @@ FAST = {"bandwidth_bytes_per_s": 1e10}
 SLOW = {"bandwidth_bytes_per_s": 1e8, "latency_ms": 0.05}
 
 
-def cluster(hosts: str, memories: list[str]) -> dict:
+def cluster(hosts: str, memories: list[str], speeds: list[float] | None = None,
+            links: tuple[dict, dict] = (FAST, SLOW)) -> dict:  # fmt: skip
     return {
         "kind": "cluster",
         "devices": [
-            {"name": f"{h}{k}", "memory_bytes": m, "host": h}
-            for k, (h, m) in enumerate(zip(hosts, memories))
+            {"name": f"{h}{k}", "memory_bytes": m, "host": h, "speed": v}
+            for k, (h, m, v) in enumerate(zip(hosts, memories, speeds or [1.0] * len(hosts)))
         ],
-        "links": {"intra_host": FAST, "inter_host": SLOW},
+        "links": {"intra_host": links[0], "inter_host": links[1]},
     }
 
 
@@ -46,6 +47,10 @@ CASES = [  # (label, model, batch size, cluster)
     ("4 devices of 4 sizes, 2 hosts (a, b, a, b)", "transformer", 32,
      cluster("abab", ["12MiB", "16MiB", "24MiB", "32MiB"])),
     ("6 alike devices, 3 hosts (a, b, c, a, b, c)", "mlp", 64, cluster("abcabc", ["8MiB"] * 6)),
+    ("a red team's: 4 devices of 4 sizes and 3 speeds, 2 hosts (a, b, a, b)", "gpt", 10,
+     cluster("abab", ["6MiB", "64MiB", "12MiB", "5MiB"], [1.0, 0.5, 2.0, 1.0],
+             ({"bandwidth_bytes_per_s": 1e9, "latency_ms": 0.01},
+              {"bandwidth_bytes_per_s": 1e7, "latency_ms": 0.5}))),
 ]  # fmt: skip
 
 
