@@ -2,7 +2,8 @@
 
 Profiles are measured at a few sizes; between them we interpolate linearly, beyond them we
 extend the line through the two nearest sizes (time and activation memory are close to affine in
-the batch size once past the smallest sizes).
+the batch size once past the smallest sizes), past the largest never below what it measured
+(a byte figure: nor below its share per sample there, in proportion to the size).
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ def at_size(measured: dict[int, float], b: int) -> float:
     k = min(max(k, 1), len(xs) - 1)
     x0, x1 = xs[k - 1], xs[k]
     y0, y1 = float(measured[x0]), float(measured[x1])
-    return max(y0 + (y1 - y0) * (b - x0) / (x1 - x0), 0.0)
+    value = max(y0 + (y1 - y0) * (b - x0) / (x1 - x0), 0.0)
+    return max(value, y1) if b > x1 else value  # (past the sizes, as ProfileTable.at's times)
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,20 @@ class ProfileTable:
         k = min(max(bisect.bisect_left(xs, b), 1), len(xs) - 1)
         x0, x1 = xs[k - 1], xs[k]
         y0, y1 = y[:, k - 1], y[:, k]
-        return np.maximum(y0 + (y1 - y0) * (b - x0) / (x1 - x0), 0.0)
+        value = np.maximum(y0 + (y1 - y0) * (b - x0) / (x1 - x0), 0.0)
+        if b > x1:
+            # Past the largest size, never below what was measured there; a byte figure never
+            # below its share per sample there either (in proportion to the size): what a
+            # small size measures as fixed need not stay so. A CPU convolution's workspace
+            # measured 92 448 and 94 784 bytes at one and two samples, and 173 056 at four,
+            # where the line said 99 456 (a red team's run held 20% more than its plan, 2.4x
+            # on an interleaved device, and a figure that fell from one size to the next
+            # extended below zero). Where the part that does not grow is real (a weight's
+            # gradient), this counts it more than once: over, as `plan` notes such sizes.
+            value = np.maximum(value, y1)
+            if not timing:
+                value = np.maximum(value, y1 * (b / x1))
+        return value
 
 
 def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
