@@ -14,6 +14,31 @@ import torch
 from torch import nn
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose backward hands on its gradient contiguous: torch's runtime sends
+    the gradient autograd makes for a stage's input as it is, and a send needs a contiguous
+    tensor (a cat's backward makes slices; found by a red team: "input tensor has to be
+    contiguous", every rank stopped)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _contiguous(value: Any) -> Any:
+    """A stage's output, each tensor contiguous (sent as it is, and its gradient received into
+    a buffer shaped like it: a strided view made a strided buffer, which no receive takes)."""
+    if isinstance(value, torch.Tensor):
+        return value.contiguous()
+    if isinstance(value, tuple):
+        return tuple(_contiguous(v) for v in value)
+    return value
+
+
 class Chained(nn.Module):
     """A stage's layers in turn. torch's runtime hands a stage what the one before returned as
     separate positional tensors; the first layer takes them back as the tuple it was."""
@@ -23,10 +48,14 @@ class Chained(nn.Module):
         self.layers = nn.ModuleList(layers)
 
     def forward(self, *args: Any) -> Any:
+        args = tuple(
+            _ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad else a
+            for a in args
+        )
         value = args[0] if len(args) == 1 else args
         for layer in self.layers:
             value = layer(value)
-        return value
+        return _contiguous(value)
 
 
 class Recomputed(nn.Module):

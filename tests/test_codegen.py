@@ -1090,6 +1090,59 @@ def test_torch_pipelining_hands_tuples_on_and_refuses_uneven_micro_batches(
         emit_program(uneven, target="torch-pipelining")
 
 
+STRIDED = """
+import torch
+from torch import nn
+
+
+class Strided(nn.Module):
+    def forward(self, x):
+        return x[:, ::2]  # a view: not contiguous
+
+
+class Split(nn.Module):
+    def forward(self, x):
+        return x, x * 2
+
+
+class Join(nn.Module):
+    def forward(self, pair):
+        return torch.cat(pair, -1)  # its backward hands each input a slice
+
+
+def build():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), Strided(), nn.Linear(16, 16), Split(), Join(),
+                          nn.Linear(32, 4))
+    model.example_input = torch.randn(8, 16)
+    return model
+"""
+
+
+def test_torch_pipelining_sends_what_is_not_contiguous(tmp_path, torchrun_available):
+    """Found by a red team: torch's runtime sends a stage's output and its input's gradient as
+    they are, and a send (or a receive into a buffer shaped like a strided output) needs a
+    contiguous tensor: a stage ending in a strided view, and one beginning with a cat of the
+    tuple it received (whose backward hands each part a slice), stopped every rank with
+    "input tensor has to be contiguous". The program's stages now hand on contiguous tensors,
+    both ways."""
+    from tests.conftest import even_times, quick_profile
+
+    model_file = tmp_path / "strided.py"
+    model_file.write_text(STRIDED)
+    namespace: dict = {}
+    exec(compile(STRIDED, str(model_file), "exec"), namespace)
+    model = namespace["build"]()
+    prof = even_times(quick_profile(model, model.example_input, batch_sizes=[1, 2, 4]))
+    plan = plan_pipeline(prof, Cluster.uniform(3, "1GiB"), 8, microbatches=2, schedule="1f1b")
+    assert [st.layers for st in plan.stages] == [(0, 2), (2, 4), (4, 6)]
+    path = tmp_path / "program.py"
+    path.write_text(emit_program(plan, target="torch-pipelining", model=f"{model_file}:build"))
+    r = torchrun(3, str(path))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "one step on torch.distributed.pipelining, 3 ranks" in r.stdout
+
+
 TIED = """
 import torch
 from torch import nn
