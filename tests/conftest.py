@@ -204,6 +204,22 @@ def quick_profile(model: Any, sample: Any, **kw: Any) -> Any:
     return profile_model(model, sample, **{**opts, **kw})
 
 
+def measured_step(layers: Any, plan: Any, model: Any = None) -> Any:
+    """One step of the streams pipe compiled from `layers` (a model, or its captured layers)
+    for `plan`, measured on the plan's data for `model` (default: `layers`). Compiling warns
+    that every stage is on the CPU: silenced."""
+    import warnings
+
+    from codegen import compile_pipe
+    from codegen.measure import make_data
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(layers, plan)
+    x, y, loss_fn = make_data(layers if model is None else model, plan)
+    return pipe.measure(x, y, loss_fn, steps=1)
+
+
 def even_times(prof: Any) -> Any:
     """The profile with every layer's timings 1 ms, and its loss's: splits that depend on
     structure alone (a loss timed slow once left a stage of two layers last; found by a

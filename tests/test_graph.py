@@ -27,7 +27,7 @@ from profiler.examples import gpt, resnet, unet
 from profiler.graph import CapturedModel, capture
 from profiler.limits import ArgumentError
 from profiler.models import as_layers
-from tests.conftest import even_times, quick_profile
+from tests.conftest import even_times, measured_step, quick_profile
 
 F32 = 4
 
@@ -1381,7 +1381,6 @@ def test_a_smaller_micro_batch_is_counted_with_the_working_memory_its_profile_me
     ran up to 32% over a plan that counted the smaller one's at most the larger's; `check`
     passed it. The smaller micro-batch's transients are now counted as measured: no device
     holds more than its plan says (a few scalars aside)."""
-    from codegen.measure import make_data
 
     model = unet()
     layers = capture(model, model.example_input)
@@ -1389,11 +1388,7 @@ def test_a_smaller_micro_batch_is_counted_with_the_working_memory_its_profile_me
     plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 3, microbatches=2, schedule="gpipe",
                          recompute="never")  # fmt: skip
     assert all(st.state_bytes_rest is not None for st in plan.stages)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pipe = compile_pipe(layers, plan)
-    x, y, loss_fn = make_data(model, plan)
-    report = pipe.measure(x, y, loss_fn, steps=1)
+    report = measured_step(layers, plan, model)
     for d in report.devices:
         assert d.measured_peak_bytes <= 1.001 * d.predicted_peak_bytes, d
 
@@ -1414,7 +1409,6 @@ def _unet_measured_on(size: int, microbatches: int, cuts: list[int]) -> tuple[An
     with the stages cut at `cuts` (whatever the search would choose), measured: the report and
     the memory model of the split."""
     import planner.search as search
-    from codegen.measure import make_data
     from planner.partition import Partition
 
     model = unet()
@@ -1427,11 +1421,7 @@ def _unet_measured_on(size: int, microbatches: int, cuts: list[int]) -> tuple[An
     split = Partition(bounds=[0, *cuts, chain.num_layers], bottleneck=0.0)
     specs = search._stage_specs(problem, cand, halve=False)
     plan = search._sealed(search._build_plan(problem, cand, specs, split, "probe-bisection"))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pipe = compile_pipe(layers, plan)
-    x, y, loss_fn = make_data(model, plan)
-    return pipe.measure(x, y, loss_fn, steps=1), memory
+    return measured_step(layers, plan, model), memory
 
 
 def test_a_skip_inside_a_stage_is_counted_while_its_gradient_waits():

@@ -20,7 +20,7 @@ from profiler.examples import mlp, transformer
 from profiler.memtrack import UNOWNED, owned_by, trace_allocations
 from schedules.ir import Action, Kind
 from schedules.memory import STATES
-from tests.conftest import even_times, mixed_plan, quick_profile
+from tests.conftest import even_times, measured_step, mixed_plan, quick_profile
 
 F32 = 4
 RNG_STATE = torch.get_rng_state().numel()
@@ -168,12 +168,7 @@ def measured(profile, build, K, M, N, schedule, mode):
     plan = plan_pipeline(
         profile, Cluster.uniform(K, "1GiB"), N, microbatches=M, schedule=schedule, recompute=mode
     )
-    model = build()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # every stage on the CPU
-        pipe = compile_pipe(model, plan)
-    x, y, loss_fn = make_data(model, plan)
-    return plan, pipe.measure(x, y, loss_fn, steps=1)
+    return plan, measured_step(build(), plan)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -245,12 +240,7 @@ def test_zero_bubble_counts_an_inner_layers_i_without_the_stages_input_gradient(
                          recompute="never", optimizer="sgd")  # fmt: skip
     last = plan.stages[-1]
     assert last.layers == (6, 8) and last.state_bytes.grad > 0
-    model = build()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pipe = compile_pipe(model, plan)
-    x, y, loss_fn = make_data(model, plan)
-    d = pipe.measure(x, y, loss_fn, steps=1).devices[-1]
+    d = measured_step(build(), plan).devices[-1]
     assert abs(d.measured_peak_bytes - d.predicted_peak_bytes) <= 64, d  # (-32 768 before)
 
 
@@ -282,12 +272,7 @@ def test_each_stage_recomputing_its_own_way_allocates_what_the_plan_says(profile
     each device's peak is still what the plan predicts."""
     plan = mixed_plan(profiles[name], Cluster.uniform(3, "1GiB"), 12, 3, schedule)
     assert {st.recompute for st in plan.stages} == {"never", "except_last", "always"}
-    model = MODELS[name]()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        pipe = compile_pipe(model, plan)
-    x, y, loss_fn = make_data(model, plan)
-    report = pipe.measure(x, y, loss_fn, steps=1)
+    report = measured_step(MODELS[name](), plan)
     assert report.ok
     for d in report.devices:
         assert abs(d.memory_error) <= 0.05, d

@@ -4,18 +4,16 @@ some split meets, and when none does it says exactly how much memory would be en
 from __future__ import annotations
 
 import itertools
-import warnings
 
 import numpy as np
 import pytest
 import torch
-from conftest import quick_profile, synthetic_profile
+from conftest import measured_step, quick_profile, synthetic_profile
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_partition import reference_memory
 from torch import nn
 
-from codegen import compile_pipe
 from planner import Cluster, InfeasibleError, Plan, plan_pipeline
 from planner.costs import OPTIMIZER_SLOTS, chain_at
 from planner.memory import StageShape, pulled_with
@@ -650,7 +648,6 @@ def test_a_convolutions_workspace_past_the_profiled_sizes_is_planned_above_its_r
     at 4 and 8. Their workspaces hardly grew from 1 to 2 samples (or fell, with one thread),
     the line through them said little more at 4, and the run held 18-20% more than its plan
     (2.4x on an interleaved device). Measured now: never above the plan."""
-    from codegen.measure import make_data
 
     def model() -> nn.Sequential:
         torch.manual_seed(0)
@@ -667,11 +664,5 @@ def test_a_convolutions_workspace_past_the_profiled_sizes_is_planned_above_its_r
     for batch in (4, 8):
         plan = plan_pipeline(prof, Cluster.uniform(1, "256MiB"), batch, microbatches=1,
                              schedule="gpipe", recompute="never")  # fmt: skip
-        m = model()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pipe = compile_pipe(m, plan)
-        x, y, loss_fn = make_data(m, plan)
-        report = pipe.measure(x, y, loss_fn, steps=1)
-        for d in report.devices:
+        for d in measured_step(model(), plan).devices:
             assert d.measured_peak_bytes <= d.predicted_peak_bytes, (batch, d)
