@@ -660,7 +660,11 @@ def test_max_end_is_the_last_end_that_fits(problem):
     # found), then one without, then the first again: each answered from what the model kept
     # and searched further, and each exactly the scan's (whose totals the model that searched
     # gives again, one stage at a time)
-    runs = [(top, fresh.max_ends(keys, cap=top)) for top in (cap, wider, None, cap)]
+    runs = []
+    for top in (cap, wider, None, cap):
+        runs.append((top, fresh.max_ends(keys, cap=top)))
+        # what the model keeps is counted as it keeps it (not summed on each call)
+        assert fresh._ends_size == sum(found.size for found, _ in fresh._ends.values())
     totals.clear()
     last = [scan(fresh, shape, budget) for shape, budget in keys]
     for top, found in runs:
