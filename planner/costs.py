@@ -3,7 +3,8 @@
 Profiles are measured at a few sizes; between them we interpolate linearly, beyond them we
 extend the line through the two nearest sizes (time and activation memory are close to affine in
 the batch size once past the smallest sizes), past the largest never below what it measured
-(a byte figure: nor below its share per sample there, in proportion to the size).
+(a byte figure: nor below its share per sample there beyond the layer's weights, in
+proportion to the size).
 """
 
 from __future__ import annotations
@@ -170,16 +171,17 @@ class ProfileTable:
         value = np.maximum(y0 + (y1 - y0) * (b - x0) / (x1 - x0), 0.0)
         if b > x1:
             # Past the largest size, never below what was measured there; a byte figure never
-            # below its share per sample there either (in proportion to the size): what a
-            # small size measures as fixed need not stay so. A CPU convolution's workspace
-            # measured 92 448 and 94 784 bytes at one and two samples, and 173 056 at four,
-            # where the line said 99 456 (a red team's run held 20% more than its plan, 2.4x
-            # on an interleaved device, and a figure that fell from one size to the next
-            # extended below zero). Where the part that does not grow is real (a weight's
-            # gradient), this counts it more than once: over, as `plan` notes such sizes.
+            # below its share per sample there either, in proportion to the size, but for as
+            # much as the layer's weights (a weight's gradient, which a backward's figure
+            # holds, does not grow with the batch: scaled, a Linear(1024, 2048)'s made a plan
+            # 3x its run). What a small size measures as fixed need not stay so: a CPU
+            # convolution's workspace measured 92 448 and 94 784 bytes at one and two
+            # samples, and 173 056 at four, where the line said 99 456 (a red team's run held
+            # 20% more than its plan, 2.4x on an interleaved device).
             value = np.maximum(value, y1)
             if not timing:
-                value = np.maximum(value, y1 * (b / x1))
+                fixed = np.minimum(self.fixed("param_bytes"), y1)
+                value = np.maximum(value, fixed + (y1 - fixed) * (b / x1))
         return value
 
 

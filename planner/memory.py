@@ -532,18 +532,14 @@ class MemoryModel:
             last = b[k - 1] - c.zgrad[k - 1] - u[k - 1, k]
             terms[k - 1, k] = held[k - 1] + max(int(last), 0)
         walk = np.maximum.accumulate(terms[::-1], axis=0)[::-1]  # max over l >= i, per end
-        # per start: (first layer it waits in, the layer after its last, first end, bytes)
-        waits: dict[int, list[tuple[int, int, int, int]]] = {}
+        waits = self._tied_waits()
         for born, last, w in (x for xs in self._inner_skips().values() for x in xs):
-            waits.setdefault(born, []).append((born + 1, last, last + 2, w))
-        for a, b, w in self._inner_tied():
-            waits.setdefault(a, []).append((a, b, b + 1, w))
-            waits[a].append((a, a + 1, b + 1, w))  # (a's backward: the sum, made apart)
+            waits.setdefault(born, []).append((born + 1, last, last + 2, n + 1, w))
         if waits:  # per start, from the last: what the layers from there on make waits too
             waiting = np.zeros((n + 1, n + 1), dtype=np.int64)
             for i in range(max(waits), -1, -1):
-                for lo, hi, end, w in waits.get(i, ()):
-                    waiting[lo:hi, end:] += w
+                for lo, hi, first, past, w in waits.get(i, ()):
+                    waiting[lo:hi, first:past] += w
                 walk[i] = np.max(terms[i:] + waiting[i:], axis=0)
         walk = np.maximum(walk - np.concatenate([[0], held])[None, :], 0)
         walk.setflags(write=False)
@@ -571,19 +567,29 @@ class MemoryModel:
                     out.setdefault(born, []).append((born, last, int(w)))
         return out
 
-    def _inner_tied(self) -> list[tuple[int, int, int]]:
+    def _tied_waits(self) -> dict[int, list[tuple[int, int, int, int, int]]]:
         """A captured graph's parameters that two layers of one stage use (tied weights, an
-        embedding and the output head), per pair of uses in turn: (the earlier use, the later
-        one, the parameter's bytes). In B, the later use's backward makes its part of the
-        parameter's gradient, and autograd keeps it apart until the earlier use's backward
-        makes the other part: it waits while the layers between run, and at the earlier use
-        the two are summed into a third tensor before the gradient takes it. None of the
-        layers' own figures sees it (each was measured alone; found by a red team, a run
-        21.8% over its plan with both uses on one device)."""
-        out = []
+        embedding and the output head): in B (and zero bubble's I, which makes such a
+        parameter's gradient), the later use's backward makes its part of the gradient, and
+        autograd keeps it apart until the earlier use's backward adds the other part: it
+        waits while the layers between run. None of the layers' own figures sees it (each was
+        measured alone; found by a red team, a run 21.8% over its plan with both uses on one
+        device). The first such sum, at the stage's last two uses, may be made apart, a
+        third tensor (a head's part is a transposed view, which autograd cannot add into);
+        later ones add into that sum.
+
+        Per start (the earlier use: a stage from there or before), what waits: (first layer,
+        the layer after the last, first end, the end after the last, bytes), as the walk's
+        rows and columns take them."""
+        n = self.chain.num_layers
+        out: dict[int, list[tuple[int, int, int, int, int]]] = {}
         for nbytes, layers in self.chain.tied:
             uses = sorted(set(layers))
-            out += [(a, b, int(nbytes)) for a, b in zip(uses, uses[1:])]
+            after = [*uses[2:], n]  # per pair, the next use (past it, the stage's last pair)
+            for a, b, c in zip(uses, uses[1:], after):
+                w = int(nbytes)
+                out.setdefault(a, []).append((a, b, b + 1, n + 1, w))
+                out[a].append((a, a + 1, b + 1, c + 1, w))  # (the sum at a, made apart)
         return out
 
     def _flow_input_table(self) -> np.ndarray:
@@ -615,19 +621,17 @@ class MemoryModel:
         table = np.zeros((n + 1, n + 1), dtype=np.int64)
         running = np.maximum.accumulate(at, axis=1)  # over l from i: max over l < j at [i, j - 1]
         table[:, 1:] = running[:, :-1]
-        tied = self._inner_tied()
-        if tied:  # a tied parameter's gradient, which zero bubble's I makes, waits as in B's
-            waits: dict[int, list[tuple[int, int, int, int]]] = {}
-            for a, b, w in tied:
-                waits.setdefault(a, []).append((a, b, b + 1, w))
-                waits[a].append((a, a + 1, b + 1, w))
+        waits = self._tied_waits()
+        if waits:  # a tied parameter's gradient, which zero bubble's I makes, waits as in B's
             waiting = np.zeros((n + 1, n + 1), dtype=np.int64)
+            before = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)  # [l, j]: l < j
             for i in range(max(waits), -1, -1):
-                for lo, hi, end, w in waits.get(i, ()):
-                    waiting[lo:hi, end:] += w
+                for lo, hi, first, past, w in waits.get(i, ()):
+                    waiting[lo:hi, first:past] += w
                 # table[i, j] = max over i <= l < j of at[i, l] + waiting[l, j]
-                held = np.where(np.tril(np.ones((n + 1, n + 1), dtype=bool), -1).T[i:, :],
-                                at[i, i:, None] + waiting[i:], np.iinfo(np.int64).min // 2)  # fmt: skip
+                held = np.where(
+                    before[i:], at[i, i:, None] + waiting[i:], np.iinfo(np.int64).min // 2
+                )
                 table[i, i + 1 :] = np.maximum(table[i, i + 1 :], held.max(axis=0)[i + 1 :])
         table = np.where(np.triu(np.ones_like(table, dtype=bool), 1), table, 0)
         table = table + self._flow_summed()

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import functools
 import re
-from itertools import repeat
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import repeat
 from typing import NamedTuple
 
 

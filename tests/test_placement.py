@@ -292,7 +292,12 @@ def test_the_device_orders_read_the_profile_once(monkeypatch):
     from profiler.types import Profile
 
     calls = {"digest": 0, "table": 0}
-    digest, table = Profile.digest, search.ProfileTable
+    digest, table, memory = Profile.digest, search.ProfileTable, search.MemoryModel
+    made: list[int] = []  # the micro-batch size of each MemoryModel made
+
+    def model(chain):
+        made.append(chain.mb)
+        return memory(chain)
 
     def counted(name, fn):
         def call(*args):
@@ -303,11 +308,13 @@ def test_the_device_orders_read_the_profile_once(monkeypatch):
 
     monkeypatch.setattr(Profile, "digest", counted("digest", digest))
     monkeypatch.setattr(search, "ProfileTable", counted("table", table))
+    monkeypatch.setattr(search, "MemoryModel", model)
     profile = synthetic_profile([1.0, 2.0, 1.0, 3.0, 1.0, 1.0, 2.0, 1.0],
                                 output_bytes=[4000] * 8, sizes=(1, 2, 4))  # fmt: skip
     cluster = host_cluster(["a", "b", "a", "b"])
     plan = plan_pipeline(profile, cluster, 4, allow_reorder=True, checkpoint=())
     assert "3 device orders" in plan.solver.method and calls == {"digest": 1, "table": 1}
+    assert len(made) == len(set(made)) > 1  # each size's memory tables made once, for all
     alone = [
         plan_pipeline(profile, cluster.reordered(o), 4, checkpoint=()).predicted.iteration_ms
         for o in cluster.placements()[0]

@@ -623,24 +623,32 @@ def torch_rng_state() -> int:
 
 def test_a_byte_figure_past_the_profiled_sizes_is_never_below_the_largests():
     """Past the largest profiled size a byte figure is the larger of the line through the last
-    two sizes and its share per sample at the largest, in proportion to the size: a CPU
-    convolution's workspace measured 92 448 and 94 784 bytes at one and two samples (the line:
-    99 456 at four) and 173 056 at four. Times keep the line, floored at the largest's."""
-    prof = synthetic_profile([1.0, 1.0], sizes=(1, 2))
-    layer = prof.layers[0]
-    layer.backward_transient_bytes = {1: 92_448, 2: 94_784}  # nearly flat: in proportion
-    layer.forward_transient_bytes = {1: 1_000, 2: 3_000}  # steeper than proportion: the line
-    layer.input_grad_transient_bytes = {1: 92_448, 2: 91_136}  # fell: in proportion
-    layer.forward_ms = {1: Timing(median=2.0, min=2.0, max=2.0),
-                        2: Timing(median=1.0, min=1.0, max=1.0)}  # fmt: skip
-    for mb in (2, 3, 4, 8):
+    two sizes and its share per sample at the largest beyond the layer's weights, in
+    proportion to the size: a CPU convolution's workspace measured 92 448 and 94 784 bytes at
+    one and two samples (the line: 99 456 at four) and 173 056 at four. A weight's gradient,
+    which a backward's figure holds, is not scaled (a cold review: scaled whole, a
+    Linear(1024, 2048)'s made a plan 3x its run). Times keep the line, floored at the
+    largest's."""
+    prof = synthetic_profile([1.0, 1.0], params=[100, 1_000_000], sizes=(1, 2))
+    conv, linear = prof.layers
+    conv.backward_transient_bytes = {1: 92_448, 2: 94_784}  # nearly flat: in proportion
+    conv.forward_transient_bytes = {1: 1_000, 2: 3_000}  # steeper than proportion: the line
+    conv.input_grad_transient_bytes = {1: 92_448, 2: 91_136}  # fell: in proportion
+    conv.forward_ms = {1: Timing(median=2.0, min=2.0, max=2.0),
+                       2: Timing(median=1.0, min=1.0, max=1.0)}  # fmt: skip
+    linear.backward_transient_bytes = {1: 1_000_100, 2: 1_000_300}  # its weight's gradient
+    for mb, backward, input_grad in ((3, 142_126, 136_654), (4, 189_468, 182_172),
+                                     (8, 378_836, 364_244)):  # fmt: skip
         chain = chain_at(prof, mb)
-        assert chain.backward_transient[0] == 94_784 * mb // 2
-        assert chain.input_grad_transient[0] == 91_136 * mb // 2
+        # 100 (the conv's weights) + (94 784 - 100) x mb / 2, and (91 136 - 100) x mb / 2
+        assert chain.backward_transient[0] == backward
+        assert chain.input_grad_transient[0] == input_grad
         assert chain.forward_transient[0] == 2_000 * mb - 1_000
         assert chain.forward[0] == 1.0  # (the line goes to 0 at 3: floored at 2's)
-    chain = chain_at(prof, 1)  # (measured sizes as measured)
-    assert (chain.backward_transient[0], chain.input_grad_transient[0]) == (92_448, 92_448)
+        # the line, 1 000 300 + 200 x (mb - 2), above 1 000 000 + 300 x mb / 2
+        assert chain.backward_transient[1] == 1_000_300 + 200 * (mb - 2)
+    chain = chain_at(prof, 2)  # (measured sizes as measured)
+    assert (chain.backward_transient[0], chain.input_grad_transient[0]) == (94_784, 91_136)
 
 
 def test_a_convolutions_workspace_past_the_profiled_sizes_is_planned_above_its_run():
