@@ -369,9 +369,14 @@ class DistPipelineRuntime(PipelineRuntime):
         return ties
 
     def parameters(self) -> Iterator[nn.Parameter]:
-        """This rank's parameters: give them to this rank's optimizer."""
+        """This rank's parameters, each once (its stages may share one, a tied weight under
+        interleaved 1F1B): give them to this rank's optimizer."""
+        seen: set[int] = set()
         for s in sorted(self.local):
-            yield from self.stages[s].parameters()
+            for p in self.stages[s].parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield p
 
     def _reset(self) -> None:
         super()._reset()

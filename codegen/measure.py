@@ -193,7 +193,10 @@ def measure_in_process(
     K = len(plan.devices)
     ranks = [st.rank for st in plan.stages]
     on = [[s for s in range(len(ranks)) if ranks[s] == k] for k in range(K)]
-    params = [[p for s in on[k] for p in program.stages[s].parameters()] for k in range(K)]
+    params = [  # (each once: a device's stages may share one, a tied weight)
+        list({id(p): p for s in on[k] for p in program.stages[s].parameters()}.values())
+        for k in range(K)
+    ]
     optimizers = [make_optimizer(plan.optimizer, params[k]) for k in range(K)]
 
     def step() -> float:

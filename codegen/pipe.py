@@ -51,10 +51,12 @@ class Pipe:
         return self.program.rank if self.distributed else 0
 
     def parameters(self) -> Any:
-        """The parameters this process trains: give them to its optimizer."""
+        """The parameters this process trains, each once: give them to its optimizer. (Two
+        stages on one device may use one parameter, a tied weight under interleaved 1F1B:
+        listed twice, an optimizer stepped it twice; found by a cold review.)"""
         if self.distributed:
             return self.program.parameters()
-        return (p for stage in self.program.stages for p in stage.parameters())
+        return _once(p for stage in self.program.stages for p in stage.parameters())
 
     @property
     def stages(self) -> list[nn.Sequential]:
@@ -420,3 +422,12 @@ def _resolve_devices(
         stacklevel=3,
     )
     return [torch.device("cpu")] * K
+
+
+def _once(params: Any) -> Any:
+    """`params` without repeats (the first of each, in order)."""
+    seen: set[int] = set()
+    for p in params:
+        if id(p) not in seen:
+            seen.add(id(p))
+            yield p
