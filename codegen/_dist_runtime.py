@@ -53,11 +53,14 @@ from ._runtime import (  # emit: drop
     described,  # emit: drop
     out_of_place,  # emit: drop
     owner,  # emit: drop
+    trains,  # emit: drop
+    trains_before,  # emit: drop
 )  # emit: drop
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool]  # fmt: skip
 _SIGNATURE = 64  # int64 slots summed at each step: [seed, dtype, ndim, shape..., targets, refused]
+_BITS = 62  # stages per further slot, after the shape's: a bit for each stage that trains
 Spec = tuple[tuple[int, ...], torch.dtype]
 
 
@@ -238,7 +241,8 @@ class DistPipelineRuntime(PipelineRuntime):
         # the step's signature, one buffer for every step: a step's own, all-reduced, was let
         # go by gloo's thread now and then only after the step's peak (512 bytes the plan
         # did not count, on the first rank in one of three measured steps)
-        self.signature = torch.zeros(_SIGNATURE, dtype=torch.int64)
+        words = -(-len(self.STAGES) // _BITS)
+        self.signature = torch.zeros(_SIGNATURE + words, dtype=torch.int64)
         self._reset()
 
     def _own_device(self) -> torch.device:
@@ -417,10 +421,17 @@ class DistPipelineRuntime(PipelineRuntime):
                     "micro-batch)"
                 )
             sig[-2] = max(count, 0)  # checked against the input's on every rank, below
+        for s in self.local:  # which stages train, read at each step (a caller may freeze or
+            if trains(self.stages[s]):  # unfreeze layers between steps): one bit each
+                sig[_SIGNATURE - 2 + s // _BITS] += 1 << (s % _BITS)
         sig[-1] = int(bool(problem))
         sig = sig.to(self.device)
         dist.all_reduce(sig)  # one rank's entries, summed with the others' zeros
         head = sig.tolist()
+        words = head[_SIGNATURE - 2 : -2]
+        self.trains_before = trains_before(
+            [bool(words[s // _BITS] >> (s % _BITS) & 1) for s in range(len(self.STAGES))]
+        )
         if problem:
             raise BatchRefused(problem)
         if head[-1]:
@@ -624,6 +635,7 @@ class DistPipelineRuntime(PipelineRuntime):
                         g if g is not None else torch.zeros_like(x)
                         for n, (g, x) in ((n, mine[n]) for n in names)
                         if x.is_floating_point() and n != self.input_name
+                        and self.trains_before[s]  # (a frozen prefix: none goes back)
                     ]))  # fmt: skip
             if near:
                 self.outgrads[(s, m)] = (near, None)  # type: ignore[assignment]
@@ -633,11 +645,11 @@ class DistPipelineRuntime(PipelineRuntime):
         if s - 1 in self.local:
             return super().leave_grad(grads, s, m, like)
         # One tensor per floating-point input, zeros where it got no gradient: the receiver
-        # knows the shapes of the outputs they belong to.
+        # knows the shapes of the outputs they belong to (none after a frozen prefix).
         self.outbox[("B", s, m)] = [
             g if g is not None else torch.zeros_like(t)
             for g, t in zip(grads, like)
-            if t.is_floating_point()
+            if t.is_floating_point() and self.trains_before[s]
         ]
 
     def pull(self, s: int, m: int) -> Grads:
@@ -760,14 +772,16 @@ class DistPipelineRuntime(PipelineRuntime):
                 got: dict[str, Any] = {}
                 for n in names:
                     got[n] = None
-                    if meta[n] is not None:  # type: ignore[call-overload]
+                    if meta[n] is not None and self.trains_before[t]:  # type: ignore[call-overload]
                         shape, dtype = meta[n]  # type: ignore[call-overload]
                         got[n] = self._recv(ops, [(shape, dtype)], t, self._tag("B", s, t, m))[0]
                 slot = self.outgrads.setdefault((t, m), ({}, RECEIVED))[0]
                 done.append(lambda slot=slot, got=got: slot.update(got))  # type: ignore[union-attr]
             return
         grads: list[torch.Tensor | None] = [
-            None if spec is None else self._recv(ops, [spec], s + 1, self._tag("B", s, s + 1, m))[0]
+            None
+            if spec is None or not self.trains_before[s + 1]
+            else self._recv(ops, [spec], s + 1, self._tag("B", s, s + 1, m))[0]
             for spec in self.out_meta.pop((s, m))  # type: ignore[union-attr]
         ]
         done.append(lambda: self.outgrads.__setitem__((s + 1, m), (grads, None)))

@@ -324,6 +324,8 @@ class PipelineRuntime:
         self.batch = list(torch.tensor_split(x, M))  # views; stage 0 takes each (_own)
         self.targets = _split_target(y, M)
         self.weights = [c.shape[0] / n for c in self.batch]
+        # read at each step: a caller may freeze or unfreeze layers between steps
+        self.trains_before = trains_before([trains(st) for st in self.stages])
         sync_tied(self.tied)
         self._enter_streams()
         if self.cuda and self.action_log is not None:
@@ -368,7 +370,7 @@ class PipelineRuntime:
     def forward(self, s: int, m: int) -> None:
         with self._action("forward", s, m):
             x = _own(self.batch[m], self.devices[s]) if s == 0 else self._take(s, m)
-            inp = _like_leaf(x, grad=s > 0)
+            inp = _like_leaf(x, grad=self.trains_before[s])
             if isinstance(inp, dict) and self.input_name in inp:  # the model's input, sent on:
                 inp[self.input_name].requires_grad_(False)  # no gradient goes back for it
             del x
@@ -814,6 +816,18 @@ def _own(t: torch.Tensor, device: torch.device) -> torch.Tensor:
             )
     except (RuntimeError, TypeError, NotImplementedError):  # a layout set_ cannot take
         return t.clone()
+
+
+def trains(stage: nn.Module) -> bool:
+    """Whether the stage has a parameter that trains."""
+    return any(p.requires_grad for p in stage.parameters())
+
+
+def trains_before(training: list[bool]) -> list[bool]:
+    """Per stage, whether a stage before it trains (`training`: per stage, whether it does):
+    only then does its input need a gradient. A frozen prefix (a fine-tuning's backbone) keeps
+    nothing for backward, and no gradient goes back to it (planner/costs.py counts it so)."""
+    return [any(training[:s]) for s in range(len(training))]
 
 
 def _like_leaf(v: Value, grad: bool) -> Value:

@@ -56,7 +56,7 @@ class Chain:
     input_grad: np.ndarray  # zero-bubble I: the input gradient alone
     weight_grad: np.ndarray  # zero-bubble W: the weight gradients alone, as the pipe runs them
     params: np.ndarray
-    largest_param: np.ndarray  # each layer's largest parameter tensor
+    largest_param: np.ndarray  # each layer's largest trainable parameter tensor (the step's)
     buffers: np.ndarray
     saved: np.ndarray
     shared: np.ndarray
@@ -95,6 +95,16 @@ class Chain:
     # optimizer's carry / per_byte, set by the search for its optimizer: MemoryModel.step_size)
     param_tensors: tuple[tuple[int, ...], ...] | None = None
     step_carry: float = 0.0
+    # each entry's trainable parameter bytes: those with a gradient and optimizer state (None:
+    # all of params; a frozen backbone's weights have neither), and which tied parameters are
+    # frozen (by their place in `tied`)
+    trainable: np.ndarray | None = None
+    frozen_tied: frozenset[int] = frozenset()
+
+    @property
+    def grads(self) -> np.ndarray:
+        """Each entry's trainable parameter bytes (its gradients' and each optimizer slot's)."""
+        return self.params if self.trainable is None else self.trainable
 
     @property
     def stop(self) -> np.ndarray:
@@ -209,10 +219,16 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
     # A skip handed on unchanged is one tensor, and so is its gradient: kept where it is made.
     passed = table.fixed("passed_bytes") * mb
     kept = np.maximum(boundary[1 : n + 1] - (-(-passed // unit) * unit), 0)
-    zgrad = kept.copy()
+    # The model's input needs no gradient, nor does a value before the first layer that trains
+    # (a frozen prefix: the runtime hands its stages inputs that need none, and its profile
+    # measured them so), where the profile lists the trainable tensors (else: the weights)
+    tensors = _known_tensors(table)
+    trains = np.cumsum(
+        [bool(t) for t in tensors] if tensors is not None else table.fixed("param_bytes") > 0
+    ).astype(bool)
+    zgrad = np.where(trains, kept, 0)
     zgrad[L if n > L else L - 1 :] = 0
-    grad_in = boundary[:n].copy()
-    grad_in[0] = 0  # the model's input needs no gradient
+    grad_in = np.where(np.concatenate([[False], trains[:-1]]), boundary[:n], 0)
     shared = np.minimum(sizes("shared_bytes"), saved)
     loss_saved = np.zeros(n, dtype=np.int64)
     if n > L:  # what the loss function alone saves (a tensor a layer saves too is that layer's)
@@ -224,7 +240,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         input_grad=times("backward_input_ms"),
         weight_grad=times("backward_weight_ms"),
         params=table.fixed("param_bytes"),
-        largest_param=table.fixed("largest_param_bytes"),
+        largest_param=_largest_trainable(table),
         buffers=table.fixed("buffer_bytes"),
         saved=saved,
         shared=shared,
@@ -244,13 +260,46 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         flow=Flow.of(profile.layers, n > L, mb, unit) if profile.captured else None,
         tied=tuple((t.bytes, tuple(t.layers)) for t in profile.tied) if profile.captured else (),
         borrowed_input=profile.device.split(":")[0] == "cpu",
-        last_grad=int(kept[L - 1]) if n == L else 0,
+        last_grad=int(kept[L - 1]) if n == L and trains[L - 1] else 0,
         param_tensors=(
             tuple(tuple(x.param_tensor_bytes) for x in layers)  # type: ignore[arg-type]
             if all(x.param_tensor_bytes is not None for x in layers)
             else None
         ),
+        trainable=_trainable(table),
+        frozen_tied=frozenset(k for k, t in enumerate(profile.tied) if t.frozen)
+        if profile.captured
+        else frozenset(),
     )
+
+
+def _known_tensors(table: ProfileTable) -> list[list[int]] | None:
+    """Each entry's trainable parameter tensors, where the profile lists them for all."""
+    if any(x.param_tensor_bytes is None for x in table.layers):
+        return None
+    return [list(x.param_tensor_bytes) for x in table.layers]  # type: ignore[arg-type]
+
+
+def _trainable(table: ProfileTable) -> np.ndarray | None:
+    """Each entry's trainable parameter bytes: what its listed tensors add up to, never above
+    its parameter bytes (the tensors are listed as the allocator rounds them, the parameter
+    bytes not: a layer all of whose parameters train counts them as before). None where the
+    profile does not list them, or where every parameter trains."""
+    tensors = _known_tensors(table)
+    if tensors is None:
+        return None
+    params = table.fixed("param_bytes")
+    out = np.minimum(np.array([sum(t) for t in tensors], dtype=np.int64), params)
+    return None if np.array_equal(out, params) else out
+
+
+def _largest_trainable(table: ProfileTable) -> np.ndarray:
+    """Each entry's largest trainable parameter tensor (what a step one tensor at a time
+    works on), or its largest parameter where the profile does not list them."""
+    tensors = _known_tensors(table)
+    if tensors is None:
+        return table.fixed("largest_param_bytes")
+    return np.array([max(t, default=0) for t in tensors], dtype=np.int64)
 
 
 def checkpointed(chain: Chain, layers: tuple[int, ...]) -> Chain:

@@ -160,8 +160,8 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
         return sum(int(values[k]) * var[k][s] for k in range(L) if values[k])
 
     inner = [[x[k][s] - first[k][s]] for k in range(L)]  # k in the stage, not its first layer
-    p = over(c.params, x)
-    weights = (2 + shape.optimizer_slots) * p + over(c.buffers, x)
+    p = over(c.grads, x)  # (the trainable ones: their gradients, optimizer slots and step)
+    weights = over(c.params, x) + (1 + shape.optimizer_slots) * p + over(c.buffers, x)
     held = c.boundary[:L].copy()
     if c.borrowed_input:  # stage 0 on the caller's micro-batch: none of it is the stage's
         held[0] = 0

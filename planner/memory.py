@@ -75,10 +75,11 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
 
 and the stage's memory is
 
-    params + grads + optimizer slots x (params but the tied ones a layer before i uses too:
+    params + grads + optimizer slots x (grads but the tied ones a layer before i uses too:
                                         another stage holds their state; under torchrun,
                                         where each rank steps its own copy, all: a rank whose
                                         two stages use one counts its state twice, over)
+    (grads: the trainable parameters' bytes; a frozen one has neither gradient nor state)
     + workspace
     + max( max over the stage's occupancy tuples (n per state, then which transient runs) of
                sum n x state bytes + the running transient,
@@ -312,11 +313,11 @@ class _PairMax:
 
 
 def _static(
-    p: np.ndarray, copied: np.ndarray, buffers: np.ndarray, slots: int | np.ndarray
+    p: np.ndarray, g: np.ndarray, copied: np.ndarray, buffers: np.ndarray, slots: int | np.ndarray
 ) -> np.ndarray:
-    """A stage's weights, gradients, optimizer slots (not for parameters whose state another
-    stage keeps: `copied`) and buffers."""
-    return 2 * p + slots * (p - copied) + buffers
+    """A stage's weights (p), gradients of its trainable ones (g), their optimizer slots (not
+    for parameters whose state another stage keeps: `copied`) and buffers."""
+    return p + g + slots * (g - copied) + buffers
 
 
 def _prefix(values: np.ndarray) -> np.ndarray:
@@ -345,11 +346,14 @@ class MemoryModel:
         self._weights: dict[int, np.ndarray] = {}  # (weights)
         self._guess_prefix: dict[tuple[int, int], np.ndarray] = {}  # (end_guess)
         self._params = _prefix(chain.params)
+        self._grads = _prefix(chain.grads)
         # a parameter several layers use: how many of them lie before each position
         self._tied = [
             (nbytes, _prefix(np.isin(np.arange(chain.num_layers), layers).astype(np.int64)))
             for nbytes, layers in chain.tied
         ]
+        # ... those that train (a frozen one has no gradient and no optimizer state)
+        self._tied_grads = [t for k, t in enumerate(self._tied) if k not in chain.frozen_tied]
         self._buffers = _prefix(chain.buffers)
         self._saved = _prefix(chain.saved)
         self._shared = _prefix(chain.shared)
@@ -583,7 +587,9 @@ class MemoryModel:
         rows and columns take them."""
         n = self.chain.num_layers
         out: dict[int, list[tuple[int, int, int, int, int]]] = {}
-        for nbytes, layers in self.chain.tied:
+        for k, (nbytes, layers) in enumerate(self.chain.tied):
+            if k in self.chain.frozen_tied:  # (no gradient)
+                continue
             uses = sorted(set(layers))
             after = [*uses[2:], n]  # per pair, the next use (past it, the stage's last pair)
             for a, b, c in zip(uses, uses[1:], after):
@@ -841,7 +847,7 @@ class MemoryModel:
         if want("input_live"):
             # a parameter two of the stage's layers share takes its gradient in I (the
             # runtime's W would reach it through both): its temporary, on top
-            for nbytes, before in self._tied:
+            for nbytes, before in self._tied_grads:
                 both = before[j] - before[i] > 1
                 out["input_live"] = out["input_live"] + np.where(both, nbytes, 0)
         if want("weight_live"):
@@ -891,11 +897,11 @@ class MemoryModel:
         i = np.asarray(i, dtype=np.int64)
         j = np.asarray(j, dtype=np.int64)
         states = {k: v.tolist() for k, v in self.state_bytes(i, j).items()}
-        p = self.params(i, j)
+        p, g = self.params(i, j), self.grads(i, j)
         # terms(): params and buffers, grads, optimizer slots (beside its workspace)
-        weights = (2 * p + self._buffers[j] - self._buffers[i]).tolist()
-        slots = (p - self.copied(i, j)).tolist()
-        sizes = {True: p, False: self.step_size(i, j) if not all(s.foreach for s in shapes) else p}
+        weights = (p + g + self._buffers[j] - self._buffers[i]).tolist()
+        slots = (g - self.copied(i, j)).tolist()
+        sizes = {True: g, False: self.step_size(i, j) if not all(s.foreach for s in shapes) else g}
         heads, tails = self.step_ends(i, j)
         out = []
         for s, shape in enumerate(shapes):
@@ -930,7 +936,7 @@ class MemoryModel:
         self._check_pulled(shape)
         i = np.atleast_1d(np.asarray(i, dtype=np.int64))
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
-        p = self.params(i, j)
+        p, g = self.params(i, j), self.grads(i, j)
         b = self.state_bytes(i, j, start) if states is None else states
         best = np.full(i.shape, -1, dtype=np.int64)
         parts = {k: np.zeros(i.shape, dtype=np.int64) for k in ("stash", "grad", "live", "loss")}
@@ -954,8 +960,8 @@ class MemoryModel:
         zero = np.zeros(i.shape, dtype=np.int64)
         return {
             "params": p + self._buffers[j] - self._buffers[i],
-            "grads": p,
-            "optimizer": shape.optimizer_slots * (p - self.copied(i, j)),
+            "grads": g,
+            "optimizer": shape.optimizer_slots * (g - self.copied(i, j)),
             "stashed_activations": np.where(at_step, zero, parts["stash"] - parts["loss"]),
             "loss": np.where(at_step, zero, parts["loss"]),
             "gradient_buffers": np.where(at_step, zero, parts["grad"]),
@@ -979,7 +985,7 @@ class MemoryModel:
         i = np.atleast_1d(np.asarray(i, dtype=np.int64))
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
         if shape.foreach:
-            size = self.params(i, j)
+            size = self.grads(i, j)
         else:
             size = self.step_size(i, j)
         return np.ceil(shape.optimizer_step * size).astype(np.int64)
@@ -1018,7 +1024,7 @@ class MemoryModel:
         for row, k in enumerate(cols):
             values[row] = b[names[k]]
         pulled_row = int(np.searchsorted(cols, PULLED))
-        p, copied = self.params(i, j), self.copied(i, j)
+        p, trained, copied = self.params(i, j), self.grads(i, j), self.copied(i, j)
         largest = None if each else b["largest"]
         out = np.empty(len(i), dtype=np.int64)
         for g, shape in enumerate(shapes):
@@ -1031,10 +1037,12 @@ class MemoryModel:
                 mine = mine.copy()
                 mine[pulled_row] = b[keys[g]][lo:hi]
             held = _most(occ, mine)
-            size = p[lo:hi] if shape.foreach else largest[lo:hi]  # type: ignore[index]
+            size = trained[lo:hi] if shape.foreach else largest[lo:hi]  # type: ignore[index]
             step = np.ceil(shape.optimizer_step * size).astype(np.int64)  # optimizer_step()
             buffers = self._buffers[j[lo:hi]] - self._buffers[i[lo:hi]]
-            static = _static(p[lo:hi], copied[lo:hi], buffers, shape.optimizer_slots)
+            static = _static(
+                p[lo:hi], trained[lo:hi], copied[lo:hi], buffers, shape.optimizer_slots
+            )
             out[lo:hi] = static + np.maximum(held + shape.runtime, step) + shape.reserved
         return out
 
@@ -1055,7 +1063,9 @@ class MemoryModel:
         optimizer slots, per entry or for all, buffers): total() is at least this and the
         shape's reserved bytes."""
         buffers = self._buffers[j] - self._buffers[i]
-        return _static(self.params(i, j), self.copied(i, j), buffers, optimizer_slots)
+        return _static(
+            self.params(i, j), self.grads(i, j), self.copied(i, j), buffers, optimizer_slots
+        )
 
     def one_layer(self, shape: StageShape) -> np.ndarray:
         """total(i, i + 1) for every i, kept per shape."""
@@ -1213,8 +1223,8 @@ class MemoryModel:
         found = self._weights.get(optimizer_slots)
         if found is None:
             found = self._weights[optimizer_slots] = (
-                2 + optimizer_slots
-            ) * self._params + self._buffers
+                self._params + (1 + optimizer_slots) * self._grads + self._buffers
+            )
         return found
 
     def params(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
@@ -1223,6 +1233,14 @@ class MemoryModel:
         for nbytes, before in self._tied:
             p = p - nbytes * np.maximum(before[j] - before[i] - 1, 0)
         return p
+
+    def grads(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """The trainable parameter bytes of stages [i, j) (each with a gradient and optimizer
+        state): a parameter several of its layers use, once."""
+        g = self._grads[j] - self._grads[i]
+        for nbytes, before in self._tied_grads:
+            g = g - nbytes * np.maximum(before[j] - before[i] - 1, 0)
+        return g
 
     def copied(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """The bytes of the tied parameters stages [i, j) use that a layer before i uses too:
@@ -1233,7 +1251,7 @@ class MemoryModel:
         out = np.zeros(np.shape(i), dtype=np.int64)
         if self.chain.copies_keep_state:
             return out
-        for nbytes, before in self._tied:
+        for nbytes, before in self._tied_grads:
             out = out + np.where((before[i] > 0) & (before[j] > before[i]), nbytes, 0)
         return out
 

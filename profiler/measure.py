@@ -243,8 +243,12 @@ def _measure_size(
     # skip, passed from layer to layer, is already counted where it was saved.
     saved_before: set[int] = set()
     batch, changed = _batch_of(x), None  # (the first layer whose output's batch is another)
+    trains = False  # whether a layer before this one has a parameter that trains
     for i, layer in enumerate(layers):
-        inp = _detach(x, requires_grad=i > 0)  # the model's own input needs no gradient
+        # the model's own input needs no gradient, nor does any before the first layer that
+        # trains (a frozen prefix: the runtime's stages there keep nothing for backward)
+        inp = _detach(x, requires_grad=trains)
+        trains = trains or any(p.requires_grad for p in layer.parameters())
         # zero bubble keeps each layer's output gradient from I to W (the last one's too: the
         # last stage's W starts there)
         kept = "both"
@@ -390,7 +394,7 @@ def _tied(layers: list[nn.Module]) -> list[TiedParameter]:
         for p in layer.parameters():
             users.setdefault(id(p), (p, []))[1].append(k)
     return [
-        TiedParameter(bytes=p.numel() * p.element_size(), layers=ks)
+        TiedParameter(bytes=p.numel() * p.element_size(), layers=ks, frozen=not p.requires_grad)
         for p, ks in users.values()
         if len(ks) > 1
     ]

@@ -5,7 +5,15 @@ from __future__ import annotations
 import hashlib
 from typing import Annotated, Any, ClassVar, Literal, get_origin
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    field_validator,
+    model_validator,
+)
 from pydantic.dataclasses import dataclass as pydantic_dataclass
 
 from .artifact import Artifact, LaterFields
@@ -190,6 +198,11 @@ class TiedParameter(BaseModel):
     model_config = ConfigDict(extra="forbid")
     bytes: Bytes
     layers: list[Annotated[int, Field(ge=0)]] = Field(min_length=2)
+    frozen: StrictBool = Field(
+        default=False,
+        description="it takes no gradient (requires_grad off): no stage holds a gradient or "
+        "optimizer state for it (left out of the file where no tied parameter is frozen)",
+    )
 
 
 class ProfileMeta(BaseModel):
@@ -269,6 +282,8 @@ class Profile(Artifact):
             drop["layers"] = {"__all__": unset}
             if self.loss:
                 drop["loss"] = unset
+        if not any(t.frozen for t in self.tied):  # (a later field too)
+            drop["tied"] = {"__all__": {"frozen"}}
         return drop
 
     def _ordered(self) -> Profile:

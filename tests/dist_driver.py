@@ -43,6 +43,8 @@ def main() -> None:
             for layer in model:
                 if isinstance(layer, nn.ReLU):
                     layer.inplace = True
+        frozen = 5 if os.path.basename(path).startswith("frozen") else 0
+        model[:frozen].requires_grad_(False)  # a frozen prefix: no gradient crosses it
         reference = copy.deepcopy(model)
         x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))
         loss_fn = nn.CrossEntropyLoss()
@@ -55,6 +57,9 @@ def main() -> None:
             a, b = pipe.STAGES[s]
             for i in range(a, b):
                 for p, q in zip(model[i].parameters(), reference[i].parameters()):
+                    if i < frozen:  # (no gradient: an error of 1 if one came)
+                        errs.append(float(p.grad is not None or q.grad is not None))
+                        continue
                     errs.append(float((p.grad - q.grad).abs().max() / q.grad.abs().max()))
         results[os.path.basename(path)] = {
             "loss_err": abs(float(loss) - float(expected.detach())),

@@ -80,6 +80,42 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-12))
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("mode", ["never", "always"])
+def test_gradient_parity_with_a_frozen_prefix(profiles, schedule, mode):
+    """A fine-tuning's frozen first layers (here five of the mlp's nine, two stages at least):
+    the stages before the first layer that trains get inputs that need no gradient,
+    keep nothing for backward and send no gradient back; the layers that train get the
+    un-pipelined model's gradients, and the frozen ones none."""
+    plan = plan_for(profiles["mlp"], schedule, mode, 4)
+    reference, piped = small_mlp(), small_mlp()
+    piped.load_state_dict(reference.state_dict())
+    for model in (reference, piped):
+        model[:5].requires_grad_(False)
+    x, y, loss_fn = data("mlp")
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    pipe = compile_quiet(piped, plan)
+    loss = pipe.train_step(x, y, loss_fn)
+    # (layer 6 is the first that trains: a stage after it gets an input that needs a gradient)
+    assert pipe.program.trains_before == [st.layers[0] > 6 for st in plan.stages]
+    assert pipe.program.trains_before[:2] == [False, False]
+    assert rel_err(loss, expected.detach()) <= 1e-5
+    for k, (p, q) in enumerate(zip(piped.parameters(), reference.parameters())):
+        assert (p.grad is None) == (q.grad is None) == (k < 6), k  # (5 layers, 3 Linears)
+        if q.grad is not None:
+            assert rel_err(p.grad, q.grad) <= 1e-5, k
+    # unfrozen between steps (a gradual unfreezing): the next step reads it
+    for model in (reference, piped):
+        model.requires_grad_(True)
+        model.zero_grad(set_to_none=True)
+    loss_fn(reference(x), y).backward()
+    pipe.train_step(x, y, loss_fn)
+    assert pipe.program.trains_before == [s > 0 for s in range(len(plan.stages))]
+    for k, (p, q) in enumerate(zip(piped.parameters(), reference.parameters())):
+        assert rel_err(p.grad, q.grad) <= 1e-5, k
+
+
 @pytest.mark.parametrize("kind", ["mlp", "transformer"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("mode", MODES)
@@ -796,6 +832,8 @@ def test_torchrun_gradient_parity(profiles, tmp_path, torchrun_available):
         ("zb-h1", "always", 4, ()),
         ("interleaved-1f1b", "never", 4, ()),
         ("1f1b", "never", 4, (1, 2, 4)),  # layers under checkpoints of their own
+        ("frozen-1f1b", "never", 4, ()),  # its first five layers frozen (dist_driver.py)
+        ("frozen-zb-h1", "always", 3, ()),
     ]
     paths = []
     for schedule, mode, M, layers in cases:
@@ -804,7 +842,7 @@ def test_torchrun_gradient_parity(profiles, tmp_path, torchrun_available):
             Cluster.uniform(2, "1GiB"),
             N,
             microbatches=M,
-            schedule=schedule,
+            schedule=schedule.removeprefix("frozen-"),
             recompute=mode,
             checkpoint=layers,
         )

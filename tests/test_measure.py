@@ -836,3 +836,54 @@ def test_a_smaller_micro_batch_holds_no_state_above_the_larger_ones():
         for st in plan.stages:
             big, rest = st.state_bytes.model_dump(), st.state_bytes_rest.model_dump()
             assert all((rest[k] or 0) <= (big[k] or 0) for k in STATES), st
+
+
+def _frozen(part: str) -> nn.Sequential:
+    """Six Linear(256) + ReLU blocks, the first four or the last four Linears frozen (a
+    fine-tuning's backbone or head kept as it was)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(256, 256), nn.ReLU())])
+    for k in range(0, 8) if part == "first" else range(4, 12):
+        model[k].requires_grad_(False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def frozen_profiles():
+    return {
+        part: quick_profile(_frozen(part), torch.randn(4, 256), batch_sizes=[1, 2, 4],
+                            loss_fn="mse", threads=1)
+        for part in ("first", "last")
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("part", ["first", "last"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_frozen_parameters_take_no_gradient_nor_optimizer_state(
+    frozen_profiles, part, schedule, optimizer
+):
+    """Found by a red team: a frozen parameter has no gradient and no optimizer state, yet the
+    plan gave every parameter both (and a foreach step over all of them): a plan whose frozen
+    Linears sat on one device was 58% (SGD) to 294% (Adam) over its run. It now counts the
+    trainable bytes the profile lists (param_tensor_bytes). And a frozen prefix keeps nothing
+    for backward (its stages get inputs that need no gradient; the profile measures its layers
+    so): a first stage of frozen layers was 3% over. Now each device within a few scalars."""
+    prof = frozen_profiles[part]
+    frozen = 4 * (256 * 256 + 256) * F32
+    assert sum(x.param_bytes for x in prof.layers) - sum(
+        sum(x.param_tensor_bytes) for x in prof.layers
+    ) == frozen  # fmt: skip
+    plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 8, microbatches=4, schedule=schedule,
+                         recompute="never", optimizer=optimizer)  # fmt: skip
+    slots = 2 if optimizer == "adam" else 0
+    for st in plan.stages:  # every weight once, a gradient and slots per trainable byte
+        held = prof.layers[st.layers[0] : st.layers[1]]
+        trained = sum(sum(x.param_tensor_bytes) for x in held)
+        assert st.memory.params == sum(x.param_bytes for x in held)
+        assert (st.memory.grads, st.memory.optimizer) == (trained, slots * trained)
+    if part == "first":  # (nothing before layer 8 keeps anything for backward)
+        assert all(sum(x.saved_bytes.values()) == 0 for x in prof.layers[:8])
+        assert sum(prof.layers[8].saved_bytes.values()) > 0
+    for d in measured_step(_frozen(part), plan).devices:
+        assert abs(d.measured_peak_bytes - d.predicted_peak_bytes) <= 64, d

@@ -21,7 +21,7 @@ from planner.partition import NoneWithin, StageSpec, _Prober, feasible_split, so
 
 def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     """The memory model of DESIGN.md, written out plainly."""
-    p = int(c.params[i:j].sum())
+    p = int(c.grads[i:j].sum())  # the trainable parameters: a gradient and slots each
     X, Xs = int(c.boundary[i]), min(int(c.input_saved[i]), int(c.boundary[i]))
     lent = Xs if i == 0 and c.borrowed_input else 0  # the caller's micro-batch, not the stage's
     X = 0 if i == 0 and c.borrowed_input else X
@@ -58,8 +58,8 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     size = p if shape.foreach else int(c.largest_param[i:j].max())
     step = math.ceil(shape.optimizer_step * size)
     return (
-        p + int(c.buffers[i:j].sum()) + p + shape.optimizer_slots * p + max(held, step)
-        + shape.reserved
+        int(c.params[i:j].sum()) + int(c.buffers[i:j].sum()) + p + shape.optimizer_slots * p
+        + max(held, step) + shape.reserved
     )  # fmt: skip
 
 
@@ -211,6 +211,8 @@ def problems(draw):
         backward=ints(0, 9, L).astype(float),
         params=params,
         largest_param=np.minimum(params, ints(0, 60, L)),
+        # some parameters frozen (no gradient, no optimizer state), or none
+        trainable=np.minimum(params, ints(0, 60, L)) if draw(st.booleans()) else None,
         buffers=ints(0, 5, L),
         saved=saved,
         shared=shared,
@@ -1282,8 +1284,8 @@ def test_a_memory_split_whose_weights_cannot_fit_is_decided_before_the_memory_mo
     # weights, gradients, optimizer slots, buffers and reserved bytes in its budget under one
     # of its options. Where none does, no memory model is asked.
     def weights(i, j, shape):
-        p, b = chain.params[i:j], chain.buffers[i:j]
-        return int(((2 + shape.optimizer_slots) * p + b).sum()) + shape.reserved
+        p, g, b = chain.params[i:j], chain.grads[i:j], chain.buffers[i:j]
+        return int((p + (1 + shape.optimizer_slots) * g + b).sum()) + shape.reserved
 
     some = any(
         all(

@@ -228,6 +228,25 @@ def test_profile_json_round_trips(tmp_path):
     assert 0 < prof.runtime.call_ms < 50
 
 
+def test_a_tied_parameters_frozen_flag_is_written_only_where_one_is_frozen():
+    """TiedParameter.frozen came later: a profile none of whose tied parameters is frozen
+    writes and digests as before it existed; a frozen one is written, and round-trips."""
+    prof = quick(mlp(width=16, depth=2), torch.randn(4, 16), [1, 2])
+    data = json.loads(prof.canonical_json())
+    data["tied"] = [{"bytes": 64, "layers": [0, 2]}]
+    before = Profile.from_json_text(json.dumps(data))
+    assert '"frozen"' not in before.canonical_json() and not before.tied[0].frozen
+    data["tied"][0]["frozen"] = False  # (the default, spelled out: the same profile)
+    assert Profile.from_json_text(json.dumps(data)).digest() == before.digest()
+    data["tied"][0]["frozen"] = True
+    frozen = Profile.from_json_text(json.dumps(data))
+    assert '"frozen": true' in frozen.canonical_json() and frozen.digest() != before.digest()
+    assert Profile.from_json_text(frozen.canonical_json()) == frozen
+    data["tied"][0]["frozen"] = 1  # (strict: not a number)
+    with pytest.raises(InputError):
+        Profile.from_json_text(json.dumps(data))
+
+
 def test_a_profile_in_any_key_order_has_the_digest_and_bytes_made_in_memory(tmp_path):
     """json's sorted keys put size 16 before 2, and pydantic's serializer writes a map in its
     own order: a profile whose maps or optimizers come in any order (from a file, or put in by
