@@ -59,8 +59,10 @@ from ._runtime import (  # emit: drop
 
 _DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
            torch.int16, torch.int8, torch.uint8, torch.bool]  # fmt: skip
-_SIGNATURE = 64  # int64 slots summed at each step: [seed, dtype, ndim, shape..., targets, refused]
-_BITS = 62  # stages per further slot, after the shape's: a bit for each stage that trains
+# int64 slots summed at each step: [seed, dtype, ndim, shape..., bits..., targets, refused], the
+# bits a stage each (whether it trains), _BITS to a slot (clear of the sign), before the last two
+_SIGNATURE = 64
+_BITS = 62
 Spec = tuple[tuple[int, ...], torch.dtype]
 
 
@@ -241,8 +243,8 @@ class DistPipelineRuntime(PipelineRuntime):
         # the step's signature, one buffer for every step: a step's own, all-reduced, was let
         # go by gloo's thread now and then only after the step's peak (512 bytes the plan
         # did not count, on the first rank in one of three measured steps)
-        words = -(-len(self.STAGES) // _BITS)
-        self.signature = torch.zeros(_SIGNATURE + words, dtype=torch.int64)
+        self.words = -(-len(self.STAGES) // _BITS)  # (the slots of the stages' bits)
+        self.signature = torch.zeros(_SIGNATURE, dtype=torch.int64)
         self._reset()
 
     def _own_device(self) -> torch.device:
@@ -363,8 +365,8 @@ class DistPipelineRuntime(PipelineRuntime):
                     users.setdefault(id(p), (p, set()))[1].add(self.RANKS[s])
         groups: dict[tuple[int, ...], Any] = {}
         ties = []
-        for p, ranks in users.values():
-            if len(ranks) > 1 and p.requires_grad:
+        for p, ranks in users.values():  # (frozen ones too: a caller may unfreeze them)
+            if len(ranks) > 1:
                 key = tuple(sorted(ranks))
                 if key not in groups:
                     groups[key] = dist.new_group(list(key))
@@ -403,7 +405,7 @@ class DistPipelineRuntime(PipelineRuntime):
             sig[0] = int(torch.randint(0, 2**62, (1,)))
             if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[0] < M:
                 problem = f"the first stage's rank needs the input batch, with at least {M} samples"
-            elif x.dtype not in _DTYPES or x.dim() > _SIGNATURE - 5:
+            elif x.dtype not in _DTYPES or x.dim() > _SIGNATURE - 5 - self.words:
                 problem = f"an input of dtype {x.dtype} and {x.dim()} dimensions"
             else:
                 sig[1 : 3 + x.dim()] = torch.tensor([_DTYPES.index(x.dtype), x.dim(), *x.shape])
@@ -423,15 +425,17 @@ class DistPipelineRuntime(PipelineRuntime):
             sig[-2] = max(count, 0)  # checked against the input's on every rank, below
         for s in self.local:  # which stages train, read at each step (a caller may freeze or
             if trains(self.stages[s]):  # unfreeze layers between steps): one bit each
-                sig[_SIGNATURE - 2 + s // _BITS] += 1 << (s % _BITS)
+                sig[_SIGNATURE - 2 - self.words + s // _BITS] += 1 << (s % _BITS)
         sig[-1] = int(bool(problem))
         sig = sig.to(self.device)
         dist.all_reduce(sig)  # one rank's entries, summed with the others' zeros
         head = sig.tolist()
-        words = head[_SIGNATURE - 2 : -2]
-        self.trains_before = trains_before(
-            [bool(words[s // _BITS] >> (s % _BITS) & 1) for s in range(len(self.STAGES))]
-        )
+        words = head[_SIGNATURE - 2 - self.words : -2]
+        training = [bool(words[s // _BITS] >> (s % _BITS) & 1) for s in range(len(self.STAGES))]
+        self.trains_before = trains_before(training)
+        self.check_frozen(training, self.local)
+        for s in self.local:  # (what trains, as now: zero bubble's I takes their gradients)
+            self.shared[s] = _shared_parameters(self.stages[s])
         if problem:
             raise BatchRefused(problem)
         if head[-1]:
@@ -572,6 +576,8 @@ class DistPipelineRuntime(PipelineRuntime):
             work.wait()
         self.sending = []
         for p, group, _ in self.ties:  # tied weights: the gradient of every use, on each
+            if not p.requires_grad:  # (frozen: on every rank, which all see the whole model)
+                continue
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             dist.all_reduce(p.grad, group=group)

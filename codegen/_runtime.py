@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -195,11 +195,12 @@ def untie(stages: list[nn.Sequential], ranks: list[int]) -> Tied:
 
 
 def sync_tied(tied: Tied) -> None:
-    """Each copy takes the model's parameter as the optimizer left it."""
+    """Each copy takes the model's parameter as the optimizer left it, frozen or not."""
     with torch.no_grad():
         for p, copies in tied:
             for c in copies:
                 c.copy_(p)
+                c.requires_grad_(p.requires_grad)
 
 
 def gather_tied(tied: Tied) -> None:
@@ -239,6 +240,8 @@ class PipelineRuntime:
     RECOMPUTE: list[str] = []  # each stage's recomputation: never, except_last or always
     CHECKPOINTED: list[int] = []  # layers run under a checkpoint of their own (no RECOMPUTE)
     ROUTES: list[tuple[int, int]] = []  # a captured graph's (sender, receiver) stages, planned
+    FROZEN: list[int] = []  # stages the plan counted as training nothing (no gradients)
+    warned_frozen = False
 
     def __init__(
         self,
@@ -325,8 +328,11 @@ class PipelineRuntime:
         self.targets = _split_target(y, M)
         self.weights = [c.shape[0] / n for c in self.batch]
         # read at each step: a caller may freeze or unfreeze layers between steps
-        self.trains_before = trains_before([trains(st) for st in self.stages])
         sync_tied(self.tied)
+        training = [trains(st) for st in self.stages]
+        self.trains_before = trains_before(training)
+        self.check_frozen(training, range(len(self.stages)))
+        self.shared = [_shared_parameters(st) for st in self.stages]
         self._enter_streams()
         if self.cuda and self.action_log is not None:
             # NOTE: CUDA times two events only on one device: each GPU's actions are timed
@@ -364,6 +370,21 @@ class PipelineRuntime:
         self.kept: dict[tuple[int, int], tuple[list[Any], Any]] = {}  # zero bubble: I to W
         self.inner: dict[tuple[int, int], list[list[GradientEdge]]] = {}  # layer output edges
         self.inner_grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+
+    def check_frozen(self, training: list[bool], stages: Iterable[int]) -> None:
+        """Warn (once) where one of `stages` trains that the plan counted frozen (FROZEN): its
+        gradients and optimizer state are not in the plan's memory figures."""
+        thawed = [s for s in stages if training[s] and s in self.FROZEN]
+        if thawed and not self.warned_frozen:
+            import warnings
+
+            self.warned_frozen = True
+            warnings.warn(
+                f"stage(s) {thawed} have parameters that train, which the plan counted as "
+                "frozen (as the model was when profiled): their gradients and optimizer state "
+                "are not in its memory figures; profile and plan the model again",
+                stacklevel=3,
+            )
 
     # -- actions --------------------------------------------------------------------------
 
@@ -671,7 +692,8 @@ class PipelineRuntime:
         """What backward starts from: the loss on the last stage; elsewhere the output's edges,
         with the gradients pulled from stage s + 1."""
         if s == len(self.stages) - 1:
-            return [self.loss_roots.pop(m)], None
+            loss = self.loss_roots.pop(m)
+            return ([loss] if loss.requires_grad else []), None  # (nothing trains: no graph)
         grads = self.pull(s, m)
         pairs = [(e, grads[k]) for k, e in self.roots.pop((s, m)) if grads[k] is not None]
         return [e for e, _ in pairs], [g for _, g in pairs]  # type: ignore[misc]
@@ -826,7 +848,8 @@ def trains(stage: nn.Module) -> bool:
 def trains_before(training: list[bool]) -> list[bool]:
     """Per stage, whether a stage before it trains (`training`: per stage, whether it does):
     only then does its input need a gradient. A frozen prefix (a fine-tuning's backbone) keeps
-    nothing for backward, and no gradient goes back to it (planner/costs.py counts it so)."""
+    nothing for backward, and no gradient goes back to it (planner/costs.py counts a chain's so;
+    a captured graph's plan still counts the gradients of what such stages send: over)."""
     return [any(training[:s]) for s in range(len(training))]
 
 

@@ -83,8 +83,8 @@ and the stage's memory is
     + workspace
     + max( max over the stage's occupancy tuples (n per state, then which transient runs) of
                sum n x state bytes + the running transient,
-           the optimizer step's temporaries: per_byte x (all its parameters when the optimizer
-               runs multi-tensor kernels, else its largest parameter) )
+           the optimizer step's temporaries: per_byte x (all its trainable parameters when
+               the optimizer runs multi-tensor kernels, else its largest trainable one) )
 
 Every state grows as a stage gains layers at its end, and so does each transient added to the
 activations of the micro-batch it runs on (which every occupancy tuple with that transient
@@ -401,7 +401,7 @@ class MemoryModel:
         figure: no carry, no tensors known, or a tied parameter (stepped once, not where each
         user's list has it)."""
         c = self.chain
-        if not c.step_carry or c.param_tensors is None or self._tied:
+        if not c.step_carry or c.param_tensors is None or self._tied_grads:
             return None
         n = c.num_layers
         inner, cross = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)

@@ -65,6 +65,7 @@ def main() -> None:
             "loss_err": abs(float(loss) - float(expected.detach())),
             "grad_err": max(errs, default=0.0),
             "params": len(errs),
+            "trains_before": pipe.trains_before,  # (as agreed by the ranks)
         }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

@@ -116,6 +116,44 @@ def test_gradient_parity_with_a_frozen_prefix(profiles, schedule, mode):
         assert rel_err(p.grad, q.grad) <= 1e-5, k
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_model_with_nothing_to_train_steps_to_its_loss(profiles, schedule):
+    """Everything frozen (found by a cold review: GPipe, 1F1B and interleaved then raised
+    "element 0 of tensors does not require grad" from the loss's backward): the step returns
+    the loss and makes no gradient."""
+    model = small_mlp().requires_grad_(False)
+    x, y, loss_fn = data("mlp")
+    loss = compile_quiet(model, plan_for(profiles["mlp"], schedule, "never", 4)).train_step(
+        x, y, loss_fn
+    )
+    assert rel_err(loss, loss_fn(model(x), y)) <= 1e-5
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_stage_the_plan_counted_frozen_warns_once_it_trains():
+    """The plan counts the parameters frozen when the model was profiled; unfrozen since (a
+    cold review's: a device then held 2.2x its plan, unsaid), the step warns, once."""
+    model = small_mlp()
+    model[:5].requires_grad_(False)
+    prof = quick_profile(model, model.example_input, batch_sizes=[2])
+    plan = plan_for(prof, "1f1b", "never", 4)
+    frozen = [st.index for st in plan.stages if st.memory.params and not st.memory.grads]
+    # (the stages of layers 0-4 with a Linear: one of ReLUs alone has no weights to train)
+    assert frozen == [st.index for st in plan.stages
+                      if st.layers[1] <= 5 and "Linear" in st.layer_types] != []  # fmt: skip
+    x, y, loss_fn = data("mlp")
+    pipe = compile_quiet(model, plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.train_step(x, y, loss_fn)  # (as planned: silent)
+    model.requires_grad_(True)
+    with pytest.warns(UserWarning, match=re.escape(f"stage(s) {frozen} have parameters that")):
+        pipe.train_step(x, y, loss_fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.train_step(x, y, loss_fn)  # (said once)
+
+
 @pytest.mark.parametrize("kind", ["mlp", "transformer"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
 @pytest.mark.parametrize("mode", MODES)
@@ -835,7 +873,7 @@ def test_torchrun_gradient_parity(profiles, tmp_path, torchrun_available):
         ("frozen-1f1b", "never", 4, ()),  # its first five layers frozen (dist_driver.py)
         ("frozen-zb-h1", "always", 3, ()),
     ]
-    paths = []
+    paths, starts = [], {}
     for schedule, mode, M, layers in cases:
         plan = plan_pipeline(
             profiles["mlp"],
@@ -850,6 +888,7 @@ def test_torchrun_gradient_parity(profiles, tmp_path, torchrun_available):
         path = tmp_path / f"{schedule}-{mode}-{len(layers)}.py"
         path.write_text(emit_program(plan, target="torchrun"))
         paths.append(str(path))
+        starts[path.name] = [st.layers[0] for st in plan.stages]
     r = torchrun(2, str(ROOT / "tests" / "dist_driver.py"), str(tmp_path), *paths)
     assert r.returncode == 0, r.stderr[-3000:]
     import json
@@ -860,6 +899,9 @@ def test_torchrun_gradient_parity(profiles, tmp_path, torchrun_available):
         for name, res in results.items():
             assert res["loss_err"] <= 1e-5, (rank, name)
             assert res["params"] > 0 and res["grad_err"] <= 1e-5, (rank, name, res)
+            # a stage's input needs a gradient after a layer that trains (frozen: layer 6 on)
+            first = 6 if name.startswith("frozen") else 0
+            assert res["trains_before"] == [a > first for a in starts[name]], (rank, name)
 
 
 def test_torchrun_stages_beginning_with_a_layer_that_changes_its_input_in_place(
