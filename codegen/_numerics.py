@@ -99,20 +99,29 @@ def restore_rng(saved: tuple[torch.Tensor, dict[int, torch.Tensor]] | None) -> N
         torch.cuda.set_rng_state(state, i)
 
 
+def _counts_batches(mod: nn.modules.batchnorm._BatchNorm) -> bool:
+    """Whether a forward of batch norm `mod` adds one to its count of batches."""
+    return mod.training and mod.track_running_stats and mod.num_batches_tracked is not None
+
+
 @contextlib.contextmanager
 def replaying(stage: nn.Module, replay: bool, checkpointed: bool = True) -> Iterator[None]:
     """While a stage's forward runs again to re-materialise it (in a checkpoint, or by hand for
     zero bubble at I): the real forward already counted this micro-batch, so batch norm must
     leave its running statistics as they were. In a checkpoint the re-run must save what the
-    first run saved, so batch norm updates them and they are put back afterwards; by hand the
+    first run saved, so batch norm updates them, with a momentum of 0 (the same values; its
+    count of batches put back afterwards: a copy of them, held through the re-run, was more
+    than the plan counted, found by a red team); by hand the
     graph is kept for I and W and must not see its saved tensors change, so batch norm stops
     tracking them while it runs (same numbers: each micro-batch's own statistics)."""
     if not replay:
         yield
         return
     deferred = [mod for mod in stage.modules() if isinstance(mod, DeferredBatchNorm)]
-    plain = [mod for mod in stage.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
-    saved = [[b.detach().clone() for b in mod.buffers()] for mod in plain] if checkpointed else []
+    wrapped = {id(mod.bn) for mod in deferred}  # (which its wrapper runs on no buffers)
+    plain = [mod for mod in stage.modules()
+             if isinstance(mod, nn.modules.batchnorm._BatchNorm) and id(mod) not in wrapped]  # fmt: skip
+    momenta = [mod.momentum for mod in plain]
     # A captured graph's layers run batch norm as operations on their buffers: put them back.
     graph = [b for mod in stage.modules() if getattr(mod, "captured_layer", False)
              for b in mod.buffers()]  # fmt: skip
@@ -120,21 +129,22 @@ def replaying(stage: nn.Module, replay: bool, checkpointed: bool = True) -> Iter
     tracked = [mod.track_running_stats for mod in plain]
     for mod in deferred:
         mod.tracking = False
-    if not checkpointed:
-        for mod in plain:
+    for mod in plain:
+        if checkpointed:
+            mod.momentum = 0.0
+        else:
             mod.track_running_stats = False
+    counted = [mod for mod in plain if _counts_batches(mod)] if checkpointed else []
     try:
         yield
     finally:
         for mod in deferred:
             mod.tracking = True
-        for mod, was in zip(plain, tracked):
+        for mod, was, momentum in zip(plain, tracked, momenta):
             mod.track_running_stats = was
+            mod.momentum = momentum
         with torch.no_grad():
-            for mod, bufs in zip(plain, saved):
-                for b, old in zip(mod.buffers(), bufs):
-                    # (.data: a micro-batch not recomputed may have saved them, and must not
-                    # find them changed by this one)
-                    b.data.copy_(old)
+            for mod in counted:  # (.data: as the running statistics, not a new version)
+                mod.num_batches_tracked.data.sub_(1)  # type: ignore[union-attr]
             for b, old in zip(graph, graph_saved):  # .data: a graph kept for I/W saved them
                 b.data.copy_(old)

@@ -887,3 +887,32 @@ def test_frozen_parameters_take_no_gradient_nor_optimizer_state(
         assert sum(prof.layers[8].saved_bytes.values()) > 0
     for d in measured_step(_frozen(part), plan).devices:
         assert abs(d.measured_peak_bytes - d.predicted_peak_bytes) <= 64, d
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_recomputed_stage_of_batch_norms_holds_no_copy_of_their_statistics(schedule):
+    """Found by a red team: a checkpoint's re-run of a stage put batch norm's running statistics
+    back from a copy made first, held through the re-run and counted nowhere (792 bytes, 5.1%
+    over the plan here). It now re-runs with a momentum of 0 (the statistics as they were, their
+    count put back): within a few scalars, and the statistics those of a run that recomputes
+    nothing (one batch norm with momentum None: a cumulative average)."""
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        layers: list[nn.Module] = [nn.Linear(8, 64)]
+        for k in range(6):
+            layers += [nn.BatchNorm1d(64, momentum=None if k == 1 else 0.1), nn.ReLU()]
+        return nn.Sequential(*layers, nn.Linear(64, 8))
+
+    x = torch.randn(8, 8)
+    prof = quick_profile(build(), x[:2], batch_sizes=[2, 8], loss_fn="mse", threads=1)
+    stats = []
+    for mode in ("always", "never"):
+        plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 8, microbatches=4,
+                             schedule=schedule, recompute=mode, optimizer="sgd")  # fmt: skip
+        model = build()
+        for d in measured_step(model, plan).devices:
+            assert abs(d.measured_peak_bytes - d.predicted_peak_bytes) <= 64, (mode, d)
+        stats.append([b.clone() for b in model.buffers()])
+    for a, b in zip(*stats):
+        assert torch.equal(a, b)
