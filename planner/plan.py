@@ -73,7 +73,9 @@ _PER_MICROBATCH = ("input", "activations", "during_i", "between_iw", "grad", "pu
 class StateBytes(_Strict, LaterFields):
     """Bytes one micro-batch holds on the stage's device in each state (schedules/memory.py)."""
 
-    LATER_FIELDS: ClassVar[tuple[str, ...]] = ("step_head", "step_tail", "runtime", "late_grad")
+    LATER_FIELDS: ClassVar[tuple[str, ...]] = (
+        "step_head", "step_tail", "runtime", "late_grad", "late_grad_at_end"
+    )  # fmt: skip
 
     input: Bytes
     activations: Bytes
@@ -123,6 +125,11 @@ class StateBytes(_Strict, LaterFields):
         description="a gradient counted in static that exists only from the stage's first "
         "backward (B or W) to the step's end: the streams program's copy of a tied weight "
         "(absent: none)",
+    )
+    late_grad_at_end: bool | None = Field(
+        default=None,
+        description="late_grad is made by the stage's first backward's last layer, inside its "
+        "transient, and exists from that action's end (absent: from its start)",
     )
 
 
@@ -505,6 +512,10 @@ class Plan(Artifact):
                     f"runtime holds through the step ({st.state_bytes.runtime})"
                 )
             late = st.state_bytes.late_grad  # (a tied copy's gradient: at most the grads')
+            if st.state_bytes.late_grad_at_end is not None and not late:
+                raise ValueError(
+                    f"stage {st.index}: state_bytes.late_grad_at_end without a late_grad"
+                )
             if late is not None and (self.target != "streams" or v != 1 or late > held["grads"]):
                 raise ValueError(
                     f"stage {st.index}: state_bytes.late_grad {late} is not a gradient the "
@@ -516,6 +527,7 @@ class Plan(Artifact):
                 uneven = self.batch_size % self.microbatches
                 mine, theirs = st.state_bytes.model_dump(), rest.model_dump()
                 alike = ("static", "optimizer_step", "foreach", "runtime", "late_grad",
+                         "late_grad_at_end",
                          "step_head", "step_tail")  # fmt: skip
                 if (
                     not uneven

@@ -1986,8 +1986,13 @@ def _build_plan(
             # first backward (with stages sharing a device, a copy may be the parameter itself)
             copy = int(memory.copied(np.array([i]), np.array([j]))[0])
             if copy:
-                sizes = dataclasses.replace(sizes, late_grad=copy)
-                rest = dataclasses.replace(rest, late_grad=copy) if rest is not None else None
+                at_end = _copies_first_used_first(chain, i, j)
+                sizes = dataclasses.replace(sizes, late_grad=copy, late_grad_at_end=at_end)
+                rest = (
+                    dataclasses.replace(rest, late_grad=copy, late_grad_at_end=at_end)
+                    if rest is not None
+                    else None
+                )
         if rest is not None:
             pairs.append((sizes, rest))
         terms = {k: int(x[0]) for k, x in raw.items()}
@@ -2175,6 +2180,21 @@ def _build_plan(
     return plan
 
 
+def _copies_first_used_first(chain: Chain, i: int, j: int) -> bool:
+    """Whether every trainable tied parameter stage [i, j) holds a copy of (a layer before i
+    uses it too) is used by the stage's first layer: then its gradient, made by the first
+    backward's last layer (B and W go from the last layer), is in that layer's transient until
+    the action ends (StageBytes.late_grad_at_end). A later use's would wait through the layers
+    before it, each on top of their own transient."""
+    for k, (_, layers) in enumerate(chain.tied):
+        if k in chain.frozen_tied:
+            continue
+        mine = [x for x in layers if i <= x < j]
+        if mine and any(x < i for x in layers) and min(mine) != i:
+            return False
+    return True
+
+
 def _state_bytes(sizes: StageBytes, per_device: int) -> StateBytes:
     return StateBytes(
         **{
@@ -2183,7 +2203,7 @@ def _state_bytes(sizes: StageBytes, per_device: int) -> StateBytes:
             # (unset: left out of the plan, and only an interleaved device reads
             # them: a plan of one stage per device stays readable by an older tool)
             if k not in StateBytes.LATER_FIELDS
-            or (v and (per_device > 1 or k in ("runtime", "late_grad")))
+            or (v and (per_device > 1 or k in ("runtime", "late_grad", "late_grad_at_end")))
         }
     )
 

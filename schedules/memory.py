@@ -113,6 +113,10 @@ class StageBytes:
     # step ends: the streams program's copy of a tied weight, whose gradient goes to the
     # model's own parameter as each step ends (and is made again by the next backward)
     late_grad: int = 0
+    # ... made by that action's last layer (the stage's first, which uses the copy: nothing runs
+    # after it), inside the transient its backward was profiled with (a temporary gradient
+    # added into the one there): it exists from the action's end
+    late_grad_at_end: bool = False
 
     def per_state(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in STATES)
@@ -308,7 +312,8 @@ def peaks(
     if any(late):  # (looks on its device before the stage's first B or W: not made yet)
         first = _first_backward(schedule)
         for s in np.flatnonzero(late):
-            extra[(place[ev.snap_stage] == place[s]) & (ev.snap_seq < 4 * first[s])] -= late[s]
+            made = 4 * first[s] + (3 if sizes[s].late_grad_at_end else 0)  # (3: its END)
+            extra[(place[ev.snap_stage] == place[s]) & (ev.snap_seq < made)] -= late[s]
     static = np.zeros(R, dtype=np.int64)
     np.add.at(static, place, [b.static for b in sizes])
     if ahead:
@@ -748,7 +753,8 @@ def replay(
     steps = _steps(schedule, modes)
     for k, step in enumerate(steps):
         s, r = step.action.stage, step.rank
-        if late[s] and step.action.kind.value in ("B", "W"):
+        made = late[s] and step.action.kind.value in ("B", "W")
+        if made and not sizes[s].late_grad_at_end:
             level[r] += late[s]
             late[s] = 0
         rest = smaller is not None and step.action.microbatch >= larger
@@ -763,6 +769,9 @@ def replay(
                 now = level[rr] + (transient if rr == r else 0)
                 levels[rr].append((2 * k, now))
                 peaks[rr] = max(peaks[rr], now)
+        if made and late[s]:  # (made by the action's last layer: there from its end)
+            level[r] += late[s]
+            late[s] = 0
         changed = {r}
         for stage, state, d in step.end:
             level[place[stage]] += d * per_state[stage][state]
@@ -803,7 +812,7 @@ def timed_levels(
         per_state = small if step.action.microbatch >= larger else big
         s = step.action.stage
         if late[s] and step.action.kind.value in ("B", "W"):  # (made by the first of them)
-            events[place[s]].append((start, late[s]))
+            events[place[s]].append((end if sizes[s].late_grad_at_end else start, late[s]))
             late[s] = 0
         for changes, _ in step.phases:
             for stage, state, d in changes:

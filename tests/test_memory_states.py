@@ -342,6 +342,7 @@ def test_array_occupancy_and_peaks_equal_the_step_by_step_walk(name, K, M, modes
             static=data.draw(n),
             runtime=data.draw(n),
             late_grad=data.draw(st.sampled_from([0, 0, 1, 500])),
+            late_grad_at_end=data.draw(st.booleans()),
         )  # fmt: skip
         for _ in range(S)
     ]
