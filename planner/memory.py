@@ -549,6 +549,34 @@ class MemoryModel:
         walk.setflags(write=False)
         return walk
 
+    def late_walk(self, i: int, k: int, use: int, late: int) -> int:
+        """B's transient for a captured graph's stage [i, k) in its first backward, where a
+        gradient of `late` bytes (a tied copy's, StageBytes.late_grad) is made by layer `use`'s
+        backward and stays: the walk of _walk_table for this stage, from the last layer, with
+        those bytes on top once the walk has passed `use` (i < use < k), at least the
+        re-materialising forward's (as `live`, which counts them throughout)."""
+        c = self.chain
+        assert c.flow is not None and i < use < k
+        u = c.flow.unread()
+        b = c.backward_transient.astype(np.int64)
+        held = self._held
+        at = np.arange(i, k)
+        vals = (held[at] + b[at] - u[at, k]).astype(np.int64)
+        vals[-1] = held[k - 1] + max(int(b[k - 1] - c.zgrad[k - 1] - u[k - 1, k]), 0)
+        waits = self._tied_waits()
+        for born, last, w in (x for xs in self._inner_skips().values() for x in xs):
+            waits.setdefault(born, []).append((born + 1, last, last + 2, c.num_layers + 1, w))
+        for start, entries in waits.items():  # (as the table's row i adds them)
+            if start >= i:
+                for lo, hi, first, past, w in entries:
+                    if first <= k < past:
+                        vals[max(lo, i) - i : max(min(hi, k), i) - i] += w
+        below = int(held[k - 1])  # (the stage's activations: the walk counts what is above)
+        after = max(int(vals[use - i :].max()) - below, 0)  # (from the last layer to use)
+        before = max(int(vals[: use - i].max()) - below, 0) + late
+        remat = self.state_bytes(np.array([i]), np.array([k]), only={"remat_live"})
+        return max(after, before, int(remat["remat_live"][0]))
+
     def _inner_skips(self) -> dict[int, list[tuple[int, int, int]]]:
         """A captured graph's values whose gradient waits in B of a stage that makes them and
         reads them after the next layer (a skip inside the stage), per the layer that makes

@@ -74,7 +74,7 @@ class StateBytes(_Strict, LaterFields):
     """Bytes one micro-batch holds on the stage's device in each state (schedules/memory.py)."""
 
     LATER_FIELDS: ClassVar[tuple[str, ...]] = (
-        "step_head", "step_tail", "runtime", "late_grad", "late_grad_at_end"
+        "step_head", "step_tail", "runtime", "late_grad", "late_grad_at_end", "late_live"
     )  # fmt: skip
 
     input: Bytes
@@ -130,6 +130,11 @@ class StateBytes(_Strict, LaterFields):
         default=None,
         description="late_grad is made by the stage's first backward's last layer, inside its "
         "transient, and exists from that action's end (absent: from its start)",
+    )
+    late_live: Bytes | None = Field(
+        default=None,
+        description="... or made inside that backward (a B) by a later layer: it exists from "
+        "the action's end, and the B's transient is this instead of live (absent: neither)",
     )
 
 
@@ -515,6 +520,14 @@ class Plan(Artifact):
             if st.state_bytes.late_grad_at_end is not None and not late:
                 raise ValueError(
                     f"stage {st.index}: state_bytes.late_grad_at_end without a late_grad"
+                )
+            late_live = st.state_bytes.late_live  # (the late gradient inside: at least it)
+            if late_live is not None and (
+                not late or st.state_bytes.late_grad_at_end or late_live < late
+            ):
+                raise ValueError(
+                    f"stage {st.index}: state_bytes.late_live {late_live} without a late_grad "
+                    "made inside the stage's first B, or below it"
                 )
             if late is not None and (self.target != "streams" or v != 1 or late > held["grads"]):
                 raise ValueError(

@@ -1986,13 +1986,17 @@ def _build_plan(
             # first backward (with stages sharing a device, a copy may be the parameter itself)
             copy = int(memory.copied(np.array([i]), np.array([j]))[0])
             if copy:
-                at_end = _copies_first_used_first(chain, i, j)
-                sizes = dataclasses.replace(sizes, late_grad=copy, late_grad_at_end=at_end)
-                rest = (
-                    dataclasses.replace(rest, late_grad=copy, late_grad_at_end=at_end)
-                    if rest is not None
-                    else None
-                )
+                use = _copies_made_at(chain, i, j)
+                tied = {"late_grad": copy, "late_grad_at_end": use == i}
+                if use > i and cand.schedule != "zb-h1" and chain.flow is not None:
+                    # (B makes it, not zero bubble's W, whose walk is its own)
+                    tied["late_live"] = memory.late_walk(i, j, use, copy)
+                sizes = dataclasses.replace(sizes, **tied)
+                if rest is not None:
+                    small = tied
+                    if "late_live" in tied:
+                        small = {**tied, "late_live": smaller.late_walk(i, j, use, copy)}
+                    rest = dataclasses.replace(rest, **small)
         if rest is not None:
             pairs.append((sizes, rest))
         terms = {k: int(x[0]) for k, x in raw.items()}
@@ -2180,19 +2184,20 @@ def _build_plan(
     return plan
 
 
-def _copies_first_used_first(chain: Chain, i: int, j: int) -> bool:
-    """Whether every trainable tied parameter stage [i, j) holds a copy of (a layer before i
-    uses it too) is used by the stage's first layer: then its gradient, made by the first
-    backward's last layer (B and W go from the last layer), is in that layer's transient until
-    the action ends (StageBytes.late_grad_at_end). A later use's would wait through the layers
-    before it, each on top of their own transient."""
+def _copies_made_at(chain: Chain, i: int, j: int) -> int:
+    """The layer whose backward makes the gradients of the trainable tied parameters stage
+    [i, j) holds copies of (a layer before i uses them too), in the stage's first backward:
+    their first use in the stage, the latest of those (B and W go from the last layer; from
+    there on all are counted, some early). The stage's first layer (i): they are made inside
+    its transient, profiled as a temporary gradient added into one already there, and exist
+    from the action's end (StageBytes.late_grad_at_end); a later one: they wait through the
+    layers before it, each on top of their own transient (StageBytes.late_live)."""
+    use = i
     for k, (_, layers) in enumerate(chain.tied):
-        if k in chain.frozen_tied:
-            continue
         mine = [x for x in layers if i <= x < j]
-        if mine and any(x < i for x in layers) and min(mine) != i:
-            return False
-    return True
+        if k not in chain.frozen_tied and mine and any(x < i for x in layers):
+            use = max(use, min(mine))
+    return use
 
 
 def _state_bytes(sizes: StageBytes, per_device: int) -> StateBytes:
@@ -2203,7 +2208,12 @@ def _state_bytes(sizes: StageBytes, per_device: int) -> StateBytes:
             # (unset: left out of the plan, and only an interleaved device reads
             # them: a plan of one stage per device stays readable by an older tool)
             if k not in StateBytes.LATER_FIELDS
-            or (v and (per_device > 1 or k in ("runtime", "late_grad", "late_grad_at_end")))
+            or (
+                v
+                and (
+                    per_device > 1 or k in ("runtime", "late_grad", "late_grad_at_end", "late_live")
+                )
+            )
         }
     )
 

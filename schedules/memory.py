@@ -117,6 +117,10 @@ class StageBytes:
     # after it), inside the transient its backward was profiled with (a temporary gradient
     # added into the one there): it exists from the action's end
     late_grad_at_end: bool = False
+    # ... or made by a later layer of that action, a B (not the first, which would be the
+    # above): it exists from the action's end, and the B's transient is `late_live` instead of
+    # `live`, counting it once the B has passed that layer (0: neither; planner MemoryModel)
+    late_live: int = 0
 
     def per_state(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in STATES)
@@ -312,8 +316,17 @@ def peaks(
     if any(late):  # (looks on its device before the stage's first B or W: not made yet)
         first = _first_backward(schedule)
         for s in np.flatnonzero(late):
-            made = 4 * first[s] + (3 if sizes[s].late_grad_at_end else 0)  # (3: its END)
+            b = sizes[s]
+            made = 4 * first[s] + (3 if b.late_grad_at_end or b.late_live else 0)  # (3: END)
             extra[(place[ev.snap_stage] == place[s]) & (ev.snap_seq < made)] -= late[s]
+            if b.late_live:  # the B's own look, while it walks: late_live for its live
+                walk = (ev.snap_stage == s) & (ev.snap_seq // 4 == first[s])
+                walk &= ev.snap_running == LIVE
+                shift = np.full(len(extra), b.late_live - b.live, dtype=np.int64)
+                if smaller is not None:
+                    c = smaller[s]
+                    shift[ev.snap_mb >= larger] = c.late_live - c.live  # type: ignore[operator]
+                extra[walk] += shift[walk]
     static = np.zeros(R, dtype=np.int64)
     np.add.at(static, place, [b.static for b in sizes])
     if ahead:
@@ -754,7 +767,8 @@ def replay(
     for k, step in enumerate(steps):
         s, r = step.action.stage, step.rank
         made = late[s] and step.action.kind.value in ("B", "W")
-        if made and not sizes[s].late_grad_at_end:
+        later = sizes[s].late_grad_at_end or sizes[s].late_live  # (from the action's end)
+        if made and not later:
             level[r] += late[s]
             late[s] = 0
         rest = smaller is not None and step.action.microbatch >= larger
@@ -765,6 +779,8 @@ def replay(
                 level[place[stage]] += d * per_state[stage][state]
                 changed.add(place[stage])
             transient = mine[s].transient(running)  # type: ignore[index]
+            if made and late[s] and running == LIVE and mine[s].late_live:
+                transient = mine[s].late_live  # (its first B: the late gradient made inside)
             for rr in changed:
                 now = level[rr] + (transient if rr == r else 0)
                 levels[rr].append((2 * k, now))
@@ -812,7 +828,8 @@ def timed_levels(
         per_state = small if step.action.microbatch >= larger else big
         s = step.action.stage
         if late[s] and step.action.kind.value in ("B", "W"):  # (made by the first of them)
-            events[place[s]].append((end if sizes[s].late_grad_at_end else start, late[s]))
+            later = sizes[s].late_grad_at_end or sizes[s].late_live
+            events[place[s]].append((end if later else start, late[s]))
             late[s] = 0
         for changes, _ in step.phases:
             for stage, state, d in changes:

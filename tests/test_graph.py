@@ -302,14 +302,17 @@ def gpt_profile():
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_a_tied_copys_gradient_made_by_a_stages_first_layer_counts_from_its_backwards_end(
-    gpt_profile, schedule
+@pytest.mark.parametrize("head", [5, 4])
+def test_a_tied_copys_gradient_counts_from_where_the_first_backward_makes_it(
+    gpt_profile, schedule, head
 ):
-    """The head alone on the last device: the streams program's copy of the tied weight has its
-    gradient made again by each step's first B, in the head's backward, which its profile
-    measured adding a temporary gradient into one already there: in the first B that temporary
-    is the gradient. The plan counted both (12.0% and 14.8% over the run); a copy the stage's
-    first layer uses now counts from that B's end (nothing runs after that layer in it)."""
+    """The streams program's copy of the tied weight, on the head's device, has its gradient
+    made again by each step's first B, in the head's backward, which its profile measured
+    adding a temporary gradient into one already there: in the first B that temporary is the
+    gradient. The plan counted both. The head alone on the last device (5): 12.0% and 14.8%
+    over the run; it counts from that B's end now (nothing runs after the stage's first layer
+    in it). After the final LayerNorm (4): 8.8% and 11.5% over; the B's transient now counts
+    the gradient once its walk has passed the head (late_live)."""
     from planner import search
     from planner.partition import Partition
 
@@ -318,12 +321,13 @@ def test_a_tied_copys_gradient_made_by_a_stages_first_layer_counts_from_its_back
                               ())  # fmt: skip
     cand = search.Candidate(3, schedule, "never")
     chain, _ = problem.chain(cand)
-    split = Partition(bounds=[0, 2, 5, chain.num_layers], bottleneck=0.0)
+    split = Partition(bounds=[0, 2, head, chain.num_layers], bottleneck=0.0)
     specs = search._stage_specs(problem, cand, halve=False)
     plan = search._sealed(search._build_plan(problem, cand, specs, split, "test"))
-    head = plan.stages[-1]
-    assert head.layer_types == ["Linear"]
-    assert (head.state_bytes.late_grad, head.state_bytes.late_grad_at_end) == (64 * 32 * 4, True)
+    last = plan.stages[-1].state_bytes
+    assert plan.stages[-1].layer_types == ["LayerNorm", "Linear"][head - 4 :]
+    assert (last.late_grad, last.late_grad_at_end) == (64 * 32 * 4, True if head == 5 else None)
+    assert (last.late_live is not None) == (head == 4)
     assert plan.stages[1].state_bytes.late_grad is None  # (the weight's own: stage 0's)
     d = measured_step(layers, plan, gpt_small()).devices[-1]
     assert abs(d.measured_peak_bytes - d.predicted_peak_bytes) <= 64, d
@@ -1606,3 +1610,22 @@ def test_a_weight_two_stages_of_one_device_use_is_given_to_the_optimizer_once():
     ref_opt.step()
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
         assert torch.allclose(p, q, atol=1e-6), name
+
+
+def test_the_late_walk_without_a_late_gradient_is_bs_transient(gpt_profile):
+    """MemoryModel.late_walk, a stage's first B with a gradient made at layer `use`: with none
+    (0 bytes) it is the B transient the memory model counts (`live`), for every stage and use;
+    with some, at most that and the bytes more, and at least the bytes."""
+    from planner import search
+
+    _, _, prof = gpt_profile
+    problem = search._Problem(prof, Cluster.uniform(2, "1GiB"), 4, "adam", ("", ""), "streams",
+                              ())  # fmt: skip
+    _, memory = problem.chain(search.Candidate(2, "gpipe", "never"))
+    n = memory.chain.num_layers
+    for i in range(n):
+        for k in range(i + 2, n + 1):
+            live = int(memory.state_bytes(np.array([i]), np.array([k]), only={"live"})["live"][0])
+            for use in range(i + 1, k):
+                assert memory.late_walk(i, k, use, 0) == live, (i, k, use)
+                assert 8192 <= memory.late_walk(i, k, use, 8192) <= live + 8192

@@ -334,18 +334,21 @@ def test_array_occupancy_and_peaks_equal_the_step_by_step_walk(name, K, M, modes
     mixed = modes[:S]
     assert occupancy(sched, mixed) == [occupancy(sched, mixed[s])[s] for s in range(S)]
     n = st.integers(0, 1000)
-    sizes = [
-        StageBytes(
+    sizes = []
+    for _ in range(S):
+        # a tied copy's gradient, made at its first B or W's start, end, or inside its walk
+        late = data.draw(st.sampled_from([0, 0, 1, 500]))
+        made = data.draw(st.sampled_from(["start", "end", "inside"])) if late else "start"
+        sizes.append(StageBytes(
             *(data.draw(n) for _ in range(14)),
             optimizer_step=data.draw(n),
             foreach=data.draw(st.booleans()),
             static=data.draw(n),
             runtime=data.draw(n),
-            late_grad=data.draw(st.sampled_from([0, 0, 1, 500])),
-            late_grad_at_end=data.draw(st.booleans()),
-        )  # fmt: skip
-        for _ in range(S)
-    ]
+            late_grad=late,
+            late_grad_at_end=made == "end",
+            late_live=late + data.draw(n) if made == "inside" else 0,
+        ))  # fmt: skip
     assert peaks(sched, mode, sizes) == replay(sched, mode, sizes).peaks
     # a batch split unevenly: the micro-batches from `larger` on weigh bytes of their own
     smaller = [

@@ -595,6 +595,9 @@ def test_a_plan_whose_runtime_or_smaller_micro_batches_were_edited_is_refused():
     def at_end_without_late(d: dict) -> None:
         d["stages"][1]["state_bytes"]["late_grad_at_end"] = True
 
+    def late_live_without_late(d: dict) -> None:
+        d["stages"][1]["state_bytes"]["late_live"] = 1000
+
     even = plan_pipeline(profile, Cluster.uniform(2, "1GiB"), 8, microbatches=4)
 
     def rest_on_even(d: dict) -> None:
@@ -611,6 +614,7 @@ def test_a_plan_whose_runtime_or_smaller_micro_batches_were_edited_is_refused():
     for plan, edit, says in ((run, less_rng, "runtime"), (even, rng_on_streams, "runtime"),
                              (run, late_on_torchrun, "late_grad"),
                              (even, at_end_without_late, "late_grad_at_end without"),
+                             (even, late_live_without_late, "late_live 1000 without"),
                              (even, rest_on_even, "state_bytes_rest"),
                              (uneven, rest_larger, "state_bytes_rest")):  # fmt: skip
         with pytest.raises(ValueError, match=says):
