@@ -110,8 +110,8 @@ def replaying(stage: nn.Module, replay: bool, checkpointed: bool = True) -> Iter
     zero bubble at I): the real forward already counted this micro-batch, so batch norm must
     leave its running statistics as they were. In a checkpoint the re-run must save what the
     first run saved, so batch norm updates them, with a momentum of 0 (the same values; its
-    count of batches put back afterwards: a copy of them, held through the re-run, was more
-    than the plan counted, found by a red team); by hand the
+    count of batches put back afterwards, by as many as the re-run added: a copy of them, held
+    through the re-run, was more than the plan counted, found by a red team); by hand the
     graph is kept for I and W and must not see its saved tensors change, so batch norm stops
     tracking them while it runs (same numbers: each micro-batch's own statistics)."""
     if not replay:
@@ -134,7 +134,10 @@ def replaying(stage: nn.Module, replay: bool, checkpointed: bool = True) -> Iter
             mod.momentum = 0.0
         else:
             mod.track_running_stats = False
-    counted = [mod for mod in plain if _counts_batches(mod)] if checkpointed else []
+    # (by how many its forwards added: a module may run twice, or not at all where the
+    # checkpoint stops early; .data's changes leave the version as it is: a cold review's)
+    counted = [(mod, mod.num_batches_tracked._version) for mod in plain  # type: ignore[union-attr]
+               if _counts_batches(mod)] if checkpointed else []  # fmt: skip
     try:
         yield
     finally:
@@ -144,7 +147,8 @@ def replaying(stage: nn.Module, replay: bool, checkpointed: bool = True) -> Iter
             mod.track_running_stats = was
             mod.momentum = momentum
         with torch.no_grad():
-            for mod in counted:  # (.data: as the running statistics, not a new version)
-                mod.num_batches_tracked.data.sub_(1)  # type: ignore[union-attr]
+            for mod, version in counted:  # (.data: as the running statistics, no new version)
+                count = mod.num_batches_tracked
+                count.data.sub_(count._version - version)  # type: ignore[union-attr]
             for b, old in zip(graph, graph_saved):  # .data: a graph kept for I/W saved them
                 b.data.copy_(old)

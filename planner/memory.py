@@ -554,7 +554,8 @@ class MemoryModel:
         gradient of `late` bytes (a tied copy's, StageBytes.late_grad) is made by layer `use`'s
         backward and stays: the walk of _walk_table for this stage, from the last layer, with
         those bytes on top once the walk has passed `use` (i < use < k), at least the
-        re-materialising forward's (as `live`, which counts them throughout)."""
+        re-materialising forward's (as a captured graph's `live`, which leaves them to
+        `static`, there from the B's start)."""
         c = self.chain
         assert c.flow is not None and i < use < k
         u = c.flow.unread()

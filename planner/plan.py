@@ -128,7 +128,7 @@ class StateBytes(_Strict, LaterFields):
     )
     late_grad_at_end: bool | None = Field(
         default=None,
-        description="late_grad is made by the stage's first backward's last layer, inside its "
+        description="late_grad is made by the stage's first B's last layer, inside its "
         "transient, and exists from that action's end (absent: from its start)",
     )
     late_live: Bytes | None = Field(
@@ -521,14 +521,15 @@ class Plan(Artifact):
                 raise ValueError(
                     f"stage {st.index}: state_bytes.late_grad_at_end without a late_grad"
                 )
-            late_live = st.state_bytes.late_live  # (the late gradient inside: at least it)
-            if late_live is not None and (
-                not late or st.state_bytes.late_grad_at_end or late_live < late
-            ):
-                raise ValueError(
-                    f"stage {st.index}: state_bytes.late_live {late_live} without a late_grad "
-                    "made inside the stage's first B, or below it"
-                )
+            for sb in (st.state_bytes, st.state_bytes_rest or st.state_bytes):
+                # (B's transient with the late gradient made inside: at least either)
+                if sb.late_live is not None and (
+                    not late or sb.late_grad_at_end or sb.late_live < max(late, sb.live)
+                ):
+                    raise ValueError(
+                        f"stage {st.index}: state_bytes.late_live {sb.late_live} without a "
+                        "late_grad made inside the stage's first B, or below it or live"
+                    )
             if late is not None and (self.target != "streams" or v != 1 or late > held["grads"]):
                 raise ValueError(
                     f"stage {st.index}: state_bytes.late_grad {late} is not a gradient the "

@@ -1987,9 +1987,10 @@ def _build_plan(
             copy = int(memory.copied(np.array([i]), np.array([j]))[0])
             if copy:
                 use = _copies_made_at(chain, i, j)
-                tied = {"late_grad": copy, "late_grad_at_end": use == i}
-                if use > i and cand.schedule != "zb-h1" and chain.flow is not None:
-                    # (B makes it, not zero bubble's W, whose walk is its own)
+                # (B makes it; zero bubble's W, whose walk is its own: from its start)
+                by_b = cand.schedule != "zb-h1"
+                tied = {"late_grad": copy, "late_grad_at_end": by_b and use == i}
+                if by_b and use > i and chain.flow is not None:
                     tied["late_live"] = memory.late_walk(i, j, use, copy)
                 sizes = dataclasses.replace(sizes, **tied)
                 if rest is not None:

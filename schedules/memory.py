@@ -113,9 +113,9 @@ class StageBytes:
     # step ends: the streams program's copy of a tied weight, whose gradient goes to the
     # model's own parameter as each step ends (and is made again by the next backward)
     late_grad: int = 0
-    # ... made by that action's last layer (the stage's first, which uses the copy: nothing runs
-    # after it), inside the transient its backward was profiled with (a temporary gradient
-    # added into the one there): it exists from the action's end
+    # ... made by that action (a B)'s last layer (the stage's first, which uses the copy:
+    # nothing runs after it), inside the transient its backward was profiled with (a temporary
+    # gradient added into the one there): it exists from the action's end
     late_grad_at_end: bool = False
     # ... or made by a later layer of that action, a B (not the first, which would be the
     # above): it exists from the action's end, and the B's transient is `late_live` instead of

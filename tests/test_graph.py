@@ -302,35 +302,40 @@ def gpt_profile():
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("head", [5, 4])
+@pytest.mark.parametrize("cuts", [(2, 5), (2, 4), (2,)])
 def test_a_tied_copys_gradient_counts_from_where_the_first_backward_makes_it(
-    gpt_profile, schedule, head
+    gpt_profile, schedule, cuts
 ):
     """The streams program's copy of the tied weight, on the head's device, has its gradient
     made again by each step's first B, in the head's backward, which its profile measured
     adding a temporary gradient into one already there: in the first B that temporary is the
-    gradient. The plan counted both. The head alone on the last device (5): 12.0% and 14.8%
-    over the run; it counts from that B's end now (nothing runs after the stage's first layer
-    in it). After the final LayerNorm (4): 8.8% and 11.5% over; the B's transient now counts
-    the gradient once its walk has passed the head (late_live)."""
+    gradient. The plan counted both. The head alone on the last device (cut at 5): 12.0% and
+    14.8% over the run; it counts from that B's end now (nothing runs after the stage's first
+    layer in it). After the final LayerNorm (4): 8.8% and 11.5% over; the B's transient now
+    counts the gradient once its walk has passed the head (late_live). With the blocks too
+    (2), the walk past the head sets the device's peak: late_live there is what keeps the plan
+    from 8 KiB under (a walk that left the gradient out)."""
     from planner import search
     from planner.partition import Partition
 
     model, layers, prof = gpt_profile
-    problem = search._Problem(prof, Cluster.uniform(3, "1GiB"), 6, "adam", ("", ""), "streams",
+    K = len(cuts) + 1
+    problem = search._Problem(prof, Cluster.uniform(K, "1GiB"), 6, "adam", ("", ""), "streams",
                               ())  # fmt: skip
     cand = search.Candidate(3, schedule, "never")
-    chain, _ = problem.chain(cand)
-    split = Partition(bounds=[0, 2, head, chain.num_layers], bottleneck=0.0)
+    chain, memory = problem.chain(cand)
+    split = Partition(bounds=[0, *cuts, chain.num_layers], bottleneck=0.0)
     specs = search._stage_specs(problem, cand, halve=False)
     plan = search._sealed(search._build_plan(problem, cand, specs, split, "test"))
-    last = plan.stages[-1].state_bytes
-    assert plan.stages[-1].layer_types == ["LayerNorm", "Linear"][head - 4 :]
-    assert (last.late_grad, last.late_grad_at_end) == (64 * 32 * 4, True if head == 5 else None)
-    assert (last.late_live is not None) == (head == 4)
-    assert plan.stages[1].state_bytes.late_grad is None  # (the weight's own: stage 0's)
+    last, a = plan.stages[-1].state_bytes, cuts[-1]
+    assert plan.stages[-1].layer_types[-1] == "Linear"  # (the head: the model's last layer)
+    assert (last.late_grad, last.late_grad_at_end) == (64 * 32 * 4, True if a == 5 else None)
+    if a < 5:  # (what the walk holds past the head, with the gradient: exactly so)
+        walk = memory.late_walk(a, chain.num_layers, 5, 0)
+        assert last.live == walk and last.late_live == memory.late_walk(a, 7, 5, 8192)
+        assert last.late_live == (walk + 8192 if a == 2 else walk)
     d = measured_step(layers, plan, gpt_small()).devices[-1]
-    assert abs(d.measured_peak_bytes - d.predicted_peak_bytes) <= 64, d
+    assert abs(d.measured_peak_bytes - d.predicted_peak_bytes) <= 160, d  # (a few scalars)
 
 
 @pytest.mark.parametrize("target", ["streams", "torchrun"])

@@ -916,3 +916,58 @@ def test_a_recomputed_stage_of_batch_norms_holds_no_copy_of_their_statistics(sch
         stats.append([b.clone() for b in model.buffers()])
     for a, b in zip(*stats):
         assert torch.equal(a, b)
+
+
+class _BatchNormTwice(nn.Module):
+    """One batch norm run twice in a layer (a two-view encoder's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn = nn.Linear(8, 32), nn.BatchNorm1d(32, momentum=None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return torch.relu(self.bn(h)) + torch.relu(self.bn(2 * h))
+
+
+class _BatchNormUnsaved(nn.Module):
+    """A batch norm of the layer's own input after its last saved tensor: a checkpoint's early
+    stop never runs it again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.bn = nn.Linear(8, 32), nn.BatchNorm1d(8, affine=False, momentum=None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x)) + self.bn(x).mean(1, keepdim=True)
+
+
+@pytest.mark.parametrize("first", [_BatchNormTwice, _BatchNormUnsaved])
+def test_a_re_run_puts_back_as_many_batches_as_it_counted(first):
+    """A cold review's: the re-run's count of batches was put back by one per batch norm, so one
+    run twice counted 36 batches in three steps of four micro-batches (24 right), and one the
+    checkpoint's early stop skips counted 0; with a momentum of None (a cumulative average) its
+    statistics drifted. Put back by what the re-run added: the statistics and counts of a
+    pipeline that recomputes nothing, under a stage's recomputation and a layer's checkpoint."""
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(first(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
+
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    prof = quick_profile(build(), x[:2], batch_sizes=[2, 8], loss_fn="mse", threads=1)
+    runs = []
+    for mode, layers in (("never", ()), ("always", ()), ("never", (0,))):
+        plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 8, microbatches=4, schedule="1f1b",
+                             recompute=mode, optimizer="sgd", checkpoint=list(layers))  # fmt: skip
+        model = build()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            pipe = compile_pipe(model, plan)
+        for _ in range(3):
+            pipe.train_step(x, y, nn.functional.mse_loss)
+        runs.append([b.clone() for b in model[0].bn.buffers()])
+    assert int(runs[0][-1]) == 3 * 4 * (2 if first is _BatchNormTwice else 1)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
