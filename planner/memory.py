@@ -320,6 +320,17 @@ def _static(
     return p + g + slots * (g - copied) + buffers
 
 
+def _once(
+    prefix: np.ndarray, tied: list[tuple[int, np.ndarray]], i: np.ndarray, j: np.ndarray
+) -> np.ndarray:
+    """What the layers of [i, j) add up to in `prefix` (prefix sums), each tied parameter
+    (bytes, how many of its users lie before each position) counted once."""
+    out = prefix[j] - prefix[i]
+    for nbytes, before in tied:
+        out = out - nbytes * np.maximum(before[j] - before[i] - 1, 0)
+    return out
+
+
 def _prefix(values: np.ndarray) -> np.ndarray:
     return np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(values.astype(np.int64))])
 
@@ -536,9 +547,7 @@ class MemoryModel:
             last = b[k - 1] - c.zgrad[k - 1] - u[k - 1, k]
             terms[k - 1, k] = held[k - 1] + max(int(last), 0)
         walk = np.maximum.accumulate(terms[::-1], axis=0)[::-1]  # max over l >= i, per end
-        waits = self._tied_waits()
-        for born, last, w in (x for xs in self._inner_skips().values() for x in xs):
-            waits.setdefault(born, []).append((born + 1, last, last + 2, n + 1, w))
+        waits = self._b_waits()
         if waits:  # per start, from the last: what the layers from there on make waits too
             waiting = np.zeros((n + 1, n + 1), dtype=np.int64)
             for i in range(max(waits), -1, -1):
@@ -564,10 +573,7 @@ class MemoryModel:
         at = np.arange(i, k)
         vals = (held[at] + b[at] - u[at, k]).astype(np.int64)
         vals[-1] = held[k - 1] + max(int(b[k - 1] - c.zgrad[k - 1] - u[k - 1, k]), 0)
-        waits = self._tied_waits()
-        for born, last, w in (x for xs in self._inner_skips().values() for x in xs):
-            waits.setdefault(born, []).append((born + 1, last, last + 2, c.num_layers + 1, w))
-        for start, entries in waits.items():  # (as the table's row i adds them)
+        for start, entries in self._b_waits().items():  # (as the table's row i adds them)
             if start >= i:
                 for lo, hi, first, past, w in entries:
                     if first <= k < past:
@@ -577,6 +583,15 @@ class MemoryModel:
         before = max(int(vals[: use - i].max()) - below, 0) + late
         remat = self.state_bytes(np.array([i]), np.array([k]), only={"remat_live"})
         return max(after, before, int(remat["remat_live"][0]))
+
+    def _b_waits(self) -> dict[int, list[tuple[int, int, int, int, int]]]:
+        """What waits in B beside a layer's own figure, per start, as _tied_waits gives it: a
+        tied parameter's gradient part, and an inner skip's gradient (_inner_skips)."""
+        n = self.chain.num_layers
+        waits = self._tied_waits()
+        for born, last, w in (x for xs in self._inner_skips().values() for x in xs):
+            waits.setdefault(born, []).append((born + 1, last, last + 2, n + 1, w))
+        return waits
 
     def _inner_skips(self) -> dict[int, list[tuple[int, int, int]]]:
         """A captured graph's values whose gradient waits in B of a stage that makes them and
@@ -1258,18 +1273,12 @@ class MemoryModel:
 
     def params(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """The parameter bytes of stages [i, j): a parameter several of its layers use, once."""
-        p = self._params[j] - self._params[i]
-        for nbytes, before in self._tied:
-            p = p - nbytes * np.maximum(before[j] - before[i] - 1, 0)
-        return p
+        return _once(self._params, self._tied, i, j)
 
     def grads(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """The trainable parameter bytes of stages [i, j) (each with a gradient and optimizer
         state): a parameter several of its layers use, once."""
-        g = self._grads[j] - self._grads[i]
-        for nbytes, before in self._tied_grads:
-            g = g - nbytes * np.maximum(before[j] - before[i] - 1, 0)
-        return g
+        return _once(self._grads, self._tied_grads, i, j)
 
     def copied(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """The bytes of the tied parameters stages [i, j) use that a layer before i uses too:
