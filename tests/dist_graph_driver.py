@@ -1,6 +1,7 @@
 """Run under torchrun by test_graph: for each emitted program given, one step of a small GPT with
-tied embeddings (a captured graph) on every rank against the un-pipelined model; each rank
-writes the errors of the gradients it holds as JSON."""
+tied embeddings (a captured graph) on every rank against the un-pipelined model, then one SGD
+step over the rank's `parameters()`; each rank writes as JSON the errors of the gradients and
+of the stepped weights it holds, and how many parameters it listed (and how many distinct)."""
 
 from __future__ import annotations
 
@@ -36,11 +37,17 @@ def main() -> None:
             from tests.test_graph import FarReader
 
             model = FarReader()
+        elif kind == "tied":  # a weight two stages of one rank use
+            from tests.test_graph import TiedInside
+
+            model = TiedInside()
         else:
             model = unet(size=8) if kind == "unet" else gpt(**SMALL)
         reference = copy.deepcopy(model)
         x = model.example_input
-        if kind in ("unet", "far"):
+        if kind == "tied":
+            y, lf = torch.randn(*x.shape, 40), torch.nn.functional.mse_loss
+        elif kind in ("unet", "far"):
             y, lf = torch.randn_like(x), torch.nn.functional.mse_loss
         else:
             y, lf = torch.randint(0, SMALL["vocab"], x.shape), loss_fn
@@ -55,7 +62,18 @@ def main() -> None:
             for p in pipe.stages[s].parameters():
                 q = want[names[id(p)]]
                 errs[names[id(p)]] = float((p.grad - q.grad).abs().max() / q.grad.abs().max())
+        listed = list(pipe.parameters())
+        torch.optim.SGD(listed, lr=0.1).step()  # (a parameter listed twice: stepped twice)
+        torch.optim.SGD(reference.parameters(), lr=0.1).step()
+        moved = {}
+        for p in listed:
+            q = want[names[id(p)]]
+            moved[names[id(p)]] = float((p.detach() - q.detach()).abs().max())
         results[os.path.basename(path)] = {
+            "listed": len(listed),
+            "distinct": len({id(p) for p in listed}),
+            "held": sum(len(list(pipe.stages[s].parameters())) for s in pipe.local),
+            "step_err": moved,
             # relative to the loss where it is above 1 (the far model's sums are large)
             "loss_err": abs(float(loss) - float(expected.detach()))
             / max(1.0, abs(float(expected.detach()))),

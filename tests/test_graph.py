@@ -785,13 +785,18 @@ def test_skips_across_ranks_and_tied_weights_under_torchrun(unet_routes, gpt_pro
         path = tmp_path / f"{schedule}.py"
         path.write_text(emit_program(_plan(gprof, schedule, "never"), target="torchrun"))
         gpt.append(str(path))
+    torch.manual_seed(0)
+    _, tplan = _tied_inside_plan(TiedInside())
+    (tmp_path / "tied.py").write_text(emit_program(tplan, target="torchrun"))
     r = torchrun(2, str(ROOT / "tests" / "dist_graph_driver.py"), str(tmp_path),
-                 f"unet={tmp_path / 'unet.py'}", f"far={tmp_path / 'far.py'}", *gpt)  # fmt: skip
+                 f"unet={tmp_path / 'unet.py'}", f"far={tmp_path / 'far.py'}", *gpt,
+                 f"tied={tmp_path / 'tied.py'}")  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     held = set()
+    repeats = 0
     for rank in (0, 1):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        for name in ("unet.py", "far.py"):
+        for name in ("unet.py", "far.py", "tied.py"):
             res = results[name]
             assert res["loss_err"] <= 1e-5, (rank, name, res)
             assert max(res["grad_err"].values()) <= 1e-4, (rank, name, res)
@@ -800,6 +805,13 @@ def test_skips_across_ranks_and_tied_weights_under_torchrun(unet_routes, gpt_pro
             assert res["loss_err"] <= 1e-5, (rank, name)
             assert max(res["grad_err"].values()) <= 1e-5, (rank, name, res)
             held |= {(rank, p) for p in res["grad_err"]}
+        for name, res in results.items():
+            # each parameter listed once, and one SGD step over them is the model's (a tied
+            # weight two stages of the rank use, listed twice, was stepped twice)
+            assert res["listed"] == res["distinct"], (rank, name, res)
+            assert max(res["step_err"].values()) <= 1e-5, (rank, name, res)
+        repeats += results["tied.py"]["held"] - results["tied.py"]["listed"]
+    assert repeats > 0  # (the tied model's plan has a rank whose two stages share the weight)
     assert (0, "tokens.weight") in held and (1, "tokens.weight") in held  # on both ranks
 
 
@@ -1569,13 +1581,15 @@ def test_a_tied_weight_frozen_and_unfrozen_between_steps_gets_its_gradient(devic
                 assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), (frozen, name)
 
 
-class _TiedInside(nn.Module):
-    """An embedding whose weight a middle layer and the head use too."""
+class TiedInside(nn.Module):
+    """An embedding whose weight a middle layer and the head use too (read by
+    dist_graph_driver.py, whose ranks build it)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.e = nn.Embedding(40, 8)
         self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(5))
+        self.example_input = torch.randint(0, 40, (8, 4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.e(x)
@@ -1586,19 +1600,26 @@ class _TiedInside(nn.Module):
         return h @ self.e.weight.t()
 
 
+def _tied_inside_plan(model: TiedInside) -> tuple[CapturedModel, Plan]:
+    """The model's graph and its plan: interleaved 1F1B on 2 devices, one device's two stages
+    both using the tied weight."""
+    x = model.example_input
+    layers = capture(model, x[:1])
+    prof = even_times(quick_profile(layers, x[:1], batch_sizes=[1, 2], loss_fn="mse"))
+    return layers, plan_pipeline(prof, Cluster.uniform(2, "256MiB"), 8, microbatches=4,
+                         schedule="interleaved-1f1b", recompute="never", optimizer="sgd")  # fmt: skip
+
+
 def test_a_weight_two_stages_of_one_device_use_is_given_to_the_optimizer_once():
     """Found by a cold review: under interleaved 1F1B two stages on one device may use one
     parameter (a tied weight), and the pipe listed it once per stage, so an optimizer over
     pipe.parameters() stepped it twice (torch warns, and the weight moved 0.5 away from the
     un-pipelined step's). Listed once now: one SGD step equals the model's."""
     torch.manual_seed(0)
-    model = _TiedInside()
+    model = TiedInside()
     ref = copy.deepcopy(model)
-    x, y = torch.randint(0, 40, (8, 4)), torch.randn(8, 4, 40)
-    layers = capture(model, x[:1])
-    prof = even_times(quick_profile(layers, x[:1], batch_sizes=[1, 2], loss_fn="mse"))
-    plan = plan_pipeline(prof, Cluster.uniform(2, "256MiB"), 8, microbatches=4,
-                         schedule="interleaved-1f1b", recompute="never", optimizer="sgd")  # fmt: skip
+    x, y = model.example_input, torch.randn(8, 4, 40)
+    layers, plan = _tied_inside_plan(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pipe = compile_pipe(layers, plan)
