@@ -465,9 +465,10 @@ class DistPipelineRuntime(PipelineRuntime):
         # place (setting it aside instead held two gradients of the weight through the step,
         # one more than the plan counts). Where a caller made them differ (say, clipped each
         # rank by its own norm), the first rank's is the one carried on, and every rank ends
-        # the step holding the same. Once the batch is agreed: a refused step leaves them.
+        # the step holding the same. Once the batch is agreed: a refused step leaves them. A
+        # frozen one is not summed (finish): each rank keeps what it holds, the same on each.
         for p, _, first in self.ties:
-            if p.grad is not None and self.rank != first:
+            if p.grad is not None and p.requires_grad and self.rank != first:
                 p.grad.zero_()
         self.seed = head[0]
         if 0 in self.local:

@@ -1,7 +1,9 @@
 """Run under torchrun by test_graph: for each emitted program given, one step of a small GPT with
 tied embeddings (a captured graph) on every rank against the un-pipelined model, then one SGD
-step over the rank's `parameters()`; each rank writes as JSON the errors of the gradients and
-of the stepped weights it holds, and how many parameters it listed (and how many distinct)."""
+step over the rank's `parameters()` (and, for the GPT, a second step with its tied weight frozen
+and the gradients accumulating on the first's); each rank writes as JSON the errors of the
+gradients and of the stepped weights it holds, and how many parameters it listed (and how many
+distinct)."""
 
 from __future__ import annotations
 
@@ -69,7 +71,19 @@ def main() -> None:
         for p in listed:
             q = want[names[id(p)]]
             moved[names[id(p)]] = float((p.detach() - q.detach()).abs().max())
+        accum = None
+        if kind == "":  # the GPT: its tied weight frozen, a second step accumulating on the first
+            for m in (model, reference):
+                m.tokens.weight.requires_grad_(False)
+            x2, y2 = x.flip(0), y.flip(0)
+            lf(reference(x2), y2).backward()
+            pipe.train_step(x2 if rank == 0 else None, y2, lf)
+            accum = {}
+            for p in listed:
+                q = want[names[id(p)]]
+                accum[names[id(p)]] = float((p.grad - q.grad).abs().max() / q.grad.abs().max())
         results[os.path.basename(path)] = {
+            "accum_err": accum,
             "listed": len(listed),
             "distinct": len({id(p) for p in listed}),
             "held": sum(len(list(pipe.stages[s].parameters())) for s in pipe.local),

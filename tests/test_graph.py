@@ -804,6 +804,10 @@ def test_skips_across_ranks_and_tied_weights_under_torchrun(unet_routes, gpt_pro
             res = results[name]
             assert res["loss_err"] <= 1e-5, (rank, name)
             assert max(res["grad_err"].values()) <= 1e-5, (rank, name, res)
+            # the tied weight frozen before a second step that accumulates on the first: every
+            # rank keeps its first-step gradient (a rank other than the tie group's first once
+            # zeroed it, and no sum followed: the whole gradient lost there)
+            assert max(res["accum_err"].values()) <= 1e-5, (rank, name, res)
             held |= {(rank, p) for p in res["grad_err"]}
         for name, res in results.items():
             # each parameter listed once, and one SGD step over them is the model's (a tied
