@@ -667,12 +667,21 @@ def solve_partition(
     stages: list[StageSpec],
     cuts: Sequence[np.ndarray] | None = None,
     limit: float = math.inf,
+    free_only: bool = False,
+    hint: float = math.inf,
 ) -> Partition | None:
     """The split of len(times) layers into len(stages) non-empty contiguous stages that minimises
     the slowest stage (or link, with cuts: see the module docstring), with every stage within its
     budget; None when no split fits in memory at allowed cuts. `limit`: a bottleneck past which
     the caller has no use for a split; NoneWithin is raised where no split that fits reaches
-    it (a search that already holds a plan this fast: the split's bound could not beat it)."""
+    it (a search that already holds a plan this fast: the split's bound could not beat it).
+    `free_only`: the caller has use only for a split memory does not bind (`memory_free`); None
+    also where the first probe finds memory lowering a stage's end. (Mostly it then lowers one
+    at the optimum too: a start reached under a bound is reached under any larger one, where its
+    time allows at least as far. Not always, where that probe lies above the optimum: the caller
+    must take None as "not known free", never as "none fits".) `hint`: a bottleneck some split
+    is known to meet (one option's split, where a stage may choose among several): the first
+    probes go no higher, and the bisection starts below it."""
     L, K = np.atleast_2d(times).shape[1], len(stages)
     if not 1 <= K <= L:
         raise ValueError(f"cannot split {L} layers into {K} non-empty stages")
@@ -688,13 +697,18 @@ def solve_partition(
     # starts a split within it may give each stage. Where they do not, wider, then in full
     # (up to the limit: a probe there that fails ends the search).
     prober, bounds = None, None
-    ladder = [fast * f for f in LADDER if fast > 0 and fast * f < limit] + [limit]
+    top = min(limit, hint if hint >= lo else math.inf)  # (below lo no split meets it)
+    ladder = [fast * f for f in LADDER if fast > 0 and fast * f < top] + [top]
+    if top < limit:  # (a hint that does not hold after all: on to the limit)
+        ladder.append(limit)
     for first in ladder:
         if prober is None:
             prober = _Prober(times, memory, stages, cuts, cap_bound=first)
         else:
             prober.reach_to(first)
         bounds = prober.probe(first)
+        if free_only and prober.memory_cut:
+            return None
         if bounds is not None:
             break
         lo = max(lo, first)  # nothing fits within it

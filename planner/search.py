@@ -172,6 +172,9 @@ class _Problem:
     # interleaved splits solved (_solved_split): per (M, schedule, modes, halved), the split
     # and the limit it was solved under
     splits: dict[tuple, tuple[float, Partition | None]] = field(default_factory=dict)
+    # one stage per device: per (M, schedule, recompute) of a single-mode candidate, its
+    # split's bottleneck (a per-stage candidate's stages may each choose that mode: _hint)
+    met: dict[tuple[int, str, str], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.table is None:
@@ -926,13 +929,17 @@ def _search(
         times = _balance_times(chain, cand)
         limit = _bottleneck_limit(problem, cand, chain, to_beat())
         try:
+            hint = _hint(problem, cand, cand.modes, False)
             if cand.per_device > 1:  # (its own solves' `fits` is of one stage per device)
                 part, fits = _solved_split(
                     problem, cand, cand.modes, False, limit,
-                    lambda: _solve(problem, cand, solve, method, times, memory, cuts, limit)[0],
+                    lambda: _solve(problem, cand, solve, method, times, memory, cuts, limit,
+                                   hint)[0],
                 ), False  # fmt: skip
             else:
-                part, fits = _solve(problem, cand, solve, method, times, memory, cuts, limit)
+                part, fits = _solve(problem, cand, solve, method, times, memory, cuts, limit, hint)
+                if part is not None and len(cand.modes) == 1:
+                    problem.met[(cand.microbatches, cand.schedule, cand.modes[0])] = part.bottleneck
         except NoneWithin as e:
             visited.solved += 1
             visited.memory_bound |= not e.by_time
@@ -1109,6 +1116,7 @@ def _solve(
     memory: MemoryModel,
     cuts: list[np.ndarray] | None,
     limit: float = math.inf,
+    hint: float = math.inf,
 ) -> tuple[Partition | None, bool]:
     """The candidate's split, and whether it fits by the bound (then every stage fits its
     device by the exact occupancy too, which is never larger: StageShape.bound). `limit`: the
@@ -1132,7 +1140,7 @@ def _solve(
     if _worth(records, "bound", kind):
         try:
             bounded = solve(times, memory, _stage_specs(problem, cand, halve=False,
-                            which="bound"), cuts=cuts, limit=limit)  # fmt: skip
+                            which="bound"), cuts=cuts, limit=limit, free_only=True)  # fmt: skip
         except NoneWithin as e:
             if e.by_time:  # (memory aside: so for the exact occupancy too)
                 raise
@@ -1152,7 +1160,25 @@ def _solve(
         if proved:
             return None, False
     exact = _stage_specs(problem, cand, halve=False)
-    return solve(times, memory, exact, cuts=cuts, limit=limit), False
+    within = {} if math.isinf(hint) else {"hint": hint}
+    return solve(times, memory, exact, cuts=cuts, limit=limit, **within), False
+
+
+def _hint(problem: _Problem, cand: Candidate, modes: tuple[str, ...], halved: bool) -> float:
+    """A bottleneck some split of a candidate whose stages each choose among `modes` is known
+    to meet (solve_partition's `hint`): the least of the splits found with every stage in one
+    of them (the same times and memory shapes for that option), where solved already."""
+    if len(modes) < 2:
+        return math.inf
+    found = [math.inf]
+    for mode in modes:
+        if cand.per_device == 1:
+            found.append(problem.met.get((cand.microbatches, cand.schedule, mode), math.inf))
+            continue
+        kept = problem.splits.get((cand.microbatches, cand.schedule, (mode,), halved))
+        if kept is not None and kept[1] is not None:
+            found.append(kept[1].bottleneck)
+    return min(found)
 
 
 def _solved_split(
@@ -1264,10 +1290,12 @@ def _interleaved_fallback(
             tries.append((alike, times[x : x + 1], [x] * len(specs), (cand.modes[x],), False))
     best, at_least = relaxed_plan, math.inf
     for try_specs, try_times, choices, modes, halved in tries:
+        hint = _hint(problem, cand, modes, halved) if method == "probe-bisection" else math.inf
+        more = {**within, **({} if math.isinf(hint) else {"hint": hint})}
         try:
             part = _solved_split(
                 problem, cand, modes, halved, limit if within else math.inf,
-                lambda t=try_times, sp=try_specs: solve(t, memory, sp, cuts=cuts, **within),
+                lambda t=try_times, sp=try_specs, kw=more: solve(t, memory, sp, cuts=cuts, **kw),
             )  # fmt: skip
         except NoneWithin:  # (its bound is past `beat`: at least M times the limit)
             at_least = min(at_least, limit * cand.microbatches)

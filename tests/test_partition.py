@@ -21,7 +21,9 @@ from planner.partition import NoneWithin, StageSpec, _Prober, feasible_split, so
 
 def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     """The memory model of DESIGN.md, written out plainly."""
-    p = int(c.grads[i:j].sum())  # the trainable parameters: a gradient and slots each
+    # the trainable parameters: a gradient and slots each (read from the field, not from the
+    # model's own Chain.grads, found by a cold review: the same property on both sides)
+    p = int((c.params if c.trainable is None else c.trainable)[i:j].sum())
     X, Xs = int(c.boundary[i]), min(int(c.input_saved[i]), int(c.boundary[i]))
     lent = Xs if i == 0 and c.borrowed_input else 0  # the caller's micro-batch, not the stage's
     X = 0 if i == 0 and c.borrowed_input else X
@@ -1284,7 +1286,8 @@ def test_a_memory_split_whose_weights_cannot_fit_is_decided_before_the_memory_mo
     # weights, gradients, optimizer slots, buffers and reserved bytes in its budget under one
     # of its options. Where none does, no memory model is asked.
     def weights(i, j, shape):
-        p, g, b = chain.params[i:j], chain.grads[i:j], chain.buffers[i:j]
+        g = chain.params if chain.trainable is None else chain.trainable
+        p, g, b = chain.params[i:j], g[i:j], chain.buffers[i:j]
         return int((p + (1 + shape.optimizer_slots) * g + b).sum()) + shape.reserved
 
     some = any(
@@ -1506,3 +1509,65 @@ def test_a_devices_second_stage_is_stepped_beside_the_carry_of_its_first():
     assert device_step([dataclasses.replace(x, foreach=True) for x in (first, second)]) == (
         first.optimizer_step + second.optimizer_step
     )
+
+
+@settings(max_examples=80, deadline=None)
+@given(problems(), st.data())
+def test_a_hint_or_free_only_changes_no_split(problem, data):
+    """`hint` (a bottleneck one option's split meets: the search passes a per-stage candidate
+    its single-mode twins') only starts the probes lower: the split, its bottleneck, choices
+    and `memory_free` are the solve's without it, also from a hint below the optimum (which no
+    split meets: the ladder goes on to the limit). `free_only` returns that same split or
+    None, and None only where the split is not memory free or memory lowered an end in the
+    first probe (above the optimum: a miss, never a wrong split)."""
+    chain, specs, cuts = problem
+    ratio = data.draw(st.sampled_from([1.25, 1.5]))
+    table = np.stack([(chain.forward + chain.backward) * r for r in (1.0, ratio)])
+    options = [
+        StageSpec(sp.speed, sp.budget, sp.shape, (dataclasses.replace(
+            sp.shape, occupancy=tuple(lighter_by(t, 1) for t in sp.shape.occupancy)),))
+        for sp in specs
+    ]  # fmt: skip
+    memory = MemoryModel(chain)
+    plain = solve_partition(table, memory, options, cuts)
+    one = solve_partition(table[:1], memory, specs, cuts)  # option 0 alone: a valid hint
+    hints = [one.bottleneck] if one is not None else []
+    if plain is not None:
+        hints.append(plain.bottleneck * data.draw(st.sampled_from([0.5, 0.999, 1.0])))
+
+    def same(a, b) -> bool:
+        return (a is None and b is None) or (
+            a is not None and b is not None and (a.bounds, a.bottleneck, a.choices, a.extra)
+            == (b.bounds, b.bottleneck, b.choices, b.extra)
+        )  # fmt: skip
+
+    for hint in hints:
+        assert same(solve_partition(table, memory, options, cuts, hint=hint), plain), hint
+    free = solve_partition(table, memory, options, cuts, free_only=True)
+    assert free is None or same(free, plain)
+    if plain is None or plain.extra["memory_free"] != 1.0:
+        assert free is None or free.extra["memory_free"] != 1.0
+
+
+def test_free_only_gives_up_at_once_where_memory_binds():
+    """Where memory lowers a stage's end the caller (the search's first solve, with the bound
+    on each stage's occupancy) has no use for the split: None after one probe, where the solve
+    takes several; where memory does not bind, the split."""
+    L = 12
+    chain = make_chain(L, forward=np.ones(L), backward=np.ones(L),
+                       params=np.full(L, 10, dtype=np.int64), saved=np.ones(L, dtype=np.int64))  # fmt: skip
+    memory = MemoryModel(chain)
+    times = chain.forward + chain.backward
+    shape = StageShape(occupancy=(occ(0, 2),), optimizer_slots=1)
+    roomy = [StageSpec(1.0, 10**12, shape) for _ in range(3)]
+    part = solve_partition(times, memory, roomy)
+    assert part.bounds == [0, 4, 8, 12] and part.extra["memory_free"] == 1.0
+    assert solve_partition(times, memory, roomy, free_only=True).bounds == part.bounds
+    # the middle stage's device holds 3 layers: the first stage then needs 5
+    need = reference_memory(chain, 0, 4, shape)
+    tight = [StageSpec(1.0, 10**12, shape), StageSpec(1.0, need - 1, shape),
+             StageSpec(1.0, 10**12, shape)]  # fmt: skip
+    bound = solve_partition(times, memory, tight)
+    assert bound is not None and bound.bottleneck == 10.0 and bound.probes > 1
+    assert bound.extra["memory_free"] == 0.0
+    assert solve_partition(times, memory, tight, free_only=True) is None
