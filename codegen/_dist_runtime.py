@@ -244,7 +244,8 @@ class DistPipelineRuntime(PipelineRuntime):
         # go by gloo's thread now and then only after the step's peak (512 bytes the plan
         # did not count, on the first rank in one of three measured steps)
         self.words = -(-len(self.STAGES) // _BITS)  # (the slots of the stages' bits)
-        self.signature = torch.zeros(_SIGNATURE, dtype=torch.int64)
+        # (and after its slots, per tied weight: how many of its ranks train it)
+        self.signature = torch.zeros(_SIGNATURE + len(self.holders), dtype=torch.int64)
         self._reset()
 
     def _own_device(self) -> torch.device:
@@ -352,12 +353,13 @@ class DistPipelineRuntime(PipelineRuntime):
             sys.stdout.flush()
         os._exit(1)
 
-    def _tie_groups(self, layers: list[nn.Module]) -> list[tuple[nn.Parameter, Any, int]]:
+    def _tie_groups(self, layers: list[nn.Module]) -> list[tuple[nn.Parameter, Any, int, int]]:
         """A parameter that stages on several ranks use (tied weights): every rank holding it
         sums its gradient with the others' at the end of the step, so all of them take the same
         optimizer step. Each rank sees the whole model, so all agree on the groups (and create
         them in the same order, as torch.distributed requires). Each with its group's first
-        rank."""
+        rank and its place among all the model's tied weights (`holders`: how many ranks hold
+        each)."""
         users: dict[int, tuple[nn.Parameter, set[int]]] = {}
         for s, (a, b) in enumerate(self.STAGES):
             for layer in layers[a:b]:
@@ -365,13 +367,15 @@ class DistPipelineRuntime(PipelineRuntime):
                     users.setdefault(id(p), (p, set()))[1].add(self.RANKS[s])
         groups: dict[tuple[int, ...], Any] = {}
         ties = []
+        self.holders: list[int] = []
         for p, ranks in users.values():  # (frozen ones too: a caller may unfreeze them)
             if len(ranks) > 1:
                 key = tuple(sorted(ranks))
                 if key not in groups:
                     groups[key] = dist.new_group(list(key))
                 if self.rank in ranks:
-                    ties.append((p, groups[key], key[0]))
+                    ties.append((p, groups[key], key[0], len(self.holders)))
+                self.holders.append(len(ranks))
         return ties
 
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -422,24 +426,33 @@ class DistPipelineRuntime(PipelineRuntime):
                     f"the targets hold {count} samples; this plan takes at least {M} (one per "
                     "micro-batch)"
                 )
-            sig[-2] = max(count, 0)  # checked against the input's on every rank, below
+            sig[_SIGNATURE - 2] = max(count, 0)  # checked against the input's on every rank, below
         for s in self.local:  # which stages train, read at each step (a caller may freeze or
             if trains(self.stages[s]):  # unfreeze layers between steps): one bit each
                 sig[_SIGNATURE - 2 - self.words + s // _BITS] += 1 << (s % _BITS)
-        sig[-1] = int(bool(problem))
+        for p, _, _, k in self.ties:  # and how many ranks train each tied weight
+            sig[_SIGNATURE + k] += int(p.requires_grad)
+        sig[_SIGNATURE - 1] = int(bool(problem))
         sig = sig.to(self.device)
         dist.all_reduce(sig)  # one rank's entries, summed with the others' zeros
-        head = sig.tolist()
+        head, tied = sig.tolist()[:_SIGNATURE], sig.tolist()[_SIGNATURE:]
         words = head[_SIGNATURE - 2 - self.words : -2]
         training = [bool(words[s // _BITS] >> (s % _BITS) & 1) for s in range(len(self.STAGES))]
         self.trains_before = trains_before(training)
-        self.check_frozen(training, self.local)
+        self.check_frozen(self.local)
         for s in self.local:  # (what trains, as now: zero bubble's I takes their gradients)
             self.shared[s] = _shared_parameters(self.stages[s])
         if problem:
             raise BatchRefused(problem)
         if head[-1]:
             raise BatchRefused("another rank refused this step's batch; see its message")
+        if any(0 < n < h for n, h in zip(tied, self.holders)):
+            # (each rank would sum the weight's gradient or not by its own flag: a rank left
+            # waiting in the sum, found by a red team)
+            raise BatchRefused(
+                "a tied weight trains on some ranks and is frozen on others: set its "
+                "requires_grad alike on every rank"
+            )
         # What the summed signature alone settles, every rank settles alike: all refuse
         n, targets = head[3], head[-2]
         if targets and targets != n:
@@ -467,7 +480,7 @@ class DistPipelineRuntime(PipelineRuntime):
         # rank by its own norm), the first rank's is the one carried on, and every rank ends
         # the step holding the same. Once the batch is agreed: a refused step leaves them. A
         # frozen one is not summed (finish): each rank keeps what it holds, the same on each.
-        for p, _, first in self.ties:
+        for p, _, first, _ in self.ties:
             if p.grad is not None and p.requires_grad and self.rank != first:
                 p.grad.zero_()
         self.seed = head[0]
@@ -576,7 +589,7 @@ class DistPipelineRuntime(PipelineRuntime):
         for work, _ in self.sending:
             work.wait()
         self.sending = []
-        for p, group, _ in self.ties:  # tied weights: the gradient of every use, on each
+        for p, group, _, _ in self.ties:  # tied weights: the gradient of every use, on each
             if not p.requires_grad:  # (frozen: on every rank, which all see the whole model)
                 continue
             if p.grad is None:

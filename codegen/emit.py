@@ -187,9 +187,9 @@ def _constants(plan: Plan) -> str:
     routes = ""
     if plan.routes:  # a captured graph: each value straight to the stages that read it
         routes = "\n    " + _py_list("ROUTES", [f"({a}, {b})" for a, b in plan.routes])
-    frozen = [str(st.index) for st in plan.stages if st.memory.params and not st.memory.grads]
-    if frozen:  # stages with weights counted as training none (the runtime warns if one does)
-        routes += "\n    " + _py_list("FROZEN", frozen)
+    if any(st.memory.grads < st.memory.params for st in plan.stages):
+        # some weights counted frozen: the runtime warns where a stage trains more than this
+        routes += "\n    " + _py_list("GRADS", [str(st.memory.grads) for st in plan.stages])
     return f"""    SCHEDULE = "{plan.schedule}"
     MICROBATCHES = {plan.microbatches}
     {stages}

@@ -333,7 +333,11 @@ def checkpointed(chain: Chain, layers: tuple[int, ...]) -> Chain:
     on[list(layers)] = True
     before = np.concatenate([[False], on[:-1]])  # its previous layer is checkpointed
     saved_in = np.minimum(chain.input_saved, chain.boundary[:-1])
-    keeps = np.where(chain.saved > 0, chain.boundary[:-1], 0).astype(np.int64)
+    # (a checkpoint keeps its input where the layer saves any tensor for backward, a weight
+    # too, which `saved` leaves out: a frozen layer with weights whose input needs a gradient
+    # saves its weight alone, found by a cold review: 2.1% under on frozen Linears)
+    saves = (chain.saved > 0) | ((chain.params > 0) & (chain.grad_in > 0))
+    keeps = np.where(saves, chain.boundary[:-1], 0).astype(np.int64)
     kept_by_previous = np.where(before, 0, np.minimum(chain.shared, np.minimum(saved_in, keeps)))
     rest = np.maximum(chain.saved - saved_in, 0)  # what it saves beyond its input
     grad_out = chain.boundary[1:].astype(np.int64)

@@ -168,7 +168,7 @@ def in_dtype(model: Any, dtype: str) -> Any:
             f"dtype {dtype!r}: a model's parameters are profiled in {', '.join(DTYPES)}; "
             "profile and plan again"
         )
-    if dtype != "float32" and any(p.is_floating_point() for p in module.parameters()):
+    if any(p.is_floating_point() for p in module.parameters()):  # (float32 too: profile casts)
         module.to(DTYPES[dtype])
     return model
 

@@ -43,7 +43,8 @@ def main() -> None:
             for layer in model:
                 if isinstance(layer, nn.ReLU):
                     layer.inplace = True
-        frozen = 5 if os.path.basename(path).startswith("frozen") else 0
+        name = os.path.basename(path)
+        frozen = 2 if name.startswith("frozen2") else 5 if name.startswith("frozen") else 0
         model[:frozen].requires_grad_(False)  # a frozen prefix: no gradient crosses it
         reference = copy.deepcopy(model)
         x, y = torch.randn(8, 32), torch.randint(0, 10, (8,))

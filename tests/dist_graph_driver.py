@@ -82,6 +82,14 @@ def main() -> None:
             for p in listed:
                 q = want[names[id(p)]]
                 accum[names[id(p)]] = float((p.grad - q.grad).abs().max() / q.grad.abs().max())
+            # then unfrozen on the first rank alone: every rank refuses the step (each summed
+            # the weight's gradient or not by its own flag, and the ranks waited on each other)
+            if rank == 0:
+                model.tokens.weight.requires_grad_(True)
+            try:
+                pipe.train_step(x if rank == 0 else None, y, lf)
+            except ns["BatchRefused"] as e:
+                accum["refused"] = str(e)
         results[os.path.basename(path)] = {
             "accum_err": accum,
             "listed": len(listed),

@@ -143,17 +143,42 @@ def test_a_stage_the_plan_counted_frozen_warns_once_it_trains():
     weights = [[p for k in range(*st.layers) for p in model[k].parameters()] for st in plan.stages]
     assert frozen == [s for s, ps in enumerate(weights)
                       if ps and not any(p.requires_grad for p in ps)] != []  # fmt: skip
+    # (each stage with a frozen weight trains more once they are all unfrozen)
+    thawed = [s for s, ps in enumerate(weights) if any(not p.requires_grad for p in ps)]
     x, y, loss_fn = data("mlp")
     pipe = compile_quiet(model, plan)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pipe.train_step(x, y, loss_fn)  # (as planned: silent)
     model.requires_grad_(True)
-    with pytest.warns(UserWarning, match=re.escape(f"stage(s) {frozen} have parameters that")):
+    with pytest.warns(UserWarning, match=re.escape(f"stage(s) {thawed} train parameters the")):
         pipe.train_step(x, y, loss_fn)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         pipe.train_step(x, y, loss_fn)  # (said once)
+
+
+def test_a_stage_that_trains_more_than_the_plan_counted_warns():
+    """Found by a cold review: a frozen layer in a stage whose other layers train (here the
+    first layer's bias frozen, its weight not). Unfrozen since, the stage holds its gradient
+    and optimizer state beyond the plan (27% over on the reviewer's model) and nothing said
+    so: only stages that trained nothing were listed. Each stage's trainable bytes are now
+    held against the plan's."""
+    model = small_mlp()
+    model[0].bias.requires_grad_(False)
+    prof = quick_profile(model, model.example_input, batch_sizes=[2])
+    plan = plan_for(prof, "1f1b", "never", 4)
+    assert plan.stages[0].memory.grads > 0  # (the stage trains some of its layers)
+    x, y, loss_fn = data("mlp")
+    pipe = compile_quiet(model, plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        pipe.train_step(x, y, loss_fn)  # (as planned: silent)
+        model[3:].requires_grad_(False)  # (less than planned: silent too)
+        pipe.train_step(x, y, loss_fn)
+    model.requires_grad_(True)
+    with pytest.warns(UserWarning, match=re.escape("stage(s) [0] train parameters the")):
+        pipe.train_step(x, y, loss_fn)
 
 
 @pytest.mark.parametrize("kind", ["mlp", "transformer"])
@@ -874,6 +899,9 @@ def test_torchrun_gradient_parity(profiles, tmp_path, torchrun_available):
         ("1f1b", "never", 4, (1, 2, 4)),  # layers under checkpoints of their own
         ("frozen-1f1b", "never", 4, ()),  # its first five layers frozen (dist_driver.py)
         ("frozen-zb-h1", "always", 3, ()),
+        # its first two layers frozen: stage 1 takes a gradient, stage 0's input none (a
+        # review's: the cases above have no rank that needs one)
+        ("frozen2-1f1b", "never", 4, ()),
     ]
     paths, starts = [], {}
     for schedule, mode, M, layers in cases:
@@ -882,7 +910,7 @@ def test_torchrun_gradient_parity(profiles, tmp_path, torchrun_available):
             Cluster.uniform(2, "1GiB"),
             N,
             microbatches=M,
-            schedule=schedule.removeprefix("frozen-"),
+            schedule=schedule.split("-", 1)[1] if schedule.startswith("frozen") else schedule,
             recompute=mode,
             checkpoint=layers,
         )
@@ -901,9 +929,11 @@ def test_torchrun_gradient_parity(profiles, tmp_path, torchrun_available):
         for name, res in results.items():
             assert res["loss_err"] <= 1e-5, (rank, name)
             assert res["params"] > 0 and res["grad_err"] <= 1e-5, (rank, name, res)
-            # a stage's input needs a gradient after a layer that trains (frozen: layer 6 on)
-            first = 6 if name.startswith("frozen") else 0
+            # a stage's input needs a gradient after a layer that trains (frozen: layer 6 on;
+            # the first two frozen: layer 2 on)
+            first = 2 if name.startswith("frozen2") else 6 if name.startswith("frozen") else 0
             assert res["trains_before"] == [a > first for a in starts[name]], (rank, name)
+    assert [a > 2 for a in starts["frozen2-1f1b-never-0.py"]] == [False, True]
 
 
 def test_torchrun_stages_beginning_with_a_layer_that_changes_its_input_in_place(

@@ -332,7 +332,7 @@ def test_a_tied_copys_gradient_counts_from_where_the_first_backward_makes_it(
     assert (last.late_grad, last.late_grad_at_end) == (64 * 32 * 4, True if a == 5 else None)
     if a < 5:  # (what the walk holds past the head, with the gradient: exactly so)
         walk = memory.late_walk(a, chain.num_layers, 5, 0)
-        assert last.live == walk and last.late_live == memory.late_walk(a, 7, 5, 8192)
+        assert last.live == walk
         assert last.late_live == (walk + 8192 if a == 2 else walk)
     d = measured_step(layers, plan, gpt_small()).devices[-1]
     assert abs(d.measured_peak_bytes - d.predicted_peak_bytes) <= 160, d  # (a few scalars)
@@ -807,7 +807,10 @@ def test_skips_across_ranks_and_tied_weights_under_torchrun(unet_routes, gpt_pro
             # the tied weight frozen before a second step that accumulates on the first: every
             # rank keeps its first-step gradient (a rank other than the tie group's first once
             # zeroed it, and no sum followed: the whole gradient lost there)
+            refused = res["accum_err"].pop("refused", "")
             assert max(res["accum_err"].values()) <= 1e-5, (rank, name, res)
+            # ... and unfrozen on one rank alone, the step refused on every rank (it hung)
+            assert refused.startswith("a tied weight trains on some ranks"), (rank, name)
             held |= {(rank, p) for p in res["grad_err"]}
         for name, res in results.items():
             # each parameter listed once, and one SGD step over them is the model's (a tied

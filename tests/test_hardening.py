@@ -1771,3 +1771,28 @@ def test_the_profiles_step_order_and_threads_are_read_strictly(run_cli, prof, tm
     bad = _mutated_profile(prof, tmp_path, edit)
     out = tmp_path / "plan.json"
     assert_bad_input(run_cli("plan", bad, *PLAN_ARGS, "-o", out), mentions=mentions, no_file=out)
+
+
+def test_a_float64_model_profiled_as_float32_compiles_against_its_plan(run_cli, tmp_path):
+    """Found by a red team: `profile` casts a model to --dtype (float32 unless told), and
+    codegen and measure compared the model in its own dtype with the plan's, float32 left
+    uncast: "a different model ... profile and plan it again", whatever was done again."""
+    model = tmp_path / "f64.py"
+    model.write_text(
+        "import torch\n"
+        "def make():\n"
+        "    torch.manual_seed(0)\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),\n"
+        "                            torch.nn.Linear(16, 4)).double()\n"
+        "    m.example_input = torch.randn(4, 8, dtype=torch.float64)\n"
+        "    return m\n"
+    )
+    prof, plan, prog = tmp_path / "p.json", tmp_path / "plan.json", tmp_path / "prog.py"
+    assert run_cli("profile", f"{model}:make", "--batch-sizes", "1,2", "--repeats", "1",
+                   "-o", prof).code == 0  # fmt: skip
+    assert json.loads(prof.read_text())["dtype"] == "float32"
+    assert run_cli("plan", prof, "--devices", "2", "--memory", "1GiB", "--batch-size", "4",
+                   "-o", plan).code == 0  # fmt: skip
+    done = run_cli("codegen", plan, "--model", f"{model}:make", "-o", prog)
+    assert done.code == 0, done.err
+    assert "class Pipeline" in prog.read_text()
