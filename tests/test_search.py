@@ -30,7 +30,7 @@ from profiler.artifact import InputError
 from profiler.types import Profile, RuntimeOverhead
 from schedules import Costs, build_schedule, simulate
 from schedules.ir import Kind
-from tests.conftest import synthetic_profile
+from tests.conftest import quick_profile, synthetic_profile
 
 
 def _splits(L: int, S: int):
@@ -1683,3 +1683,44 @@ def _plan_cut_at(problem: search._Problem, cand: search.Candidate, cuts: list[in
     part = Partition(bounds=[0, *cuts, chain.num_layers], bottleneck=0.0)
     specs = search._stage_specs(problem, cand, halve=False)
     return search._build_plan(problem, cand, specs, part, "probe-bisection")
+
+
+@pytest.mark.parametrize("kind", ["chain", "unet"])
+def test_the_prior_bound_is_the_same_where_its_granularity_term_is_left_uncomputed(kind):
+    """The least bottleneck (a bisection per micro-batch size) is computed only where M times
+    an upper bound of it could be the largest term of the prior bound: every candidate's bound
+    is the very float it was with the term always computed. And some sizes skip it. (unet:
+    a captured graph's torchrun plan, whose stages need not keep the chain's order, the
+    bound of the devices' loads alone.)"""
+    target = "streams"
+    if kind == "chain":
+        fwd = [1.0, 3.0, 0.5, 2.0, 2.5, 1.0, 4.0, 0.5, 1.5, 2.0, 1.0, 3.0]
+        profile = synthetic_profile(fwd, [2 * x for x in fwd], sizes=(1, 2, 4, 8))
+    else:
+        from profiler.examples import unet
+        from profiler.graph import capture
+
+        model = unet(size=8)
+        layers = capture(model, model.example_input)
+        profile = quick_profile(layers, model.example_input, batch_sizes=[1, 2])
+        target = "torchrun"
+    speeds = [1.0, 2.0, 1.0, 0.5]
+    cluster = Cluster(devices=[Device(name=f"d{k}", memory_bytes=10**9, speed=sp)
+                               for k, sp in enumerate(speeds)])  # fmt: skip
+    cands = [search.Candidate(M, s, r) for M in (1, 2, 4, 8, 16, 32, 64)
+             for s in ("gpipe", "1f1b", "zb-h1", "interleaved-1f1b")
+             for r in ("never", "always", "per_stage")]  # fmt: skip
+    cands = [c for c in cands if search._possible(c, 4, len(profile.layers))]
+    lazy = search._Problem(profile, cluster, 64, "adam", target=target)
+    assert lazy.chain_order == (kind == "chain")
+    got = [search._prior_bound(lazy, c, speeds) for c in cands]
+    computed = sum(kept[0] is not None for kept in lazy.granular.values())
+    assert 0 < computed < len(lazy.granular)
+    eager = search._Problem(profile, cluster, 64, "adam", target=target)
+    want = []
+    for c in cands:
+        search._prior_bound(eager, c, speeds)
+        for kept in eager.granular.values():  # always computed, as before
+            kept[4] = math.inf
+        want.append(search._prior_bound(eager, c, speeds))
+    assert got == want
