@@ -435,7 +435,8 @@ class DistPipelineRuntime(PipelineRuntime):
         sig[_SIGNATURE - 1] = int(bool(problem))
         sig = sig.to(self.device)
         dist.all_reduce(sig)  # one rank's entries, summed with the others' zeros
-        head, tied = sig.tolist()[:_SIGNATURE], sig.tolist()[_SIGNATURE:]
+        values = sig.tolist()
+        head, tied = values[:_SIGNATURE], values[_SIGNATURE:]
         words = head[_SIGNATURE - 2 - self.words : -2]
         training = [bool(words[s // _BITS] >> (s % _BITS) & 1) for s in range(len(self.STAGES))]
         self.trains_before = trains_before(training)
