@@ -781,6 +781,8 @@ class PipelineRuntime:
         b = self.devices[dst]
         if not self.cuda:
             return [t.to(b, copy=True) for t in ts]
+        if not ts:  # nothing crosses (a frozen prefix's gradients): nothing to wait for
+            return []
         if produced is None:
             produced = torch.cuda.Event()
             produced.record(self.compute[src])

@@ -1096,6 +1096,7 @@ def _plan_time(problem: _Problem, cand: Candidate, part: Partition) -> float:
             input_calls(s, (i, min(j, L)), K, g)
             for s, ((i, j), g) in enumerate(zip(part.stages, grads))
         ],
+        sends_grads=[g > 0 for g in grads],
     )
     return simulate(
         plan_schedule(cand.schedule, K, cand.microbatches), costs, memory=False
@@ -1541,9 +1542,10 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     runtime = M * cand.per_device * per_mb
     # The links: a cut carries M transfers each way, one after another (the simulator's links),
     # the first once micro-batch 0 has crossed the cuts before it, and the last one's
-    # micro-batch must then cross the cuts after it and come back through every cut.
-    most, total = _link_floor(problem, cand, chain)
-    links = (M - 1) * most + 2 * total
+    # micro-batch must then cross the cuts after it and come back through every cut a
+    # gradient crosses (not those of a frozen prefix).
+    most, total, back_way = _link_floor(problem, cand, chain)
+    links = (M - 1) * most + total + back_way
     if not problem.chain_order:  # the devices' loads alone: no way through the stages holds
         rest = max(load + runtime, links)
         return step + max(granular_term(rest), rest)
@@ -1555,7 +1557,10 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
         # recomputation (which only adds to it): once per size and M, for every mode; where M
         # exceeds the devices (at M = K they say what interleaved_bound says)
         runs = (chain.mb, M)
-        if runs not in problem.runs and M > len(speeds):
+        # (not where a frozen prefix may be cut: its B waits for no gradient, and a path
+        # through that wait is not one the run takes)
+        frozen = bool((chain.grad_in[1 : chain.num_layers] == 0).any())
+        if runs not in problem.runs and M > len(speeds) and not frozen:
             plain = chain.forward + back
             shares = work_shares(chain.forward, back, plain)
             sched = plan_schedule(cand.schedule, len(speeds), M)
@@ -1579,10 +1584,14 @@ def _link_floor(problem: _Problem, cand: Candidate, chain: Chain) -> tuple[float
         if chain.has_loss:
             allowed[chain.num_model_layers] = False
         floors = [0.0]
+        frozen = 0
         if S > 1 and chain.flow is None and allowed.any():
             least = float(chain.boundary[:n][allowed].min())
             floors = [_link_ms(cluster, s % K, (s + 1) % K, least) for s in range(S - 1)]
-        problem.link_floors[key] = (max(floors), sum(floors))
+            # the cuts no gradient crosses come first (a frozen prefix), at most one per
+            # boundary whose layer's input needs none
+            frozen = int((allowed & (chain.grad_in == 0)).sum())
+        problem.link_floors[key] = (max(floors), sum(floors), sum(floors[frozen:]))
     return problem.link_floors[key]
 
 
@@ -1931,14 +1940,18 @@ def _lower_bound(problem: _Problem, cand: Candidate, speeds: list[float], part: 
         busy[s % K] += own[s]
         trips[s] = t["trip_ms"] + 2 * action + called
         forward[s] = t["forward_ms"] + action
-        trip += trips[s]
+        # where stage s + 1 sends no gradient back (a frozen prefix up to s), the way back
+        # ends there: stage s's B or I waits for nothing (stage_costs' sends_grads)
+        back = s < S - 1 and (grads[s + 1] > 0 or chain.flow is not None)
+        trip += trips[s] if back or s == S - 1 else forward[s]
         if s < S - 1:  # what the next stage receives, as the plan times it
             c = _link_ms(problem.cluster, s % K, (s + 1) % K, float(received[s + 1]))
-            trip += 2 * c
+            trip += 2 * c if back else c
             link = max(link, M * c)
             for kind, ms in ((Kind.F, "forward_ms"), (Kind.B, "backward_ms"),
                              (Kind.I, "input_grad_ms")):  # fmt: skip
-                before[kind][s + 1] = before[kind][s] + t[ms] + paid[kind] + c
+                way = kind == Kind.F or back
+                before[kind][s + 1] = before[kind][s] + t[ms] + paid[kind] + c if way else 0.0
     program = plan_schedule(cand.schedule, K, M).ranks
     if not problem.chain_order:
         # A stage waits only for the stages it takes values from, and links may carry a skip
@@ -2292,6 +2305,7 @@ def stage_costs(
     each rank's in the order posted (Costs.ordered_p2p). `larger`: where the batch splits
     unevenly, how many micro-batches are the larger ones (the rest count state_bytes_rest)."""
     uneven = larger and any(st.state_bytes_rest is not None for st in stages)
+    routed = any(st.grads_back is not None for st in stages)
     return Costs(
         memory_rest=[stage_bytes(st, rest=True) for st in stages] if uneven else None,
         larger=larger if uneven else 0,
@@ -2316,9 +2330,12 @@ def stage_costs(
         ],
         grads_back=(
             [None if st.grads_back is None else dict(st.grads_back) for st in stages]
-            if any(st.grads_back is not None for st in stages)
+            if routed
             else None
         ),
+        # a chain's stage whose input needs no gradient (a frozen prefix before it) sends
+        # none back (a captured graph's routes are each sent, zeros where none came)
+        sends_grads=None if routed else [st.state_bytes.grad > 0 for st in stages],
         grads_back_rest=(
             [None if st.grads_back_rest is None else dict(st.grads_back_rest) for st in stages]
             if uneven and any(st.grads_back_rest is not None for st in stages)

@@ -18,7 +18,7 @@ default model is in it too, so it is never the faster of the two.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +75,10 @@ class Costs:
     grads_back: Sequence[dict[int, int] | None] | None = None
     # the same for the micro-batches from `larger` on (None: as grads_back)
     grads_back_rest: Sequence[dict[int, int] | None] | None = None
+    # per stage, whether it sends gradients back (None: every stage but the first). False
+    # where no stage before it trains (a frozen prefix): its input needs no gradient, so no
+    # message goes back and the stages before wait for none (the runtime's trains_before)
+    sends_grads: Sequence[bool] | None = None
 
     @classmethod
     def uniform(
@@ -178,21 +182,23 @@ def simulate(
     S, M, R = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
     modes = list(costs.recompute) if costs.recompute is not None else ["never"] * S
     fwd, bwd, i_cost, w_cost, rec, link = _cost_lists(schedule, costs)
+    sends = _sends_list(costs, S)
 
-    w = None if rendezvous else waves_of(schedule)
+    w = None if rendezvous else waves_of(schedule, sends)
     if rendezvous:
         if not comms_of(schedule):
             schedule = insert_comms(schedule, costs)
         ahead = preposted(schedule, costs)
         late = _late_list(costs, link)
         run_ = _as_it_runs(
-            schedule, fwd, bwd, i_cost, w_cost, rec, link, preposted=ahead, late=late
-        )
+            schedule, fwd, bwd, i_cost, w_cost, rec, link, preposted=ahead, late=late,
+            sends=sends,
+        )  # fmt: skip
     elif w is not None:
         remat = np.array(rec, dtype=np.float64).reshape(S, M)
         run_ = _by_waves(w, durations(w, fwd, bwd, i_cost, w_cost, remat, link))
     else:
-        run_ = _event_loop(schedule, fwd, bwd, i_cost, w_cost, rec, link)
+        run_ = _event_loop(schedule, fwd, bwd, i_cost, w_cost, rec, link, sends)
     starts, ends, transfers, busy = run_
     makespan = max([max(e, default=0.0) for e in ends] + [tr[4] for tr in transfers] + [0.0])
     makespan += costs.step_overhead
@@ -287,6 +293,7 @@ def _event_loop(
     w_cost: list[float],
     rec: list[list[float]],  # per stage and micro-batch: its re-materialisation's cost
     link: list[float],
+    sends: Sequence[bool] | None = None,  # per stage, whether it sends gradients back
 ) -> _Run:
     """The event-driven simulation, for any schedule (communication actions included)."""
     S = schedule.num_stages
@@ -324,6 +331,8 @@ def _event_loop(
         publish(key, end)
 
     last = S - 1
+    # waits[s]: whether stage s's B or I waits for a gradient from stage s + 1
+    waits = [s < last and (sends is None or sends[s + 1]) for s in range(S)]
     while todo:
         r = todo.pop()
         prog = programs[r]
@@ -350,7 +359,7 @@ def _event_loop(
                     break
                 if t > start:
                     start = t
-                if s < last:
+                if waits[s]:
                     t = avail.get((G, s, m))
                     if t is None:
                         waiting.setdefault((G, s, m), []).append(r)
@@ -364,7 +373,7 @@ def _event_loop(
                     break
                 if t > start:
                     start = t
-            elif c == 6 and s < last:  # RECV_B
+            elif c == 6 and waits[s]:  # RECV_B
                 t = avail.get((G, s, m))
                 if t is None:
                     waiting.setdefault((G, s, m), []).append(r)
@@ -397,7 +406,7 @@ def _event_loop(
             elif c == 1 or c == 2:
                 if c == 2:
                     publish((IDONE, s, m), end)
-                if s > 0:
+                if s > 0 and waits[s - 1]:
                     if place[s - 1] == r:
                         publish((G, s - 1, m), end)
                     else:
@@ -452,6 +461,18 @@ def _cost_lists(schedule: Schedule, costs: Costs) -> tuple:
     return fwd, bwd, i_cost, w_cost, remat, link
 
 
+def _sends_list(costs: Costs, S: int) -> tuple[bool, ...] | None:
+    """Per stage, whether it sends gradients back (Costs.sends_grads), checked; None where
+    every stage does."""
+    if costs.sends_grads is None:
+        return None
+    sends = tuple(costs.sends_grads)
+    if len(sends) != S or not all(isinstance(x, (bool, np.bool_)) for x in sends):
+        raise ValueError(f"costs.sends_grads {list(sends)}: one True or False per stage")
+    sends = tuple(bool(x) for x in sends)
+    return None if all(sends[1:]) else sends
+
+
 def _late_list(costs: Costs, link: list[float]) -> list[float] | None:
     """Per cut, a late receive's transfer time (Costs.late_transfer), checked; None: none
     differs from the hand-off's."""
@@ -480,6 +501,7 @@ def blocking_makespan(lowered: Schedule, costs: Costs, beat: float | None = None
             preposted=preposted(lowered, costs),
             late_link=_late_list(costs, times[-1]),
             give_up=None if beat is None else (beat, costs.step_overhead),
+            sends=_sends_list(costs, lowered.num_stages),
         )
     except _Slower:
         return math.inf
@@ -499,11 +521,13 @@ def _as_it_runs(
     *times: Any,
     preposted: frozenset[int] = frozenset(),
     late: list[float] | None = None,
+    sends: Sequence[bool] | None = None,
 ) -> _Run:
     """The torchrun program's timeline: its sends block where it is proven to meet there (it
     then waits for them), else they go as on gloo (the program says RENDEZVOUS = False);
     `preposted`: stages whose forward receives are all posted when the step begins; `late`:
-    per cut, a message's time where its receive is posted after its send."""
+    per cut, a message's time where its receive is posted after its send; `sends`: per
+    stage, whether it sends gradients back (None: all)."""
     from .validate import ScheduleError, check_order, validate
 
     try:
@@ -514,16 +538,27 @@ def _as_it_runs(
     got = None
     if ordered:
         got = _rendezvous_loop(
-            schedule, *times, sends_block=True, preposted=preposted, late_link=late
-        )
+            schedule, *times, sends_block=True, preposted=preposted, late_link=late,
+            sends=sends,
+        )  # fmt: skip
     if got is None:
         got = _rendezvous_loop(
-            schedule, *times, sends_block=False, preposted=preposted, late_link=late
-        )
+            schedule, *times, sends_block=False, preposted=preposted, late_link=late,
+            sends=sends,
+        )  # fmt: skip
     if got is None:
         validate(schedule)  # raises with the grid
         raise AssertionError("simulation stalled on a schedule that validates")
     return got
+
+
+def _sent_only(look: Callable[[Action], tuple], sends: Sequence[bool]) -> Callable:
+    """`look` without the gradient messages of stages that send none (Costs.sends_grads)."""
+
+    def sent(a: Action) -> tuple:
+        return tuple(x for x in look(a) if x[0][0] == "F" or sends[x[0][1]])
+
+    return sent
 
 
 class _Slower(Exception):
@@ -542,6 +577,7 @@ def _rendezvous_loop(
     preposted: frozenset[int] = frozenset(),
     late_link: list[float] | None = None,
     give_up: tuple[float, float] | None = None,
+    sends: Sequence[bool] | None = None,
 ) -> _Run | None:
     """The timeline of a lowered schedule as the torchrun program runs it: each run of
     communication between two compute actions is one batch, posted when the rank reaches it
@@ -556,7 +592,9 @@ def _rendezvous_loop(
     posted after its send takes `late_link`'s time for its cut (gloo moves it only once told
     that the receive is posted: cluster.Link's late figures), if given. None where a rank
     never gets past a batch. `give_up` (beat, overhead): raise _Slower as soon as some rank is
-    sure to end past beat less the step's overhead (the makespan would then exceed beat)."""
+    sure to end past beat less the step's overhead (the makespan would then exceed beat).
+    `sends`: per stage, whether it sends gradients back (None: all); where it does not, its
+    gradient messages are not sent (the runtime posts nothing for them) and not waited for."""
     S, R, place = schedule.num_stages, schedule.num_ranks, schedule.placement
     senders = [schedule.senders(t) for t in range(S)]
     receivers = [schedule.receivers(t) for t in range(S)]
@@ -588,6 +626,8 @@ def _rendezvous_loop(
                 after[p] = after[p + 1] + (duration(a) if a.kind in _COMPUTE_KINDS else 0.0)
             rest.append(after)
     look = message_lookup(schedule)
+    if sends is not None:
+        look = _sent_only(look, sends)
     # per rank and batch: (message, is_send) for each message it carries, once reached
     carried: list[dict[int, list[tuple[tuple, bool]]]] = [{} for _ in range(R)]
     avail: dict[tuple, float] = {}  # what is done or has arrived -> when
@@ -636,7 +676,9 @@ def _rendezvous_loop(
             return [("F", x, m) if place[x] == r else ("msg", ("F", x, s, m)) for x in senders[s]]
         if a.kind in (Kind.B, Kind.I):
             return [("F", s, m)] + [
-                ("bwd", x, m) if place[x] == r else ("msg", ("B", x, s, m)) for x in receivers[s]
+                ("bwd", x, m) if place[x] == r else ("msg", ("B", x, s, m))
+                for x in receivers[s]
+                if sends is None or sends[x]
             ]
         return [("I", s, m)]  # W
 

@@ -12,7 +12,8 @@ all ended, and ends its duration later:
                direction (one link each, taken in the sender's program order)
 
 X(s,m) is F(s-1,m) itself when both stages share a rank, else the transfer after it; G(s,m)
-likewise from stage s+1's B or I. These are simulate.py's rules with its arithmetic (start: the
+likewise from stage s+1's B or I (none where stage s+1 sends no gradient back: no stage
+before it trains, a frozen prefix). These are simulate.py's rules with its arithmetic (start: the
 largest predecessor end; end: start + duration), so the two agree to the bit, and a test holds
 them to each other. A wave holds the nodes whose longest chain of predecessors has one length:
 
@@ -68,21 +69,23 @@ class Waves:
 _CACHE: dict[object, Waves | None] = {}
 
 
-def waves_of(schedule: Schedule) -> Waves | None:
+def waves_of(schedule: Schedule, sends: Sequence[bool] | None = None) -> Waves | None:
     """The schedule's waves (kept per schedule), or None where the fast path does not apply:
     communication actions, an action twice, a dependency missing or a cycle. simulate() then
-    runs its event loop, which reports what is wrong."""
+    runs its event loop, which reports what is wrong. `sends`: per stage, whether it sends
+    gradients back (None: every stage; where one does not, the stage before waits for none)."""
     key = compute_only_key(schedule)
     if key is None:
         return None
+    key = (key, None if sends is None else tuple(sends))
     if key not in _CACHE:
         if len(_CACHE) > 64:
             _CACHE.clear()
-        _CACHE[key] = _build(schedule)
+        _CACHE[key] = _build(schedule, sends)
     return _CACHE[key]
 
 
-def _build(schedule: Schedule) -> Waves | None:
+def _build(schedule: Schedule, sends: Sequence[bool] | None = None) -> Waves | None:
     S, M, R = schedule.num_stages, schedule.num_microbatches, schedule.num_ranks
     if sorted(schedule.ranks) != list(range(R)):
         return None
@@ -120,8 +123,10 @@ def _build(schedule: Schedule) -> Waves | None:
     last = S - 1
     nxt = np.minimum(stage + 1, last)
     prv = np.maximum(stage - 1, 0)
+    # back[s]: whether stage s sends gradients back (so stage s - 1's B or I waits for it)
+    back = np.ones(S, dtype=bool) if sends is None else np.asarray(sends, dtype=bool)
     fwd_out = is_f & (stage < last) & (place[nxt] != rank)
-    bwd_out = is_bi & (stage > 0) & (place[prv] != rank)
+    bwd_out = is_bi & (stage > 0) & (place[prv] != rank) & back[stage]
     source = np.nonzero(fwd_out | bwd_out)[0]
     t_dir = np.where(fwd_out[source], 0, 1).astype(np.int64)
     t_cut = np.where(t_dir == 0, stage[source], stage[source] - 1)
@@ -146,7 +151,7 @@ def _build(schedule: Schedule) -> Waves | None:
     rules = (
         (is_f & (stage > 0), 1, f_at, np.maximum(stage - 1, 0), True),  # F: X from F(s-1)
         (is_bi, 1, f_at, stage, False),  # B/I: its own F
-        (is_bi & (stage < last), 2, bi_at, nxt, True),  # B/I: G from stage s+1's B or I
+        (is_bi & (stage < last) & back[nxt], 2, bi_at, nxt, True),  # B/I: G from s+1's B/I
         (is_w, 1, i_at, stage, False),  # W: its own I
     )
     for need, column, table_at, where, crossing in rules:

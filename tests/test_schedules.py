@@ -186,19 +186,41 @@ def test_wave_simulation_equals_the_event_loop_to_the_bit(sched, R, M, data):
     modes = data.draw(st.lists(st.sampled_from(["never", "always", "except_last"]), min_size=S,
                                max_size=S))  # fmt: skip
     extra = data.draw(t)  # the runtime's cost per action
+    # a frozen prefix: the stages up to the first that trains send no gradient back
+    first = data.draw(st.integers(0, S))
+    sends = [k > first for k in range(S)] if data.draw(st.booleans()) else None
     costs = Costs(f, b, input_grad=i, weight_grad=w, recompute=modes, transfer=link,
                   action_overhead=extra)  # fmt: skip
     f, b, i, w, rec, link = _cost_lists(s, costs)
     assert rec == [[f0 if recomputes(mode, m, M) else 0.0 for m in range(M)]
                    for f0, mode in zip(costs.forward, modes)]  # fmt: skip
-    want = _event_loop(s, f, b, i, w, rec, link)
-    waves = waves_of(s)
+    want = _event_loop(s, f, b, i, w, rec, link, sends)
+    waves = waves_of(s, sends)
     assert waves is not None
     got = _by_waves(waves, durations(waves, f, b, i, w, np.array(rec).reshape(S, M), link))
     assert got[0] == want[0] and got[1] == want[1] and got[3] == want[3]
     assert sorted(got[2]) == sorted(want[2])
     if R > 1:  # communication actions: the event loop
         assert waves_of(insert_comms(s)) is None
+
+
+def test_a_stage_that_sends_no_gradient_back_holds_up_no_one():
+    """A frozen first stage (F 4 ms, B 0) before a trained one (F 1, B 3), 1F1B, M = 4, 2 ms
+    a message. No gradient crosses the cut (the runtimes send none there), so rank 0 runs its
+    forwards back to back: they arrive at 6, 10, 14, 18 and rank 1 runs F B after each, ending
+    at 18 + 1 + 3 = 22. Counting a gradient back (as the plan did) made each B on rank 0 wait
+    for it, and every forward after: 28, the same time as if every gradient came back.
+    The torchrun program, whose sends wait for their receives, ends at 28 (rank 0 waits
+    2 ms with each send), not 30."""
+    s = build_schedule("1f1b", 2, 4)
+    for sends, want, want_torchrun in ((None, 28.0, 30.0), ([False, False], 22.0, 28.0)):
+        costs = Costs([4.0, 1.0], [0.0, 3.0], transfer=[2.0], sends_grads=sends)
+        tl = simulate(s, costs, memory=False)
+        assert tl.makespan == want
+        assert [t.direction for t in tl.transfers].count("B") == (4 if sends is None else 0)
+        assert simulate(s, costs, memory=False, rendezvous=True).makespan == want_torchrun
+    with pytest.raises(ValueError, match="sends_grads"):
+        simulate(s, Costs([4.0, 1.0], [0.0, 3.0], sends_grads=[False]), memory=False)
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"])

@@ -45,15 +45,19 @@ def _splits(L: int, S: int):
     schedule=st.sampled_from(["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]),
     M=st.integers(1, 6),
     K=st.integers(1, 3),
+    frozen=st.sampled_from([0, 0, 1, 2]),
 )
-def test_prior_bound_is_below_every_split_of_every_schedule(work, ratio, schedule, M, K):
-    """Brute force: the bound is at most the simulated makespan of every split."""
+def test_prior_bound_is_below_every_split_of_every_schedule(work, ratio, schedule, M, K, frozen):
+    """Brute force: the bound is at most the simulated makespan of every split, also after a
+    prefix of `frozen` layers that train nothing (no backward; the stages that start there
+    send no gradient back, and the stages before wait for none)."""
     v = 2 if schedule == "interleaved-1f1b" else 1
     S = K * v
     L = len(work)
     if S > L or (v > 1 and M > K and M % K):
         return
     f = np.array([w * r for w, r in zip(work, ratio)])  # forward: a share of the layer's work
+    f[:frozen] = np.array(work)[:frozen]  # (a frozen layer's work is its forward)
     b = np.array(work) - f
     i = b / 2
     counted = f if schedule == "zb-h1" else f + b
@@ -64,7 +68,9 @@ def test_prior_bound_is_below_every_split_of_every_schedule(work, ratio, schedul
         bs = [float(b[x:y].sum()) for x, y in itertools.pairwise(bounds)]
         iss = [float(i[x:y].sum()) for x, y in itertools.pairwise(bounds)]
         ws = [bb - ii for bb, ii in zip(bs, iss)]
-        tl = simulate(sched, Costs(fs, bs, input_grad=iss, weight_grad=ws), memory=False)
+        sends = [x > frozen for x in bounds[:-1]]
+        costs = Costs(fs, bs, input_grad=iss, weight_grad=ws, sends_grads=sends)
+        tl = simulate(sched, costs, memory=False)
         assert bound <= tl.makespan * (1 + 1e-9) + 1e-12, (bounds, bound, tl.makespan)
 
 
@@ -312,13 +318,16 @@ def test_prior_bound_reaches_the_full_trip_for_one_microbatch():
 # interleaved: its relaxed split's bound rules it out, but that split's plan overruns a device
 # and a fallback's split, with a lower bound, beats every other plan (found by a stress run)
 @example(forward=[1.0, 1.0, 1.0, 1.0, 1.0, 1.75, 2.0, 1.0], backward_ratio=2.0, memory=1793,
-         K=2, N=4, latency=0.0, action=0.0)  # fmt: skip
+         K=2, N=4, latency=0.0, action=0.0, frozen=0)  # fmt: skip
 # a runner-up whose best split overruns a device: its fallbacks' bound is of splits that fit
 @example(forward=[1.0, 1.0, 2.0, 0.5, 2.0, 1.0], backward_ratio=1.0, memory=1500, K=2, N=4,
-         latency=0.0, action=0.3)  # fmt: skip
+         latency=0.0, action=0.3, frozen=0)  # fmt: skip
 # a later candidate beats the first plan found: a limit on its split too tight loses it
 @example(forward=[4.0, 0.5, 0.25, 1.0], backward_ratio=1.0, memory=1500, K=2, N=3, latency=0.0,
-         action=0.0)  # fmt: skip
+         action=0.0, frozen=0)  # fmt: skip
+# a prefix that trains nothing, slow links: its cuts carry no gradient back
+@example(forward=[3.0, 2.0, 0.5, 0.25, 1.0, 0.5], backward_ratio=1.0, memory=6000, K=3, N=8,
+         latency=20.0, action=0.0, frozen=3)  # fmt: skip
 @settings(max_examples=10, deadline=None)
 @given(
     forward=st.lists(st.floats(0.1, 4.0), min_size=4, max_size=8),
@@ -328,17 +337,21 @@ def test_prior_bound_reaches_the_full_trip_for_one_microbatch():
     N=st.sampled_from([3, 4, 6, 8]),
     latency=st.sampled_from([0.0, 0.5, 20.0]),
     action=st.sampled_from([0.0, 0.0, 0.3, 3.0]),
+    frozen=st.sampled_from([0, 0, 1, 3]),
 )
 def test_pruned_search_returns_the_exhaustive_plan(
-    forward, backward_ratio, memory, K, N, latency, action
+    forward, backward_ratio, memory, K, N, latency, action, frozen
 ):
     """Also where transfers dominate and backward dwarfs forward (zero bubble's W is then what a
-    wrong bound would count on the critical path), and where the runtime's cost per action
-    makes fewer micro-batches pay."""
+    wrong bound would count on the critical path), where the runtime's cost per action
+    makes fewer micro-batches pay, and after a prefix of `frozen` layers that train nothing
+    (no weights, no backward: the stages there send no gradient back, and wait for none)."""
     fwd = [round(x, 3) for x in forward]
+    frozen = min(frozen, len(fwd) - 1)
     profile = synthetic_profile(
         fwd,
-        [round(x * backward_ratio, 3) for x in fwd],
+        [0.0 if k < frozen else round(x * backward_ratio, 3) for k, x in enumerate(fwd)],
+        params=[0 if k < frozen else 100 for k in range(len(fwd))],
         sizes=(1, 2, 4, 8),
         loss={"forward": 0.2, "saved": 16},
     )

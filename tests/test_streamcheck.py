@@ -19,7 +19,7 @@ from codegen._streamcheck import StreamCheck, check_pipeline
 from planner import Cluster, plan_pipeline
 from profiler.examples import gpt, mlp, resnet, transformer, unet
 from profiler.graph import capture
-from tests.conftest import mixed_plan, quick_profile
+from tests.conftest import even_times, mixed_plan, quick_profile
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
@@ -398,6 +398,27 @@ def test_per_stage_recomputation_is_clean(profiles, schedule):
     plan = mixed_plan(profiles["mlp"], Cluster.uniform(3, "1GiB"), N, 3, schedule)
     assert plan.recompute == "per_stage"
     assert _check("mlp", plan) == []
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_a_frozen_prefix_is_clean_without_waiting_for_gradients(schedule):
+    """A frozen first stage gets no gradient back: its B moves nothing and waits for no event
+    of the next stage (the plan times it so); nothing it does then races."""
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 16), nn.ReLU())])
+        model[:4].requires_grad_(False)
+        return model
+
+    x, y = torch.randn(N, 16), torch.randn(N, 16)
+    prof = even_times(quick_profile(build(), x, batch_sizes=[2], loss_fn="mse"))
+    plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), N, microbatches=4, schedule=schedule)
+    assert plan.stages[1].layers[0] <= 4 and plan.stages[1].state_bytes.grad == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        problems = check_streams(build(), plan, x, y, nn.functional.mse_loss)
+    assert problems == []
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
