@@ -24,7 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MODEL = '''
+MODEL = """
 import torch
 from torch import nn
 
@@ -38,7 +38,7 @@ def model():
         layer.requires_grad_(False)
     m.example_input = torch.randn(64, 512)
     return m
-'''
+"""
 
 
 def cli(root: Path, *args: str, cwd: Path) -> dict | None:
@@ -89,8 +89,10 @@ def main() -> None:
           f"{link['latency_ms']:.2f} ms, bandwidth {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; "
           f"{args.rounds} rounds of {args.steps} steps")  # fmt: skip
     print()
-    print("| schedule | split | predicted before ms | predicted now ms | measured ms, median "
-          "(min-max) | before | now |")
+    print(
+        "| schedule | split | predicted before ms | predicted now ms | measured ms, median "
+        "(min-max) | before | now |"
+    )
     print("|---|---|---:|---:|---:|---:|---:|")
     for s in schedules:
         plan = plans[s]

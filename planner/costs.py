@@ -123,6 +123,7 @@ class Chain:
 
 
 LATER_FALLBACK = {"stop_transient_bytes": "forward_transient_bytes"}
+TIED_CHAIN_LAYERS = 1024  # (chain(): where a chain's tied parameters are counted once)
 ALLOCATION_ROUND = {"cuda": 512}  # the CUDA caching allocator hands out multiples of 512 bytes
 
 
@@ -229,6 +230,10 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
     zgrad = np.where(trains, kept, 0)
     zgrad[L if n > L else L - 1 :] = 0
     grad_in = np.where(np.concatenate([[False], trains[:-1]]), boundary[:n], 0)
+    # A chain's tied parameters are counted once per stage where the memory model can walk B
+    # with them (a table per start and end: TIED_CHAIN_LAYERS at most); past that each layer
+    # counts its own (over: two uses in one stage hold one weight)
+    ties = profile.captured or n <= TIED_CHAIN_LAYERS
     shared = np.minimum(sizes("shared_bytes"), saved)
     loss_saved = np.zeros(n, dtype=np.int64)
     if n > L:  # what the loss function alone saves (a tensor a layer saves too is that layer's)
@@ -258,7 +263,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         boundary=boundary,
         num_model_layers=L,
         flow=Flow.of(profile.layers, n > L, mb, unit) if profile.captured else None,
-        tied=tuple((t.bytes, tuple(t.layers)) for t in profile.tied) if profile.captured else (),
+        tied=tuple((t.bytes, tuple(t.layers)) for t in profile.tied) if ties else (),
         borrowed_input=profile.device.split(":")[0] == "cpu",
         last_grad=int(kept[L - 1]) if n == L and trains[L - 1] else 0,
         param_tensors=(
@@ -268,7 +273,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         ),
         trainable=_trainable(table),
         frozen_tied=frozenset(k for k, t in enumerate(profile.tied) if t.frozen)
-        if profile.captured
+        if ties
         else frozenset(),
     )
 

@@ -375,7 +375,10 @@ class MemoryModel:
         # stage still holds its own layers' share of it (those after l have let theirs go)
         self._held = self._saved[1:] - self._shared[1:]
         self._last_backward = np.maximum(b - chain.zgrad, 0).astype(np.int64)
-        self._walk = None if chain.flow is None else self._walk_table()
+        # B's walk, per start and end: a captured graph's, and a chain's with a tied parameter
+        # that trains (two uses in one stage: a gradient part waits between them)
+        walk = chain.flow is not None or bool(self._tied_grads)
+        self._walk = self._walk_table() if walk else None
         self._flow_pulled_table: np.ndarray | None = None
         # a forward that keeps what it saves, layer by layer: layer l's peak comes on top of
         # what the layers before it saved (and, inside the stage, its input while it runs)
@@ -393,7 +396,11 @@ class MemoryModel:
         self._first_input_live = it
         before = np.concatenate([[0], self._zgrad[:-2]])[: chain.num_layers]
         self._input_live_values = it - before + self._zgrad[-1]  # (not negative)
-        self._flow_input_live = None if chain.flow is None else self._flow_input_table()
+        self._flow_input_live = None
+        if chain.flow is not None:
+            self._flow_input_live = self._flow_input_table()
+        elif self._tied_grads:  # (a chain's I, with what waits in it: _chain_input_table)
+            self._flow_input_live = self._chain_input_table()
         self._forward_peak = chain.forward_peak.astype(np.int64)
 
     # The range-maximum tables, each made the first time a state that reads it is asked for
@@ -532,13 +539,14 @@ class MemoryModel:
         return _RangeMax(self.chain.forward_peak + self.chain.boundary[:-1])
 
     def _walk_table(self) -> np.ndarray:
-        """A captured graph's _backward_live(i, k) for every start and end: as a chain's, but
-        layer l's transient counts no gradient of a value it hands on that no layer after it
-        in the stage reads (the stage holds that one as pulled, or not at all), and counts the
-        gradients that wait while it runs (_inner_skips)."""
+        """_backward_live(i, k) for every start and end, counting the gradients that wait
+        while a layer's backward runs (_b_waits: a tied parameter's part, a captured graph's
+        inner skips). A captured graph's layer l's transient also counts no gradient of a
+        value it hands on that no layer after it in the stage reads (the stage holds that one
+        as pulled, or not at all); a chain's layer hands on only what the next one reads."""
         c = self.chain
         n = c.num_layers
-        u = c.flow.unread()  # type: ignore[union-attr]
+        u = self._unread()
         b = c.backward_transient.astype(np.int64)
         held = self._held
         terms = np.full((n + 1, n + 1), np.iinfo(np.int64).min // 2, dtype=np.int64)
@@ -558,16 +566,22 @@ class MemoryModel:
         walk.setflags(write=False)
         return walk
 
-    def late_walk(self, i: int, k: int, use: int, late: int) -> int:
-        """B's transient for a captured graph's stage [i, k) in its first backward, where a
-        gradient of `late` bytes (a tied copy's, StageBytes.late_grad) is made by layer `use`'s
-        backward and stays: the walk of _walk_table for this stage, from the last layer, with
-        those bytes on top once the walk has passed `use` (i < use < k), at least the
-        re-materialising forward's (as a captured graph's `live`, which leaves them to
-        `static`, there from the B's start)."""
+    def _unread(self) -> np.ndarray:
+        """Flow.unread for a captured graph; none for a chain."""
         c = self.chain
-        assert c.flow is not None and i < use < k
-        u = c.flow.unread()
+        if c.flow is not None:
+            return c.flow.unread()
+        return np.zeros((c.num_layers + 1, c.num_layers + 2), dtype=np.int64)
+
+    def late_walk(self, i: int, k: int, use: int, late: int) -> int:
+        """B's transient for a stage [i, k) in its first backward, where a gradient of `late`
+        bytes (a tied copy's, StageBytes.late_grad) is made by layer `use`'s backward and
+        stays: the walk of _walk_table for this stage, from the last layer, with those bytes
+        on top once the walk has passed `use` (i < use < k), at least the re-materialising
+        forward's (as `live`, which leaves them to `static`, there from the B's start)."""
+        c = self.chain
+        assert self._walk is not None and i < use < k
+        u = self._unread()
         b = c.backward_transient.astype(np.int64)
         held = self._held
         at = np.arange(i, k)
@@ -589,6 +603,8 @@ class MemoryModel:
         tied parameter's gradient part, and an inner skip's gradient (_inner_skips)."""
         n = self.chain.num_layers
         waits = self._tied_waits()
+        if self.chain.flow is None:
+            return waits
         for born, last, w in (x for xs in self._inner_skips().values() for x in xs):
             waits.setdefault(born, []).append((born + 1, last, last + 2, n + 1, w))
         return waits
@@ -616,7 +632,7 @@ class MemoryModel:
         return out
 
     def _tied_waits(self) -> dict[int, list[tuple[int, int, int, int, int]]]:
-        """A captured graph's parameters that two layers of one stage use (tied weights, an
+        """The parameters that two layers of one stage use (tied weights, an
         embedding and the output head): in B (and zero bubble's I, which makes such a
         parameter's gradient), the later use's backward makes its part of the gradient, and
         autograd keeps it apart until the earlier use's backward adds the other part: it
@@ -685,6 +701,38 @@ class MemoryModel:
                 table[i, i + 1 :] = np.maximum(table[i, i + 1 :], held.max(axis=0)[i + 1 :])
         table = np.where(np.triu(np.ones_like(table, dtype=bool), 1), table, 0)
         table = table + self._flow_summed()
+        table.setflags(write=False)
+        return table
+
+    def _chain_input_table(self) -> np.ndarray:
+        """A chain's input_live(i, j) for every start and end, with a tied parameter's parts
+        waiting in I as in B (_tied_waits): state_bytes' formula (layer l's I on top of the
+        gradients the stage keeps, less those of layers i .. l - 2, not made yet, and of its
+        input, made last) per layer, each with what waits while it runs."""
+        c = self.chain
+        n = c.num_layers
+        it = c.input_grad_transient.astype(np.int64)
+        z = self._zgrad
+        low = np.iinfo(np.int64).min // 2
+        rows = np.arange(n + 1)[:, None]  # i
+        cols = np.arange(n)[None, :]  # l
+        inside = it[None, :] - (z[np.maximum(cols - 1, 0)] - z[np.minimum(rows, n)])
+        inside = inside - c.grad_in[np.minimum(rows, n - 1)].astype(np.int64)
+        at = np.full((n + 1, n + 1), low, dtype=np.int64)
+        at[:, :n] = np.where(cols > rows, inside, low)
+        at[np.arange(n), np.arange(n)] = it  # the stage's first layer
+        table = np.zeros((n + 1, n + 1), dtype=np.int64)
+        table[:, 1:] = np.maximum(np.maximum.accumulate(at, axis=1)[:, :-1], 0)
+        waits = self._tied_waits()
+        before = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)  # [l, j]: l < j
+        if waits:  # (a stage from past every earlier use holds no part waiting)
+            waiting = np.zeros((n + 1, n + 1), dtype=np.int64)
+            for i in range(max(waits), -1, -1):
+                for lo, hi, first, past, w in waits.get(i, ()):
+                    waiting[lo:hi, first:past] += w
+                held = np.where(before[i:], at[i, i:, None] + waiting[i:], low)
+                table[i] = np.maximum(held.max(axis=0), 0)
+        table = np.where(before, table, 0)
         table.setflags(write=False)
         return table
 
@@ -863,7 +911,7 @@ class MemoryModel:
             # largest backward of a layer l < k, on what layers i .. l saved, beside k - 1's
             # output gradient; or k - 1's own backward). `top` is that whole counted from
             # layer 0 (as held is): less held[j - 1] and B's transient, the pulled gradient.
-            if want("pulled_tight", "pulled_paired") and c.flow is None:
+            if want("pulled_tight", "pulled_paired") and self._walk is None:
                 top = np.maximum(self._ends_b.take(whole), self._pairs_b(i, j))
                 if want("pulled_tight"):
                     out["pulled_tight"] = top - self._held[j - 1] - out["live"]
@@ -1018,8 +1066,8 @@ class MemoryModel:
 
     def _pulled_key(self, shape: StageShape) -> str:
         """Which pulled gradient a shape's stages count (pulled_with)."""
-        if self.chain.flow is not None or shape.bound:
-            return "pulled"
+        if self._walk is not None or shape.bound:  # (B walked: what waits in it is not in
+            return "pulled"  # the tables pulled_tight and pulled_paired read)
         return pulled_with(shape.occupancy)
 
     def optimizer_step(

@@ -443,6 +443,13 @@ def plan_pipeline(
                 "receive what they read)"
             }
         )
+    elif solver == "cp-sat" and problem.chain(best_cand)[0].tied:
+        best.solver = best.solver.model_copy(
+            update={
+                "method": "probe-bisection (CP-SAT models a chain whose layers add up; a "
+                "tied parameter is held once by the stage using it twice)"
+            }
+        )
     elif solver == "cp-sat" and (best_cand.recompute == PER_STAGE or halved):
         what = "one recomputation mode" if not halved else "splits checked stage by stage"
         best.solver = best.solver.model_copy(
@@ -2048,7 +2055,7 @@ def _build_plan(
                 # (B makes it; zero bubble's W, whose walk is its own: from its start)
                 by_b = cand.schedule != "zb-h1"
                 tied = {"late_grad": copy, "late_grad_at_end": by_b and use == i}
-                if by_b and use > i and chain.flow is not None:
+                if by_b and use > i:  # (a tied copy: the memory model walks B)
                     tied["late_live"] = memory.late_walk(i, j, use, copy)
                 sizes = dataclasses.replace(sizes, **tied)
                 if rest is not None:

@@ -194,7 +194,7 @@ def profile_model(
         loss=loss_entry,
         optimizer_step=_optimizer_steps(model, dev),
         captured=bool(getattr(model, "captured", False)),
-        tied=_tied(layers) if getattr(model, "captured", False) else [],
+        tied=_tied(layers),
         runtime=runtime,
         meta=ProfileMeta(
             created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

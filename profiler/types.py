@@ -247,8 +247,7 @@ class Profile(Artifact):
     )
     tied: list[TiedParameter] = Field(
         default_factory=list,
-        description="a captured graph's parameters that several layers use (each layer's "
-        "param_bytes counts them)",
+        description="parameters that several layers use (each layer's param_bytes counts them)",
     )
     runtime: RuntimeOverhead | None = Field(
         default=None,
