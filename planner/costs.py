@@ -18,7 +18,7 @@ from operator import attrgetter
 import numpy as np
 
 from profiler.limits import MIN_MS
-from profiler.types import Profile
+from profiler.types import Profile, TiedParameter
 
 from .routing import Flow
 
@@ -124,6 +124,17 @@ class Chain:
 
 LATER_FALLBACK = {"stop_transient_bytes": "forward_transient_bytes"}
 TIED_CHAIN_LAYERS = 1024  # (chain(): where a chain's tied parameters are counted once)
+
+
+def _walkable(tied: list[TiedParameter], layers: int) -> bool:
+    """Whether the memory model walks a chain's stages with its tied parameters' waiting
+    gradient parts: its tables are (layers + 1)^2, each made again from every layer where a
+    tied parameter has a later use (a module a chain reuses in every layer: cubic), so up to
+    TIED_CHAIN_LAYERS layers and 2^28 entries in all."""
+    rows = max((sorted(t.layers)[-2] + 1 for t in tied), default=0)
+    return layers <= TIED_CHAIN_LAYERS and rows * (layers + 2) ** 2 <= 2**28
+
+
 ALLOCATION_ROUND = {"cuda": 512}  # the CUDA caching allocator hands out multiples of 512 bytes
 
 
@@ -231,19 +242,26 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
     zgrad[L if n > L else L - 1 :] = 0
     grad_in = np.where(np.concatenate([[False], trains[:-1]]), boundary[:n], 0)
     # A chain's tied parameters are counted once per stage where the memory model can walk B
-    # with them (a table per start and end: TIED_CHAIN_LAYERS at most); past that each layer
-    # counts its own (over: two uses in one stage hold one weight)
-    ties = profile.captured or n <= TIED_CHAIN_LAYERS
+    # with them (_walkable); past that each layer counts its own (over: two uses in one stage
+    # hold one weight)
+    ties = profile.captured or _walkable(profile.tied, L)
     shared = np.minimum(sizes("shared_bytes"), saved)
     loss_saved = np.zeros(n, dtype=np.int64)
     if n > L:  # what the loss function alone saves (a tensor a layer saves too is that layer's)
         loss_saved[L] = saved[L] - shared[L]
+    # ... and no backward runs there: none of its layers has a gradient to make (a profile
+    # measures them so; one edited, or with its times evened out, is read so too: the search's
+    # bounds count every backward on the way back, which stops at a frozen prefix)
+
+    def backward(attr: str) -> np.ndarray:
+        return np.where(trains, times(attr), 0.0)
+
     return Chain(
         mb=mb,
         forward=times("forward_ms"),
-        backward=times("backward_ms"),
-        input_grad=times("backward_input_ms"),
-        weight_grad=times("backward_weight_ms"),
+        backward=backward("backward_ms"),
+        input_grad=backward("backward_input_ms"),
+        weight_grad=backward("backward_weight_ms"),
         params=table.fixed("param_bytes"),
         largest_param=_largest_trainable(table),
         buffers=table.fixed("buffer_bytes"),

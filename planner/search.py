@@ -166,7 +166,7 @@ class _Problem:
     runs: dict[tuple, float] = field(default_factory=dict)  # interleaved_runs_bound's
     # _solve's shortcuts, per shortcut (and schedule and recompute): [successes, misses]
     records: dict[tuple, list[int]] = field(default_factory=dict)
-    link_floors: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    link_floors: dict[tuple[int, int], tuple[float, float, float]] = field(default_factory=dict)
     # per candidate and occupancy kind (_stage_specs): each stage's memory shapes
     shapes: dict[tuple[Candidate, str], list[list[StageShape]]] = field(default_factory=dict)
     # interleaved splits solved (_solved_split): per (M, schedule, modes, halved), the split
@@ -1577,11 +1577,13 @@ def _prior_bound(problem: _Problem, cand: Candidate, speeds: list[float]) -> flo
     return step + max(granular_term(rest), rest)
 
 
-def _link_floor(problem: _Problem, cand: Candidate, chain: Chain) -> tuple[float, float]:
+def _link_floor(problem: _Problem, cand: Candidate, chain: Chain) -> tuple[float, float, float]:
     """The least one transfer can take on each cut of any split (as `_cut_costs` prices it: a
-    cut may go after any layer but the last model layer, when the loss follows): their largest
-    and their sum, once per micro-batch size and stages per device. A chain's only (else 0): a
-    captured graph's stage receives only what it reads, from wherever it was made."""
+    cut may go after any layer but the last model layer, when the loss follows): their largest,
+    their sum, and the sum over the cuts a gradient must cross on its way back (all but as
+    many first cuts as a frozen prefix may hold), once per micro-batch size and stages per
+    device. A chain's only (else 0): a captured graph's stage receives only what it reads,
+    from wherever it was made."""
     key = (chain.mb, cand.per_device)
     if key not in problem.link_floors:
         cluster = problem.cluster
@@ -2341,7 +2343,8 @@ def stage_costs(
             else None
         ),
         # a chain's stage whose input needs no gradient (a frozen prefix before it) sends
-        # none back (a captured graph's routes are each sent, zeros where none came)
+        # none back (a captured graph's are timed as sent: over, where its runtime sends none
+        # after a frozen prefix)
         sends_grads=None if routed else [st.state_bytes.grad > 0 for st in stages],
         grads_back_rest=(
             [None if st.grads_back_rest is None else dict(st.grads_back_rest) for st in stages]

@@ -938,6 +938,25 @@ def test_a_tied_weight_in_a_sequential_is_held_once(tied_profile, devices, sched
         assert "tied parameter is held once" in again.solver.method
 
 
+def test_a_chain_walks_its_tied_weights_only_where_its_tables_stay_small():
+    """The walk's tables are (layers + 1)^2, made again from every layer with a later use of a
+    tied parameter: an embedding and its head at 1 024 layers are walked; past 1 024 layers,
+    or a module reused by all of 800 layers, each layer counts its own (over, as before)."""
+    from planner.costs import chain_at
+    from profiler.types import TiedParameter
+    from tests.conftest import synthetic_profile
+
+    def tied(n: int, uses: list[int]) -> tuple:
+        prof = synthetic_profile([1.0] * n)
+        prof = prof.model_copy(update={"tied": [TiedParameter(bytes=100, layers=uses)]})
+        return chain_at(prof, 1).tied
+
+    assert tied(1024, [0, 1023]) == ((100, (0, 1023)),)
+    assert tied(1025, [0, 1024]) == ()
+    assert tied(800, list(range(800))) == ()
+    assert tied(600, list(range(0, 600, 60))) == ((100, tuple(range(0, 600, 60))),)
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_a_recomputed_stage_of_batch_norms_holds_no_copy_of_their_statistics(schedule):
     """Found by a red team: a checkpoint's re-run of a stage put batch norm's running statistics

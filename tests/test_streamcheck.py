@@ -402,19 +402,21 @@ def test_per_stage_recomputation_is_clean(profiles, schedule):
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 def test_a_frozen_prefix_is_clean_without_waiting_for_gradients(schedule):
-    """A frozen first stage gets no gradient back: its B moves nothing and waits for no event
-    of the next stage (the plan times it so); nothing it does then races."""
+    """A frozen first stage gets no gradient back: its B moves nothing, and no longer makes
+    its stream wait for the next stage's event (the plan times it so). Nothing it does races
+    then (that it does not wait is not seen here: an extra wait is no race; the wait's cost
+    shows on a GPU only, and none has run it)."""
 
     def build() -> nn.Sequential:
         torch.manual_seed(0)
         model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(16, 16), nn.ReLU())])
-        model[:4].requires_grad_(False)
+        model[:6].requires_grad_(False)
         return model
 
     x, y = torch.randn(N, 16), torch.randn(N, 16)
     prof = even_times(quick_profile(build(), x, batch_sizes=[2], loss_fn="mse"))
     plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), N, microbatches=4, schedule=schedule)
-    assert plan.stages[1].layers[0] <= 4 and plan.stages[1].state_bytes.grad == 0
+    assert plan.stages[1].layers[0] <= 6 and plan.stages[1].state_bytes.grad == 0
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         problems = check_streams(build(), plan, x, y, nn.functional.mse_loss)
