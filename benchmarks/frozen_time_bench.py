@@ -8,12 +8,18 @@ batch 128 in 8 micro-batches, GPipe and 1F1B; each plan measured (`measure --tar
 for --steps steps, --rounds times, the schedules alternated. With --baseline CHECKOUT the same
 profile and cluster are planned by that checkout too (its prediction beside this one's).
 
+The step's error mixes two things: how long each action and message takes, and what waits for
+what. The replay separates them: the plan's schedule simulated with each stage's F and B times
+as the last measure measured them (its medians; the links as planned), once with the frozen
+cut's gradient counted as sent (as before) and once without (now).
+
     python benchmarks/frozen_time_bench.py [--rounds 3] [--steps 10] [--baseline CHECKOUT]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -53,6 +59,32 @@ def cli(root: Path, *args: str, cwd: Path) -> dict | None:
     return json.loads(out.read_text()) if out is not None else None
 
 
+def replay(plan_file: Path, report: dict) -> tuple[float, float]:
+    """The plan's torchrun step simulated with the measured per-stage F and B medians: with
+    every stage sending gradients back, and as the plan counts them (see module doc)."""
+    sys.path.insert(0, str(ROOT))
+    from planner.plan import Plan
+    from planner.search import stage_costs, torchrun_schedule
+    from schedules import simulate
+
+    plan = Plan.model_validate_json(plan_file.read_text())
+    got = {(a["stage"], a["kind"]): a["measured_ms"] for a in report["actions"]}
+    S = len(plan.stages)
+    costs = stage_costs(plan.stages, plan.runtime, plan.device_type,
+                        step_sync_ms=plan.cluster.step_sync_ms)  # fmt: skip
+    ran = dataclasses.replace(
+        costs, forward=[got[(s, "F")] for s in range(S)],
+        backward=[got[(s, "B")] for s in range(S)], action_overhead=0.0, call_overhead=0.0,
+    )  # fmt: skip
+    lowered = torchrun_schedule(plan)
+    old, now = (
+        simulate(lowered, dataclasses.replace(ran, sends_grads=sends), memory=False,
+                 rendezvous=True).makespan
+        for sends in (None, costs.sends_grads)
+    )  # fmt: skip
+    return old, now
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
@@ -79,21 +111,24 @@ def main() -> None:
                 old = cli(args.baseline, *common, "-o", f"old-{s}.json", cwd=d)
                 before[s] = old["predicted"]["iteration_ms"]  # type: ignore[index]
         measured: dict[str, list[float]] = {s: [] for s in schedules}
+        replays: dict[str, list[tuple[float, float]]] = {s: [] for s in schedules}
         for _ in range(args.rounds):
             for s in schedules:
                 rep = cli(ROOT, "measure", f"plan-{s}.json", "--model", "front.py:model",
                           "--target", "torchrun", "--steps", str(args.steps),
                           "-o", f"measure-{s}.json", cwd=d)  # fmt: skip
-                measured[s].append(rep["measured_step_ms"])  # type: ignore[index]
+                assert rep is not None
+                measured[s].append(rep["measured_step_ms"])
+                replays[s].append(replay(d / f"plan-{s}.json", rep))
     print(f"python {platform.python_version()}, links: hand-off latency "
           f"{link['latency_ms']:.2f} ms, bandwidth {link['bandwidth_bytes_per_s'] / 1e9:.2f} GB/s; "
           f"{args.rounds} rounds of {args.steps} steps")  # fmt: skip
     print()
     print(
         "| schedule | split | predicted before ms | predicted now ms | measured ms, median "
-        "(min-max) | before | now |"
+        "(min-max) | before | now | replay before ms | replay now ms |"
     )
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for s in schedules:
         plan = plans[s]
         assert plan is not None
@@ -104,7 +139,9 @@ def main() -> None:
         print(f"| {s} | {split} | {old:.2f} |" if old is not None else f"| {s} | {split} | - |",
               f"{now:.2f} | {got:.2f} ({min(measured[s]):.2f}-{max(measured[s]):.2f}) |",
               f"{(old - got) / got:+.1%} |" if old is not None else "- |",
-              f"{(now - got) / got:+.1%} |")  # fmt: skip
+              f"{(now - got) / got:+.1%} |",
+              f"{statistics.median(r[0] for r in replays[s]):.2f} |",
+              f"{statistics.median(r[1] for r in replays[s]):.2f} |")  # fmt: skip
 
 
 if __name__ == "__main__":
