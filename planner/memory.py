@@ -331,6 +331,16 @@ def _once(
     return out
 
 
+def _stepped(own: np.ndarray, largest: np.ndarray | None) -> np.ndarray:
+    """What a stage's optimizer step is charged for, per its per_byte: the trainable bytes it
+    steps itself (`own`: not the tied copies whose state another stage keeps, copied()) with
+    a multi-tensor step (`largest` None), else its one-tensor-at-a-time size (`largest`,
+    MemoryModel.step_size), none where the copies are all it trains."""
+    if largest is None:
+        return own
+    return np.where(own > 0, largest, 0)
+
+
 def _prefix(values: np.ndarray) -> np.ndarray:
     return np.concatenate([np.zeros(1, dtype=np.int64), np.cumsum(values.astype(np.int64))])
 
@@ -992,8 +1002,10 @@ class MemoryModel:
         p, g = self.params(i, j), self.grads(i, j)
         # terms(): params and buffers, grads, optimizer slots (beside its workspace)
         weights = (p + g + self._buffers[j] - self._buffers[i]).tolist()
-        slots = (g - self.copied(i, j)).tolist()
-        sizes = {True: g, False: self.step_size(i, j) if not all(s.foreach for s in shapes) else g}
+        own = g - self.copied(i, j)
+        slots = own.tolist()
+        one = not all(s.foreach for s in shapes)
+        sizes = {True: own, False: _stepped(own, self.step_size(i, j)) if one else own}
         heads, tails = self.step_ends(i, j)
         out = []
         for s, shape in enumerate(shapes):
@@ -1080,10 +1092,7 @@ class MemoryModel:
         i = np.atleast_1d(np.asarray(i, dtype=np.int64))
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
         own = self.grads(i, j) - self.copied(i, j)
-        if shape.foreach:
-            size = own
-        else:  # (one tensor at a time: the largest, unless the copies are all it trains)
-            size = np.where(own > 0, self.step_size(i, j), 0)
+        size = _stepped(own, None if shape.foreach else self.step_size(i, j))
         return np.ceil(shape.optimizer_step * size).astype(np.int64)
 
     def total(self, i: np.ndarray | int, j: np.ndarray | int, shape: StageShape) -> np.ndarray:
@@ -1133,7 +1142,8 @@ class MemoryModel:
                 mine = mine.copy()
                 mine[pulled_row] = b[keys[g]][lo:hi]
             held = _most(occ, mine)
-            size = trained[lo:hi] if shape.foreach else largest[lo:hi]  # type: ignore[index]
+            own = trained[lo:hi] - copied[lo:hi]
+            size = _stepped(own, None if shape.foreach else largest[lo:hi])  # type: ignore[index]
             step = np.ceil(shape.optimizer_step * size).astype(np.int64)  # optimizer_step()
             buffers = self._buffers[j[lo:hi]] - self._buffers[i[lo:hi]]
             static = _static(
