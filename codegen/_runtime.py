@@ -888,10 +888,12 @@ def _to(y: Any, device: torch.device, copy: bool = False) -> Any:
 
 
 def _shared_parameters(stage: nn.Module) -> list[nn.Parameter]:
-    """The trainable parameters that two or more of the stage's layers use."""
+    """The trainable parameters that two or more of the stage's layers use: one module that is
+    two of them too (children() would name it once; zero bubble's W then went through its
+    graph twice, found by a red team)."""
     seen: dict[int, int] = {}
     params: dict[int, nn.Parameter] = {}
-    for layer in stage.children():
+    for layer in stage if isinstance(stage, nn.Sequential) else stage.children():
         for p in layer.parameters():
             if p.requires_grad:
                 seen[id(p)] = seen.get(id(p), 0) + 1

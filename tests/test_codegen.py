@@ -191,6 +191,37 @@ def test_gradient_parity(profiles, kind, schedule, mode, M):
     assert_parity(kind, plan)
 
 
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("devices", [1, 2])
+def test_gradient_parity_with_one_module_used_twice_in_a_stage(schedule, devices):
+    """Found by a red team: a module that is two layers of one stage (a Linear applied twice)
+    was named once by the stage's children(), so zero bubble's W went through its graph twice
+    and the step failed. Its weight is now taken in I, as any tied one; every schedule gives
+    the model's gradients, with the uses in one stage or apart."""
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        twice = nn.Linear(16, 16)
+        return nn.Sequential(nn.Linear(8, 16), twice, nn.ReLU(), twice, nn.ReLU(),
+                             nn.Linear(16, 4))  # fmt: skip
+
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    prof = even_times(quick_profile(build(), x[:2], batch_sizes=[2], loss_fn="mse"))
+    assert [t.layers for t in prof.tied] == [[1, 3], [1, 3]]  # (its weight and its bias)
+    M = 2 if schedule == "interleaved-1f1b" and devices == 2 else 4
+    if schedule == "interleaved-1f1b" and devices == 1:
+        return
+    plan = plan_pipeline(prof, Cluster.uniform(devices, "1GiB"), 8, microbatches=M,
+                         schedule=schedule, optimizer="sgd")  # fmt: skip
+    reference, piped = build(), build()
+    expected = nn.functional.mse_loss(reference(x), y)
+    expected.backward()
+    loss = compile_quiet(piped, plan).train_step(x, y, nn.functional.mse_loss)
+    assert rel_err(loss, expected.detach()) <= 1e-5
+    for (name, p), q in zip(piped.named_parameters(), reference.parameters()):
+        assert rel_err(p.grad, q.grad) <= 1e-5, name
+
+
 def assert_parity(kind: str, plan) -> None:
     """One pipelined step of `plan` gives the un-pipelined model's loss and gradients."""
     build = small_mlp if kind == "mlp" else small_transformer
