@@ -710,7 +710,10 @@ class MemoryModel:
                 )
                 table[i, i + 1 :] = np.maximum(table[i, i + 1 :], held.max(axis=0)[i + 1 :])
         table = np.where(np.triu(np.ones_like(table, dtype=bool), 1), table, 0)
-        table = table + self._flow_summed()
+        # The sum is made once its reader's I has returned (its working memory gone), on top
+        # of what is kept: with the layers' peaks, not above them (the reader's own I was
+        # unmeasured, 0, where it also hands the value on, until a sweep found it 42% under)
+        table = np.maximum(table, self._flow_summed())
         table.setflags(write=False)
         return table
 
