@@ -290,6 +290,16 @@ def _plan(args: argparse.Namespace, out: Path, profile: Profile) -> int:
     microbatches: int | str = "auto"
     if args.microbatches != "auto":
         microbatches = _whole(args.microbatches, "--microbatches", "auto or a whole number")
+    if args.allow_reorder and args.time_limit is None and not sys.stderr.isatty():
+        # (a terminal shows a bar over the orders; elsewhere a search of many orders was
+        # minutes of silence: found by a red team, 12 devices of 4 sizes past 5 minutes)
+        orders = len(cluster.placements()[0])
+        if orders > 8:
+            print(
+                f"note: --allow-reorder searches {orders} device orders, each a search of its "
+                "own (minutes, on many devices); --time-limit SECONDS bounds it",
+                file=sys.stderr,
+            )
     try:
         plan = plan_pipeline(
             profile,
@@ -612,6 +622,7 @@ def _runs_as_planned(model: Any, plan: Any, path: str) -> None:
 
 def cmd_codegen(args: argparse.Namespace) -> int:
     out = check_output(args.output, inputs=[args.plan, *_sources(args.model)])
+    _no_module_shadowed(args.output)
     from codegen.emit import emit_program
     from planner import Plan
 
@@ -854,6 +865,12 @@ def _fraction(text: str, flag: str) -> float:
         raise InputError(f"{flag} {text!r}: expected a fraction such as 5% or 0.05") from None
     if not 0 <= value < 10:
         raise InputError(f"{flag} {text!r}: expected a fraction such as 5% or 0.05")
+    if value >= 1 and not body.endswith("%"):
+        # (found by a red team: 5, meant as 5%, was a gate of 500% that nothing fails)
+        raise InputError(
+            f"{flag} {text!r}: a bare number is a fraction, this one {100 * value:g}%; write "
+            f"{body}% for {body} percent, or {100 * value:g}% if that is meant"
+        )
     return value
 
 
@@ -1171,6 +1188,42 @@ def _sources(*specs: str | None) -> list[str]:
             files += _module_file(where)
     loaded = [getattr(m, "__file__", None) for m in list(sys.modules.values())]
     return files + [f for f in loaded if f]
+
+
+def _no_module_shadowed(output: str) -> None:
+    """A program written as NAME.py where NAME is a module Python has (the standard library's,
+    or one installed, ours among them) would be imported in its place by every program run
+    from that folder, itself first: Python puts a script's folder first on its path (found by
+    a red team: `-o torch.py`, or `-o json.py`, which broke every program run beside it)."""
+    from importlib.machinery import PathFinder
+
+    path = Path(output)
+    name = path.stem
+    if path.suffix != ".py" or not name.isidentifier():
+        return
+    here = path.parent.resolve()
+    elsewhere = [p for p in sys.path if p and Path(p).resolve() != here]
+
+    def found(finder: Any) -> bool:
+        """Whether `finder` (one of sys.meta_path's) finds NAME, not in the output's folder
+        (where a program of that name written before would be found)."""
+        try:
+            if finder is PathFinder:
+                return PathFinder.find_spec(name, elsewhere) is not None
+            return finder.find_spec(name, None) is not None  # (an editable install's own)
+        except Exception:  # noqa: BLE001 - a third party's finder: no answer is no module
+            return False
+
+    if (
+        name in sys.stdlib_module_names
+        or name in sys.builtin_module_names
+        or any(found(f) for f in sys.meta_path if hasattr(f, "find_spec"))
+    ):
+        raise InputError(
+            f"{output}: a program named {name}.py would be imported in place of the module "
+            f"{name!r} by every program run from its folder, this one first; name it "
+            f"otherwise, as {name}_pipeline.py"
+        )
 
 
 def _module_file(name: str) -> list[str]:

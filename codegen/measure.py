@@ -14,7 +14,8 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -152,6 +153,41 @@ def optimizer_steps(
         for p in ps:
             if p.grad is not None:
                 p.grad.zero_()
+
+
+@contextmanager
+def left_as_it_was(modules: Iterable[nn.Module]) -> Iterator[None]:
+    """The modules' parameters, their gradients and buffers, and torch's random state, put back
+    as they were when the block ends, however it ends: measuring a model must not change it.
+    Its steps do: a learning rate too small to matter still makes every weight NaN where the
+    loss is NaN, batch norm's running statistics move, and gradients appear where there were
+    none (found by a red team: `Pipe.measure` with a NaN loss left the caller's model NaN).
+    The copies are kept on the CPU, outside what is measured."""
+    tensors: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for t in (*module.parameters(), *module.buffers()):
+            tensors.setdefault(id(t), t)
+    kept = [
+        (
+            t,
+            t.detach().to("cpu", copy=True),
+            None if t.grad is None else t.grad.detach().to("cpu", copy=True),
+        )
+        for t in tensors.values()
+    ]
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, value, grad in kept:
+                t.copy_(value)
+                if isinstance(t, nn.Parameter) or t.grad is not None or grad is not None:
+                    t.grad = None if grad is None else grad.to(t.device)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
 
 
 def device_name(dev: torch.device) -> str:

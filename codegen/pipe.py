@@ -109,7 +109,7 @@ class Pipe:
         """Run a warm-up step and `steps` more (each with an optimizer step of the plan's kind,
         whose tiny learning rate leaves the model all but unchanged) and compare memory and
         time with the plan: a MeasureReport (codegen/measure.py)."""
-        from .measure import measure_in_process
+        from .measure import left_as_it_was, measure_in_process
 
         if self.distributed:
             raise InputError(
@@ -120,9 +120,10 @@ class Pipe:
         whole(steps, "steps", 1, 10_000)
         real(tolerance, "tolerance", 0, 10)
         try:
-            return measure_in_process(
-                self.plan, self.program, x, y, loss_fn, steps=steps, tolerance=tolerance
-            )
+            with left_as_it_was(self.program.stages):
+                return measure_in_process(
+                    self.plan, self.program, x, y, loss_fn, steps=steps, tolerance=tolerance
+                )
         except self._module.StageError as e:
             raise StageError(str(e)) from e.__cause__
 

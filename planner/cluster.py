@@ -201,6 +201,7 @@ class Cluster(LaterFields, Artifact):
     model_config = ConfigDict(extra="forbid", json_schema_extra=_links_as_written)
 
     LATER_FIELDS: ClassVar[tuple[str, ...]] = ("step_sync_ms",)
+    HAND_WRITTEN: ClassVar[bool] = True
     kind: Literal["cluster"] = "cluster"
     devices: list[Device] = Field(min_length=1, max_length=MAX_DEVICES)
     links: list[Link] = Field(

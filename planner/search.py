@@ -300,6 +300,8 @@ def plan_pipeline(
 
     Raises ArgumentError (an InputError) for bad arguments and InfeasibleError when no split fits."""
     started = time.perf_counter()
+    if time_limit_s is not None:  # (before any search reads it: found by a red team)
+        time_limit_s = real(time_limit_s, "time_limit_s", 0, 86400)
     if isinstance(checkpoint, str):
         choice(checkpoint, "checkpoint", ("auto",))
         kw = dict(

@@ -51,6 +51,10 @@ def parse_size(text: str | int | float, what: str = "size") -> int:
         exact = decimal.Decimal(repr(float(text)) if isinstance(text, float) else text)
     if exact < 1:  # (a float may have read it as one)
         raise ArgumentError(what, text, "less than one byte")
+    if isinstance(text, str) and exact != math.floor(exact) and _UNITS[m.group(2).lower()] == 1:
+        # (found by a red team: a cluster's "1.5", meant with a unit, was read as 1 byte; a
+        # number computed in Python, 0.9 * 16e9, is floored as it always was)
+        raise ArgumentError(what, text, "a part of a byte; name a unit, as 1.5GiB")
     return math.floor(exact)
 
 

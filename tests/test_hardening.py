@@ -496,6 +496,16 @@ def test_a_parameter_dtype_no_profile_takes_is_one_line(run_cli, tmp_path):
     assert_bad_input(r, mentions="dtype 'int8'")
 
 
+@pytest.mark.parametrize("name", ["torch.py", "json.py", "numpy.py", "planner.py"])
+def test_a_program_is_not_named_as_a_module_it_would_shadow(run_cli, plan_file, tmp_path, name):
+    """Found by a red team: `codegen -o torch.py` wrote a program that could not import torch
+    (Python puts a script's folder first on its path), and `-o json.py` broke every program
+    run beside it. Refused in one line, nothing written."""
+    out = tmp_path / name
+    r = run_cli("codegen", plan_file, "--model", "example:mlp", "-o", out)
+    assert_bad_input(r, mentions="would be imported in place of the module", no_file=out)
+
+
 def test_an_empty_value_is_refused_not_read_as_no_value(run_cli, plan_file, prof, tmp_path):
     """Found by a red team: `check --memory-budget "$BUDGET"` with the variable unset gated on
     the plan's own budgets and passed; `--bandwidth ""` planned with free links; `-o ""` and
@@ -611,6 +621,27 @@ def test_a_cluster_files_sizes_are_whole_numbers_of_bytes(run_cli, prof, tmp_pat
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"kind": "cluster", "format_version": 1, "devices": devices}))
     assert Cluster.load(path).devices[0].memory_bytes == 10**9
+
+
+def test_a_cluster_file_names_each_key_once_and_a_size_without_a_unit_in_whole_bytes(
+    run_cli, prof, tmp_path
+):
+    """Found by a red team: a cluster file with "devices" written twice was read with the
+    last one (JSON's parsers keep it), and a size "1.5" (a unit forgotten) as 1 byte."""
+    out = tmp_path / "p.json"
+    one = {"name": "d0", "memory_bytes": "1GiB"}
+    text = '{"kind": "cluster", "devices": [%s], "devices": [%s, %s]}' % (
+        json.dumps(one),
+        json.dumps(one),
+        json.dumps({**one, "name": "d1"}),
+    )
+    path = tmp_path / "c.json"
+    path.write_text(text)
+    r = run_cli("plan", prof, "--cluster", path, "--batch-size", 8, "-o", out)
+    assert_bad_input(r, mentions="'devices' is written twice", no_file=out)
+    path.write_text(json.dumps({"kind": "cluster", "devices": [{**one, "memory_bytes": "1.5"}]}))
+    r = run_cli("plan", prof, "--cluster", path, "--batch-size", 8, "-o", out)
+    assert_bad_input(r, mentions="a part of a byte; name a unit", no_file=out)
 
 
 def test_whole_numbers_are_digits_and_an_output_is_no_folder(run_cli, prof, tmp_path):
@@ -812,6 +843,12 @@ def small_profile():
         ({"recompute": True}, "recompute"),
         ({"optimizer": "lamb"}, "optimizer"),
         ({"solver": None}, "solver"),
+        # (the default path, with checkpoints chosen, read it before its check: a TypeError,
+        # and -1 or True taken as times; found by a red team)
+        ({"time_limit_s": "5"}, "time_limit_s"),
+        ({"time_limit_s": -1}, "time_limit_s"),
+        ({"time_limit_s": True}, "time_limit_s"),
+        ({"time_limit_s": float("nan")}, "time_limit_s"),
     ],
 )
 def test_plan_pipeline_names_the_bad_argument(small_profile, kwargs, arg):

@@ -302,6 +302,41 @@ def test_a_step_leaves_nothing_behind(profiles):
         assert all(n == 0 for n in left.values()), (schedule, mode, left)
 
 
+def test_measuring_a_model_leaves_it_as_it_was():
+    """Found by a red team: `Pipe.measure` steps an optimizer on the caller's own model. With a
+    loss that is NaN every weight became NaN for good, and gradients appeared where there were
+    none; batch norm's running statistics moved with any loss. Weights, gradients, buffers and
+    torch's random state are now put back, whether the measure succeeds or fails."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.BatchNorm1d(32), nn.Dropout(0.5), nn.Linear(32, 16))  # fmt: skip
+    x = torch.randn(8, 16)
+    prof = quick_profile(model, x, batch_sizes=[2, 4])
+    plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 8, microbatches=2, schedule="1f1b",
+                         optimizer="adam")  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(model, plan)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model[0].weight.grad = torch.ones_like(model[0].weight)  # a gradient the caller has
+    y = torch.randn(8, 16)
+    random = torch.get_rng_state()
+
+    def nan_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out, y) * float("nan")
+
+    def failing_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a loss that fails")
+
+    pipe.measure(x, y, nan_loss, steps=1)
+    with pytest.raises(Exception, match="a loss that fails"):
+        pipe.measure(x, y, failing_loss, steps=1)
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before), "the model changed"
+    assert torch.equal(model[0].weight.grad, torch.ones_like(model[0].weight))
+    assert all(p.grad is None for p in (model[0].bias, *model[1].parameters(), *model[3].parameters()))  # fmt: skip
+    assert torch.equal(torch.get_rng_state(), random)
+
+
 def test_the_loss_is_on_the_last_device(profiles):
     """Cross-entropy keeps a log-softmax the size of the logits for every micro-batch in flight;
     a plan that forgot it would be short by that much on the last device."""
@@ -418,6 +453,10 @@ def test_report_json_and_a_failing_gate(tmp_path, run_cli):
     assert run_cli("measure", plan_path, "--model", "example:mlp", "--tolerance", "5.5%").code == 0
     r = run_cli("measure", plan_path, "--model", "example:mlp", "--tolerance", "lots")
     assert r.code == 2 and "--tolerance" in r.err
+    # a bare 5 is 500%, a gate nothing fails: refused (found by a red team); 0.055 is 5.5%
+    r = run_cli("measure", plan_path, "--model", "example:mlp", "--tolerance", "5")
+    assert r.code == 2 and "write 5% for 5 percent" in r.err and "Traceback" not in r.err
+    assert run_cli("measure", plan_path, "--model", "example:mlp", "--tolerance", "0.055").code == 0
     # another target than the plan's: measured, with a note that the plan predicts another
     r = run_cli("plan", prof, "--devices", 2, "--memory", "1GiB", "--batch-size", 8,
                 "--microbatches", 2, "--target", "torchrun", "-o", plan_path)  # fmt: skip

@@ -15,13 +15,18 @@ from profiler.artifact import InputError
         ("512kib", 512 * 1024),
         ("2T", 2 * 10**12),
         (" 7 B ", 7),
+        ("2.0", 2),
+        ("1.64KiB", 1679),  # (a part of a byte of a larger unit: floored)
+        (0.9 * 16e9, 14_400_000_000),  # (a number computed in Python: floored)
     ],
 )
 def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "GiB", "16 GiBs", "sixteen", "1..5GB", "0", "-4GiB", "0.1"])
+@pytest.mark.parametrize(
+    "text", ["", "GiB", "16 GiBs", "sixteen", "1..5GB", "0", "-4GiB", "0.1", "1.5", "7.5B"]
+)  # (a part of a byte, no unit: red team)
 def test_parse_size_refuses(text):
     with pytest.raises(InputError):
         parse_size(text)
