@@ -630,11 +630,8 @@ def test_a_cluster_file_names_each_key_once_and_a_size_without_a_unit_in_whole_b
     last one (JSON's parsers keep it), and a size "1.5" (a unit forgotten) as 1 byte."""
     out = tmp_path / "p.json"
     one = {"name": "d0", "memory_bytes": "1GiB"}
-    text = '{"kind": "cluster", "devices": [%s], "devices": [%s, %s]}' % (
-        json.dumps(one),
-        json.dumps(one),
-        json.dumps({**one, "name": "d1"}),
-    )
+    d0, d1 = json.dumps(one), json.dumps({**one, "name": "d1"})
+    text = f'{{"kind": "cluster", "devices": [{d0}], "devices": [{d0}, {d1}]}}'
     path = tmp_path / "c.json"
     path.write_text(text)
     r = run_cli("plan", prof, "--cluster", path, "--batch-size", 8, "-o", out)
