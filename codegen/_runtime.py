@@ -640,6 +640,15 @@ class PipelineRuntime:
                 f"the loss function returned {shape}, not a scalar tensor: it must reduce "
                 "(average) over the samples it is given"
             )
+        if torch.is_grad_enabled() and any(t.requires_grad for t in _tensors(h)):
+            if not loss.is_floating_point() or not loss.requires_grad:
+                # (found by a red team: a detached, constant or integer loss was taken, and
+                # the step silently computed no gradient)
+                raise TypeError(
+                    f"the loss function returned a {loss.dtype} tensor without a gradient "
+                    "(detached from the output, made without it, or an integer): the step "
+                    "would compute no gradient"
+                )
         return loss * self.weights[m]
 
     def _layers(self, s: int, m: int, h: Value, keep: bool = False) -> Value:

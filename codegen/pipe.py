@@ -37,6 +37,7 @@ class Pipe:
         program: Any,
         module: Any,
         distributed: bool = False,
+        model: nn.Module | None = None,
     ) -> None:
         self.plan = plan
         self.schedule = schedule
@@ -44,6 +45,9 @@ class Pipe:
         self.program = program
         self._module = module  # the executed program: its own StageError class lives there
         self.distributed = distributed  # one rank of a torchrun launch: only its stages here
+        # the model compiled, and which modules and parameters it had then (each step checks)
+        self._model = model
+        self._made_of = _made_of(model) if model is not None else None
 
     @property
     def rank(self) -> int:
@@ -71,6 +75,7 @@ class Pipe:
         `loss_fn(output, target)` must average over the samples it is given. Distributed,
         every rank calls it: x matters on the first stage's rank, y on the last's (the others
         may pass None), and afterwards this rank's parameters hold their gradients."""
+        self._unchanged()
         if self.distributed:  # every rank refuses a bad batch together, in the step's start
             # (a loss function too: only the last stage's rank uses it, and judges it there)
             try:
@@ -116,6 +121,7 @@ class Pipe:
                 "a distributed pipe is measured from outside: gpipe-plan measure PLAN --model "
                 "MODEL --target torchrun"
             )
+        self._unchanged()
         self._check_batch(x)
         whole(steps, "steps", 1, 10_000)
         real(tolerance, "tolerance", 0, 10)
@@ -132,11 +138,24 @@ class Pipe:
             raise InputError(
                 "pipelined inference runs in one process: compile the plan without distributed=True"
             )
+        self._unchanged()
         self._check_batch(x)
         try:
             return self.program.infer(x)
         except self._module.StageError as e:
             raise StageError(str(e)) from e.__cause__
+
+    def _unchanged(self) -> None:
+        """The model still has the modules and parameters it was compiled with: the program
+        runs those, so a layer replaced since would be left out of every step, unsaid, and an
+        optimizer over the model would step parameters that never get a gradient (found by a
+        red team)."""
+        if self._model is not None and _made_of(self._model) != self._made_of:
+            raise InputError(
+                "the model changed since compile_pipe (a module or parameter replaced, added "
+                "or removed), and the pipe runs the one it was given: compile it again (plan "
+                "it again where its layers changed)"
+            )
 
     def _check_batch(self, x: Any) -> None:
         """The plan's memory holds for its batch size: more samples would break its promise."""
@@ -206,6 +225,7 @@ def compile_pipe(
         raise ArgumentError("model", type(model).__name__, "expected a torch nn.Module")
     if not isinstance(plan, Plan):
         raise ArgumentError("plan", type(plan).__name__, "expected a Plan (Plan.load(path))")
+    given = model
     model = as_layers(model, capture_sample(model, plan.input_shape, plan.input_dtype))
     mismatch = layers_mismatch(model, plan)
     if mismatch:
@@ -223,7 +243,7 @@ def compile_pipe(
             "profile and plan this model again"
         )
     if distributed:
-        return _distributed_pipe(model, plan, devices, deferred_batch_norm)
+        return _distributed_pipe(model, plan, devices, deferred_batch_norm, given)
     K = len(plan.devices)
     devs = _resolve_devices(devices, K, plan)
     if plan.device_type.split(":")[0] == "cpu" and devs[0].type != "cpu":
@@ -239,7 +259,7 @@ def compile_pipe(
     program = namespace.Pipeline(model, devs, deferred_batch_norm=deferred_batch_norm)
     from planner.search import schedule_of
 
-    return Pipe(plan, schedule_of(plan), source, program, namespace)
+    return Pipe(plan, schedule_of(plan), source, program, namespace, model=given)
 
 
 def check_streams(
@@ -275,7 +295,7 @@ def check_streams(
 
 
 def _distributed_pipe(
-    model: nn.Module, plan: Plan, devices: Any, deferred_batch_norm: bool
+    model: nn.Module, plan: Plan, devices: Any, deferred_batch_norm: bool, given: nn.Module
 ) -> Pipe:
     import torch.distributed as dist
 
@@ -302,7 +322,7 @@ def _distributed_pipe(
         raise InputError(str(e)) from None
     program.MAX_BATCH = plan.batch_size  # (the plan's memory holds up to it; checked in step)
     program.SAMPLE_SHAPE = list(plan.input_shape)  # (and for samples of this shape)
-    return Pipe(plan, schedule_of(plan), source, program, namespace, distributed=True)
+    return Pipe(plan, schedule_of(plan), source, program, namespace, distributed=True, model=given)
 
 
 def torch_pipelining(model: nn.Module, plan: Plan, loss_fn: Any) -> tuple[list[Any], Any]:
@@ -432,3 +452,8 @@ def _once(params: Any) -> Any:
         if id(p) not in seen:
             seen.add(id(p))
             yield p
+
+
+def _made_of(model: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Which modules and parameters `model` holds, by identity (a few microseconds a module)."""
+    return tuple(map(id, model.modules())), tuple(map(id, model.parameters()))

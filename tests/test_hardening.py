@@ -936,20 +936,60 @@ def test_a_loss_that_does_not_reduce_is_reported_as_the_loss(mlp_pipe):
     y = torch.zeros(4, dtype=torch.long)
     with pytest.raises(StageError, match="not a scalar tensor"):
         pipe.train_step(x, y, lambda out, target: out * 2)  # forgot to reduce
+    # a loss that computes no gradient: detached, a constant, an integer (found by a red team:
+    # the step went on and silently computed nothing)
+    for loss in (lambda out, target: out.detach().mean(), lambda out, target: torch.tensor(1.0),
+                 lambda out, target: out.argmax(-1).sum()):  # fmt: skip
+        with pytest.raises(StageError, match="without a gradient"):
+            pipe.train_step(x, y, loss)
+    assert torch.isfinite(pipe.train_step(x, y, torch.nn.functional.cross_entropy))  # (it goes on)
+
+
+def test_a_model_changed_after_compiling_is_refused_not_left_out():
+    """Found by a red team: a layer replaced in the model after compile_pipe was left out of
+    every step (the pipe runs the layers it was given), unsaid: the loss stayed the old one's,
+    the new layer got no gradient, and an optimizer over the model stepped it for nothing."""
+    from profiler.examples import EXAMPLES
+    from profiler.measure import profile_model
+
+    torch.manual_seed(0)
+    model = EXAMPLES["mlp"]()
+    profile = profile_model(model, model.example_input[:4], batch_sizes=[1, 2], repeats=1,
+                            warmup=0, max_repeats=1, progress=False)  # fmt: skip
+    plan = plan_pipeline(profile, Cluster.uniform(2, "1GiB"), 4, microbatches=2)
+    pipe = compile_pipe(model, plan, devices=["cpu", "cpu"])
+    x, y = model.example_input[:4], torch.zeros(4, dtype=torch.long)
+    loss = torch.nn.functional.cross_entropy
+    pipe.train_step(x, y, loss)
+    first = next(k for k, m in enumerate(model) if isinstance(m, torch.nn.Linear))
+    model[first].weight.requires_grad_(False)  # (a change the step sees and warns of: allowed)
+    model[first].weight.requires_grad_(True)
+    pipe.train_step(x, y, loss)
+    old = model[first]
+    model[first] = torch.nn.Linear(old.in_features, old.out_features)
+    for call in (lambda: pipe.train_step(x, y, loss), lambda: pipe(x),
+                 lambda: pipe.measure(x, y, loss, steps=1)):  # fmt: skip
+        with pytest.raises(InputError, match="the model changed since compile_pipe"):
+            call()
+    model[first] = old  # as it was: runs again
+    pipe.train_step(x, y, loss)
 
 
 def test_sizes_refuse_non_numbers_and_leave_parts_of_a_byte_out():
     """A size is a capacity: a budget of 4776107.5 bytes does not hold 4776108 (the red team's:
     `check --memory-budget 4776107.5` passed a plan needing that), and decimal units are worked
     out exactly (a float read 16.000000012GB as one byte more)."""
-    for bad in ("", "16QB", "nan", True, None, "-1GiB", "0", "0.99999999999999999999"):
+    # (a part of a byte written without a unit is refused, as a unit forgotten: "1.5" was read
+    # as 1 byte; a later red team's)
+    for bad in ("", "16QB", "nan", True, None, "-1GiB", "0", "0.99999999999999999999",
+                "4776107.5", "17179869183.99999999999999999999999"):  # fmt: skip
         with pytest.raises(InputError):
             parse_size(bad)  # type: ignore[arg-type]
     assert parse_size(16e9) == 16_000_000_000
     assert parse_size("1.64KiB") == 1679  # 1679.36
-    assert parse_size(1.5) == 1 and parse_size("4776107.5") == 4776107
+    assert parse_size(1.5) == 1 and parse_size(4776107.5) == 4776107  # (a number: floored)
     assert parse_size("16.000000012GB") == 16_000_000_012 and parse_size("0.001002MB") == 1002
-    assert parse_size("17179869183.99999999999999999999999") == 17179869183  # (28 digits: up)
+    assert parse_size("16.99999999999999999999999999999GB") == 16_999_999_999  # (not up)
     assert parse_size("1PiB") == 2**50
 
 
