@@ -1208,11 +1208,21 @@ def _no_module_shadowed(output: str) -> None:
         """Whether `finder` (one of sys.meta_path's) finds NAME, not in the output's folder
         (where a program of that name written before would be found)."""
         try:
-            if finder is PathFinder:
-                return PathFinder.find_spec(name, elsewhere) is not None
-            return finder.find_spec(name, None) is not None  # (an editable install's own)
+            spec = (
+                PathFinder.find_spec(name, elsewhere)
+                if finder is PathFinder
+                else finder.find_spec(name, None)  # (an editable install's own, say)
+            )
         except Exception:  # noqa: BLE001 - a third party's finder: no answer is no module
             return False
+        if spec is None:
+            return False
+        if spec.origin in ("built-in", "frozen"):
+            return True
+        places = [spec.origin] if spec.origin else list(spec.submodule_search_locations or [])
+        # (a package's origin is its __init__.py: the package's own folder is what sits there)
+        tops = [Path(p).parent if Path(p).name.startswith("__init__.") else Path(p) for p in places]
+        return any(t.resolve().parent != here for t in tops)
 
     if (
         name in sys.stdlib_module_names

@@ -490,6 +490,24 @@ _PIPELINING_MAIN = (
     _UNDER_TORCHRUN
     + """
 
+def failure(rank: int, stages: list[int], error: Exception) -> str:
+    \"\"\"The line a rank says when its step failed: its own error where it failed first (kept
+    in the launch's store, the first writer's), else which rank stopped it (the others then
+    fail on a link that rank closed).\"\"\"
+    import torch.distributed as dist
+
+    first = str(error).strip().splitlines()
+    own = f"rank {rank} (stage {', '.join(map(str, stages))}) failed: {type(error).__name__}"
+    own += f": {first[0][:300]}" if first else ""
+    key = "gpipe-plan/failed"
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.compare_set(key, "", own)
+        told = store.get(key).decode()
+    except Exception:  # noqa: BLE001 - the store is gone: this rank's own error
+        told = own
+    return own if told == own else f"rank {rank} stopped: {told}"
+
 def main(argv: list[str] | None = None) -> None:
     \"\"\"One timed training step on random data of the planned shapes, on every rank, on
     torch.distributed.pipelining's runtime.\"\"\"
@@ -535,11 +553,15 @@ def main(argv: list[str] | None = None) -> None:
             else:
                 schedule.step()
 
-        step()  # warm-up
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        dist.barrier()
+        try:
+            step()  # warm-up
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            dist.barrier()
+        except Exception as e:  # noqa: BLE001 - a rank failed: every rank says which, one line
+            print(f"{MODEL}: {failure(rank, sorted(mine), e)}", file=sys.stderr)
+            raise SystemExit(1) from None
         ms = (time.perf_counter() - t0) * 1e3
         if rank == 0:
             print(

@@ -1287,6 +1287,51 @@ def test_torch_pipelining_sends_what_is_not_contiguous(tmp_path, torchrun_availa
     assert "one step on torch.distributed.pipelining, 3 ranks" in r.stdout
 
 
+RAISES = """
+import torch
+from torch import nn
+
+
+class Raises(nn.Module):
+    def forward(self, x):
+        if x.device.type == "cpu" and not isinstance(x, torch._subclasses.FakeTensor):
+            raise RuntimeError("a layer that fails")
+        return x
+
+
+def build():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), Raises())
+    model.example_input = torch.randn(8, 16)
+    return model
+"""
+
+
+def test_torch_pipelining_a_rank_that_fails_is_named_by_every_rank(tmp_path, torchrun_available):
+    """Found by a red team: a layer raising on one rank of a torch-pipelining program gave a
+    Python traceback from each rank (the failing one's, and the others' from inside torch's
+    runtime) and no line naming the rank. Each rank now says it in one line: the failing one
+    its error, the others which rank stopped them."""
+    from tests.conftest import even_times, quick_profile
+
+    model_file = tmp_path / "raises.py"
+    model_file.write_text(RAISES.replace("raise RuntimeError", "pass  #"))
+    namespace: dict = {}
+    exec(compile(RAISES, str(model_file), "exec"), namespace)
+    model = namespace["build"]()
+    model[3].forward = lambda x: x  # (profiled as the identity it is until it fails)
+    prof = even_times(quick_profile(model, model.example_input, batch_sizes=[1, 2, 4]))
+    plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 8, microbatches=2, schedule="1f1b")
+    assert [st.layers for st in plan.stages] == [(0, 2), (2, 4)]
+    model_file.write_text(RAISES)
+    path = tmp_path / "program.py"
+    path.write_text(emit_program(plan, target="torch-pipelining", model=f"{model_file}:build"))
+    r = torchrun(2, str(path), timeout=120)
+    assert r.returncode != 0
+    assert "rank 1 (stage 1) failed: RuntimeError: a layer that fails" in r.stderr, r.stderr
+    assert "[rank1]: Traceback" not in r.stderr and "[rank0]: Traceback" not in r.stderr
+
+
 TIED = """
 import torch
 from torch import nn
