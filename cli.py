@@ -1192,9 +1192,13 @@ def _sources(*specs: str | None) -> list[str]:
 
 def _no_module_shadowed(output: str) -> None:
     """A program written as NAME.py where NAME is a module Python has (the standard library's,
-    or one installed, ours among them) would be imported in its place by every program run
-    from that folder, itself first: Python puts a script's folder first on its path (found by
-    a red team: `-o torch.py`, or `-o json.py`, which broke every program run beside it)."""
+    an installed package's, or one of ours) would be imported in its place by every program
+    run from that folder, itself first: Python puts a script's folder first on its path (found
+    by a red team: `-o torch.py`, or `-o json.py`, which broke every program run beside it).
+    Folders of the user's own on the path (a model's) are not looked in: nothing installed
+    imports from them."""
+    import site
+    import sysconfig
     from importlib.machinery import PathFinder
 
     path = Path(output)
@@ -1202,38 +1206,25 @@ def _no_module_shadowed(output: str) -> None:
     if path.suffix != ".py" or not name.isidentifier():
         return
     here = path.parent.resolve()
-    elsewhere = [p for p in sys.path if p and Path(p).resolve() != here]
-
-    def found(finder: Any) -> bool:
-        """Whether `finder` (one of sys.meta_path's) finds NAME, not in the output's folder
-        (where a program of that name written before would be found)."""
-        try:
-            spec = (
-                PathFinder.find_spec(name, elsewhere)
-                if finder is PathFinder
-                else finder.find_spec(name, None)  # (an editable install's own, say)
-            )
-        except Exception:  # noqa: BLE001 - a third party's finder: no answer is no module
-            return False
-        if spec is None:
-            return False
-        if spec.origin in ("built-in", "frozen"):
-            return True
-        places = [spec.origin] if spec.origin else list(spec.submodule_search_locations or [])
-        # (a package's origin is its __init__.py: the package's own folder is what sits there)
-        tops = [Path(p).parent if Path(p).name.startswith("__init__.") else Path(p) for p in places]
-        return any(t.resolve().parent != here for t in tops)
-
+    paths = sysconfig.get_paths()
+    installed = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    installed |= {*site.getsitepackages(), site.getusersitepackages()}
+    places = [p for p in installed if p and Path(p).is_dir() and Path(p).resolve() != here]
     if (
         name in sys.stdlib_module_names
         or name in sys.builtin_module_names
-        or any(found(f) for f in sys.meta_path if hasattr(f, "find_spec"))
+        or name in OUR_MODULES
+        or PathFinder.find_spec(name, places) is not None
     ):
         raise InputError(
             f"{output}: a program named {name}.py would be imported in place of the module "
             f"{name!r} by every program run from its folder, this one first; name it "
             f"otherwise, as {name}_pipeline.py"
         )
+
+
+# gpipe-plan's own top-level modules (installed editable, they are found by its own finder)
+OUR_MODULES = ("cli", "planner", "profiler", "schedules", "codegen")
 
 
 def _module_file(name: str) -> list[str]:

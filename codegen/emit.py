@@ -508,6 +508,7 @@ def failure(rank: int, stages: list[int], error: Exception) -> str:
         told = own
     return own if told == own else f"rank {rank} stopped: {told}"
 
+
 def main(argv: list[str] | None = None) -> None:
     \"\"\"One timed training step on random data of the planned shapes, on every rank, on
     torch.distributed.pipelining's runtime.\"\"\"
