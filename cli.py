@@ -622,7 +622,6 @@ def _runs_as_planned(model: Any, plan: Any, path: str) -> None:
 
 def cmd_codegen(args: argparse.Namespace) -> int:
     out = check_output(args.output, inputs=[args.plan, *_sources(args.model)])
-    _no_module_shadowed(args.output)
     from codegen.emit import emit_program
     from planner import Plan
 
@@ -650,6 +649,7 @@ def cmd_codegen(args: argparse.Namespace) -> int:
             "has none"
         )
     source = emit_program(plan, target=args.target, model=args.model)
+    _no_module_shadowed(args.output, source)
     # the stream check runs the program before it is written: where it cannot run the model
     # (it says why, in one line), nothing is written, and an earlier file stays as it was
     checked = _check_program_streams(source, args.output) if args.check_streams else EXIT_OK
@@ -1190,32 +1190,26 @@ def _sources(*specs: str | None) -> list[str]:
     return files + [f for f in loaded if f]
 
 
-def _no_module_shadowed(output: str) -> None:
-    """A program written as NAME.py where NAME is a module Python has (the standard library's,
-    an installed package's, or one of ours) would be imported in its place by every program
-    run from that folder, itself first: Python puts a script's folder first on its path (found
-    by a red team: `-o torch.py`, or `-o json.py`, which broke every program run beside it).
-    Folders of the user's own on the path (a model's) are not looked in: nothing installed
-    imports from them."""
-    import site
-    import sysconfig
-    from importlib.machinery import PathFinder
+def _no_module_shadowed(output: str, source: str) -> None:
+    """A program written as NAME.py where NAME is a module it imports (itself, or through
+    torch: every module this process has loaded by now, torch and the model's included), or
+    one of gpipe-plan's, would be imported in its place by every program run from that folder,
+    itself first: Python puts a script's folder first on its path (found by a red team: `-o
+    torch.py`, or `-o json.py`, which broke every program run beside it). A standard module
+    nothing loads (`test`, `this`) is a fine name (a review's)."""
+    import ast
 
     path = Path(output)
     name = path.stem
     if path.suffix != ".py" or not name.isidentifier():
         return
-    here = path.parent.resolve()
-    paths = sysconfig.get_paths()
-    installed = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    installed |= {*site.getsitepackages(), site.getusersitepackages()}
-    places = [p for p in installed if p and Path(p).is_dir() and Path(p).resolve() != here]
-    if (
-        name in sys.stdlib_module_names
-        or name in sys.builtin_module_names
-        or name in OUR_MODULES
-        or PathFinder.find_spec(name, places) is not None
-    ):
+    imported = {m.partition(".")[0] for m in list(sys.modules)}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            imported |= {a.name.partition(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            imported.add(node.module.partition(".")[0])
+    if name in imported or name in OUR_MODULES:
         raise InputError(
             f"{output}: a program named {name}.py would be imported in place of the module "
             f"{name!r} by every program run from its folder, this one first; name it "

@@ -75,9 +75,36 @@ class LongSkip(nn.Module):
         return self.e(torch.cat([a, d], dim=-1))
 
 
+class TwoLater(nn.Module):  # x1 read by the next layer and by two after it (a review's)
+
+    def __init__(self, more=False):
+        super().__init__()
+        self.c = nn.ModuleList([nn.Conv2d(3 if k == 0 else 8, 8, 3, padding=1) for k in range(5)])
+        self.out = nn.Conv2d(8, 3, 1)
+        self.more = more
+
+    def forward(self, x):
+        c = self.c
+        x1 = F.relu(c[0](x))
+        b = F.relu(c[2](F.relu(c[1](x1)) + x1))
+        if self.more:  # (two of x1's readers in one later stage)
+            b = F.relu(c[4](F.relu(c[3](b)) + x1))
+        return self.out(b + x1)
+
+
 def conv_skip():
     torch.manual_seed(0)
     return ConvSkip()
+
+
+def two_later():
+    torch.manual_seed(0)
+    return TwoLater()
+
+
+def two_later_more():
+    torch.manual_seed(0)
+    return TwoLater(more=True)
 
 
 def conv_skip_norelu():
@@ -109,6 +136,10 @@ CASES = [  # (model, input shape and sizes, devices, batch, micro-batches, sched
     ("unet", IMAGE, 2, 4, 2, "zb-h1", "adam"),
     ("unet", IMAGE, 3, 4, 2, "gpipe", "sgd"),
     ("unet_nores", IMAGE, 2, 4, 2, "zb-h1", "adam"),
+    ("two_later", IMAGE, 2, 4, 1, "zb-h1", "sgd"),
+    ("two_later", IMAGE, 2, 4, 2, "zb-h1", "adam"),
+    ("two_later_more", IMAGE, 2, 4, 1, "zb-h1", "sgd"),
+    ("two_later", IMAGE, 2, 4, 1, "1f1b", "sgd"),
     ("long_skip", ("8,32", "1,2,4,8"), 2, 8, 4, "zb-h1", "momentum"),
     ("long_skip", ("8,32", "1,2,4,8"), 3, 8, 4, "1f1b", "sgd"),
 ]

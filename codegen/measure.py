@@ -171,6 +171,7 @@ def left_as_it_was(modules: Iterable[nn.Module]) -> Iterator[None]:
         (
             t,
             t.detach().to("cpu", copy=True),
+            t.grad,  # (the caller's own tensor, given back with its value)
             None if t.grad is None else t.grad.detach().to("cpu", copy=True),
         )
         for t in tensors.values()
@@ -181,10 +182,12 @@ def left_as_it_was(modules: Iterable[nn.Module]) -> Iterator[None]:
         yield
     finally:
         with torch.no_grad():
-            for t, value, grad in kept:
+            for t, value, grad, grad_value in kept:
                 t.copy_(value)
+                if grad is not None:
+                    grad.copy_(grad_value)
                 if isinstance(t, nn.Parameter) or t.grad is not None or grad is not None:
-                    t.grad = None if grad is None else grad.to(t.device)
+                    t.grad = grad
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)

@@ -45,9 +45,11 @@ class Pipe:
         self.program = program
         self._module = module  # the executed program: its own StageError class lives there
         self.distributed = distributed  # one rank of a torchrun launch: only its stages here
-        # the model compiled, and which modules and parameters it had then (each step checks)
-        self._model = model
-        self._made_of = _made_of(model) if model is not None else None
+        # the model compiled, and which modules it had then (each step checks; not on a rank
+        # of a launch, where one rank's refusal alone would leave the others waiting, and a
+        # rank may drop the layers it does not run: found by a review)
+        self._model = None if distributed else model
+        self._made_of = _made_of(model) if self._model is not None else None
 
     @property
     def rank(self) -> int:
@@ -146,15 +148,15 @@ class Pipe:
             raise StageError(str(e)) from e.__cause__
 
     def _unchanged(self) -> None:
-        """The model still has the modules and parameters it was compiled with: the program
-        runs those, so a layer replaced since would be left out of every step, unsaid, and an
-        optimizer over the model would step parameters that never get a gradient (found by a
-        red team)."""
+        """The model still has the modules it was compiled with: the program runs those, so
+        a layer replaced since would be left out of every step, unsaid, and an optimizer over
+        the model would step parameters that never get a gradient (found by a red team). A
+        parameter replaced on a module the program runs is used as it is: let be."""
         if self._model is not None and _made_of(self._model) != self._made_of:
             raise InputError(
-                "the model changed since compile_pipe (a module or parameter replaced, added "
-                "or removed), and the pipe runs the one it was given: compile it again (plan "
-                "it again where its layers changed)"
+                "the model changed since compile_pipe (a module replaced, added or removed), "
+                "and the pipe runs the modules it was given: compile it again (plan it again "
+                "where its layers changed)"
             )
 
     def _check_batch(self, x: Any) -> None:
@@ -454,6 +456,7 @@ def _once(params: Any) -> Any:
             yield p
 
 
-def _made_of(model: nn.Module) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Which modules and parameters `model` holds, by identity (a few microseconds a module)."""
-    return tuple(map(id, model.modules())), tuple(map(id, model.parameters()))
+def _made_of(model: nn.Module) -> tuple[int, ...]:
+    """Which modules `model` holds, by identity (a microsecond or so a module; the old ones
+    stay alive in the program, so no new module takes one of their ids)."""
+    return tuple(map(id, model.modules()))

@@ -1433,26 +1433,33 @@ def test_zero_bubbles_input_gradient_summed_from_two_readers_holds_no_more_than_
 
 
 class _ConvSkip(nn.Module):
-    """A convolution's output read by the next one and kept for a concatenation further on."""
+    """A convolution's output read by the next one and kept for later: concatenated at the end
+    (`twice` False), or added before each of the two layers after the next (True)."""
 
-    def __init__(self) -> None:
+    def __init__(self, twice: bool = False) -> None:
         super().__init__()
         self.c1, self.c2, self.c3 = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)  # fmt: skip
-        self.c4 = nn.Conv2d(16, 3, 1)
+        self.c4 = nn.Conv2d(8 if twice else 16, 3, 1)
+        self.twice = twice
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x1 = self.c1(x)
+        if self.twice:
+            return self.c4(self.c3(self.c2(x1) + x1) + x1)
         return self.c4(torch.cat([self.c3(self.c2(x1)), x1], dim=1))
 
 
-def test_zero_bubbles_input_gradient_of_a_layer_that_reads_and_hands_on_a_skip_is_measured():
+@pytest.mark.parametrize("twice", [False, True])
+def test_zero_bubbles_input_gradient_of_a_layer_that_reads_and_hands_on_a_skip_is_measured(twice):
     """Found by a sweep: a layer that reads a value and also hands it on (c2 here: x1 goes on
     to the concatenation) had its I (input gradient) left unmeasured, 0, so zero bubble's
     first stage held 42% more than its plan (245 056 bytes against 172 640), and `check`
-    passed it. The profile now measures it; the sum of the value's two gradient parts, made
-    once that I has returned, is counted beside the layers' peaks, not above them."""
+    passed it. The profile now measures it. The sum of the value's gradient parts stays
+    counted on top of the layers' peaks: where x1's later readers are two (`twice`), the sum
+    is alive while an earlier layer's I works, and counting it beside them instead was 10%
+    under (a review's); with one later reader that is 13% over, the safe side."""
     torch.manual_seed(0)
-    model = _ConvSkip()
+    model = _ConvSkip(twice)
     x = torch.randn(4, 3, 16, 16)
     layers = capture(model, x)
     prof = quick_profile(layers, x, batch_sizes=[1, 2, 4], loss_fn="mse", threads=1)
@@ -1463,7 +1470,7 @@ def test_zero_bubbles_input_gradient_of_a_layer_that_reads_and_hands_on_a_skip_i
     assert [st.layers for st in plan.stages][0] == (0, 2)  # c1 and c2: x1 made, read, sent
     for d in measured_step(layers, plan, model).devices:
         assert d.measured_peak_bytes <= d.predicted_peak_bytes + 64, d  # (a few scalars)
-        assert d.measured_peak_bytes >= 0.99 * d.predicted_peak_bytes, d
+        assert d.measured_peak_bytes >= 0.85 * d.predicted_peak_bytes, d
 
 
 def test_a_smaller_micro_batch_is_counted_with_the_working_memory_its_profile_measured():

@@ -496,14 +496,21 @@ def test_a_parameter_dtype_no_profile_takes_is_one_line(run_cli, tmp_path):
     assert_bad_input(r, mentions="dtype 'int8'")
 
 
-@pytest.mark.parametrize("name", ["torch.py", "json.py", "numpy.py", "planner.py"])
-def test_a_program_is_not_named_as_a_module_it_would_shadow(run_cli, plan_file, tmp_path, name):
+def test_a_program_is_not_named_as_a_module_it_would_shadow(run_cli, tmp_path):
     """Found by a red team: `codegen -o torch.py` wrote a program that could not import torch
     (Python puts a script's folder first on its path), and `-o json.py` broke every program
-    run beside it. Refused in one line, nothing written."""
-    out = tmp_path / name
-    r = run_cli("codegen", plan_file, "--model", "example:mlp", "-o", out)
-    assert_bad_input(r, mentions="would be imported in place of the module", no_file=out)
+    run beside it. Refused in one line, nothing written; a standard module's name that nothing
+    imports, `test.py`, is fine (a review's)."""
+    prof, plan = tmp_path / "p.json", tmp_path / "plan.json"
+    assert run_cli("profile", "example:mlp", "--batch-sizes", "2", "--repeats", "1",
+                   "--max-repeats", "1", "-o", prof).code == 0  # fmt: skip
+    args = ("--devices", 2, "--memory", "1GiB", "--batch-size", 4, "--microbatches", 2)
+    assert run_cli("plan", prof, *args, "-o", plan).code == 0
+    for name in ("torch.py", "json.py", "numpy.py", "planner.py"):
+        out = tmp_path / name
+        r = run_cli("codegen", plan, "--model", "example:mlp", "-o", out)
+        assert_bad_input(r, mentions="would be imported in place of the module", no_file=out)
+    assert run_cli("codegen", plan, "--model", "example:mlp", "-o", tmp_path / "test.py").code == 0
 
 
 def test_an_empty_value_is_refused_not_read_as_no_value(run_cli, plan_file, prof, tmp_path):
@@ -973,6 +980,10 @@ def test_a_model_changed_after_compiling_is_refused_not_left_out():
             call()
     model[first] = old  # as it was: runs again
     pipe.train_step(x, y, loss)
+    # a parameter replaced on a module the pipe runs is used as it is (a review's): let be
+    old.weight = torch.nn.Parameter(torch.zeros_like(old.weight))
+    pipe.train_step(x, y, loss)
+    assert old.weight.grad is not None
 
 
 def test_sizes_refuse_non_numbers_and_leave_parts_of_a_byte_out():
