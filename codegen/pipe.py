@@ -45,11 +45,11 @@ class Pipe:
         self.program = program
         self._module = module  # the executed program: its own StageError class lives there
         self.distributed = distributed  # one rank of a torchrun launch: only its stages here
-        # the model compiled, and which modules it had then (each step checks; not on a rank
-        # of a launch, where one rank's refusal alone would leave the others waiting, and a
-        # rank may drop the layers it does not run: found by a review)
-        self._model = None if distributed else model
-        self._made_of = _made_of(model) if self._model is not None else None
+        # the model compiled, and which modules it had then: each step checks (not given on a
+        # rank of a launch, where one rank's refusal alone would leave the others waiting, and
+        # a rank may drop the layers it does not run: found by a review)
+        self._model = model
+        self._made_of = _made_of(model) if model is not None else None
 
     @property
     def rank(self) -> int:
@@ -245,7 +245,7 @@ def compile_pipe(
             "profile and plan this model again"
         )
     if distributed:
-        return _distributed_pipe(model, plan, devices, deferred_batch_norm, given)
+        return _distributed_pipe(model, plan, devices, deferred_batch_norm)
     K = len(plan.devices)
     devs = _resolve_devices(devices, K, plan)
     if plan.device_type.split(":")[0] == "cpu" and devs[0].type != "cpu":
@@ -297,7 +297,7 @@ def check_streams(
 
 
 def _distributed_pipe(
-    model: nn.Module, plan: Plan, devices: Any, deferred_batch_norm: bool, given: nn.Module
+    model: nn.Module, plan: Plan, devices: Any, deferred_batch_norm: bool
 ) -> Pipe:
     import torch.distributed as dist
 
@@ -324,7 +324,7 @@ def _distributed_pipe(
         raise InputError(str(e)) from None
     program.MAX_BATCH = plan.batch_size  # (the plan's memory holds up to it; checked in step)
     program.SAMPLE_SHAPE = list(plan.input_shape)  # (and for samples of this shape)
-    return Pipe(plan, schedule_of(plan), source, program, namespace, distributed=True, model=given)
+    return Pipe(plan, schedule_of(plan), source, program, namespace, distributed=True)
 
 
 def torch_pipelining(model: nn.Module, plan: Plan, loss_fn: Any) -> tuple[list[Any], Any]:
