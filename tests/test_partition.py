@@ -57,7 +57,9 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     transients = [live, remat, forward, input_live, int(c.weight_grad_transient[i:j].max()),
                   _stop(c, i, j)]  # fmt: skip
     held = max(sum(n * b for n, b in zip(t, states + transients)) for t in shape.occupancy)
-    size = p if shape.foreach else int(c.largest_param[i:j].max())
+    # (a stage that trains nothing steps nothing: its frozen weights have no gradient; found
+    # by this suite's random chains once the model said so, last session)
+    size = p if shape.foreach else int(c.largest_param[i:j].max()) if p else 0
     step = math.ceil(shape.optimizer_step * size)
     return (
         int(c.params[i:j].sum()) + int(c.buffers[i:j].sum()) + p + shape.optimizer_slots * p
