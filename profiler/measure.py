@@ -477,13 +477,8 @@ def _memory(
     in_ptrs = {t.untyped_storage().data_ptr(): t for t in _tensors(inp)}
     # A captured graph's layer in a pipeline holds only the inputs it reads: the others pass
     # it by as None (unless its stage received them for a later layer)
-    names = getattr(layer, "inputs", None)
-    reads = set(getattr(layer, "reads", ()))
-    used = in_ptrs
-    if names and len(names) == len(_tensors(inp)):
-        used = {
-            t.untyped_storage().data_ptr(): t for n, t in zip(names, _tensors(inp)) if n in reads
-        }
+    read = _read_by(layer, _tensors(inp))
+    used = in_ptrs if read is None else {t.untyped_storage().data_ptr(): t for t in read}
     in_bytes = {ptr: _alloc(t.untyped_storage().nbytes(), dev) for ptr, t in used.items()}
     # Inside a stage, the layer's input stays alive while its forward runs; where neither this
     # layer nor the previous one saves it, the stage does not count it among its saved tensors.
@@ -533,6 +528,15 @@ class _StopForward(Exception):
     """Raised out of a saved-tensor hook to end a forward where a checkpoint's re-run ends."""
 
 
+def _read_by(layer: nn.Module, tensors: list[torch.Tensor]) -> list[torch.Tensor] | None:
+    """The input tensors a captured graph's layer reads (the others it only hands on), or None
+    where the layer does not say (a Sequential's: it reads what it is given)."""
+    names, reads = getattr(layer, "inputs", None), set(getattr(layer, "reads", ()))
+    if not names or len(names) != len(tensors):
+        return None
+    return [t for n, t in zip(names, tensors) if n in reads]
+
+
 def _transient(
     layer: nn.Module,
     inp: Value,
@@ -556,12 +560,7 @@ def _transient(
         p.grad = torch.zeros_like(p)
     wrt = [t for t in _tensors(inp) if t.requires_grad]
     ins = {id(t) for t in _tensors(inp)}
-    names, reads = getattr(layer, "inputs", None), set(getattr(layer, "reads", ()))
-    read = (
-        {id(t) for n, t in zip(names, _tensors(inp)) if n in reads}
-        if names and len(names) == len(_tensors(inp))
-        else set()
-    )
+    read = {id(t) for t in _read_by(layer, _tensors(inp)) or ()}
     # A captured graph's layer hands a skip on unchanged: its gradient passes through as well,
     # one tensor alive while this layer's backward runs, not one made here and one taken in.
     passed: list[torch.Tensor] = []
