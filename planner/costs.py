@@ -89,6 +89,10 @@ class Chain:
     # re-run of a stage (or of the layer) ends when this is its last layer (None: the whole
     # forward, forward_transient; never more than that)
     stop_transient: np.ndarray | None = None
+    # a captured graph's layer that reads a value and hands it on: what its backward makes
+    # beyond backward_transient where that value's gradient from a later stage is held apart,
+    # their sum (MemoryModel._received_sums; None: not in the profile, the whole gradient)
+    passed_sum: np.ndarray | None = None
     # each entry's trainable parameter tensors (bytes), in the order an optimizer steps them
     # (None: not in the profile), and what the step of one still holds while the next is
     # stepped, per byte of the one before and relative to the step's own per byte (the
@@ -221,6 +225,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         return np.round(table.at(attr, mb)).astype(np.int64)
 
     saved = sizes("saved_bytes")
+    summed = profile.captured and all(x.passed_sum_bytes is not None for x in layers)
     boundary = np.concatenate([[profile.input_bytes], table.fixed("output_bytes")]) * mb
     boundary = -(-boundary // unit) * unit  # rounded up to the allocator's blocks
     n = len(layers)
@@ -271,6 +276,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         loss_saved=loss_saved,
         forward_transient=sizes("forward_transient_bytes"),
         stop_transient=sizes("stop_transient_bytes"),
+        passed_sum=sizes("passed_sum_bytes") if summed else None,
         backward_transient=sizes("backward_transient_bytes"),
         input_unsaved=sizes("input_unsaved_bytes"),
         forward_peak=sizes("forward_peak_bytes"),

@@ -617,7 +617,32 @@ class MemoryModel:
             return waits
         for born, last, w in (x for xs in self._inner_skips().values() for x in xs):
             waits.setdefault(born, []).append((born + 1, last, last + 2, n + 1, w))
+        for born, a, b, w in self._received_sums():
+            waits.setdefault(born, []).append((a, a + 1, a + 1, b + 1, w))
         return waits
+
+    def _received_sums(self) -> list[tuple[int, int, int, int]]:
+        """The gradients B adds up as a new tensor, beside the part a layer's backward made:
+        of a value the stage makes and a later stage reads too, at the stage's last reader of
+        it. The runtime holds the gradient it received, so autograd cannot add into it (a stage
+        that makes a skip's source and reads it next ran one such tensor over its plan under
+        GPipe and 1F1B: found by a review). The reader's profile measures what the sum adds
+        to its backward (Chain.passed_sum: 0 where its backward peaked before); at most the
+        value's gradient. (made at, reader, next reader: the stage ends up to there, bytes);
+        not where the next is the loss (nothing holds its part), nor for a value the stage
+        received and hands on (measured: no sum)"""
+        c = self.chain
+        flow = c.flow
+        assert flow is not None
+        n = c.num_layers
+        out = []
+        for born, readers, w in zip(flow.born.tolist(), flow.readers, flow.nbytes * flow.grad):
+            if w and born >= 0:
+                for a, b in zip(readers, readers[1:]):
+                    made = int(w) if c.passed_sum is None else min(int(c.passed_sum[a]), int(w))
+                    if b < n and made:
+                        out.append((born, a, b, made))
+        return out
 
     def _inner_skips(self) -> dict[int, list[tuple[int, int, int]]]:
         """A captured graph's values whose gradient waits in B of a stage that makes them and

@@ -140,8 +140,13 @@ def profile_model(
 
     first = per_size[sizes[0]]
 
+    captured = bool(getattr(model, "captured", False))
+
     def entry(i: int, layer: nn.Module, name: str, kind: str) -> LayerProfile:
         rows = {b: per_size[b][i] for b in sizes}
+        per = {f: {b: r[f] for b, r in rows.items()} for f in PER_SIZE + LATER_PER_SIZE}
+        if not captured:  # (a chain's layer hands nothing on)
+            per["passed_sum_bytes"] = None
         return LayerProfile(
             index=i,
             name=name,
@@ -165,7 +170,7 @@ def profile_model(
                 for p in layer.parameters()
                 if p.requires_grad
             ],
-            **{f: {b: r[f] for b, r in rows.items()} for f in PER_SIZE + LATER_PER_SIZE},
+            **per,
         )
 
     out = [
@@ -193,7 +198,7 @@ def profile_model(
         layers=out,
         loss=loss_entry,
         optimizer_step=_optimizer_steps(model, dev),
-        captured=bool(getattr(model, "captured", False)),
+        captured=captured,
         tied=_tied(layers),
         runtime=runtime,
         meta=ProfileMeta(
@@ -315,6 +320,7 @@ def _measure_size(
                 input_grad_transient_bytes=again["input"],
                 weight_grad_transient_bytes=again["weight"],
                 stop_transient_bytes=again["stop"],
+                passed_sum_bytes=again["summed"],
             )
     try:
         timings = time_layers(
@@ -495,6 +501,7 @@ def _memory(
         "input_grad_transient_bytes": extra["input"],
         "weight_grad_transient_bytes": extra["weight"],
         "stop_transient_bytes": extra["stop"],
+        "passed_sum_bytes": extra["summed"],
         "packs": packs[0],
         "output_shape": [list(t.shape[1:]) for t in _tensors(out)],
         # per micro-batch as computed; the planner rounds what crosses a cut at its own size
@@ -601,6 +608,7 @@ def _transient(
         with owned_by("backward"):
             if edges:
                 torch.autograd.backward(edges, ones(like))
+        edges_made = bool(edges)
         with owned_by("forward2"):
             edges, like = forward()
         # the inputs it works on: not one it only hands on, but one it reads and hands on too
@@ -617,6 +625,21 @@ def _transient(
             if edges and params:
                 torch.autograd.backward(edges, ones(like), inputs=params)
         del edges
+        # where it reads a value it hands on and the stage received that value's gradient
+        # (a later stage reads it too), the runtime holds the received part: autograd cannot
+        # add into it and makes the sum as a new tensor (_received_sums in the planner)
+        both = [t for t in passed if id(t) in read]
+        if both and edges_made:
+            held = [torch.ones_like(t) for t in both]
+            for t in wrt:
+                t.grad = None
+            with owned_by("forward3"):
+                edges, like = forward()
+            with owned_by("summed"):
+                torch.autograd.backward([*edges, *both], [*ones(like), *held])
+            del edges
+            for t in wrt:
+                t.grad = None
         with owned_by("stop"):
             if packs:
                 try:
@@ -645,10 +668,15 @@ def _transient(
     # nothing stops nowhere: its whole forward
     saves = kept_bytes - before("forward")
     stop = max(peak("stop") - before("stop") - saves, 0) if packs else forward
+    backward = max(peak("backward") - kept_bytes, 0) + passed_grad
+    summed = 0
+    if "summed" in span:  # (the held parts are in its `before`: passed_grad counts them)
+        summed = max(peak("summed") - before("summed") + passed_grad - backward, 0)
     return {
+        "summed": summed,
         "stop": min(stop, forward),
         "forward": forward,
-        "backward": max(peak("backward") - kept_bytes, 0) + passed_grad,
+        "backward": backward,
         "no_grad": max(peak("no_grad") - before("no_grad"), 0),
         "input": max(peak("input") - before("input") - out_kept - in_kept, 0) if used else 0,
         "weight": max(peak("weight") - before("weight") - out_kept, 0) if params else 0,

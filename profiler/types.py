@@ -125,12 +125,21 @@ class LayerProfile(BaseModel):
         "forward)",
     )
 
+    passed_sum_bytes: dict[int, Bytes] | None = Field(
+        default=None,
+        description="a captured graph's layer that reads a value and hands it on: what its "
+        "backward allocates beyond backward_transient_bytes where the value's gradient from "
+        "later layers is held apart (a later stage's, which the runtime keeps): autograd makes "
+        "the sum as a new tensor; absent in profiles made before it was measured (the planner "
+        "then counts the value's whole gradient)",
+    )
+
 
 PER_SIZE = tuple(
     name for name, f in LayerProfile.model_fields.items() if get_origin(f.annotation) is dict
 )
 """The LayerProfile fields measured at every micro-batch size."""
-LATER_PER_SIZE = ("stop_transient_bytes",)
+LATER_PER_SIZE = ("stop_transient_bytes", "passed_sum_bytes")
 LATER_LAYER = ("param_tensor_bytes",)  # (not per size: left out of the file where unset too)
 """Per-size fields added since the format's version: absent (None) in older profiles."""
 

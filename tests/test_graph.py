@@ -1473,6 +1473,40 @@ def test_zero_bubbles_input_gradient_of_a_layer_that_reads_and_hands_on_a_skip_i
         assert d.measured_peak_bytes >= 0.85 * d.predicted_peak_bytes, d
 
 
+@pytest.mark.parametrize("twice", [False, True])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_gradient_received_for_a_value_the_stage_reads_is_summed_into_a_new_tensor(
+    schedule, twice
+):
+    """Found by a review: the first stage makes x1, reads it (c2) and sends it on; in B its
+    gradient arrives from the next stage, which the runtime holds, so autograd makes the sum
+    with c2's part as a new tensor. GPipe and 1F1B ran one x1 over the plan (10.5%); `check`
+    passed it. The profile now measures what the sum adds to c2's backward."""
+    torch.manual_seed(0)
+    model = _ConvSkip(twice)
+    x = torch.randn(4, 3, 16, 16)
+    layers = capture(model, x)
+    prof = quick_profile(layers, x, batch_sizes=[1, 2, 4], loss_fn="mse", threads=1)
+    # c2's sum comes at the end of its backward; added into its peak (a concatenated
+    # skip: its backward peaked while both its parts were alive) it adds nothing
+    assert (prof.layers[1].passed_sum_bytes[4] > 0) == twice
+    assert prof.layers[0].passed_sum_bytes[4] == 0  # (c1 hands nothing on)
+    plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 4, microbatches=2, schedule=schedule,
+                         recompute="never", optimizer="sgd")  # fmt: skip
+    assert [st.layers for st in plan.stages][0] == (0, 2)
+    first = measured_step(layers, plan, model).devices[0]
+    assert first.measured_peak_bytes <= first.predicted_peak_bytes + 64, first
+    assert first.measured_peak_bytes >= 0.9 * first.predicted_peak_bytes, first
+    # a profile made before the sum was measured: the value's whole gradient, never under
+    older = prof.model_copy(
+        update={"layers": [x.model_copy(update={"passed_sum_bytes": None}) for x in prof.layers]}
+    )
+    again = plan_pipeline(older, Cluster.uniform(2, "1GiB"), 4, microbatches=2,
+                          schedule=schedule, recompute="never", optimizer="sgd")  # fmt: skip
+    assert again.stages[0].layers == (0, 2)
+    assert again.devices[0].total >= first.measured_peak_bytes - 64
+
+
 def test_a_smaller_micro_batch_is_counted_with_the_working_memory_its_profile_measured():
     """Found by a red team: on a CPU a convolution may take more working memory at one sample
     than at two (the profile measures both), and a U-Net's 3 samples in 2 micro-batches (2, 1)
