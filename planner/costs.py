@@ -93,6 +93,9 @@ class Chain:
     # beyond backward_transient where that value's gradient from a later stage is held apart,
     # their sum (MemoryModel._received_sums; None: not in the profile, the whole gradient)
     passed_sum: np.ndarray | None = None
+    # a captured graph's layer's backward_transient where its output's gradient is autograd's
+    # alone (a stage's inner layer: MemoryModel._walk_table; None: not in the profile)
+    inner_backward: np.ndarray | None = None
     # each entry's trainable parameter tensors (bytes), in the order an optimizer steps them
     # (None: not in the profile), and what the step of one still holds while the next is
     # stepped, per byte of the one before and relative to the step's own per byte (the
@@ -225,7 +228,9 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         return np.round(table.at(attr, mb)).astype(np.int64)
 
     saved = sizes("saved_bytes")
+    backward_transient = sizes("backward_transient_bytes")
     summed = profile.captured and all(x.passed_sum_bytes is not None for x in layers)
+    inner = profile.captured and all(x.inner_backward_transient_bytes is not None for x in layers)
     boundary = np.concatenate([[profile.input_bytes], table.fixed("output_bytes")]) * mb
     boundary = -(-boundary // unit) * unit  # rounded up to the allocator's blocks
     n = len(layers)
@@ -277,7 +282,12 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         forward_transient=sizes("forward_transient_bytes"),
         stop_transient=sizes("stop_transient_bytes"),
         passed_sum=sizes("passed_sum_bytes") if summed else None,
-        backward_transient=sizes("backward_transient_bytes"),
+        inner_backward=(
+            np.minimum(sizes("inner_backward_transient_bytes"), backward_transient)
+            if inner
+            else None
+        ),
+        backward_transient=backward_transient,
         input_unsaved=sizes("input_unsaved_bytes"),
         forward_peak=sizes("forward_peak_bytes"),
         input_grad_transient=sizes("input_grad_transient_bytes"),
@@ -381,6 +391,9 @@ def checkpointed(chain: Chain, layers: tuple[int, ...]) -> Chain:
         forward_transient=np.where(on, chain.forward_peak, chain.forward_transient),
         stop_transient=np.where(on, chain.forward_peak, chain.stop),
         backward_transient=np.where(on, again, chain.backward_transient),
+        inner_backward=(
+            None if chain.inner_backward is None else np.where(on, again, chain.inner_backward)
+        ),
         input_unsaved=np.where(
             on,
             np.where(keeps > 0, 0, chain.input_unsaved),

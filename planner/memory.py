@@ -558,12 +558,16 @@ class MemoryModel:
         n = c.num_layers
         u = self._unread()
         b = c.backward_transient.astype(np.int64)
+        inner = self._inner_backward
         held = self._held
         terms = np.full((n + 1, n + 1), np.iinfo(np.int64).min // 2, dtype=np.int64)
         for k in range(1, n + 1):
-            terms[: k - 1, k] = held[: k - 1] + b[: k - 1] - u[: k - 1, k]
+            terms[: k - 1, k] = held[: k - 1] + inner[: k - 1] - u[: k - 1, k]
             last = b[k - 1] - c.zgrad[k - 1] - u[k - 1, k]
             terms[k - 1, k] = held[k - 1] + max(int(last), 0)
+        if c.has_loss and c.inner_backward is not None:
+            # the loss's own gradient (a scalar) stays alive through the stage's backward
+            terms[: n - 1, n] += int(c.boundary[n])
         walk = np.maximum.accumulate(terms[::-1], axis=0)[::-1]  # max over l >= i, per end
         waits = self._b_waits()
         if waits:  # per start, from the last: what the layers from there on make waits too
@@ -595,7 +599,9 @@ class MemoryModel:
         b = c.backward_transient.astype(np.int64)
         held = self._held
         at = np.arange(i, k)
-        vals = (held[at] + b[at] - u[at, k]).astype(np.int64)
+        vals = (held[at] + self._inner_backward[at] - u[at, k]).astype(np.int64)
+        if k == c.num_layers and c.has_loss and c.inner_backward is not None:
+            vals += int(c.boundary[k])  # (the loss's gradient, as in _walk_table)
         vals[-1] = held[k - 1] + max(int(b[k - 1] - c.zgrad[k - 1] - u[k - 1, k]), 0)
         for start, entries in self._b_waits().items():  # (as the table's row i adds them)
             if start >= i:
@@ -619,7 +625,41 @@ class MemoryModel:
             waits.setdefault(born, []).append((born + 1, last, last + 2, n + 1, w))
         for born, a, b, w in self._received_sums():
             waits.setdefault(born, []).append((a, a + 1, a + 1, b + 1, w))
+        for earlier, later, w in self._waiting_parts():
+            waits.setdefault(earlier, []).append((later, later + 1, later + 2, n + 1, w))
         return waits
+
+    @cached_property
+    def _inner_backward(self) -> np.ndarray:
+        """Each layer's backward transient inside a stage, before its last layer: its output's
+        gradient, which the next layer's backward made, is autograd's alone and let go once
+        the nodes that read it have run (Chain.inner_backward, measured so; a stage's last
+        layer holds the gradient it pulled to the end: backward_transient). A last stage
+        read one output gradient over its plan on convolution models: found by a review."""
+        c = self.chain
+        b = c.backward_transient.astype(np.int64)
+        if c.flow is None or c.inner_backward is None:
+            return b
+        return np.minimum(c.inner_backward.astype(np.int64), b)
+
+    def _waiting_parts(self) -> list[tuple[int, int, int]]:
+        """Where a layer's backward keeps its output's gradient as an inner layer need not: it
+        reads a value that an earlier layer of the stage reads too, and its part of that value's
+        gradient waits for the earlier one's. The part may be a view of the output's gradient
+        (a concatenation's backward hands out slices), which keeps all of it: its whole
+        backward_transient counts, for stages from the earlier reader or before. (earlier
+        reader, later reader, what the layer's figure adds back)"""
+        c = self.chain
+        flow = c.flow
+        assert flow is not None
+        back = c.backward_transient.astype(np.int64) - self._inner_backward
+        out: dict[int, int] = {}  # per later reader: its latest earlier reader
+        for readers, g in zip(flow.readers, flow.grad):
+            if g:
+                for r, later in zip(readers, readers[1:]):
+                    if back[later] > 0:
+                        out[later] = max(out.get(later, -1), r)
+        return [(r, later, int(back[later])) for later, r in out.items()]
 
     def _received_sums(self) -> list[tuple[int, int, int, int]]:
         """The gradients B adds up as a new tensor, beside the part a layer's backward made:
@@ -628,19 +668,19 @@ class MemoryModel:
         that makes a skip's source and reads it next ran one such tensor over its plan under
         GPipe and 1F1B: found by a review). The reader's profile measures what the sum adds
         to its backward (Chain.passed_sum: 0 where its backward peaked before); at most the
-        value's gradient. (made at, reader, next reader: the stage ends up to there, bytes);
-        not where the next is the loss (nothing holds its part), nor for a value the stage
-        received and hands on (measured: no sum)"""
+        value's gradient. Over where nothing but the reader's saved tensors holds the value
+        and its backward lets it go before the sum is made (23% on a review's model). (made at, reader, next reader: the stage ends up to there, bytes.)
+        Not for a value the stage received and hands on: the runtime adds the two parts after
+        B has returned, when the stage's saved tensors are gone (measured: exact)."""
         c = self.chain
         flow = c.flow
         assert flow is not None
-        n = c.num_layers
         out = []
         for born, readers, w in zip(flow.born.tolist(), flow.readers, flow.nbytes * flow.grad):
             if w and born >= 0:
                 for a, b in zip(readers, readers[1:]):
                     made = int(w) if c.passed_sum is None else min(int(c.passed_sum[a]), int(w))
-                    if b < n and made:
+                    if made:
                         out.append((born, a, b, made))
         return out
 

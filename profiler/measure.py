@@ -145,8 +145,8 @@ def profile_model(
     def entry(i: int, layer: nn.Module, name: str, kind: str) -> LayerProfile:
         rows = {b: per_size[b][i] for b in sizes}
         per = {f: {b: r[f] for b, r in rows.items()} for f in PER_SIZE + LATER_PER_SIZE}
-        if not captured:  # (a chain's layer hands nothing on)
-            per["passed_sum_bytes"] = None
+        if not captured:  # (a chain's layer hands nothing on; its B is not walked by layer)
+            per["passed_sum_bytes"] = per["inner_backward_transient_bytes"] = None
         return LayerProfile(
             index=i,
             name=name,
@@ -321,6 +321,7 @@ def _measure_size(
                 weight_grad_transient_bytes=again["weight"],
                 stop_transient_bytes=again["stop"],
                 passed_sum_bytes=again["summed"],
+                inner_backward_transient_bytes=again["inner"],
             )
     try:
         timings = time_layers(
@@ -502,6 +503,7 @@ def _memory(
         "weight_grad_transient_bytes": extra["weight"],
         "stop_transient_bytes": extra["stop"],
         "passed_sum_bytes": extra["summed"],
+        "inner_backward_transient_bytes": extra["inner"],
         "packs": packs[0],
         "output_shape": [list(t.shape[1:]) for t in _tensors(out)],
         # per micro-batch as computed; the planner rounds what crosses a cut at its own size
@@ -529,6 +531,24 @@ def _strided_otherwise(v: Value, layouts: list[tuple[int, ...] | None]) -> bool:
         s is not None and s != torch.empty(0, device="meta").new_empty(t.shape).stride()
         for t, s in zip(_tensors(v), layouts)
     )
+
+
+class _Seed(torch.autograd.Function):
+    """A scalar in place of a layer's output, whose backward makes that output's gradient (ones,
+    laid out as given): held by autograd alone, as a stage's inner layer gets its output
+    gradient from the next layer's backward, and let go once the nodes that read it have run."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, stride: tuple[int, ...] | None) -> torch.Tensor:
+        ctx.like = (t.shape, stride, t.dtype, t.device)
+        return t.new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, None]:
+        shape, stride, dtype, device = ctx.like
+        if stride is None:
+            return torch.ones(shape, dtype=dtype, device=device), None
+        return torch.empty_strided(shape, stride, dtype=dtype, device=device).fill_(1), None
 
 
 class _StopForward(Exception):
@@ -583,13 +603,15 @@ def _transient(
             raise _StopForward
         return t
 
-    def forward() -> tuple[list[Any], list[tuple[torch.Size, torch.dtype]]]:
+    def forward(seed: bool = False) -> tuple[list[Any], list[tuple[torch.Size, torch.dtype]]]:
         outs = _tensors(layer(inp))
         passed[:] = [t for t in outs if id(t) in ins and t.requires_grad]
         at = [k for k, t in enumerate(outs) if t.requires_grad and id(t) not in ins]
         given = list(layouts or [])
         strides[:] = [given[k] if k < len(given) else None for k in at]
         roots = [outs[k] for k in at]
+        if seed:  # scalars whose backward makes each root's gradient (_Seed)
+            return [_Seed.apply(t, s) for t, s in zip(roots, strides)], []
         return [get_gradient_edge(t) for t in roots], [(t.shape, t.dtype) for t in roots]
 
     def ones(like: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
@@ -609,6 +631,19 @@ def _transient(
             if edges:
                 torch.autograd.backward(edges, ones(like))
         edges_made = bool(edges)
+        # again with the output's gradient held by autograd alone, as a stage's inner layer
+        # gets it (the next layer's backward makes it): let go once the nodes that read it
+        # have run (a stage's last layer holds the one it pulled to the end: the figure above)
+        for t in wrt:
+            t.grad = None
+        with owned_by("forward_seeded"):
+            seeds, _ = forward(seed=True)
+        with owned_by("inner"):
+            if seeds:
+                torch.autograd.backward(seeds)
+        del seeds
+        for t in wrt:
+            t.grad = None
         with owned_by("forward2"):
             edges, like = forward()
         # the inputs it works on: not one it only hands on, but one it reads and hands on too
@@ -670,9 +705,12 @@ def _transient(
     stop = max(peak("stop") - before("stop") - saves, 0) if packs else forward
     backward = max(peak("backward") - kept_bytes, 0) + passed_grad
     summed = 0
+    summed = 0
     if "summed" in span:  # (the held parts are in its `before`: passed_grad counts them)
         summed = max(peak("summed") - before("summed") + passed_grad - backward, 0)
+    inner = max(peak("inner") - before("inner"), 0) + passed_grad if edges_made else backward
     return {
+        "inner": min(inner, backward),
         "summed": summed,
         "stop": min(stop, forward),
         "forward": forward,

@@ -134,12 +134,24 @@ class LayerProfile(BaseModel):
         "then counts the value's whole gradient)",
     )
 
+    inner_backward_transient_bytes: dict[int, Bytes] | None = Field(
+        default=None,
+        description="a captured graph's layer: backward_transient_bytes where the output's "
+        "gradient is held by autograd alone (a stage's inner layer: the next layer's backward "
+        "made it), let go once the nodes that read it have run; absent in profiles made "
+        "before it was measured (the planner then counts backward_transient_bytes)",
+    )
+
 
 PER_SIZE = tuple(
     name for name, f in LayerProfile.model_fields.items() if get_origin(f.annotation) is dict
 )
 """The LayerProfile fields measured at every micro-batch size."""
-LATER_PER_SIZE = ("stop_transient_bytes", "passed_sum_bytes")
+LATER_PER_SIZE = (
+    "stop_transient_bytes",
+    "passed_sum_bytes",
+    "inner_backward_transient_bytes",
+)
 LATER_LAYER = ("param_tensor_bytes",)  # (not per size: left out of the file where unset too)
 """Per-size fields added since the format's version: absent (None) in older profiles."""
 
