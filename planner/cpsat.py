@@ -67,6 +67,7 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
     own = [int(c.saved[k]) * x[k][s] - int(c.shared[k]) * inner[k] for k in range(L)]
     later = _suffix(m, own, f"later{s}_", int(c.saved.sum()))
     made = [int(z[k]) * x[k][s] for k in range(L)]
+    grad_in = sum(int(c.grad_in[k]) * first[k][s] for k in range(L))  # (the stage's input's)
     before = [0] * L  # sum of made[0 .. k - 2]
     for k in range(2, L):
         var = m.new_int_var(0, int(z.sum()), f"early{s}_{k}")  # type: ignore[attr-defined]
@@ -96,7 +97,10 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
         # layer k ends the stage when k + 1 is not in it (or k is the last layer)
         ends = x[k][s] - (x[k + 1][s] if k + 1 < L else 0)
         stops.append(int(st[k]) * first[k][s] + int(st[k] + u[k]) * inner[k] - off * (1 - ends))
-        m.add(inp >= int(it[k]) * x[k][s] - before[k])  # type: ignore[attr-defined]
+        # (an inner layer's I runs before the stage's input gradient, which during_i counts,
+        # is made: the first layer's I makes it last, as the memory model counts it)
+        m.add(inp >= int(it[k]) * first[k][s])  # type: ignore[attr-defined]
+        m.add(inp >= int(it[k]) * inner[k] - before[k] - grad_in)  # type: ignore[attr-defined]
         lives.append(int(max(b[k] - z[k], 0)) * ends)
         if k + 1 < L:
             lives.append(int(b[k]) * (x[k + 1][s] + x[k][s] - 1) - later[k])
