@@ -635,7 +635,7 @@ class MemoryModel:
         gradient, which the next layer's backward made, is autograd's alone and let go once
         the nodes that read it have run (Chain.inner_backward, measured so; a stage's last
         layer holds the gradient it pulled to the end: backward_transient). A last stage
-        read one output gradient over its plan on convolution models: found by a review."""
+        read one output gradient under its plan on convolution models (a helper's trace)."""
         c = self.chain
         b = c.backward_transient.astype(np.int64)
         if c.flow is None or c.inner_backward is None:
@@ -643,8 +643,8 @@ class MemoryModel:
         return np.minimum(c.inner_backward.astype(np.int64), b)
 
     def _waiting_parts(self) -> list[tuple[int, int, int]]:
-        """Where a layer's backward keeps its output's gradient as an inner layer need not: it
-        reads a value that an earlier layer of the stage reads too, and its part of that value's
+        """Where an inner layer's backward still holds its output's gradient to the end: it reads
+        a value that an earlier layer of the stage reads too, and its part of that value's
         gradient waits for the earlier one's. The part may be a view of the output's gradient
         (a concatenation's backward hands out slices), which keeps all of it: its whole
         backward_transient counts, for stages from the earlier reader or before. (earlier
@@ -669,9 +669,10 @@ class MemoryModel:
         GPipe and 1F1B: found by a review). The reader's profile measures what the sum adds
         to its backward (Chain.passed_sum: 0 where its backward peaked before); at most the
         value's gradient. Over where nothing but the reader's saved tensors holds the value
-        and its backward lets it go before the sum is made (23% on a review's model). (made at, reader, next reader: the stage ends up to there, bytes.)
-        Not for a value the stage received and hands on: the runtime adds the two parts after
-        B has returned, when the stage's saved tensors are gone (measured: exact)."""
+        and its backward lets it go before the sum is made (23% on a review's model). Not for
+        a value the stage received and hands on: the runtime adds the two parts after B has
+        returned, when the stage's saved tensors are gone (measured: exact). (made at, reader,
+        next reader: the stage ends up to there, bytes)"""
         c = self.chain
         flow = c.flow
         assert flow is not None

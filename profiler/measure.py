@@ -705,7 +705,6 @@ def _transient(
     stop = max(peak("stop") - before("stop") - saves, 0) if packs else forward
     backward = max(peak("backward") - kept_bytes, 0) + passed_grad
     summed = 0
-    summed = 0
     if "summed" in span:  # (the held parts are in its `before`: passed_grad counts them)
         summed = max(peak("summed") - before("summed") + passed_grad - backward, 0)
     inner = max(peak("inner") - before("inner"), 0) + passed_grad if edges_made else backward
