@@ -1541,12 +1541,13 @@ class _NextAndAfter(nn.Module):
 
 @pytest.mark.parametrize("cat", [False, True])
 def test_an_inner_layers_backward_holds_no_output_gradient_autograd_has_let_go(cat):
-    """Found by a review: a layer's backward was counted with its output's gradient alive to
-    its end, as the profile held it; inside a stage the next layer's backward makes it, and
-    autograd lets it go once the nodes that read it have run, before the peak of a
-    convolution's backward. The last stage read one gradient (11%) under its plan. Now exact;
-    where the layer's part of a value's gradient waits for an earlier reader's in the same
-    stage, as a slice of that gradient (`cat`, one device), the whole figure still counts."""
+    """A layer's backward was counted with its output's gradient alive to its end, as the
+    profile held it; inside a stage the next layer's backward makes it, and autograd lets it
+    go once the nodes that read it have run, before the peak of a convolution's backward. The
+    last stage held one gradient (11%) less than its plan said (found by a helper's trace of
+    the run). Now exact; where the layer's part of a value's gradient waits for an earlier
+    reader's in the same stage, as a slice of that gradient (`cat`, one device), the whole
+    figure still counts."""
     torch.manual_seed(0)
     model = _NextAndAfter(cat)
     x = torch.randn(4, 3, 16, 16)

@@ -552,8 +552,8 @@ def test_cuts_of_the_wrong_shape_are_refused():
 def test_cpsat_counts_an_inner_layers_input_gradient_without_the_stages_own():
     """Found by the suite's random chains: CP-SAT counted an inner layer's zero-bubble I on top
     of the stage's input gradient, which the memory model (and brute force) leave out (the
-    first layer's I makes it last); here the only split at 6 ms has its last stage 2 bytes
-    under budget by the model and 9 over by CP-SAT's count, which said no split fits."""
+    first layer's I makes it last). Every split at 6 ms ends with the stage [8, 10): 156 bytes
+    of its 165 by the model, 167 by CP-SAT's count, which said no split fits."""
     from planner.cpsat import solve_partition_cpsat
 
     L = 10
