@@ -302,27 +302,37 @@ def _measure_size(
     # Inside a stage a layer's backward starts from the gradient the next layer made, laid
     # out as that layer's backward lays it out (a transposing layer hands back a transposed
     # one), not from a dense gradient: some backwards copy it into their own layout first.
-    # Where the layouts differ, the layer's transients are measured again from such a one.
-    for i, layer in enumerate(layers):
-        given = layouts.get(i + 1)
-        if given and _strided_otherwise(inputs[i + 1] if i + 1 < len(inputs) else None, given):
-            try:
-                again = _transient(layer, inputs[i], dev, "both", given, packs=rows[i]["packs"])
-            except Exception as e:
-                raise InputError(
-                    f"the model rejected a gradient at layer {i} ({type(layer).__name__}): "
-                    f"{_first_line(e)}"
-                ) from None
-            rows[i].update(
-                forward_transient_bytes=again["forward"],
-                backward_transient_bytes=again["backward"],
-                forward_peak_bytes=again["no_grad"],
-                input_grad_transient_bytes=again["input"],
-                weight_grad_transient_bytes=again["weight"],
-                stop_transient_bytes=again["stop"],
-                passed_sum_bytes=again["summed"],
-                inner_backward_transient_bytes=again["inner"],
-            )
+    # The layouts are found from the loss back, each layer's from the one its next layer got
+    # (fed a gradient laid out like its own output instead, a transpose before a convolution
+    # handed back a dense one where the run's was not: the convolution before it ran one
+    # activation over its plan). A stage's last layer gets the gradient of what it sent,
+    # laid out as the receiver's input: dense under torchrun, the output's own strides where
+    # the streams target copies it over. The layer's transients are measured again from each
+    # layout that is not dense; the inner figure is the chained layout's, the others the most.
+    for i in reversed(range(len(layers))):
+        layer, given = layers[i], layouts.get(i + 1)
+        nxt = inputs[i + 1] if i + 1 < len(inputs) else None
+        own = _own_layouts(nxt) if i + 1 < len(layers) else None
+        try:
+            layouts[i] = _input_layouts(layer, inputs[i], given or [])
+            again = {
+                name: _transient(layer, inputs[i], dev, "both", lay, packs=rows[i]["packs"])
+                for name, lay in (("chained", given), ("received", own))
+                if lay
+                and _strided_otherwise(nxt, lay)
+                and not (name == "received" and lay == given)
+            }
+        except Exception as e:
+            raise InputError(
+                f"the model rejected a gradient at layer {i} ({type(layer).__name__}): "
+                f"{_first_line(e)}"
+            ) from None
+        for key, field in _FIGURES.items():
+            if key == "inner":
+                if "chained" in again:
+                    rows[i][field] = again["chained"][key]
+            else:
+                rows[i][field] = max([rows[i][field], *(f[key] for f in again.values())])
     try:
         timings = time_layers(
             measured, inputs, dev, warmup=warmup, min_repeats=repeats, max_repeats=max_repeats,
@@ -521,6 +531,60 @@ def _memory(
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def _input_layouts(
+    layer: nn.Module, inp: Value, given: list[tuple[int, ...] | None]
+) -> list[tuple[int, ...] | None]:
+    """The strides of the gradient the layer's backward makes for each input (None: none made),
+    from output gradients laid out as `given` (dense where it says nothing)."""
+    ins = _tensors(inp)
+    wrt = [t for t in ins if t.requires_grad]
+    outs = _tensors(layer(inp))
+    at = [k for k, t in enumerate(outs) if t.requires_grad]
+    if not wrt or not at:
+        return [None] * len(ins)
+    grads = []
+    for k in at:
+        t, stride = outs[k], given[k] if k < len(given) else None
+        if stride is None or len(stride) != t.dim():
+            grads.append(torch.ones(t.shape, dtype=t.dtype, device=t.device))
+        else:
+            grads.append(torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device))
+            grads[-1].fill_(1)
+    made = torch.autograd.grad([outs[k] for k in at], wrt, grads, allow_unused=True)
+    by = {id(t): g for t, g in zip(wrt, made)}
+    return [by[id(t)].stride() if by.get(id(t)) is not None else None for t in ins]
+
+
+_FIGURES = {  # _transient's figures, as a profile's row names them
+    "forward": "forward_transient_bytes",
+    "backward": "backward_transient_bytes",
+    "no_grad": "forward_peak_bytes",
+    "input": "input_grad_transient_bytes",
+    "weight": "weight_grad_transient_bytes",
+    "stop": "stop_transient_bytes",
+    "summed": "passed_sum_bytes",
+    "inner": "inner_backward_transient_bytes",
+}
+
+
+def _own_layouts(v: Value) -> list[tuple[int, ...] | None] | None:
+    """Each tensor's strides where a copy keeps them (non-overlapping and dense), else None."""
+    if v is None:
+        return None
+    return [t.stride() if _dense_strides(t) else None for t in _tensors(v)]
+
+
+def _dense_strides(t: torch.Tensor) -> bool:
+    """Whether t's elements fill its storage span once each, in some order of dimensions."""
+    dims = sorted((st, n) for st, n in zip(t.stride(), t.shape) if n != 1)
+    expected = 1
+    for st, n in dims:
+        if st != expected:
+            return False
+        expected *= n
+    return True
 
 
 def _strided_otherwise(v: Value, layouts: list[tuple[int, ...] | None]) -> bool:
