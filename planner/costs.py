@@ -93,8 +93,8 @@ class Chain:
     # beyond backward_transient where that value's gradient from a later stage is held apart,
     # their sum (MemoryModel._received_sums; None: not in the profile, the whole gradient)
     passed_sum: np.ndarray | None = None
-    # a captured graph's layer's backward_transient where its output's gradient is autograd's
-    # alone (a stage's inner layer: MemoryModel._walk_table; None: not in the profile)
+    # a layer's backward_transient where its output's gradient is autograd's alone (a stage's
+    # inner layer: MemoryModel._inner_backward; None: not in the profile)
     inner_backward: np.ndarray | None = None
     # each entry's trainable parameter tensors (bytes), in the order an optimizer steps them
     # (None: not in the profile), and what the step of one still holds while the next is
@@ -230,7 +230,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
     saved = sizes("saved_bytes")
     backward_transient = sizes("backward_transient_bytes")
     summed = profile.captured and all(x.passed_sum_bytes is not None for x in layers)
-    inner = profile.captured and all(x.inner_backward_transient_bytes is not None for x in layers)
+    inner = all(x.inner_backward_transient_bytes is not None for x in layers)
     boundary = np.concatenate([[profile.input_bytes], table.fixed("output_bytes")]) * mb
     boundary = -(-boundary // unit) * unit  # rounded up to the allocator's blocks
     n = len(layers)

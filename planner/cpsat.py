@@ -63,6 +63,7 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
     outside the stage gives a bound of at most 0."""
     f, b, u, z, it = (c.forward_transient, c.backward_transient, c.input_unsaved, c.zgrad,
                       c.input_grad_transient)  # fmt: skip
+    ib, sc = _inner(c)
     inner = [x[k][s] - first[k][s] for k in range(L)]
     own = [int(c.saved[k]) * x[k][s] - int(c.shared[k]) * inner[k] for k in range(L)]
     later = _suffix(m, own, f"later{s}_", int(c.saved.sum()))
@@ -101,12 +102,27 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
         # is made: the first layer's I makes it last, as the memory model counts it)
         m.add(inp >= int(it[k]) * first[k][s])  # type: ignore[attr-defined]
         m.add(inp >= int(it[k]) * inner[k] - before[k] - grad_in)  # type: ignore[attr-defined]
-        lives.append(int(max(b[k] - z[k], 0)) * ends)
-        if k + 1 < L:
-            lives.append(int(b[k]) * (x[k + 1][s] + x[k][s] - 1) - later[k])
+        # (as if k ended it, though a later layer does: the most over shorter ends too, as the
+        # model's, whose totals grow with the end)
+        lives.append(int(max(b[k] - z[k], 0)) * x[k][s] - later[k])
+        if k + 1 < L:  # an inner layer's, its output gradient autograd's alone
+            lives.append(int(ib[k]) * (x[k + 1][s] + x[k][s] - 1) - later[k])
+            if sc:  # (on the loss's stage: its scalar gradient beside it)
+                lives.append(int(ib[k] + sc) * (x[k + 1][s] + x[k][s] + x[L - 1][s] - 2) - later[k])
     m.add_max_equality(live, lives)  # type: ignore[attr-defined]
     m.add_max_equality(stop, stops)  # type: ignore[attr-defined]
     return live, remat, inp, later, stop
+
+
+def _inner(c: Chain) -> tuple[np.ndarray, int]:
+    """Each layer's backward inside a stage, its output gradient autograd's alone, and the
+    loss's scalar gradient beside the inner layers of its stage (MemoryModel._inner_backward,
+    _loss_grad)."""
+    b = c.backward_transient.astype(np.int64)
+    if c.inner_backward is None:
+        return b, 0
+    sc = int(c.boundary[-1]) if c.has_loss else 0
+    return np.minimum(c.inner_backward.astype(np.int64), b), sc
 
 
 def _tight_pulled(m: object, c: Chain, x: list, first: list, s: int, L: int, S: object,
@@ -120,6 +136,7 @@ def _tight_pulled(m: object, c: Chain, x: list, first: list, s: int, L: int, S: 
     and holds a layer l's whole forward peak (the first layer's without its input) beside the
     output gradient of a later layer, or k's peak up to its last save beside its own."""
     b, z, f, u, st = c.backward_transient, c.zgrad, c.forward_transient, c.input_unsaved, c.stop
+    ib, sc = _inner(c)
     top = int(c.saved.sum()) + int(np.maximum(b, f + u).max()) + 2 * int(z.max()) + int(b.max()) + 1
     whole = m.new_int_var(0, top, f"bwhole{s}")  # type: ignore[attr-defined]
     before = forward = None  # the largest backward before k, forward up to k, in the stage
@@ -141,10 +158,11 @@ def _tight_pulled(m: object, c: Chain, x: list, first: list, s: int, L: int, S: 
         if k == 0:
             continue
         var = m.new_int_var(0, top, f"bwd{s}_{k}")  # type: ignore[attr-defined]
-        m.add(var >= S - later[k - 1] + int(b[k - 1])).only_enforce_if(inner)  # type: ignore[attr-defined]
+        m.add(var >= S - later[k - 1] + int(ib[k - 1])).only_enforce_if(inner)  # type: ignore[attr-defined]
         if before is not None:
             m.add(var >= before).only_enforce_if(inner)  # type: ignore[attr-defined]
-        m.add(whole >= var + int(z[k])).only_enforce_if(inner)  # type: ignore[attr-defined]
+        pulled = int(z[k]) + (sc if k == L - 1 else 0)  # (the loss's: its scalar gradient too)
+        m.add(whole >= var + pulled).only_enforce_if(inner)  # type: ignore[attr-defined]
         before = var
     if remat is None:
         return whole - S - live

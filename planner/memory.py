@@ -505,7 +505,9 @@ class MemoryModel:
 
     @cached_property
     def _backward(self) -> _RangeMax:
-        return _RangeMax(self._held + self.chain.backward_transient)
+        """A chain's layers before its stage's last: each one's output gradient is autograd's
+        alone (_inner_backward)."""
+        return _RangeMax(self._held + self._inner_backward)
 
     @cached_property
     def _ends_b(self) -> _RangeMax:
@@ -516,7 +518,19 @@ class MemoryModel:
 
     @cached_property
     def _pairs_b(self) -> _PairMax:
-        return _PairMax(self._held + self.chain.backward_transient, self.chain.zgrad)
+        """An inner layer l's backward beside the gradient a later m pulled, l < m (with the
+        loss's scalar gradient where m is the loss: _loss_grad)."""
+        pulled = self.chain.zgrad.astype(np.int64).copy()
+        pulled[-1] += self._loss_grad
+        return _PairMax(self._held + self._inner_backward, pulled)
+
+    @cached_property
+    def _loss_grad(self) -> int:
+        """The loss's own gradient (a scalar), alive through its stage's backward: what an inner
+        layer's figure, whose output gradient autograd lets go, leaves out (0 where the
+        profile has no such figure: each layer's then holds its own output's gradient)."""
+        c = self.chain
+        return int(c.boundary[-1]) if c.has_loss and c.inner_backward is not None else 0
 
     @cached_property
     def _inner_remat(self) -> _RangeMax:
@@ -565,9 +579,8 @@ class MemoryModel:
             terms[: k - 1, k] = held[: k - 1] + inner[: k - 1] - u[: k - 1, k]
             last = b[k - 1] - c.zgrad[k - 1] - u[k - 1, k]
             terms[k - 1, k] = held[k - 1] + max(int(last), 0)
-        if c.has_loss and c.inner_backward is not None:
-            # the loss's own gradient (a scalar) stays alive through the stage's backward
-            terms[: n - 1, n] += int(c.boundary[n])
+        # the loss's own gradient (a scalar) stays alive through the stage's backward
+        terms[: n - 1, n] += self._loss_grad
         walk = np.maximum.accumulate(terms[::-1], axis=0)[::-1]  # max over l >= i, per end
         waits = self._b_waits()
         if waits:  # per start, from the last: what the layers from there on make waits too
@@ -576,7 +589,10 @@ class MemoryModel:
                 for lo, hi, first, past, w in waits.get(i, ()):
                     waiting[lo:hi, first:past] += w
                 walk[i] = np.max(terms[i:] + waiting[i:], axis=0)
-        walk = np.maximum(walk - np.concatenate([[0], held])[None, :], 0)
+        ends = np.concatenate([[0], held])[None, :]
+        if c.flow is None:  # (a chain's, the most over the stage's shorter ends: _ends_last)
+            walk = np.maximum.accumulate(np.maximum(walk, ends), axis=1)
+        walk = np.maximum(walk - ends, 0)
         walk.setflags(write=False)
         return walk
 
@@ -600,8 +616,8 @@ class MemoryModel:
         held = self._held
         at = np.arange(i, k)
         vals = (held[at] + self._inner_backward[at] - u[at, k]).astype(np.int64)
-        if k == c.num_layers and c.has_loss and c.inner_backward is not None:
-            vals += int(c.boundary[k])  # (the loss's gradient, as in _walk_table)
+        if k == c.num_layers:
+            vals += self._loss_grad  # (as in _walk_table)
         vals[-1] = held[k - 1] + max(int(b[k - 1] - c.zgrad[k - 1] - u[k - 1, k]), 0)
         for start, entries in self._b_waits().items():  # (as the table's row i adds them)
             if start >= i:
@@ -638,7 +654,7 @@ class MemoryModel:
         read one output gradient under its plan on convolution models (a helper's trace)."""
         c = self.chain
         b = c.backward_transient.astype(np.int64)
-        if c.flow is None or c.inner_backward is None:
+        if c.inner_backward is None:
             return b
         return np.minimum(c.inner_backward.astype(np.int64), b)
 
@@ -893,9 +909,19 @@ class MemoryModel:
         says where one is pulled)."""
         if self._walk is not None:
             return self._walk[i, j]
-        last = self._held[j - 1]
-        before = np.where(j - i > 1, self._backward(i, np.maximum(j - 1, i + 1)) - last, 0)
-        return np.maximum(np.maximum(before, 0), self._last_backward[j - 1])
+        inner = self._backward(i, np.maximum(j - 1, i + 1))
+        inner = inner + np.where(j == self.chain.num_layers, self._loss_grad, 0)
+        most = np.maximum(np.where(j - i > 1, inner, 0), self._ends_last(i, j))
+        return np.maximum(most - self._held[j - 1], 0)
+
+    @cached_property
+    def _ends_last(self) -> _RangeMax:
+        """A chain's B as if each layer ended the stage (its output gradient held to the end,
+        less the pulled part): `live` takes the most over the stage's shorter ends too, so that
+        a stage's total never shrinks as it takes another layer (an inner layer's figure,
+        whose output gradient autograd lets go, may be below its own as the last one's; the
+        split's exactness rests on totals that grow with the end)."""
+        return _RangeMax(self._held + self._last_backward)
 
     def _ranges(self, i: np.ndarray, j: np.ndarray) -> tuple[_Spots, _Spots, np.ndarray]:
         """The table spots of [i, j) and of (i, j) (the layers after the first), and where

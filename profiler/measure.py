@@ -145,8 +145,8 @@ def profile_model(
     def entry(i: int, layer: nn.Module, name: str, kind: str) -> LayerProfile:
         rows = {b: per_size[b][i] for b in sizes}
         per = {f: {b: r[f] for b, r in rows.items()} for f in PER_SIZE + LATER_PER_SIZE}
-        if not captured:  # (a chain's layer hands nothing on; its B is not walked by layer)
-            per["passed_sum_bytes"] = per["inner_backward_transient_bytes"] = None
+        if not captured:  # (a chain's layer hands nothing on)
+            per["passed_sum_bytes"] = None
         return LayerProfile(
             index=i,
             name=name,

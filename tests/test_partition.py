@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import itertools
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -42,11 +43,13 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
         # B holds the output gradient it pulled (zgrad[j - 1]) beside its activations and its
         # transient (a recomputed one: the larger of its own and its forward's); raised to
         # what a shorter stage from i holds so, where that is more
-        def transient(k: int) -> int:
-            return max(_backward_live(c, i, k), _stop(c, i, k) if kind == "paired" else 0)
+        # (each shorter stage's B as it walks, not raised to its own shorter ones: B's whole
+        # grows with the end through this maximum)
+        def transient(k: int, walk: Callable[[Chain, int, int], int] = _walked) -> int:
+            return max(walk(c, i, k), _stop(c, i, k) if kind == "paired" else 0)
 
         P = max(_held(c, i, k) + int(c.zgrad[k - 1]) + transient(k)
-                for k in range(i + 1, j + 1)) - S - transient(j)  # fmt: skip
+                for k in range(i + 1, j + 1)) - S - transient(j, _backward_live)  # fmt: skip
     loss = int(c.loss_saved[i:j].sum())  # the loss's own: it goes with I, before W
     states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + (X - Xs if G else 0) - lent, G, P,
               0, 0]  # fmt: skip
@@ -73,11 +76,22 @@ def _held(c: Chain, i: int, j: int) -> int:
 
 
 def _backward_live(c: Chain, i: int, j: int) -> int:
-    """Each layer's backward, less what the layers after it saved; the last one's without the
-    output gradient B pulls (zgrad: where it does)."""
+    """B's walk (_walked), the most over the stage's shorter ends too, so that its total grows
+    with the end."""
+    return max(_held(c, i, k) + _walked(c, i, k) for k in range(i + 1, j + 1)) - _held(c, i, j)
+
+
+def _walked(c: Chain, i: int, j: int) -> int:
+    """Each layer's backward, less what the layers after it saved: the stage's inner layers'
+    with their output gradient autograd's alone (inner_backward, where the profile has it,
+    and then on the loss's stage with the loss's scalar gradient beside them), the last one's
+    without the output gradient B pulls (zgrad: where it does)."""
     b = c.backward_transient
+    inner = b if c.inner_backward is None else np.minimum(c.inner_backward, b)
+    loss = c.inner_backward is not None and c.has_loss and j == c.num_layers
+    scalar = int(c.boundary[-1]) if loss else 0
     later = [int(c.saved[k + 1 : j].sum()) - int(c.shared[k + 1 : j].sum()) for k in range(i, j)]
-    back = [int(b[k]) - later[k - i] for k in range(i, j - 1)]
+    back = [int(inner[k]) + scalar - later[k - i] for k in range(i, j - 1)]
     return max([0, *back, max(int(b[j - 1] - c.zgrad[j - 1]), 0)])
 
 
@@ -209,6 +223,10 @@ def problems(draw):
     has_loss = L > 1 and draw(st.booleans())
     if has_loss:
         loss_saved[-1] = saved[-1] - shared[-1]
+    backward_transient = ints(0, 30, L)
+    # an inner layer's backward, its output gradient autograd's alone (at most the figure with
+    # it held), or none in the profile
+    inner = np.minimum(ints(0, 30, L), backward_transient) if draw(st.booleans()) else None
     chain = make_chain(
         L,
         forward=ints(1, 9, L).astype(float),
@@ -223,7 +241,8 @@ def problems(draw):
         input_saved=np.minimum(ints(0, 25, L), boundary[:L]),
         forward_transient=ints(0, 30, L),
         stop_transient=ints(0, 30, L) if draw(st.booleans()) else None,
-        backward_transient=ints(0, 30, L),
+        backward_transient=backward_transient,
+        inner_backward=inner,
         input_unsaved=ints(0, 15, L),
         forward_peak=ints(0, 30, L),
         input_grad_transient=ints(0, 30, L),
