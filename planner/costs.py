@@ -96,6 +96,10 @@ class Chain:
     # a layer's backward_transient where its output's gradient is autograd's alone (a stage's
     # inner layer: MemoryModel._inner_backward; None: not in the profile)
     inner_backward: np.ndarray | None = None
+    # whether a layer's outputs are views of its input and it saves nothing (None: not in the
+    # profile): a stage opening with such layers holds its input once where the first layer
+    # past them saves a view of it (MemoryModel.input_saved)
+    views: np.ndarray | None = None
     # each entry's trainable parameter tensors (bytes), in the order an optimizer steps them
     # (None: not in the profile), and what the step of one still holds while the next is
     # stepped, per byte of the one before and relative to the step's own per byte (the
@@ -282,11 +286,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         forward_transient=sizes("forward_transient_bytes"),
         stop_transient=sizes("stop_transient_bytes"),
         passed_sum=sizes("passed_sum_bytes") if summed else None,
-        inner_backward=(
-            np.minimum(sizes("inner_backward_transient_bytes"), backward_transient)
-            if inner
-            else None
-        ),
+        inner_backward=sizes("inner_backward_transient_bytes") if inner else None,
         backward_transient=backward_transient,
         input_unsaved=sizes("input_unsaved_bytes"),
         forward_peak=sizes("forward_peak_bytes"),
@@ -297,6 +297,11 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         boundary=boundary,
         num_model_layers=L,
         flow=Flow.of(profile.layers, n > L, mb, unit) if profile.captured else None,
+        views=(
+            np.array([bool(x.views_input) for x in layers])
+            if any(x.views_input for x in layers)
+            else None
+        ),
         tied=tuple((t.bytes, tuple(t.layers)) for t in profile.tied) if ties else (),
         borrowed_input=profile.device.split(":")[0] == "cpu",
         last_grad=int(kept[L - 1]) if n == L and trains[L - 1] else 0,
@@ -394,6 +399,7 @@ def checkpointed(chain: Chain, layers: tuple[int, ...]) -> Chain:
         inner_backward=(
             None if chain.inner_backward is None else np.where(on, again, chain.inner_backward)
         ),
+        views=None if chain.views is None else chain.views & ~on,
         input_unsaved=np.where(
             on,
             np.where(keeps > 0, 0, chain.input_unsaved),

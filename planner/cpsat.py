@@ -114,6 +114,30 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
     return live, remat, inp, later, stop
 
 
+def _input_saved(m: object, c: Chain, x: list, first: list, s: int, L: int) -> list:
+    """Per layer k, the part of stage s's input its layers save where k opens it (0 where k
+    does not): k's own, or through the layers after it that only make views (Chain.views), the
+    most any of them or the first past them saves, as far as the stage reaches (each step up,
+    where layer q is in the stage too: `reach` at most both, the solver free to raise it)."""
+    cap = np.maximum(c.input_saved - c.shared, 0).astype(np.int64)  # (MemoryModel._alias_saved)
+    out = []
+    for k in range(L):
+        most = int(min(c.input_saved[k], c.boundary[k]))
+        terms = [most * first[k][s]]
+        q = k
+        while c.views is not None and c.views[q] and q + 1 < L:
+            q += 1
+            gain = int(min(cap[q], c.boundary[k])) - most
+            if gain > 0:
+                reach = m.new_bool_var(f"xs{s}_{k}_{q}")  # type: ignore[attr-defined]
+                m.add_implication(reach, first[k][s])  # type: ignore[attr-defined]
+                m.add_implication(reach, x[q][s])  # type: ignore[attr-defined]
+                terms.append(gain * reach)
+                most += gain
+        out.append(sum(terms))
+    return out
+
+
 def _inner(c: Chain) -> tuple[np.ndarray, int]:
     """Each layer's backward inside a stage, its output gradient autograd's alone, and the
     loss's scalar gradient beside the inner layers of its stage (MemoryModel._inner_backward,
@@ -122,7 +146,7 @@ def _inner(c: Chain) -> tuple[np.ndarray, int]:
     if c.inner_backward is None:
         return b, 0
     sc = int(c.boundary[-1]) if c.has_loss else 0
-    return np.minimum(c.inner_backward.astype(np.int64), b), sc
+    return c.inner_backward.astype(np.int64), sc
 
 
 def _tight_pulled(m: object, c: Chain, x: list, first: list, s: int, L: int, S: object,
@@ -188,12 +212,12 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
     if c.borrowed_input:  # stage 0 on the caller's micro-batch: none of it is the stage's
         held[0] = 0
     X = over(held, first)
-    Xs = sum(int(min(c.input_saved[k], c.boundary[k])) * first[k][s] for k in range(L))
-    lent = int(min(c.input_saved[0], c.boundary[0])) * first[0][s] if c.borrowed_input else 0
+    opened = _input_saved(m, c, x, first, s, L)  # per opening layer k: Xs where k opens s
+    Xs = sum(opened)
+    lent = opened[0] if c.borrowed_input else 0
     S = over(c.saved, x) - sum(int(c.shared[k]) * inner[k][0] for k in range(L) if c.shared[k])
     Z = over(c.zgrad, x) + int(c.last_grad) * x[L - 1][s]  # (last_grad: the last stage's)
     G = over(c.grad_in, first)
-    unsaved = np.where(c.grad_in > 0, c.boundary[:L] - np.minimum(c.input_saved, c.boundary[:L]), 0)
 
     def largest(first_values: np.ndarray, inner_values: np.ndarray, name: str) -> object:
         top = int(max(first_values.max(), inner_values.max(), 0))
@@ -213,7 +237,9 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
         pulled = largest(c.zgrad, c.zgrad, "pulled")
     # (early and late: 0, a chain has no routes past the next stage)
     loss = over(c.loss_saved, x)
-    states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + over(unsaved, first) - lent, G,
+    # (W's graph holds the input, where it needs a gradient: all but what the stage saves)
+    unsaved = sum(int(c.boundary[k]) * first[k][s] - opened[k] for k in range(L) if c.grad_in[k])
+    states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + unsaved - lent, G,
               pulled, 0, 0]  # fmt: skip
 
     transients = [

@@ -11,7 +11,9 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
                                        layers read, each from the stage that made it (routing.py)
     E   = the part of X sent by a stage before the previous one: it arrives earlier (`early`),
           and its gradient (the floating part) leaves later (`late`), at that stage's backward
-    Xs  = input_saved[i]               the part of X that layer i saves itself
+    Xs  = input_saved[i]               the part of X that layer i saves itself (or, where
+                                       layers i.. only make views of it, the most that one of
+                                       them or the first layer past them saves: input_saved)
     S   = sum saved[i:j] - sum shared[i+1:j]    what its layers save, each tensor once
     Z   = sum zgrad[i:j]               zero bubble: the gradients kept from I to W (every inner
                                        layer output's, and the stage output's; + last_grad on
@@ -656,7 +658,7 @@ class MemoryModel:
         b = c.backward_transient.astype(np.int64)
         if c.inner_backward is None:
             return b
-        return np.minimum(c.inner_backward.astype(np.int64), b)
+        return c.inner_backward.astype(np.int64)
 
     def _waiting_parts(self) -> list[tuple[int, int, int]]:
         """Where an inner layer's backward still holds its output's gradient to the end: it reads
@@ -668,7 +670,7 @@ class MemoryModel:
         c = self.chain
         flow = c.flow
         assert flow is not None
-        back = c.backward_transient.astype(np.int64) - self._inner_backward
+        back = np.maximum(c.backward_transient.astype(np.int64) - self._inner_backward, 0)
         out: dict[int, int] = {}  # per later reader: its latest earlier reader
         for readers, g in zip(flow.readers, flow.grad):
             if g:
@@ -923,6 +925,44 @@ class MemoryModel:
         split's exactness rests on totals that grow with the end)."""
         return _RangeMax(self._held + self._last_backward)
 
+    def input_saved(self, i: np.ndarray | int, j: np.ndarray | int) -> np.ndarray:
+        """The part of the stage [i, j)'s input that its layers save (Xs, before the cap at X):
+        its first layer's, or, where that layer and those after it only make views of the input
+        (Chain.views), the most any layer through the first that does not saves of its own
+        input, a view of the stage's (a transpose, then a convolution: the stage holds the
+        input once, where it was counted twice: 38% over on a review's model), less what it
+        shares with a layer before (_alias_saved: `shared` has taken that off already)."""
+        i = np.atleast_1d(np.asarray(i, dtype=np.int64))
+        j = np.atleast_1d(np.asarray(j, dtype=np.int64))
+        c = self.chain
+        own = c.input_saved[i].astype(np.int64)
+        if c.views is None:
+            return own
+        last = np.minimum(self._views_end[i], j - 1)
+        after = self._alias_saved(np.minimum(i + 1, last), np.maximum(last + 1, i + 1))
+        return np.maximum(own, np.where(last > i, after, 0))
+
+    @cached_property
+    def _views_end(self) -> np.ndarray:
+        """Per layer l, the first layer from l on that is no view (Chain.views): its input is
+        still a view of l's."""
+        views = self.chain.views
+        assert views is not None
+        end = np.arange(self.chain.num_layers, dtype=np.int64)
+        for k in range(len(end) - 2, -1, -1):
+            if views[k]:
+                end[k] = end[k + 1]
+        return end
+
+    @cached_property
+    def _alias_saved(self) -> _RangeMax:
+        """What each layer saves of its input beyond what it shares with those before it (a
+        flatten's output a linear layer saves, that the ReLU before the flatten saved too, is
+        in `shared`: a stage opening at the flatten takes it off its saved bytes already, and
+        ran 460 bytes over its plan where it was taken off the input too)."""
+        c = self.chain
+        return _RangeMax(np.maximum(c.input_saved - c.shared, 0))
+
     def _ranges(self, i: np.ndarray, j: np.ndarray) -> tuple[_Spots, _Spots, np.ndarray]:
         """The table spots of [i, j) and of (i, j) (the layers after the first), and where
         the latter has any: what state_bytes' range maxima share (every table is n wide)."""
@@ -972,7 +1012,7 @@ class MemoryModel:
             "input", "activations", "during_i", "between_iw", "grad", "early", "late", "input_saved"
         ):
             x, g, early, late = self.inputs(i, j, None if start is None else np.atleast_1d(start))
-            xs = np.minimum(c.input_saved[i].astype(np.int64), x)
+            xs = np.minimum(self.input_saved(i, j), x)
             # stage 0 on the caller's own micro-batch (Chain.borrowed_input): not the
             # pipeline's to hold, nor the part of it the first layer saves
             lent = (i == 0) & c.borrowed_input
@@ -1417,7 +1457,7 @@ class MemoryModel:
             prefix = self._guess_prefix[key] = self.weights(shape.optimizer_slots) + many * saved
         room = int(prefix[start]) + budget - shape.reserved
         if start == 0 and self.chain.borrowed_input:  # (the part of the caller's micro-batch
-            room += many * int(self.chain.input_saved[0])  # the first layer saves: not held)
+            room += many * int(self.input_saved(0, n)[0])  # its layers save: not held)
         return max(start, min(n, int(np.searchsorted(prefix, room, side="right")) - 1))
 
     def weights(self, optimizer_slots: int) -> np.ndarray:

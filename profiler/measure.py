@@ -165,6 +165,7 @@ def profile_model(
             crossing_grad=first[i]["crossing_grad"] if hasattr(layer, "crossing") else [],
             reads=list(layer.reads) if hasattr(layer, "reads") else None,
             passed_bytes=first[i]["passed_bytes"] // sizes[0],
+            views_input=all(per_size[b][i]["views"] for b in sizes),
             param_tensor_bytes=[
                 _alloc(p.numel() * p.element_size(), dev)
                 for p in layer.parameters()
@@ -308,7 +309,8 @@ def _measure_size(
     # activation over its plan). A stage's last layer gets the gradient of what it sent,
     # laid out as the receiver's input: dense under torchrun, the output's own strides where
     # the streams target copies it over. The layer's transients are measured again from each
-    # layout that is not dense; the inner figure is the chained layout's, the others the most.
+    # layout that is not dense: the inner figure is the chained layout's, the last layer's
+    # backward the most of the received ones', the others the most of all.
     for i in reversed(range(len(layers))):
         layer, given = layers[i], layouts.get(i + 1)
         nxt = inputs[i + 1] if i + 1 < len(inputs) else None
@@ -332,7 +334,10 @@ def _measure_size(
                 if "chained" in again:
                     rows[i][field] = again["chained"][key]
             else:
-                rows[i][field] = max([rows[i][field], *(f[key] for f in again.values())])
+                got = [
+                    f[key] for name, f in again.items() if key != "backward" or name != "chained"
+                ]
+                rows[i][field] = max([rows[i][field], *got])
     try:
         timings = time_layers(
             measured, inputs, dev, warmup=warmup, min_repeats=repeats, max_repeats=max_repeats,
@@ -520,6 +525,11 @@ def _memory(
         "output_bytes": sum(t.numel() * t.element_size() for t in _tensors(out)),
         "crossing_bytes": [t.numel() * t.element_size() for t in _tensors(out)],
         "crossing_grad": [t.is_floating_point() for t in _tensors(out)],
+        # its outputs are its input's storage (views, or the input handed on) and it saves
+        # nothing: a later layer that saves one saves the stage's input, where a stage opens here
+        "views": bool(_tensors(out))
+        and not saved
+        and all(_storage(t) in in_ptrs for t in _tensors(out)),
         "passed_bytes": sum(
             t.numel() * t.element_size()
             for t in _tensors(out)

@@ -51,7 +51,8 @@ class LayerProfile(BaseModel):
     of this layer's input that it saves itself. `forward_transient_bytes` and
     `backward_transient_bytes` are the most the layer allocates beyond what it keeps saved while
     its forward, or its backward, runs: its output, gradients, temporaries, and the temporary
-    weight gradient added into an existing .grad. `input_unsaved_bytes` is the part of its input
+    weight gradient added into an existing .grad (the backward's from its output's gradient laid
+    out as a stage's last layer receives it). `input_unsaved_bytes` is the part of its input
     that neither it nor the layer before saves: inside a stage, alive only while its forward
     runs. `forward_peak_bytes` is the most its forward allocates when nothing is kept for backward
     (how a recomputed stage runs its forward). `input_grad_transient_bytes` and
@@ -125,6 +126,14 @@ class LayerProfile(BaseModel):
         "forward)",
     )
 
+    views_input: bool | None = Field(
+        default=None,
+        description="whether its outputs are views of its input (or its input itself) and it "
+        "saves nothing: a stage that opens with it holds its input once where a later layer "
+        "saves such a view; absent in profiles made before it was recorded (the planner then "
+        "counts the two apart)",
+    )
+
     passed_sum_bytes: dict[int, Bytes] | None = Field(
         default=None,
         description="a captured graph's layer that reads a value and hands it on: what its "
@@ -136,10 +145,11 @@ class LayerProfile(BaseModel):
 
     inner_backward_transient_bytes: dict[int, Bytes] | None = Field(
         default=None,
-        description="a captured graph's layer: backward_transient_bytes where the output's "
+        description="backward_transient_bytes where the output's "
         "gradient is held by autograd alone (a stage's inner layer: the next layer's backward "
-        "made it), let go once the nodes that read it have run; absent in profiles made "
-        "before it was measured (the planner then counts backward_transient_bytes)",
+        "made it, laid out as that backward lays it out), let go once the nodes that read it "
+        "have run; absent in profiles made before it was measured (the planner then counts "
+        "backward_transient_bytes)",
     )
 
 
@@ -152,7 +162,10 @@ LATER_PER_SIZE = (
     "passed_sum_bytes",
     "inner_backward_transient_bytes",
 )
-LATER_LAYER = ("param_tensor_bytes",)  # (not per size: left out of the file where unset too)
+LATER_LAYER = (
+    "param_tensor_bytes",
+    "views_input",
+)  # (not per size: left out of the file where unset too)
 """Per-size fields added since the format's version: absent (None) in older profiles."""
 
 

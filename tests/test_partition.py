@@ -25,7 +25,7 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     # the trainable parameters: a gradient and slots each (read from the field, not from the
     # model's own Chain.grads, found by a cold review: the same property on both sides)
     p = int((c.params if c.trainable is None else c.trainable)[i:j].sum())
-    X, Xs = int(c.boundary[i]), min(int(c.input_saved[i]), int(c.boundary[i]))
+    X, Xs = int(c.boundary[i]), min(_input_saved(c, i, j), int(c.boundary[i]))
     lent = Xs if i == 0 and c.borrowed_input else 0  # the caller's micro-batch, not the stage's
     X = 0 if i == 0 and c.borrowed_input else X
     S = int(c.saved[i:j].sum()) - int(c.shared[i + 1 : j].sum())
@@ -70,6 +70,17 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     )  # fmt: skip
 
 
+def _input_saved(c: Chain, i: int, j: int) -> int:
+    """What the stage's layers save of its input: the first's, or while layers only make views
+    of it, the most that one of them or the first layer past them saves (less what it shares
+    with the layer before: S leaves that out)."""
+    last = i
+    while c.views is not None and c.views[last] and last + 1 < j:
+        last += 1
+    after = [int(c.input_saved[k] - c.shared[k]) for k in range(i + 1, last + 1)]
+    return max([int(c.input_saved[i]), *after])
+
+
 def _held(c: Chain, i: int, j: int) -> int:
     """What the layers of [i, j) save, each tensor once."""
     return int(c.saved[i:j].sum()) - int(c.shared[i + 1 : j].sum())
@@ -87,7 +98,7 @@ def _walked(c: Chain, i: int, j: int) -> int:
     and then on the loss's stage with the loss's scalar gradient beside them), the last one's
     without the output gradient B pulls (zgrad: where it does)."""
     b = c.backward_transient
-    inner = b if c.inner_backward is None else np.minimum(c.inner_backward, b)
+    inner = b if c.inner_backward is None else c.inner_backward
     loss = c.inner_backward is not None and c.has_loss and j == c.num_layers
     scalar = int(c.boundary[-1]) if loss else 0
     later = [int(c.saved[k + 1 : j].sum()) - int(c.shared[k + 1 : j].sum()) for k in range(i, j)]
@@ -224,9 +235,9 @@ def problems(draw):
     if has_loss:
         loss_saved[-1] = saved[-1] - shared[-1]
     backward_transient = ints(0, 30, L)
-    # an inner layer's backward, its output gradient autograd's alone (at most the figure with
-    # it held), or none in the profile
-    inner = np.minimum(ints(0, 30, L), backward_transient) if draw(st.booleans()) else None
+    # an inner layer's backward, its output gradient autograd's alone (measured from another
+    # layout than the last layer's figure: either may be the larger), or none in the profile
+    inner = ints(0, 30, L) if draw(st.booleans()) else None
     chain = make_chain(
         L,
         forward=ints(1, 9, L).astype(float),
@@ -243,6 +254,10 @@ def problems(draw):
         stop_transient=ints(0, 30, L) if draw(st.booleans()) else None,
         backward_transient=backward_transient,
         inner_backward=inner,
+        # layers that only make views of their input (a transpose, a flatten), or none known
+        views=np.array(draw(st.lists(st.booleans(), min_size=L, max_size=L)))
+        if draw(st.booleans())
+        else None,
         input_unsaved=ints(0, 15, L),
         forward_peak=ints(0, 30, L),
         input_grad_transient=ints(0, 30, L),

@@ -1,0 +1,137 @@
+"""Predicted against measured peak memory, per device, on small convolution chains whose plans
+were off by an activation (issue #7): a transpose before a 1x1 convolution (the gradient's
+layout), convolution, norm and ReLU blocks (an inner layer's output gradient, let go by
+autograd), and a flatten and an unflatten between convolutions (a stage that opens with views
+of its input). Each under GPipe, 1F1B and zero bubble, on one to three devices.
+
+Each checkout profiles, plans and measures with its own code (`Pipe.measure`, the streams
+target: the allocator's own reports per stage). Layer times are evened out after profiling, so
+that the splits follow the structure alone and are the same on both sides.
+
+    python benchmarks/layout_bench.py [--baseline CHECKOUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+ROOT = Path(os.environ.get("GPIPE_ROOT", Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+SCHEDULES = ["gpipe", "1f1b", "zb-h1"]
+
+
+class Swap(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(2, 3)
+
+
+def cases() -> dict:
+    """name: (model, devices to try)"""
+    torch.manual_seed(0)
+
+    def conv(i: int, o: int, k: int = 3) -> nn.Conv2d:
+        return nn.Conv2d(i, o, k, padding=k // 2)
+
+    def block(i: int, o: int) -> nn.Sequential:
+        return nn.Sequential(conv(i, o), nn.BatchNorm2d(o), nn.ReLU())
+
+    return {
+        "transpose, then 1x1": (nn.Sequential(conv(3, 16), conv(16, 16), Swap(), conv(16, 3, 1)),
+                                (1, 2)),
+        "conv-norm-ReLU blocks": (nn.Sequential(block(3, 16), block(16, 32), block(32, 32),
+                                                block(32, 16), conv(16, 3, 1)), (1, 2, 3)),
+        "flatten, unflatten": (nn.Sequential(conv(3, 16), Swap(), conv(16, 16), nn.Flatten(),
+                                             nn.Unflatten(1, (16, 16, 16)), conv(16, 3, 1)),
+                               (2, 3)),
+    }  # fmt: skip
+
+
+def rows() -> list[dict]:
+    from codegen import compile_pipe
+    from planner import Cluster, plan_pipeline
+    from tests.conftest import even_times, quick_profile
+
+    torch.set_num_threads(1)
+    out = []
+    for name, (model, devices) in cases().items():
+        torch.manual_seed(1)
+        x, y = torch.randn(8, 3, 16, 16), torch.randn(8, 3, 16, 16)
+        prof = even_times(quick_profile(model, x, batch_sizes=[2, 4, 8], loss_fn="mse"))
+        for K in devices:
+            for schedule in SCHEDULES:
+                plan = plan_pipeline(
+                    prof, Cluster.uniform(K, "1GiB"), 8, microbatches=4, schedule=schedule,
+                    checkpoint=(),
+                )  # fmt: skip
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    report = compile_pipe(model, plan).measure(x, y, nn.MSELoss(), steps=1)
+                out.append({
+                    "case": name, "K": K, "schedule": schedule,
+                    "stages": [list(st.layers) for st in plan.stages],
+                    "devices": [[d.predicted_peak_bytes, d.measured_peak_bytes]
+                                for d in report.devices],
+                })  # fmt: skip
+    return out
+
+
+def _error(row: list[int]) -> float:
+    predicted, measured = row
+    return (measured - predicted) / predicted * 100
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--baseline", help="an earlier checkout: the same rows with its code")
+    ap.add_argument("--rows", action="store_true", help=argparse.SUPPRESS)  # (internal)
+    args = ap.parse_args()
+    if args.rows:
+        print(json.dumps(rows()))
+        return
+    runs = {"now": rows()}
+    if args.baseline:
+        env = dict(os.environ, GPIPE_ROOT=str(Path(args.baseline).resolve()))
+        got = subprocess.run(
+            [sys.executable, __file__, "--rows"], env=env, capture_output=True, text=True,
+            check=True,
+        )  # fmt: skip
+        runs["baseline"] = json.loads(got.stdout.strip().splitlines()[-1])
+    base = {(r["case"], r["K"], r["schedule"]): r for r in runs.get("baseline", [])}
+    head = "| case | K | schedule | stages | device | predicted | measured | error |"
+    if base:
+        head += " baseline predicted | baseline measured | baseline error |"
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    worst = {"now": [0.0, 0.0], "baseline": [0.0, 0.0]}  # (most under, most over: percent)
+    for r in runs["now"]:
+        b = base.get((r["case"], r["K"], r["schedule"]))
+        for k, dev in enumerate(r["devices"]):
+            line = (f"| {r['case']} | {r['K']} | {r['schedule']} | {r['stages']} | dev{k} | "
+                    f"{dev[0]} | {dev[1]} | {_error(dev):+.1f}% |")  # fmt: skip
+            worst["now"] = [max(worst["now"][0], _error(dev)), min(worst["now"][1], _error(dev))]
+            if b is not None:
+                old = b["devices"][k]
+                same = b["stages"] == r["stages"]
+                line += f" {old[0]} | {old[1]} | {_error(old):+.1f}%{'' if same else ' (other split)'} |"
+                e = _error(old)
+                worst["baseline"] = [max(worst["baseline"][0], e), min(worst["baseline"][1], e)]
+            print(line)
+    for side in ("now", "baseline") if base else ("now",):
+        under, over = worst[side]
+        print(
+            f"\n{side}: runs above their plan by up to {under:.1f}%, below it by up to {-over:.1f}%"
+        )
+
+
+if __name__ == "__main__":
+    main()
