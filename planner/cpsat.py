@@ -79,7 +79,10 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
         return int(max(max(a.max() for a in arrays), 0))
 
     remat = m.new_int_var(0, top(f, f + u), f"remat{s}")  # type: ignore[attr-defined]
-    live = m.new_int_var(0, top(b), f"live{s}")  # type: ignore[attr-defined]
+    # (an inner layer's figure, from another gradient layout, may pass the last layer's; the
+    # loss's scalar gradient comes on top of it: a bound of b alone made the model infeasible
+    # where the split fits, found by a review)
+    live = m.new_int_var(0, top(b, ib + sc), f"live{s}")  # type: ignore[attr-defined]
     inp = m.new_int_var(0, top(it), f"input{s}")  # type: ignore[attr-defined]
     # a recomputed B's forward, a checkpoint's: as remat, but the stage's last layer k only up
     # to its last save (st: torch's early stop)
@@ -161,7 +164,8 @@ def _tight_pulled(m: object, c: Chain, x: list, first: list, s: int, L: int, S: 
     output gradient of a later layer, or k's peak up to its last save beside its own."""
     b, z, f, u, st = c.backward_transient, c.zgrad, c.forward_transient, c.input_unsaved, c.stop
     ib, sc = _inner(c)
-    top = int(c.saved.sum()) + int(np.maximum(b, f + u).max()) + 2 * int(z.max()) + int(b.max()) + 1
+    most = int(max(b.max(), ib.max() + sc))  # (an inner layer's figure may pass b: _inner)
+    top = int(c.saved.sum()) + int(np.maximum(b, f + u).max()) + 2 * int(z.max()) + most + sc + 1
     whole = m.new_int_var(0, top, f"bwhole{s}")  # type: ignore[attr-defined]
     before = forward = None  # the largest backward before k, forward up to k, in the stage
     for k in range(L):
@@ -273,7 +277,8 @@ def _held_bound(c: Chain, shape: object) -> int:
     counted in its worst occupancy tuple, every state's bytes and the largest transient."""
     weights = (2 + shape.optimizer_slots) * int(c.params.sum()) + int(c.buffers.sum())  # type: ignore[attr-defined]
     per_mb = sum(int(a.sum()) for a in (c.boundary, c.saved, c.zgrad, c.grad_in, c.input_unsaved))
-    transient = max(int(a.max()) for a in (c.forward_transient, c.backward_transient,
+    ib, sc = _inner(c)
+    transient = sc + max(int(a.max()) for a in (c.forward_transient, c.backward_transient, ib,
                     c.forward_peak, c.input_grad_transient, c.weight_grad_transient, c.boundary))  # fmt: skip
     count = max((sum(t) for t in shape.occupancy), default=1)  # type: ignore[attr-defined]
     step = math.ceil(shape.optimizer_step * int(c.params.sum()))  # type: ignore[attr-defined]

@@ -282,6 +282,7 @@ def plan_pipeline(
     checkpoint: Sequence[int] | str = "auto",
     _beat: float | None = None,
     _shared: dict[str, Any] | None = None,
+    _digest: str | None = None,
 ) -> Plan:
     """The fastest predicted plan for `profile` on `cluster` that fits every device's memory.
     `time_limit_s`: return the best plan found by then, marked not proven (the search goes on
@@ -307,7 +308,7 @@ def plan_pipeline(
         kw = dict(
             microbatches=microbatches, schedule=schedule, recompute=recompute,
             optimizer=optimizer, solver=solver, progress=progress, allow_reorder=allow_reorder,
-            target=target,
+            target=target, _digest=_digest,
         )  # fmt: skip
         return _sealed(_with_checkpoints(profile, cluster, batch_size, started, time_limit_s, kw))
     if allow_reorder and isinstance(cluster, Cluster) and cluster.size > 1:
@@ -315,7 +316,7 @@ def plan_pipeline(
             profile, cluster, batch_size, started,
             microbatches=microbatches, schedule=schedule, recompute=recompute,
             optimizer=optimizer, solver=solver, time_limit_s=time_limit_s, progress=progress,
-            target=target, checkpoint=checkpoint,
+            target=target, checkpoint=checkpoint, _digest=_digest,
         ))  # fmt: skip
     if not isinstance(profile, Profile):
         raise ArgumentError("profile", type(profile).__name__, "expected a Profile")
@@ -362,12 +363,12 @@ def plan_pipeline(
     )
     if _shared is None:
         problem = _Problem(
-            profile, cluster, batch_size, optimizer, (profile.digest(), cluster.digest()), target,
-            layers,
+            profile, cluster, batch_size, optimizer,
+            (_digest or profile.digest(), cluster.digest()), target, layers,
         )  # fmt: skip
     else:  # one device order of several (_reordered): what the cluster does not change, once
         if not _shared:
-            _shared["digest"] = profile.digest()
+            _shared["digest"] = _digest or profile.digest()
             _shared["problem"] = _Problem(profile, cluster, batch_size, optimizer, ("", ""),
                                           target, layers)  # fmt: skip
         # the per-layer costs and the memory tables read the profile alone (the devices'
@@ -569,6 +570,10 @@ def _with_checkpoints(
 
     error: InfeasibleError | None = None
     best: Plan | None = None
+    if isinstance(profile, Profile) and kw.get("_digest") is None:
+        # (each set of checkpointed layers plans the same profile: its digest once, 0.36 s of
+        # a "no split fits" at 10 000 layers twice)
+        kw = {**kw, "_digest": profile.digest()}
     try:
         best = plan_pipeline(profile, cluster, batch_size, checkpoint=(), time_limit_s=left(), **kw)
     except InfeasibleError as e:

@@ -255,7 +255,7 @@ def problems(draw):
         backward_transient=backward_transient,
         inner_backward=inner,
         # layers that only make views of their input (a transpose, a flatten), or none known
-        views=np.array(draw(st.lists(st.booleans(), min_size=L, max_size=L)))
+        views=np.array(draw(st.lists(st.booleans(), min_size=L, max_size=L))) & (saved == 0)
         if draw(st.booleans())
         else None,
         input_unsaved=ints(0, 15, L),
@@ -605,6 +605,28 @@ def test_cpsat_counts_an_inner_layers_input_gradient_without_the_stages_own():
     assert brute_force(times, chain, specs) == 6.0
     part = solve_partition_cpsat(times, MemoryModel(chain), specs, None)
     assert part is not None and part.bottleneck == 6.0
+
+
+@pytest.mark.parametrize("inner", [[40, 1, 0], [60, 1, 0]], ids=["inner = b", "inner > b"])
+def test_cpsat_bounds_an_inner_layers_backward_with_the_losss_gradient(inner):
+    """CP-SAT bounded B's transient by the largest last-layer figure alone: an inner layer's
+    (measured from another gradient layout, it may be larger) with the loss's scalar gradient
+    beside it passed that bound, and a split that fits was said to fit nowhere (a review's)."""
+    from planner.cpsat import solve_partition_cpsat
+
+    L = 3
+    chain = make_chain(
+        L, forward=np.ones(L), saved=np.array([4, 4, 0]), backward_transient=np.array([40, 1, 0]),
+        inner_backward=np.array(inner), boundary=np.array([4, 4, 4, 8]), num_model_layers=2,
+    )  # fmt: skip
+    shape = StageShape(occupancy=(running_on([1, 0, 0, 0, 0, 0], 1),), optimizer_slots=0)
+    specs = [StageSpec(1.0, 10_000, shape)]
+    times = chain.forward + chain.backward
+    # (layer 0's inner figure, the loss's 8 bytes beside it, the 8 saved and the 4 of input)
+    assert reference_memory(chain, 0, L, shape) == inner[0] + 8 + 8 + 4
+    assert brute_force(times, chain, specs) == 3.0
+    part = solve_partition_cpsat(times, MemoryModel(chain), specs, None)
+    assert part is not None and part.bottleneck == 3.0
 
 
 @settings(max_examples=60, deadline=None)
