@@ -37,9 +37,12 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
     The transients say what an action holds above the states, at its worst layer l. They
     walk the stage as autograd does, so each is relative to the whole activations S, of
     which the layers after l hold later(l) = sum saved[l+1:j] - sum shared[l+1:j]:
-    live = max over l < j - 1 of backward[l] - later(l), and the last layer's backward
-           without its output gradient, which B holds as `pulled` (a captured graph's: at
-           least remat_live too, see _flow_pulled): while B runs after any re-materialising,
+    live = max over l < j - 1 of inner_backward[l] - later(l) (its output gradient let go by
+           autograd; on the loss's stage with the loss's scalar gradient beside it), and the
+           last layer's backward without its output gradient, which B holds as `pulled` (a
+           chain's: the most over the stage's shorter ends too, so that totals grow with the
+           end; a captured graph's: at least remat_live too, see _flow_pulled; where the
+           profile has no inner figure, backward[l]): while B runs after any re-materialising,
            layer by layer from the last, each layer's saved tensors let go once it is done
            (a captured graph's backward[l] also loses the gradient of each value l hands on
            that no later layer of the stage reads: routing.py's `unread`; and gains the
@@ -54,7 +57,8 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
            (torch's early stop), so the stage's last layer runs only up to its last save
            (`Chain.stop`, profiled; its whole forward where it saves nothing: the run then ends
            in an earlier layer and holds less). Zero bubble's I re-runs the stage whole by
-           hand: remat_live. A captured graph's: remat_live
+           hand: remat_live. A captured graph's: remat_live, and the sum of the gradients
+           later stages send back for one value it makes (_sent_sums)
     input_live = max(input_grad[i], max over i < l < j of input_grad[l] - sum zgrad[i:l-1]
            - G): while I runs, from the last layer: the output gradients of the layers
            before l - 1 are not made yet, nor the stage's input gradient (its first
