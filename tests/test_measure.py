@@ -186,7 +186,10 @@ def test_a_batch_split_unevenly_holds_each_micro_batch_at_its_own_size(profiles,
     assert [d.total for d in plan.devices] == simulate_plan(plan, levels=False).peak_memory
     if name == "transformer" and schedule == "gpipe":  # every micro-batch in at the peak
         own = [sum(st.memory.total for st in plan.stages if st.rank == k) for k in range(3)]
-        assert all(d.total < n for d, n in zip(plan.devices, own)), (plan.devices, own)
+        # (a device's peak need not move with the micro-batches' sizes: on one CI run's split,
+        # from that run's timings, the first device read 204 812 bytes both ways)
+        assert all(d.total <= n for d, n in zip(plan.devices, own)), (plan.devices, own)
+        assert any(d.total < n for d, n in zip(plan.devices, own)), (plan.devices, own)
     for d in report.devices:
         predicted = d.predicted_peak_bytes - d.static_bytes
         added = d.measured_peak_bytes - d.static_bytes
