@@ -1075,7 +1075,9 @@ class MemoryModel:
             # above the stage's activations, all saved by the end
             out["remat_live"] = remat = remat - self._held[j - 1]
             # (a captured graph's: its whole forward)
-            stop = self._stop_live(i, j) if c.flow is None else remat + self._sent_sums[i, j]
+            stop = self._stop_live(i, j) if c.flow is None else remat
+            if c.flow is not None and want("stop_live"):  # (its table only where asked for)
+                stop = stop + self._sent_sums[i, j]
             out["stop_live"] = stop
             if want("live", "pulled_tight", "pulled_paired"):
                 # a captured graph's pulled gradient is raised so that it grows with the

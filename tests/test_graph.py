@@ -1819,7 +1819,7 @@ def test_a_recomputed_stage_holds_the_sum_of_a_gradient_two_stages_sent_back(mon
     """A stage whose only layer's output two later stages read gets two gradients back for it,
     which the runtime holds: autograd adds them into a new tensor as B begins, and that sum
     lives through the re-materialising forward of a recomputed B. Not counted, the first
-    stage ran 16.7% over its plan (a sweep's dense model, older than the sweep)."""
+    stage ran 16.7% over its plan (a sweep's dense model, older than this session)."""
     from planner import search
     from planner.memory import MemoryModel
     from planner.partition import Partition
