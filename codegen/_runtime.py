@@ -120,6 +120,25 @@ def _own_memory(g: torch.Tensor | None) -> torch.Tensor | None:
     return g.clone()
 
 
+class _Owned(torch.autograd.Function):
+    """The identity, whose backward hands on the gradient in its own memory (`_own_memory`)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return _own_memory(g)
+
+
+_OWNED = _Owned._backward_cls
+
+
+def _grads(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad
+
+
 def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
     d = t.detach()
     return d.requires_grad_(grad and d.is_floating_point())
@@ -144,10 +163,17 @@ def _handed_on(
     if grads is None:
         return roots, grads, []
     at = {id(get_gradient_edge(t).node): k for k, t in enumerate(leaves) if t.requires_grad}
-    passed = [(at[id(e.node)], g) for e, g in zip(roots, grads) if id(e.node) in at]
+
+    def leaf(e: GradientEdge) -> int | None:  # (zero bubble's layers read through _Owned)
+        node = e.node
+        while isinstance(node, _OWNED):
+            node = node.next_functions[0][0]
+        return at.get(id(node))
+
+    passed = [(leaf(e), g) for e, g in zip(roots, grads) if leaf(e) is not None]
     if not passed:
         return roots, grads, []
-    kept = [(e, g) for e, g in zip(roots, grads) if id(e.node) not in at]
+    kept = [(e, g) for e, g in zip(roots, grads) if leaf(e) is None]
     return [e for e, _ in kept], [g for _, g in kept], passed
 
 
@@ -453,7 +479,9 @@ class PipelineRuntime:
             # below: the one pulled for it is let go when I ends.
             made = {(id(e.node), e.output_nr) for e in hidden}
             own = [
-                (e, g) for e, g in zip(roots, grads or []) if (id(e.node), e.output_nr) not in made
+                (e, g)
+                for e, g in zip(roots, grads or [])
+                if (id(e.node), e.output_nr) not in made and not isinstance(e.node, _OWNED)
             ]
             self.kept[(s, m)] = ([], None) if last else ([e for e, _ in own], [g for _, g in own])
             del own
@@ -660,6 +688,12 @@ class PipelineRuntime:
         inner = []
 
         def seeded(k: int, layer: nn.Module, x: Value) -> Value:
+            if keep:
+                # each layer reads its inputs through `_Owned`: the gradient it makes for one
+                # is then in its own memory as soon as it is made, not a slice of a larger one
+                # (a cat's) that lives as long as the slice: kept by I for W, or waiting to be
+                # summed with another layer's part
+                x = _like(x, [_Owned.apply(t) if _grads(t) else t for t in _tensors(x)])
             if first + k in self.CHECKPOINTED and torch.is_grad_enabled():
                 out = self._checkpointed(s, m, first + k, layer, x)
             else:

@@ -546,6 +546,11 @@ def _memory(
     return row, _detach(out, requires_grad=False), saved
 
 
+def _slice(t: torch.Tensor) -> bool:
+    """Whether t is part of a larger tensor's memory (the runtime's _own_memory copies it)."""
+    return t.untyped_storage().nbytes() > t.numel() * t.element_size()
+
+
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -736,7 +741,10 @@ def _transient(
                 got = torch.autograd.grad(
                     edges, used, ones(like), retain_graph=True, allow_unused=True
                 )
-                del got
+                # the runtime takes each out of a larger gradient (a cat's) as it is made,
+                # the larger one still there (_Owned: what I keeps for W is its own memory)
+                owned = [g.clone() for g in got if g is not None and _slice(g)]
+                del got, owned
         with owned_by("weight"):
             if edges and params:
                 torch.autograd.backward(edges, ones(like), inputs=params)
