@@ -139,6 +139,11 @@ def _grads(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and t.requires_grad
 
 
+def _trains(layer: nn.Module) -> bool:
+    """Whether zero bubble's W has work in the layer (its profile lists trainable tensors)."""
+    return any(p.requires_grad for p in layer.parameters())
+
+
 def _leaf(t: torch.Tensor, grad: bool) -> torch.Tensor:
     d = t.detach()
     return d.requires_grad_(grad and d.is_floating_point())
@@ -397,7 +402,7 @@ class PipelineRuntime:
         self.outgrads: dict[tuple[int, int], tuple[Grads, Any]] = {}  # (grads, CUDA event)
         self.kept: dict[tuple[int, int], tuple[list[Any], Any]] = {}  # zero bubble: I to W
         self.inner: dict[tuple[int, int], list[list[GradientEdge]]] = {}  # layer output edges
-        self.inner_grads: dict[tuple[int, int], list[torch.Tensor | None]] = {}
+        self.inner_grads: dict[tuple[int, int], list[list[torch.Tensor | None]]] = {}
 
     def check_frozen(self, stages: Iterable[int]) -> None:
         """Warn (once) where one of `stages` trains more parameter bytes than the plan counted
@@ -469,21 +474,25 @@ class PipelineRuntime:
             wrt = [t for t in inputs if t.requires_grad]
             # (W must not reach the stage's input through an output that is the input itself)
             roots, grads, passed = _handed_on(roots, grads, wrt)
-            # Also ask for the gradient of every layer's output: the same pass computes them,
-            # and then W can run each layer's weight gradient on its own.
-            hidden = [e for edges in self.inner.get((s, m), []) for e in edges]
+            # Also ask for the gradient of every layer's output that W needs (a layer with
+            # weights that train): the same pass computes them, and then W can run each
+            # layer's weight gradient on its own. The others' are let go as I goes on.
+            inner = self.inner.get((s, m), [])
+            trains = [_trains(layer) for layer in self.stages[s]]
+            hidden = [e for k, edges in enumerate(inner) if trains[k] for e in edges]
             # The last stage's W starts from its last layer's output gradient, taken here, not
             # from the loss: then the loss's backward runs once, and its graph goes with I.
             # Elsewhere W keeps the roots its last layer made; a value an earlier layer made
             # and the stage sends on (a skip) is that layer's, whose total gradient I returns
             # below: the one pulled for it is let go when I ends.
-            made = {(id(e.node), e.output_nr) for e in hidden}
+            made = {(id(e.node), e.output_nr) for edges in inner for e in edges}
             own = [
                 (e, g)
                 for e, g in zip(roots, grads or [])
                 if (id(e.node), e.output_nr) not in made and not isinstance(e.node, _OWNED)
             ]
-            self.kept[(s, m)] = ([], None) if last else ([e for e, _ in own], [g for _, g in own])
+            keep = not last and trains[-1]
+            self.kept[(s, m)] = ([e for e, _ in own], [g for _, g in own]) if keep else ([], None)
             del own
             got: list[torch.Tensor | None] = []
             shared = self.shared[s]
@@ -496,7 +505,12 @@ class PipelineRuntime:
             del roots, grads
             for p, g in zip(shared, got[len(wrt) + len(hidden) :]):
                 _accumulate(p, g)
-            self.inner_grads[(s, m)] = got[len(wrt) : len(wrt) + len(hidden)]
+            made_grads = iter(got[len(wrt) : len(wrt) + len(hidden)])
+            self.inner_grads[(s, m)] = [
+                [next(made_grads) for _ in edges] if trains[k] else []
+                for k, edges in enumerate(inner)
+            ]
+            del made_grads
             del got[len(wrt) :]
             if passed:
                 got = got or [None] * len(wrt)
@@ -517,16 +531,13 @@ class PipelineRuntime:
             # save (one's output, the next one's input) goes with the earlier one's W, as the
             # profile measured it (layer alone), not after it
             hidden = self.inner_grads.pop((s, m))
-            at = [0]
-            for edges in inner:
-                at.append(at[-1] + len(edges))
             layers = list(self.stages[s])
             last = s == len(self.stages) - 1
             for k in reversed(range(len(layers))):
                 if k == len(layers) - 1 and not last:  # the stage's own roots: its output's
                     outs, gs = roots, grads
                 else:
-                    pairs = list(zip(inner[k], hidden[at[k] : at[k + 1]]))
+                    pairs = list(zip(inner[k], hidden[k]))
                     outs = [e for e, g in pairs if g is not None]
                     gs = [g for _, g in pairs if g is not None]
                 layer = layers[k]

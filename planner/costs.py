@@ -81,6 +81,9 @@ class Chain:
     # Stage 0 works on the caller's micro-batch where it already lives on the stage's device
     # (a CPU run: the runtime copies it only from another device), so holds none of it.
     borrowed_input: bool = False
+    # zero bubble: the part of zgrad kept from I to W, the gradient of a layer whose weights
+    # train (W needs no other: the runtime lets the rest go as I goes on); None: all of zgrad
+    zkept: np.ndarray | None = None
     # Zero bubble, a profile without its loss: the last layer's output gradient, which the last
     # stage keeps from I to W (with the loss profiled, zgrad counts it)
     last_grad: int = 0
@@ -116,6 +119,11 @@ class Chain:
     def grads(self) -> np.ndarray:
         """Each entry's trainable parameter bytes (its gradients' and each optimizer slot's)."""
         return self.params if self.trainable is None else self.trainable
+
+    @property
+    def kept_grad(self) -> np.ndarray:
+        """zkept, or zgrad where none is given."""
+        return self.zgrad if self.zkept is None else self.zkept
 
     @property
     def stop(self) -> np.ndarray:
@@ -254,6 +262,12 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
     ).astype(bool)
     zgrad = np.where(trains, kept, 0)
     zgrad[L if n > L else L - 1 :] = 0
+    # ... of which W needs those of the layers with weights that train (the runtime's _trains)
+    own = (
+        np.array([bool(t) for t in tensors])
+        if tensors is not None
+        else table.fixed("param_bytes") > 0
+    )
     grad_in = np.where(np.concatenate([[False], trains[:-1]]), boundary[:n], 0)
     # A chain's tied parameters are counted once per stage where the memory model can walk B
     # with them (_walkable); past that each layer counts its own (over: two uses in one stage
@@ -293,6 +307,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         input_grad_transient=sizes("input_grad_transient_bytes"),
         weight_grad_transient=sizes("weight_grad_transient_bytes"),
         zgrad=zgrad,
+        zkept=np.where(own, zgrad, 0),
         grad_in=grad_in,
         boundary=boundary,
         num_model_layers=L,
@@ -304,7 +319,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         ),
         tied=tuple((t.bytes, tuple(t.layers)) for t in profile.tied) if ties else (),
         borrowed_input=profile.device.split(":")[0] == "cpu",
-        last_grad=int(kept[L - 1]) if n == L and trains[L - 1] else 0,
+        last_grad=int(kept[L - 1]) if n == L and trains[L - 1] and own[L - 1] else 0,
         param_tensors=(
             tuple(tuple(x.param_tensor_bytes) for x in layers)  # type: ignore[arg-type]
             if all(x.param_tensor_bytes is not None for x in layers)

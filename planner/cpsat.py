@@ -74,6 +74,7 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
         var = m.new_int_var(0, int(z.sum()), f"early{s}_{k}")  # type: ignore[attr-defined]
         m.add(var == before[k - 1] + made[k - 2])  # type: ignore[attr-defined]
         before[k] = var
+    wz = (z - c.kept_grad).astype(np.int64)  # the output gradients I lets go
 
     def top(*arrays: np.ndarray) -> int:
         return int(max(max(a.max() for a in arrays), 0))
@@ -83,7 +84,7 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
     # loss's scalar gradient comes on top of it: a bound of b alone made the model infeasible
     # where the split fits, found by a review)
     live = m.new_int_var(0, top(b, ib + sc), f"live{s}")  # type: ignore[attr-defined]
-    inp = m.new_int_var(0, top(it), f"input{s}")  # type: ignore[attr-defined]
+    inp = m.new_int_var(0, top(it) + int(z.sum()), f"input{s}")  # type: ignore[attr-defined]
     # a recomputed B's forward, a checkpoint's: as remat, but the stage's last layer k only up
     # to its last save (st: torch's early stop)
     st = c.stop
@@ -103,8 +104,9 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
         stops.append(int(st[k]) * first[k][s] + int(st[k] + u[k]) * inner[k] - off * (1 - ends))
         # (an inner layer's I runs before the stage's input gradient, which during_i counts,
         # is made: the first layer's I makes it last, as the memory model counts it)
-        m.add(inp >= int(it[k]) * first[k][s])  # type: ignore[attr-defined]
-        m.add(inp >= int(it[k]) * inner[k] - before[k] - grad_in)  # type: ignore[attr-defined]
+        if not wz.any():
+            m.add(inp >= int(it[k]) * first[k][s])  # type: ignore[attr-defined]
+            m.add(inp >= int(it[k]) * inner[k] - before[k] - grad_in)  # type: ignore[attr-defined]
         # (as if k ended it, though a later layer does: the most over shorter ends too, as the
         # model's, whose totals grow with the end)
         lives.append(int(max(b[k] - z[k], 0)) * x[k][s] - later[k])
@@ -112,9 +114,53 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
             lives.append(int(ib[k]) * (x[k + 1][s] + x[k][s] - 1) - later[k])
             if sc:  # (on the loss's stage: its scalar gradient beside it)
                 lives.append(int(ib[k] + sc) * (x[k + 1][s] + x[k][s] + x[L - 1][s] - 2) - later[k])
+    if wz.any():
+        _let_go_input(m, c, x, first, s, L, inp, grad_in)
     m.add_max_equality(live, lives)  # type: ignore[attr-defined]
     m.add_max_equality(stop, stops)  # type: ignore[attr-defined]
     return live, remat, inp, later, stop
+
+
+def _let_go_input(
+    m: object, c: Chain, x: list, first: list, s: int, L: int, inp: object, grad_in: object
+) -> None:
+    """Zero bubble's I where it lets gradients go (memory.py's _let_go_input_live): the most
+    over the stage's ends e <= j of I's transient with Z[i, e), less Z[i, j). With KP the
+    kept gradients' prefix sums, wz those let go, a[l] = it[l] + wz[l] + wz[l - 1] - KP[l - 1]
+    and b[m] = wz[m] + KP[m + 1], per end e = m + 1 and layer l (Z[i, j) = KP[j] - KP[i]):
+        l = m = i:    it[i] + zgrad[i]                 - Z
+        l = i < m:    it[i] + wz[i] - KP[i] + b[m]     - Z
+        i < l = m:    a[m] + KP[m + 1] - G             - Z
+        i < l < m:    a[l] + b[m] - G                  - Z
+    the last through best[m] >= a[l] for the stage's inner layers l < m."""
+    it = c.input_grad_transient.astype(np.int64)
+    zg = c.zgrad.astype(np.int64)
+    kept = c.kept_grad.astype(np.int64)
+    wz = zg - kept
+    kp = np.concatenate([[0], np.cumsum(kept)])
+    a = it + wz + np.concatenate([[0], wz[:-1]]) - np.concatenate([[0], kp[: L - 1]])
+    b = wz + kp[1:]
+    inner = [x[k][s] - first[k][s] for k in range(L)]
+    Z = sum(int(kept[k]) * x[k][s] for k in range(L) if kept[k])
+    KPi = sum(int(kp[k]) * first[k][s] for k in range(1, L) if kp[k])
+    FV = sum(int(it[k] + wz[k]) * first[k][s] for k in range(L))
+    m.add(inp >= sum(int(it[k] + zg[k]) * first[k][s] for k in range(L)) - Z)  # type: ignore[attr-defined]
+    top_first = int(max((it + wz).max(), 0)) + 1
+    top_a = int(max(a.max(), 0))
+    low = -(int(abs(a).max()) + int(b.max()) + 1)
+    best: object = None  # the most a[l] over the stage's inner layers before m (or `low`)
+    for k in range(L):
+        off = 1 - inner[k]
+        m.add(inp >= FV - KPi + int(b[k]) * inner[k] - Z - top_first * off)  # type: ignore[attr-defined]
+        m.add(inp >= int(a[k] + kp[k + 1]) * inner[k] - grad_in - Z)  # type: ignore[attr-defined]
+        if best is not None:
+            m.add(inp >= best + int(b[k]) * inner[k] - grad_in - Z - top_a * off)  # type: ignore[attr-defined]
+        if k + 1 < L:
+            var = m.new_int_var(low, top_a, f"best{s}_{k}")  # type: ignore[attr-defined]
+            m.add(var >= int(a[k]) - (top_a - low) * off)  # type: ignore[attr-defined]
+            if best is not None:
+                m.add(var >= best)  # type: ignore[attr-defined]
+            best = var
 
 
 def _input_saved(m: object, c: Chain, x: list, first: list, s: int, L: int) -> list:
@@ -220,7 +266,7 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
     Xs = sum(opened)
     lent = opened[0] if c.borrowed_input else 0
     S = over(c.saved, x) - sum(int(c.shared[k]) * inner[k][0] for k in range(L) if c.shared[k])
-    Z = over(c.zgrad, x) + int(c.last_grad) * x[L - 1][s]  # (last_grad: the last stage's)
+    Z = over(c.kept_grad, x) + int(c.last_grad) * x[L - 1][s]  # (last_grad: the last stage's)
     G = over(c.grad_in, first)
 
     def largest(first_values: np.ndarray, inner_values: np.ndarray, name: str) -> object:

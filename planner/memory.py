@@ -386,6 +386,10 @@ class MemoryModel:
         self._shared = _prefix(chain.shared)
         self._loss = _prefix(chain.loss_saved)
         self._zgrad = _prefix(chain.zgrad)
+        self._zkept = _prefix(chain.kept_grad)
+        # the output gradients zero bubble's I lets go (a layer without weights that train):
+        # each alive from its making (its reader's I) until its own layer's I is done
+        self._let_go = _prefix(chain.zgrad - chain.kept_grad)
         f, b = chain.forward_transient, chain.backward_transient
         # held[l]: what layers 0..l save, each tensor once; while layer l's backward runs the
         # stage still holds its own layers' share of it (those after l have let theirs go)
@@ -555,6 +559,57 @@ class MemoryModel:
     @cached_property
     def _ends_s(self) -> _RangeMax:
         return _RangeMax(self._stop_last + self.chain.zgrad.astype(np.int64))
+
+    @cached_property
+    def _let_go_tables(self) -> tuple[_RangeMax, _RangeMax, _PairMax, int]:
+        """_let_go_input_live's maxima over the stage's inner layers: of b[m], of a[m] +
+        KP[m + 1], and of a[l] + b[m] over l < m; a is shifted by `shift` so that none of
+        them is below zero."""
+        c = self.chain
+        n = c.num_layers
+        kp = self._zkept
+        wz = (c.zgrad - c.kept_grad).astype(np.int64)
+        it = c.input_grad_transient.astype(np.int64)
+        wz_before = np.concatenate([[0], wz[:-1]])
+        kp_before = np.concatenate([[0], kp[: n - 1]])  # KP[m - 1] (m = 0 is never inner)
+        shift = int(kp[-1])
+        a = it + wz + wz_before - kp_before + shift
+        b = wz + kp[1:]
+        return _RangeMax(b), _RangeMax(a + kp[1:]), _PairMax(a, b), shift
+
+    def _let_go_input_live(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """A chain's input_live where zero bubble's I lets gradients go (those of layers
+        without weights that train, which Z leaves out). At layer l of the stage [i, e), on
+        top of during_i (whose Z holds the kept gradients of layers i .. e - 1), I holds: its
+        own output's gradient and its input's, where they are let go (the stage's input's is
+        G, which during_i counts), and the one the stage pulled where its last layer lets it
+        go: the runtime holds that to I's end, so it is alive at every l. The kept gradients
+        of layers i .. l - 2 are not made yet, nor, for l > i, G.
+
+        That stage may hold more than the stage one layer longer (which lets the pulled one
+        go once its last layer's I is done), so input_live is the most over the ends e <= j
+        of that transient with Z[i, e), less Z[i, j): the totals grow with the end. With KP
+        the kept gradients' prefix sums, wz those let go, a[l] = it[l] + wz[l] + wz[l - 1] -
+        KP[l - 1] and b[m] = wz[m] + KP[m + 1], per end e = m + 1 and layer l, that is
+            l = m = i:       it[i] + wz[i] + kept[i]       (the stage of one layer)
+            l = i < m:       it[i] + wz[i] - KP[i] + b[m]
+            i < l = m:       a[m] + KP[m + 1] - G          (its own gradient is the pulled one)
+            i < l < m:       a[l] + b[m] - G
+        less KP[j] - KP[i]. With nothing let go, the largest end is the largest: the formula
+        of input_live, with Z."""
+        c = self.chain
+        wz = (c.zgrad - c.kept_grad).astype(np.int64)
+        it = c.input_grad_transient.astype(np.int64)
+        kp = self._zkept
+        ends_b, singles, pairs, shift = self._let_go_tables
+        g = c.grad_in[i].astype(np.int64)
+        inner = j - i > 1
+        lo = np.minimum(i + 1, j - 1)
+        alone = it[i] + c.zgrad[i].astype(np.int64) + kp[i]
+        first = np.where(inner, it[i] + wz[i] + ends_b(lo, j), alone)
+        later = np.where(inner, singles(lo, j) - shift - g + kp[i], alone)
+        later = np.where(j - i > 2, np.maximum(later, pairs(lo, j) - shift - g + kp[i]), later)
+        return np.maximum(np.maximum(first, alone), later) - kp[j]
 
     @cached_property
     def _inner_input_live(self) -> _RangeMax:
@@ -778,26 +833,29 @@ class MemoryModel:
         gone = np.maximum(top[None, :] - below[:, :], 0)  # [i, l]: b from i to l - 2
         it = c.input_grad_transient.astype(np.int64)
         at = np.full((n + 1, n + 1), np.iinfo(np.int64).min // 2, dtype=np.int64)
-        at[:, :n] = it[None, :] - gone[:, :n]
+        # (and the gradients I lets go of what layers i .. l make, not yet taken)
+        let_go = np.maximum(self._let_go[None, 1:] - self._let_go[:, None], 0)  # [i, l]
+        at[:, :n] = it[None, :] - gone[:, :n] + let_go
         rows = np.arange(n)
-        at[rows, rows] = it  # the stage's first layer: nothing before it
+        at[rows, rows] = it + let_go[rows, rows]  # the stage's first layer: nothing before it
         at = np.triu(at) + np.tril(np.full_like(at, np.iinfo(np.int64).min // 2), -1)
-        table = np.zeros((n + 1, n + 1), dtype=np.int64)
-        running = np.maximum.accumulate(at, axis=1)  # over l from i: max over l < j at [i, j - 1]
-        table[:, 1:] = running[:, :-1]
+        table = self._each_end(at)
         waits = self._tied_waits()
         if waits:  # a tied parameter's gradient, which zero bubble's I makes, waits as in B's
             waiting = np.zeros((n + 1, n + 1), dtype=np.int64)
             before = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)  # [l, j]: l < j
+            pulled = self._pulled_let_go()
             for i in range(max(waits), -1, -1):
                 for lo, hi, first, past, w in waits.get(i, ()):
                     waiting[lo:hi, first:past] += w
                 # table[i, j] = max over i <= l < j of at[i, l] + waiting[l, j]
                 held = np.where(
-                    before[i:], at[i, i:, None] + waiting[i:], np.iinfo(np.int64).min // 2
+                    before[i:],
+                    at[i, i:, None] + waiting[i:] + pulled[i:],
+                    np.iinfo(np.int64).min // 2,
                 )
                 table[i, i + 1 :] = np.maximum(table[i, i + 1 :], held.max(axis=0)[i + 1 :])
-        table = np.where(np.triu(np.ones_like(table, dtype=bool), 1), table, 0)
+        table = self._grown(np.where(np.triu(np.ones_like(table, dtype=bool), 1), table, 0))
         # The sum is counted on top of the layers' peaks. Where the value's other readers are
         # a layer of the next stage, autograd makes it once the reader's I has returned, so
         # this is over (12% on a convolution chain with a concatenated skip); where two of
@@ -819,25 +877,64 @@ class MemoryModel:
         low = np.iinfo(np.int64).min // 2
         rows = np.arange(n + 1)[:, None]  # i
         cols = np.arange(n)[None, :]  # l
-        inside = it[None, :] - (z[np.maximum(cols - 1, 0)] - z[np.minimum(rows, n)])
+        let_go = self._let_go[cols + 1] - self._let_go[rows]  # (I lets them go: not in Z)
+        inside = it[None, :] - (z[np.maximum(cols - 1, 0)] - z[np.minimum(rows, n)]) + let_go
         inside = inside - c.grad_in[np.minimum(rows, n - 1)].astype(np.int64)
         at = np.full((n + 1, n + 1), low, dtype=np.int64)
         at[:, :n] = np.where(cols > rows, inside, low)
-        at[np.arange(n), np.arange(n)] = it  # the stage's first layer
-        table = np.zeros((n + 1, n + 1), dtype=np.int64)
-        table[:, 1:] = np.maximum(np.maximum.accumulate(at, axis=1)[:, :-1], 0)
+        first = np.arange(n)
+        at[first, first] = it + c.zgrad - c.kept_grad  # the stage's first layer
+        table = np.maximum(self._each_end(at), 0)
         waits = self._tied_waits()
         before = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)  # [l, j]: l < j
         if waits:  # (a stage from past every earlier use holds no part waiting)
             waiting = np.zeros((n + 1, n + 1), dtype=np.int64)
+            pulled = self._pulled_let_go()
             for i in range(max(waits), -1, -1):
                 for lo, hi, first, past, w in waits.get(i, ()):
                     waiting[lo:hi, first:past] += w
-                held = np.where(before[i:], at[i, i:, None] + waiting[i:], low)
+                held = np.where(before[i:], at[i, i:, None] + waiting[i:] + pulled[i:], low)
                 table[i] = np.maximum(held.max(axis=0), 0)
-        table = np.where(before, table, 0)
+        table = self._grown(np.where(before, table, 0))
         table.setflags(write=False)
         return table
+
+    def _pulled_let_go(self) -> np.ndarray:
+        """[l, e]: the gradient the stage [., e) pulled, where its last layer lets it go
+        (wz[e - 1]), alive while I runs at an earlier layer l < e - 1 (the runtime holds it to
+        I's end); 0 elsewhere (at l = e - 1 it is that layer's own, which `at` counts)."""
+        n = self.chain.num_layers
+        wz = (self.chain.zgrad - self.chain.kept_grad).astype(np.int64)
+        out = np.zeros((n + 1, n + 1), dtype=np.int64)
+        out[:, 1:] = wz[None, :]
+        return np.where(np.triu(np.ones((n + 1, n + 1), dtype=bool), 2), out, 0)
+
+    def _each_end(self, at: np.ndarray) -> np.ndarray:
+        """table[i, e] = max over i <= l < e of at[i, l], with the pulled gradient the stage
+        lets go beside every l < e - 1 (_pulled_let_go); `at` is very low where l < i."""
+        n = self.chain.num_layers
+        low = np.iinfo(np.int64).min // 2
+        running = np.maximum.accumulate(at, axis=1)  # [i, l]: max over l' <= l
+        wz = (self.chain.zgrad - self.chain.kept_grad).astype(np.int64)
+        shorter = np.full((n + 1, n), low, dtype=np.int64)  # [i, e - 1]: max over l < e - 1
+        shorter[:, 1:] = running[:, : n - 1] + wz[None, 1:]
+        table = np.zeros((n + 1, n + 1), dtype=np.int64)
+        table[:, 1:] = np.maximum(shorter, at[:, :n])
+        return table
+
+    def _grown(self, table: np.ndarray) -> np.ndarray:
+        """table[i, j] raised to the most over the ends i < e <= j of table[i, e] + Z[i, e),
+        less Z[i, j) (Z: the kept gradients): a stage whose last layer lets its pulled gradient
+        go may hold more in I than the stage one layer longer (_let_go_input_live). Unchanged
+        where nothing is let go."""
+        if not self._let_go[-1]:
+            return table
+        n = self.chain.num_layers
+        kp = self._zkept
+        low = np.iinfo(np.int64).min // 2
+        later = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)  # [i, e]: e > i
+        with_z = np.where(later, table + kp[None, :], low)
+        return np.where(later, np.maximum.accumulate(with_z, axis=1) - kp[None, :], 0)
 
     def _flow_summed(self) -> np.ndarray:
         """Per start and end: the largest gradient that I adds up from two or more parts
@@ -1050,7 +1147,7 @@ class MemoryModel:
             out.update(input=x, grad=g, early=early, late=late, input_saved=xs)
         if want("activations", "during_i", "between_iw", "saved", "z", "skips", "loss"):
             saved = self._saved[j] - self._saved[i] - (self._shared[j] - self._shared[i + 1])
-            z = self._zgrad[j] - self._zgrad[i]
+            z = self._zkept[j] - self._zkept[i]
             if c.last_grad:
                 z = z + np.where(j == c.num_layers, c.last_grad, 0)
             skips = 0 if c.flow is None else c.flow.passing(i, j)
@@ -1109,12 +1206,15 @@ class MemoryModel:
         if want("input_live") and self._flow_input_live is not None:
             out["input_live"] = self._flow_input_live[i, j]
         elif want("input_live"):
-            later = self._inner_input_live.take(after) - self._zgrad[-1] + self._zgrad[i]
-            # (the stage's input gradient G, which during_i counts, is made last, by the
-            # first layer's I: an inner layer's I runs before it exists)
-            later = later - self.chain.grad_in[i].astype(np.int64)
-            first = self._first_input_live[i]
-            out["input_live"] = np.maximum(first, np.where(inner, later, 0))
+            if self._let_go[-1]:
+                out["input_live"] = self._let_go_input_live(i, j)
+            else:
+                later = self._inner_input_live.take(after) - self._zgrad[-1] + self._zgrad[i]
+                # (the stage's input gradient G, which during_i counts, is made last, by the
+                # first layer's I: an inner layer's I runs before it exists)
+                later = later - self.chain.grad_in[i].astype(np.int64)
+                first = self._first_input_live[i]
+                out["input_live"] = np.maximum(first, np.where(inner, later, 0))
         if want("input_live"):
             # a parameter two of the stage's layers share takes its gradient in I (the
             # runtime's W would reach it through both): its temporary, on top

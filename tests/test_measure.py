@@ -1038,8 +1038,13 @@ def test_frozen_parameters_take_no_gradient_nor_optimizer_state(
     if part == "first":  # (nothing before layer 8 keeps anything for backward)
         assert all(sum(x.saved_bytes.values()) == 0 for x in prof.layers[:8])
         assert sum(prof.layers[8].saved_bytes.values()) > 0
+    # zero bubble's I lets the gradient of a frozen layer's output go (W needs none): a stage
+    # ending in one holds the gradient it pulled to I's end, which the stage one layer longer
+    # does not, and the plan counts the most over the shorter ends (_let_go_input_live), one
+    # gradient (2 KiB) over where a frozen layer is first
+    over = 2048 if schedule == "zb-h1" else 0
     for d in measured_step(_frozen(part), plan).devices:
-        assert abs(d.measured_peak_bytes - d.predicted_peak_bytes) <= 64, d
+        assert -64 <= d.predicted_peak_bytes - d.measured_peak_bytes <= over + 64, d
 
 
 def _tied_sequential() -> nn.Sequential:
@@ -1083,9 +1088,12 @@ def test_a_tied_weight_in_a_sequential_is_held_once(tied_profile, devices, sched
         assert st.memory.params + st.memory.grads + st.memory.optimizer == held + sum(
             (2 + (2 if optimizer == "adam" else 0)) * x.param_bytes for x in prof.layers[1:5]
         )
+    # (zero bubble: W's layers let their saved tensors go as they run, which the plan's W does
+    # not walk: the embedding's W, last, runs with two tensors of 8 KiB fewer than counted)
+    tolerance = 0.02 if schedule == "zb-h1" else 0.012
     for d in measured_step(_tied_sequential(), plan).devices:
         over = d.predicted_peak_bytes - d.measured_peak_bytes
-        assert -64 <= over <= 0.012 * d.measured_peak_bytes, d
+        assert -64 <= over <= tolerance * d.measured_peak_bytes, d
     if devices == 2 and schedule == "1f1b":  # (CP-SAT's chain model adds the layers up)
         again = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 8, microbatches=M,
                               schedule=schedule, recompute="never", solver="cp-sat")  # fmt: skip

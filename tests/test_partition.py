@@ -29,7 +29,8 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     lent = Xs if i == 0 and c.borrowed_input else 0  # the caller's micro-batch, not the stage's
     X = 0 if i == 0 and c.borrowed_input else X
     S = int(c.saved[i:j].sum()) - int(c.shared[i + 1 : j].sum())
-    Z, G = int(c.zgrad[i:j].sum()), int(c.grad_in[i])
+    kept = c.zgrad if c.zkept is None else c.zkept  # (zero bubble: of layers whose weights train)
+    Z, G = int(kept[i:j].sum()), int(c.grad_in[i])
     Z += c.last_grad if j == c.num_layers else 0  # the last stage of a chain without its loss
     inner = range(i + 1, j)
     remat = _remat(c, i, j)
@@ -55,8 +56,7 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
               0, 0]  # fmt: skip
     # zero bubble's I, from the last layer: the gradients of layers i .. k - 2's outputs are
     # not made yet while k's runs, nor the stage's input gradient G (the first layer's I's)
-    it = c.input_grad_transient
-    input_live = max([int(it[i])] + [int(it[k]) - int(c.zgrad[i : k - 1].sum()) - G for k in inner])
+    input_live = _zero_bubble_input(c, i, j)
     transients = [live, remat, forward, input_live, int(c.weight_grad_transient[i:j].max()),
                   _stop(c, i, j)]  # fmt: skip
     held = max(sum(n * b for n, b in zip(t, states + transients)) for t in shape.occupancy)
@@ -90,6 +90,33 @@ def _backward_live(c: Chain, i: int, j: int) -> int:
     """B's walk (_walked), the most over the stage's shorter ends too, so that its total grows
     with the end."""
     return max(_held(c, i, k) + _walked(c, i, k) for k in range(i + 1, j + 1)) - _held(c, i, j)
+
+
+def _zero_bubble_input(c: Chain, i: int, j: int) -> int:
+    """Zero bubble's I, from the last layer, above the stage's during_i: at layer k the
+    kept gradients of layers i .. k - 2 are not made yet, nor the stage's input gradient G
+    (the first layer's I makes it). A gradient I lets go (a layer without weights that train:
+    Z leaves it out) is alive at k where it is k's own or k's input's, and the stage's pulled
+    one (its last layer's) at every k. Counted as the most over the stage's ends e <= j, with
+    Z[i, e), less Z[i, j): the stage one layer longer may hold less (it lets the pulled one
+    go), so its totals would not grow with the end."""
+    kept = c.zgrad if c.zkept is None else c.zkept
+    wz = c.zgrad - kept
+    it = c.input_grad_transient
+    most = None
+    for e in range(i + 1, j + 1):
+        at = []
+        for k in range(i, e):
+            held = int(it[k]) + int(wz[k])  # its own output's gradient
+            if k > i:
+                held += int(wz[k - 1]) - int(kept[i : k - 1].sum()) - int(c.grad_in[i])
+            if k < e - 1:
+                held += int(wz[e - 1])  # the pulled one, held to I's end
+            at.append(held)
+        value = max(at) - int(kept[e:j].sum())
+        most = value if most is None else max(most, value)
+    assert most is not None
+    return most
 
 
 def _walked(c: Chain, i: int, j: int) -> int:
@@ -238,6 +265,7 @@ def problems(draw):
     # an inner layer's backward, its output gradient autograd's alone (measured from another
     # layout than the last layer's figure: either may be the larger), or none in the profile
     inner = ints(0, 30, L) if draw(st.booleans()) else None
+    zgrad = ints(0, 20, L)
     chain = make_chain(
         L,
         forward=ints(1, 9, L).astype(float),
@@ -262,7 +290,11 @@ def problems(draw):
         forward_peak=ints(0, 30, L),
         input_grad_transient=ints(0, 30, L),
         weight_grad_transient=ints(0, 30, L),
-        zgrad=ints(0, 20, L),
+        zgrad=zgrad,
+        # zero bubble keeps only some of them, those of layers whose weights train (or all)
+        zkept=np.where(np.array(draw(st.lists(st.booleans(), min_size=L, max_size=L))), zgrad, 0)
+        if draw(st.booleans())
+        else None,
         grad_in=np.where(np.arange(L) > 0, boundary[:L], 0),
         boundary=boundary,
         loss_saved=loss_saved,
@@ -896,12 +928,19 @@ def test_a_captured_graphs_stage_holds_no_less_as_it_gains_layers():
     assert (pulled < envelope).any()
 
     # zero bubble's I at layer l: on top of every gradient but those of what layers i .. l - 2
-    # make and no layer from l on reads (a skip read later has its gradient made already)
-    def input_live(a: int, j: int) -> int:
+    # make and no layer from l on reads (a skip read later has its gradient made already);
+    # with those of layers i .. l that I lets go (no weights that train: Z leaves them out)
+    let_go = (chain.zgrad - chain.kept_grad).astype(np.int64)
+    assert let_go.any() and (let_go >= 0).all()  # (the U-Net's ReLUs, pools and concatenations)
+
+    # ... and the gradients I lets go that are alive at l: of what layers i .. l make, and
+    # the stage's pulled one (its last layer's), held to I's end; as the most over the ends
+    # e <= j, with the kept ones of layers e .. j - 1 taken off (_zero_bubble_input)
+    def at_end(a: int, e: int) -> int:
         flow, it = chain.flow, chain.input_grad_transient
         assert flow is not None
-        most = int(it[a])
-        for layer in range(a + 1, j):
+        most = int(it[a]) + int(let_go[a]) + int(let_go[e - 1] if e - a > 1 else 0)
+        for layer in range(a + 1, e):
             gone = 0
             for b in range(a, layer - 1):
                 made = zip(
@@ -909,12 +948,19 @@ def test_a_captured_graphs_stage_holds_no_less_as_it_gains_layers():
                 )
                 early = sum(w for born, last, w in made if born == b and 0 <= last < layer)
                 gone += min(early, int(chain.zgrad[b]))
-            most = max(most, int(it[layer]) - gone)
+            go = int(let_go[a : layer + 1].sum()) + int(let_go[e - 1] if layer < e - 1 else 0)
+            most = max(most, int(it[layer]) - gone + go)
         return most
+
+    def input_live(a: int, j: int) -> int:
+        kept = chain.kept_grad
+        return max(at_end(a, e) - int(kept[e:j].sum()) for e in range(a + 1, j + 1))
 
     walked = memory.state_bytes(i, k)["input_live"]
     assert walked.tolist() == [input_live(a, j) for a, j in zip(i.tolist(), k.tolist())]
-    largest = np.array([chain.input_grad_transient[a:j].max() for a, j in zip(i, k)])
+    largest = np.array(
+        [chain.input_grad_transient[a:j].max() + 2 * let_go[a:j].sum() for a, j in zip(i, k)]
+    )
     assert (walked <= largest).all() and (walked < largest).any()  # the walk counts less
     # a tuple holding it outside B would not grow with the end: refused
     held = StageShape(occupancy=(occ(0, 1, 0, 0, 0, 1),), optimizer_slots=1)
