@@ -13,18 +13,17 @@ that the splits follow the structure alone and are the same on both sides.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import subprocess
 import sys
 import warnings
 from pathlib import Path
 
 ROOT = Path(os.environ.get("GPIPE_ROOT", Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(ROOT))
+sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from _compare import compare  # noqa: E402
 from torch import nn  # noqa: E402
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1"]
@@ -85,53 +84,5 @@ def rows() -> list[dict]:
     return out
 
 
-def _error(row: list[int]) -> float:
-    predicted, measured = row
-    return (measured - predicted) / predicted * 100
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--baseline", help="an earlier checkout: the same rows with its code")
-    ap.add_argument("--rows", action="store_true", help=argparse.SUPPRESS)  # (internal)
-    args = ap.parse_args()
-    if args.rows:
-        print(json.dumps(rows()))
-        return
-    runs = {"now": rows()}
-    if args.baseline:
-        env = dict(os.environ, GPIPE_ROOT=str(Path(args.baseline).resolve()))
-        got = subprocess.run(
-            [sys.executable, __file__, "--rows"], env=env, capture_output=True, text=True,
-            check=True,
-        )  # fmt: skip
-        runs["baseline"] = json.loads(got.stdout.strip().splitlines()[-1])
-    base = {(r["case"], r["K"], r["schedule"]): r for r in runs.get("baseline", [])}
-    head = "| case | K | schedule | stages | device | predicted | measured | error |"
-    if base:
-        head += " baseline predicted | baseline measured | baseline error |"
-    print(head)
-    print("|" + "---|" * (head.count("|") - 1))
-    worst = {"now": [0.0, 0.0], "baseline": [0.0, 0.0]}  # (most under, most over: percent)
-    for r in runs["now"]:
-        b = base.get((r["case"], r["K"], r["schedule"]))
-        for k, dev in enumerate(r["devices"]):
-            line = (f"| {r['case']} | {r['K']} | {r['schedule']} | {r['stages']} | dev{k} | "
-                    f"{dev[0]} | {dev[1]} | {_error(dev):+.1f}% |")  # fmt: skip
-            worst["now"] = [max(worst["now"][0], _error(dev)), min(worst["now"][1], _error(dev))]
-            if b is not None:
-                old = b["devices"][k]
-                same = b["stages"] == r["stages"]
-                line += f" {old[0]} | {old[1]} | {_error(old):+.1f}%{'' if same else ' (other split)'} |"
-                e = _error(old)
-                worst["baseline"] = [max(worst["baseline"][0], e), min(worst["baseline"][1], e)]
-            print(line)
-    for side in ("now", "baseline") if base else ("now",):
-        under, over = worst[side]
-        print(
-            f"\n{side}: runs above their plan by up to {under:.1f}%, below it by up to {-over:.1f}%"
-        )
-
-
 if __name__ == "__main__":
-    main()
+    compare(__file__, rows)

@@ -15,9 +15,11 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
                                        layers i.. only make views of it, the most that one of
                                        them or the first layer past them saves: input_saved)
     S   = sum saved[i:j] - sum shared[i+1:j]    what its layers save, each tensor once
-    Z   = sum zgrad[i:j]               zero bubble: the gradients kept from I to W (every inner
-                                       layer output's, and the stage output's; + last_grad on
-                                       the last stage of a chain without its loss)
+    Z   = sum zkept[i:j]               zero bubble: the gradients kept from I to W, those W
+                                       needs: of each layer output (the stage output's too)
+                                       whose layer has weights that train; + last_grad on the
+                                       last stage of a chain without its loss. I lets the
+                                       others go (input_live counts them while they live)
     G   = grad_in[i]                   its input gradient, until the stages that sent the
                                        input pull it (a captured graph: X's floating part)
     K   = Flow.passing(i, j)           a captured graph's skips: the gradients of what the
@@ -59,10 +61,15 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
            in an earlier layer and holds less). Zero bubble's I re-runs the stage whole by
            hand: remat_live. A captured graph's: remat_live, and the sum of the gradients
            later stages send back for one value it makes (_sent_sums)
-    input_live = max(input_grad[i], max over i < l < j of input_grad[l] - sum zgrad[i:l-1]
+    input_live = max(input_grad[i], max over i < l < j of input_grad[l] - sum zkept[i:l-1]
            - G): while I runs, from the last layer: the output gradients of the layers
            before l - 1 are not made yet, nor the stage's input gradient (its first
-           layer's I makes it, last); on a captured graph only those of the values they make
+           layer's I makes it, last). A gradient I lets go (not in Z) is alive at l where it
+           is l's own or l's input's, and the stage's pulled one at every l (the runtime
+           holds it to I's end): a stage ending in such a layer may hold more than the stage
+           one layer longer, so input_live is the most over the stage's ends e <= j with Z of
+           [i, e), less Z of [i, j) (_let_go_input_live). On a captured graph only those of
+           the values they make
            that no layer from l on reads, in the stage or after it (a residual stream's,
            read later, has its gradient made already), plus the largest gradient I sums
            from two parts inside the stage (a new buffer beside the first); plus the
