@@ -84,6 +84,11 @@ class Chain:
     # zero bubble: the part of zgrad kept from I to W, the gradient of a layer whose weights
     # train (W needs no other: the runtime lets the rest go as I goes on); None: all of zgrad
     zkept: np.ndarray | None = None
+    # a chain's layers whose output is their input itself (nn.Identity, a dropout at 0): the
+    # gradient they are given is the one they give back, so the next layer's I makes the
+    # gradient of the layer before them (None: none, or a captured graph, whose routing knows
+    # what each layer hands on)
+    through: np.ndarray | None = None
     # Zero bubble, a profile without its loss: the last layer's output gradient, which the last
     # stage keeps from I to W (with the loss profiled, zgrad counts it)
     last_grad: int = 0
@@ -261,6 +266,8 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         [bool(t) for t in tensors] if tensors is not None else table.fixed("param_bytes") > 0
     ).astype(bool)
     zgrad = np.where(trains, kept, 0)
+    hands_on = (kept == 0) & (boundary[1 : n + 1] > 0) & trains
+    hands_on[L if n > L else L - 1 :] = False
     zgrad[L if n > L else L - 1 :] = 0
     # ... of which W needs those of the layers with weights that train (the runtime's _trains)
     own = (
@@ -308,6 +315,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         weight_grad_transient=sizes("weight_grad_transient_bytes"),
         zgrad=zgrad,
         zkept=np.where(own, zgrad, 0),
+        through=None if profile.captured or not hands_on.any() else hands_on,
         grad_in=grad_in,
         boundary=boundary,
         num_model_layers=L,

@@ -104,7 +104,7 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
         stops.append(int(st[k]) * first[k][s] + int(st[k] + u[k]) * inner[k] - off * (1 - ends))
         # (an inner layer's I runs before the stage's input gradient, which during_i counts,
         # is made: the first layer's I makes it last, as the memory model counts it)
-        if not wz.any():
+        if not wz.any() and c.through is None:
             m.add(inp >= int(it[k]) * first[k][s])  # type: ignore[attr-defined]
             m.add(inp >= int(it[k]) * inner[k] - before[k] - grad_in)  # type: ignore[attr-defined]
         # (as if k ended it, though a later layer does: the most over shorter ends too, as the
@@ -114,7 +114,7 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
             lives.append(int(ib[k]) * (x[k + 1][s] + x[k][s] - 1) - later[k])
             if sc:  # (on the loss's stage: its scalar gradient beside it)
                 lives.append(int(ib[k] + sc) * (x[k + 1][s] + x[k][s] + x[L - 1][s] - 2) - later[k])
-    if wz.any():
+    if wz.any() or c.through is not None:
         _let_go_input(m, c, x, first, s, L, inp, grad_in)
     m.add_max_equality(live, lives)  # type: ignore[attr-defined]
     m.add_max_equality(stop, stops)  # type: ignore[attr-defined]
@@ -124,43 +124,66 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
 def _let_go_input(
     m: object, c: Chain, x: list, first: list, s: int, L: int, inp: object, grad_in: object
 ) -> None:
-    """Zero bubble's I where it lets gradients go (memory.py's _let_go_input_live): the most
-    over the stage's ends e <= j of I's transient with Z[i, e), less Z[i, j). With KP the
-    kept gradients' prefix sums, wz those let go, a[l] = it[l] + wz[l] + wz[l - 1] - KP[l - 1]
-    and b[m] = wz[m] + KP[m + 1], per end e = m + 1 and layer l (Z[i, j) = KP[j] - KP[i]):
-        l = m = i:    it[i] + zgrad[i]                 - Z
-        l = i < m:    it[i] + wz[i] - KP[i] + b[m]     - Z
-        i < l = m:    a[m] + KP[m + 1] - G             - Z
-        i < l < m:    a[l] + b[m] - G                  - Z
-    the last through best[m] >= a[l] for the stage's inner layers l < m."""
+    """Zero bubble's I where it lets gradients go or layers hand their input on (memory.py's
+    _let_go_input_live): the most over the stage's ends e <= j of I's transient with Z[i, e),
+    less Z[i, j). With KP the kept gradients' prefix sums, wz those let go, f[l] = it[l] +
+    wz[l], a[l] = f[l] + wz[made[l]] - KP[made[l]] (made[l]: the last layer before l that
+    does not hand its input on) and b[m] = wz[m] + KP[m + 1] (0 where m hands on), per end
+    e = m + 1 and layer l, where `lead` says every layer from the stage's first to l - 1 hands
+    its input on (the first layer's is always so):
+        lead l = m:        it[l] + zgrad[l]          - Z
+        lead l < m:        f[l] - KP[i] + b[m]       - Z
+        other l = m:       a[m] + KP[m + 1] - G      - Z
+        other l < m:       a[l] + b[m] - G           - Z
+    the pairs through running maxima of f and a over the stage's layers before m."""
     it = c.input_grad_transient.astype(np.int64)
     zg = c.zgrad.astype(np.int64)
     kept = c.kept_grad.astype(np.int64)
     wz = zg - kept
+    through = np.zeros(L, dtype=bool) if c.through is None else c.through
     kp = np.concatenate([[0], np.cumsum(kept)])
-    a = it + wz + np.concatenate([[0], wz[:-1]]) - np.concatenate([[0], kp[: L - 1]])
-    b = wz + kp[1:]
-    inner = [x[k][s] - first[k][s] for k in range(L)]
+    made = [max((r for r in range(k) if not through[r]), default=-1) for k in range(L)]
+    f = it + wz
+    a = np.array([f[k] + (wz[made[k]] - kp[made[k]] if made[k] >= 0 else 0) for k in range(L)])
+    b = np.where(through, 0, wz + kp[1:])
     Z = sum(int(kept[k]) * x[k][s] for k in range(L) if kept[k])
     KPi = sum(int(kp[k]) * first[k][s] for k in range(1, L) if kp[k])
-    FV = sum(int(it[k] + wz[k]) * first[k][s] for k in range(L))
-    m.add(inp >= sum(int(it[k] + zg[k]) * first[k][s] for k in range(L)) - Z)  # type: ignore[attr-defined]
-    top_first = int(max((it + wz).max(), 0)) + 1
+    top_f = int(max(f.max(), 0))
     top_a = int(max(a.max(), 0))
-    low = -(int(abs(a).max()) + int(b.max()) + 1)
-    best: object = None  # the most a[l] over the stage's inner layers before m (or `low`)
+    low_a = -(int(abs(a).max()) + int(b.max()) + 1)
+    lead: list = []  # per layer: in the stage, every layer before it there hands on
+    best_f: object = None  # the most f[l] over the stage's lead layers before m (0: none)
+    best_a: object = None  # the most a[l] over its other layers before m (or `low_a`)
     for k in range(L):
-        off = 1 - inner[k]
-        m.add(inp >= FV - KPi + int(b[k]) * inner[k] - Z - top_first * off)  # type: ignore[attr-defined]
-        m.add(inp >= int(a[k] + kp[k + 1]) * inner[k] - grad_in - Z)  # type: ignore[attr-defined]
-        if best is not None:
-            m.add(inp >= best + int(b[k]) * inner[k] - grad_in - Z - top_a * off)  # type: ignore[attr-defined]
+        if k == 0 or not through[k - 1]:
+            lead_k = first[k][s]
+        else:
+            lead_k = m.new_bool_var(f"lead{s}_{k}")  # type: ignore[attr-defined]
+            m.add(lead_k <= x[k][s])  # type: ignore[attr-defined]
+            m.add(lead_k >= first[k][s])  # type: ignore[attr-defined]
+            m.add(lead_k <= first[k][s] + lead[k - 1])  # type: ignore[attr-defined]
+            m.add(lead_k >= lead[k - 1] + x[k][s] - 1)  # type: ignore[attr-defined]
+        lead.append(lead_k)
+        other = x[k][s] - lead_k
+        m.add(inp >= int(it[k] + zg[k]) * lead_k - Z)  # type: ignore[attr-defined]
+        m.add(inp >= int(a[k] + kp[k + 1]) * other - grad_in - Z)  # type: ignore[attr-defined]
+        off = 1 - x[k][s]
+        if best_f is not None:
+            m.add(inp >= best_f - KPi + int(b[k]) * x[k][s] - Z - top_f * off)  # type: ignore[attr-defined]
+        if best_a is not None:
+            m.add(inp >= best_a + int(b[k]) * other - grad_in - Z  # type: ignore[attr-defined]
+                  - top_a * (1 - other))  # fmt: skip
         if k + 1 < L:
-            var = m.new_int_var(low, top_a, f"best{s}_{k}")  # type: ignore[attr-defined]
-            m.add(var >= int(a[k]) - (top_a - low) * off)  # type: ignore[attr-defined]
-            if best is not None:
-                m.add(var >= best)  # type: ignore[attr-defined]
-            best = var
+            var = m.new_int_var(0, top_f, f"bestf{s}_{k}")  # type: ignore[attr-defined]
+            m.add(var >= int(f[k]) * lead_k)  # type: ignore[attr-defined]
+            if best_f is not None:
+                m.add(var >= best_f)  # type: ignore[attr-defined]
+            best_f = var
+            var = m.new_int_var(low_a, top_a, f"besta{s}_{k}")  # type: ignore[attr-defined]
+            m.add(var >= int(a[k]) - (top_a - low_a) * (1 - other))  # type: ignore[attr-defined]
+            if best_a is not None:
+                m.add(var >= best_a)  # type: ignore[attr-defined]
+            best_a = var
 
 
 def _input_saved(m: object, c: Chain, x: list, first: list, s: int, L: int) -> list:

@@ -568,55 +568,80 @@ class MemoryModel:
         return _RangeMax(self._stop_last + self.chain.zgrad.astype(np.int64))
 
     @cached_property
-    def _let_go_tables(self) -> tuple[_RangeMax, _RangeMax, _PairMax, int]:
-        """_let_go_input_live's maxima over the stage's inner layers: of b[m], of a[m] +
-        KP[m + 1], and of a[l] + b[m] over l < m; a is shifted by `shift` so that none of
-        them is below zero."""
+    def _let_go_tables(self) -> dict:
+        """_let_go_input_live's per-layer values and their maxima over ranges of layers."""
         c = self.chain
         n = c.num_layers
         kp = self._zkept
+        zg = c.zgrad.astype(np.int64)
         wz = (c.zgrad - c.kept_grad).astype(np.int64)
         it = c.input_grad_transient.astype(np.int64)
-        wz_before = np.concatenate([[0], wz[:-1]])
-        kp_before = np.concatenate([[0], kp[: n - 1]])  # KP[m - 1] (m = 0 is never inner)
+        through = np.zeros(n, dtype=bool) if c.through is None else c.through
+        real = np.flatnonzero(~through)
+        # made[l]: the last layer before l that does not hand its input on (-1: none), whose
+        # output gradient l's I makes; nxt[i]: the first layer from i that does not
+        at = np.searchsorted(real, np.arange(n), side="left") - 1
+        made = np.where(at >= 0, real[np.maximum(at, 0)], -1)
+        after = np.searchsorted(real, np.arange(n + 1), side="left")
+        nxt = np.append(real, n)[after]
         shift = int(kp[-1])
-        a = it + wz + wz_before - kp_before + shift
-        b = wz + kp[1:]
-        return _RangeMax(b), _RangeMax(a + kp[1:]), _PairMax(a, b), shift
+        m = np.maximum(made, 0)
+        a = it + wz + np.where(made >= 0, wz[m] - kp[m], 0) + shift
+        # (a stage ending in layers that hand their input on pulls its last real layer's
+        # gradient: those ends add no pair of their own, b = 0, and their pairs are that
+        # layer's, already counted, the same KP)
+        b = np.where(through, 0, wz + kp[1:])
+        f = it + wz
+        # last_real[e]: the last layer before e that does not hand its input on (-1: none)
+        last_real = np.append(made, real[-1] if len(real) else -1)
+        return {
+            "nxt": nxt, "made": made, "last_real": last_real, "shift": shift, "b": _RangeMax(b), "f": _RangeMax(f),
+            "alone": _RangeMax(it + zg), "fb": _PairMax(f, b), "ab": _PairMax(a, b),
+            "a_end": _RangeMax(a + kp[1:]),
+        }  # fmt: skip
 
     def _let_go_input_live(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """A chain's input_live where zero bubble's I lets gradients go (those of layers
-        without weights that train, which Z leaves out). At layer l of the stage [i, e), on
-        top of during_i (whose Z holds the kept gradients of layers i .. e - 1), I holds: its
-        own output's gradient and its input's, where they are let go (the stage's input's is
-        G, which during_i counts), and the one the stage pulled where its last layer lets it
-        go: the runtime holds that to I's end, so it is alive at every l. The kept gradients
-        of layers i .. l - 2 are not made yet, nor, for l > i, G.
+        without weights that train, which Z leaves out), or where layers hand their input on.
+        At layer l of the stage [i, e), on top of during_i (whose Z holds the kept gradients of
+        layers i .. e - 1), I holds: its own output's gradient and the one it makes, its
+        input's, where they are let go, and the one the stage pulled where its last layer lets
+        it go: the runtime holds that to I's end, so it is alive at every l. The gradient l
+        makes is that of the last layer before l that does not hand its input on (made[l]); the
+        kept ones of the layers before that are not made yet, nor G. Where every layer from i
+        to l - 1 hands its input on, what l makes is G itself (in during_i): l counts as the
+        stage's first layer does.
 
         That stage may hold more than the stage one layer longer (which lets the pulled one
         go once its last layer's I is done), so input_live is the most over the ends e <= j
         of that transient with Z[i, e), less Z[i, j): the totals grow with the end. With KP
-        the kept gradients' prefix sums, wz those let go, a[l] = it[l] + wz[l] + wz[l - 1] -
-        KP[l - 1] and b[m] = wz[m] + KP[m + 1], per end e = m + 1 and layer l, that is
-            l = m = i:       it[i] + wz[i] + kept[i]       (the stage of one layer)
-            l = i < m:       it[i] + wz[i] - KP[i] + b[m]
-            i < l = m:       a[m] + KP[m + 1] - G          (its own gradient is the pulled one)
-            i < l < m:       a[l] + b[m] - G
-        less KP[j] - KP[i]. With nothing let go, the largest end is the largest: the formula
-        of input_live, with Z."""
+        the kept gradients' prefix sums, wz those let go, f[l] = it[l] + wz[l], a[l] = f[l] +
+        wz[made[l]] - KP[made[l]] and b[m] = wz[m] + KP[m + 1], per end e = m + 1 and layer l,
+        with t the first layer from i that does not hand its input on, that is
+            i <= l = m <= t:     it[l] + zgrad[l]              (every layer before l hands on)
+            i <= l <= t, l < m:  f[l] - KP[i] + b[m]
+            t < l = m:           a[m] + KP[m + 1] - G
+            t < l < m:           a[l] + b[m] - G
+        less KP[j] - KP[i]. With nothing let go nor handed on, the largest end is the largest
+        and t = i: the formula of input_live, with Z."""
         c = self.chain
-        wz = (c.zgrad - c.kept_grad).astype(np.int64)
-        it = c.input_grad_transient.astype(np.int64)
+        tables = self._let_go_tables
         kp = self._zkept
-        ends_b, singles, pairs, shift = self._let_go_tables
-        g = c.grad_in[i].astype(np.int64)
-        inner = j - i > 1
-        lo = np.minimum(i + 1, j - 1)
-        alone = it[i] + c.zgrad[i].astype(np.int64) + kp[i]
-        first = np.where(inner, it[i] + wz[i] + ends_b(lo, j), alone)
-        later = np.where(inner, singles(lo, j) - shift - g + kp[i], alone)
-        later = np.where(j - i > 2, np.maximum(later, pairs(lo, j) - shift - g + kp[i]), later)
-        return np.maximum(np.maximum(first, alone), later) - kp[j]
+        shift = tables["shift"]
+        g = c.grad_in[np.minimum(i, c.num_layers - 1)].astype(np.int64)
+        t = np.minimum(tables["nxt"][i], j - 1)  # the last layer counted as a first one
+        first = tables["alone"](i, t + 1) + kp[i]
+        pairs = tables["fb"](i, t + 1)  # (0 where [i, t] has no two layers)
+        beyond = t + 1 < j
+        later_b = tables["b"](np.minimum(t + 1, j - 1), j)
+        first = np.maximum(first, np.where(t > i, pairs, 0))
+        first = np.maximum(first, np.where(beyond, tables["f"](i, t + 1) + later_b, 0))
+        lo = np.minimum(t + 1, j - 1)
+        ends = tables["a_end"](lo, j) - shift - g + kp[i]
+        inner = np.where(beyond, ends, first)
+        two = j - t > 2
+        inner = np.where(two, np.maximum(inner, tables["ab"](lo, j) - shift - g + kp[i]), inner)
+        return np.maximum(first, inner) - kp[j]
 
     @cached_property
     def _inner_input_live(self) -> _RangeMax:
@@ -880,17 +905,21 @@ class MemoryModel:
         c = self.chain
         n = c.num_layers
         it = c.input_grad_transient.astype(np.int64)
-        z = self._zgrad
         low = np.iinfo(np.int64).min // 2
         rows = np.arange(n + 1)[:, None]  # i
         cols = np.arange(n)[None, :]  # l
-        let_go = self._let_go[cols + 1] - self._let_go[rows]  # (I lets them go: not in Z)
-        inside = it[None, :] - (z[np.maximum(cols - 1, 0)] - z[np.minimum(rows, n)]) + let_go
+        # (as _let_go_input_live: l makes the gradient of made[l], the last layer before it
+        # that does not hand its input on; where that lies before i, G itself, in during_i,
+        # and l counts as the first layer does; the gradients I lets go, not in Z, beside it)
+        made = self._let_go_tables["made"][None, :]
+        wz = (c.zgrad - c.kept_grad).astype(np.int64)
+        kp = self._zkept
+        m = np.maximum(made, 0)
+        inside = it[None, :] + wz[None, :] + wz[m] - (kp[m] - kp[np.minimum(rows, n)])
         inside = inside - c.grad_in[np.minimum(rows, n - 1)].astype(np.int64)
+        inside = np.where(made >= rows, inside, it[None, :] + wz[None, :])
         at = np.full((n + 1, n + 1), low, dtype=np.int64)
-        at[:, :n] = np.where(cols > rows, inside, low)
-        first = np.arange(n)
-        at[first, first] = it + c.zgrad - c.kept_grad  # the stage's first layer
+        at[:, :n] = np.where(cols >= rows, inside, low)
         table = np.maximum(self._each_end(at), 0)
         waits = self._tied_waits()
         before = np.triu(np.ones((n + 1, n + 1), dtype=bool), 1)  # [l, j]: l < j
@@ -907,26 +936,32 @@ class MemoryModel:
         return table
 
     def _pulled_let_go(self) -> np.ndarray:
-        """[l, e]: the gradient the stage [., e) pulled, where its last layer lets it go
-        (wz[e - 1]), alive while I runs at an earlier layer l < e - 1 (the runtime holds it to
-        I's end); 0 elsewhere (at l = e - 1 it is that layer's own, which `at` counts)."""
+        """[l, e]: the gradient the stage [., e) pulled, where its last real layer r
+        (_let_go_tables) lets it go (wz[r]), alive while I runs at an earlier layer l < r (the
+        runtime holds it to I's end); 0 elsewhere (from r on it is a layer's own or the one
+        the layer makes, which `at` counts)."""
         n = self.chain.num_layers
         wz = (self.chain.zgrad - self.chain.kept_grad).astype(np.int64)
+        r = self._let_go_tables["last_real"][1:]  # per e - 1
         out = np.zeros((n + 1, n + 1), dtype=np.int64)
-        out[:, 1:] = wz[None, :]
-        return np.where(np.triu(np.ones((n + 1, n + 1), dtype=bool), 2), out, 0)
+        out[:, 1:] = np.where(r >= 0, wz[np.maximum(r, 0)], 0)[None, :]
+        rows = np.arange(n + 1)[:, None]
+        return np.where(rows < np.append(-1, r)[None, :], out, 0)
 
     def _each_end(self, at: np.ndarray) -> np.ndarray:
         """table[i, e] = max over i <= l < e of at[i, l], with the pulled gradient the stage
-        lets go beside every l < e - 1 (_pulled_let_go); `at` is very low where l < i."""
+        lets go (its last real layer r's, _let_go_tables) beside every l < r; `at` is very low
+        where l < i."""
         n = self.chain.num_layers
         low = np.iinfo(np.int64).min // 2
         running = np.maximum.accumulate(at, axis=1)  # [i, l]: max over l' <= l
         wz = (self.chain.zgrad - self.chain.kept_grad).astype(np.int64)
-        shorter = np.full((n + 1, n), low, dtype=np.int64)  # [i, e - 1]: max over l < e - 1
-        shorter[:, 1:] = running[:, : n - 1] + wz[None, 1:]
+        r = self._let_go_tables["last_real"][1:]  # per e - 1 = 0 .. n - 1
+        before_r = np.where(r >= 1, running[:, np.maximum(r - 1, 0)], low)  # [i, e - 1]
         table = np.zeros((n + 1, n + 1), dtype=np.int64)
-        table[:, 1:] = np.maximum(shorter, at[:, :n])
+        table[:, 1:] = np.maximum(
+            before_r + np.where(r >= 0, wz[np.maximum(r, 0)], 0), running[:, :n]
+        )
         return table
 
     def _grown(self, table: np.ndarray) -> np.ndarray:
@@ -1213,7 +1248,7 @@ class MemoryModel:
         if want("input_live") and self._flow_input_live is not None:
             out["input_live"] = self._flow_input_live[i, j]
         elif want("input_live"):
-            if self._let_go[-1]:
+            if self._let_go[-1] or self.chain.through is not None:
                 out["input_live"] = self._let_go_input_live(i, j)
             else:
                 later = self._inner_input_live.take(after) - self._zgrad[-1] + self._zgrad[i]

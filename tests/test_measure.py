@@ -1047,6 +1047,65 @@ def test_frozen_parameters_take_no_gradient_nor_optimizer_state(
         assert -64 <= d.predicted_peak_bytes - d.measured_peak_bytes <= over + 64, d
 
 
+class _HandsOn(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def _hands_on_then_frozen() -> nn.Sequential:
+    """Layers that hand their input on (an Identity and a module returning its input), a
+    ReLU, a frozen Linear, a dropout at 0 and a flatten between two Linears."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Identity(), _HandsOn(), nn.ReLU(),
+                          nn.Linear(64, 64), nn.Dropout(0.0), nn.Flatten(), nn.Linear(64, 8))  # fmt: skip
+    model[4].requires_grad_(False)
+    return model
+
+
+@pytest.mark.parametrize("split", [[0, 1, 5, 9], [0, 2, 5, 9], [0, 3, 5, 9], [0, 1, 5, 7, 9]])
+@pytest.mark.parametrize("counted", [True, False])
+def test_zero_bubbles_i_after_layers_that_hand_their_input_on(monkeypatch, split, counted):
+    """Found by a cold review: in a stage that opens with layers handing their input on, the
+    ReLU's I makes the stage's input gradient itself (the Identity's and the pass-through's
+    gradient is the one they are given), yet the plan took it for one not made yet, as it is
+    where the layer before the ReLU makes a gradient of its own. Once zero bubble let the
+    frozen Linear's gradient go, nothing covered it: the middle device ran one gradient (1 KiB,
+    4.1%) over its plan. The plan now finds the last layer before each that does not hand on
+    (Chain.through)."""
+    import dataclasses
+
+    from planner import search
+    from planner.costs import Chain
+    from planner.partition import Partition
+
+    if not counted:  # the plan as it was: no layer known to hand its input on
+        chain_at = search.chain_at
+
+        def without(*args: object, **kwargs: object) -> Chain:
+            return dataclasses.replace(chain_at(*args, **kwargs), through=None)
+
+        monkeypatch.setattr(search, "chain_at", without)
+    x = torch.randn(16, 32)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prof = even_times(quick_profile(_hands_on_then_frozen(), x, batch_sizes=[4, 8, 16],
+                                        loss_fn="cross_entropy", threads=1))  # fmt: skip
+        cluster = Cluster.uniform(len(split) - 1, "1GiB")
+        problem = search._Problem(prof, cluster, 16, "momentum", (prof.digest(), cluster.digest()))
+        cand = search.Candidate(4, "zb-h1", "never")
+        specs = search._stage_specs(problem, cand)
+        plan = search._build_plan(problem, cand, specs, Partition(split, 0.0), "test")
+        report = measured_step(_hands_on_then_frozen(), plan)
+    finally:
+        torch.set_num_threads(threads)
+    over = [d.measured_peak_bytes - d.predicted_peak_bytes for d in report.devices]
+    if counted:  # (a stage of the dropout and the flatten: 1 KiB over, their gradients alias)
+        assert all(-1024 - 64 <= o <= 64 for o in over) and abs(over[1]) <= 64, over
+    elif split != [0, 3, 5, 9]:  # (there the ReLU opens the stage: nothing hands on before it)
+        assert over[1] >= 1024, over
+
+
 def _tied_sequential() -> nn.Sequential:
     """An embedding and an output head sharing one weight, in an nn.Sequential."""
     torch.manual_seed(0)

@@ -93,25 +93,33 @@ def _backward_live(c: Chain, i: int, j: int) -> int:
 
 
 def _zero_bubble_input(c: Chain, i: int, j: int) -> int:
-    """Zero bubble's I, from the last layer, above the stage's during_i: at layer k the
-    kept gradients of layers i .. k - 2 are not made yet, nor the stage's input gradient G
-    (the first layer's I makes it). A gradient I lets go (a layer without weights that train:
-    Z leaves it out) is alive at k where it is k's own or k's input's, and the stage's pulled
-    one (its last layer's) at every k. Counted as the most over the stage's ends e <= j, with
-    Z[i, e), less Z[i, j): the stage one layer longer may hold less (it lets the pulled one
-    go), so its totals would not grow with the end."""
+    """Zero bubble's I, from the last layer, above the stage's during_i. Layer k makes the
+    gradient of the last layer before it that does not hand its input on (r); the kept
+    gradients of the layers before r are not made yet, nor the stage's input gradient G (where
+    every layer from i to k - 1 hands its input on, k makes G itself). A gradient I lets go (a
+    layer without weights that train: Z leaves it out) is alive at k where it is k's own or the
+    one k makes, and the stage's pulled one (its last real layer's) at every k before that
+    layer. Counted as the most over the stage's ends e <= j, with Z[i, e), less Z[i, j): the
+    stage one layer longer may hold less (it lets the pulled one go)."""
     kept = c.zgrad if c.zkept is None else c.zkept
     wz = c.zgrad - kept
     it = c.input_grad_transient
+    through = np.zeros(c.num_layers, dtype=bool) if c.through is None else c.through
+
+    def last_real(lo: int, hi: int) -> int | None:  # the last layer in [lo, hi) not handing on
+        return next((r for r in range(hi - 1, lo - 1, -1) if not through[r]), None)
+
     most = None
     for e in range(i + 1, j + 1):
+        pulled = last_real(i, e)
         at = []
         for k in range(i, e):
             held = int(it[k]) + int(wz[k])  # its own output's gradient
-            if k > i:
-                held += int(wz[k - 1]) - int(kept[i : k - 1].sum()) - int(c.grad_in[i])
-            if k < e - 1:
-                held += int(wz[e - 1])  # the pulled one, held to I's end
+            r = last_real(i, k)
+            if r is not None:  # the gradient k makes, r's; those before it not made yet
+                held += int(wz[r]) - int(kept[i:r].sum()) - int(c.grad_in[i])
+            if pulled is not None and k < pulled:
+                held += int(wz[pulled])  # the pulled one, held to I's end
             at.append(held)
         value = max(at) - int(kept[e:j].sum())
         most = value if most is None else max(most, value)
@@ -266,6 +274,12 @@ def problems(draw):
     # layout than the last layer's figure: either may be the larger), or none in the profile
     inner = ints(0, 30, L) if draw(st.booleans()) else None
     zgrad = ints(0, 20, L)
+    through = None
+    if L > 1 and draw(st.booleans()):
+        through = np.array(draw(st.lists(st.booleans(), min_size=L, max_size=L)))
+        through[-1] = False  # (the last entry: the loss, or the last layer)
+        zgrad = np.where(through, 0, zgrad)
+        through = through if through.any() else None
     chain = make_chain(
         L,
         forward=ints(1, 9, L).astype(float),
@@ -295,6 +309,8 @@ def problems(draw):
         zkept=np.where(np.array(draw(st.lists(st.booleans(), min_size=L, max_size=L))), zgrad, 0)
         if draw(st.booleans())
         else None,
+        # layers that hand their input on (nn.Identity): no gradient of their own
+        through=through,
         grad_in=np.where(np.arange(L) > 0, boundary[:L], 0),
         boundary=boundary,
         loss_saved=loss_saved,
