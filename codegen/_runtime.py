@@ -491,8 +491,12 @@ class PipelineRuntime:
                 for e, g in zip(roots, grads or [])
                 if (id(e.node), e.output_nr) not in made and not isinstance(e.node, _OWNED)
             ]
-            keep = not last and trains[-1]
-            self.kept[(s, m)] = ([e for e, _ in own], [g for _, g in own]) if keep else ([], None)
+            # (but on the last stage, whose loss's graph goes with I, the roots' edges are
+            # kept to W: they hold the stage's graph, whose saved tensors the plan counts until
+            # W, as they are where a layer trains; their gradients only where the last layer
+            # trains, for its W)
+            edges = [] if last else [e for e, _ in own]
+            self.kept[(s, m)] = (edges, [g for _, g in own] if not last and trains[-1] else None)
             del own
             got: list[torch.Tensor | None] = []
             shared = self.shared[s]
@@ -535,7 +539,7 @@ class PipelineRuntime:
             last = s == len(self.stages) - 1
             for k in reversed(range(len(layers))):
                 if k == len(layers) - 1 and not last:  # the stage's own roots: its output's
-                    outs, gs = roots, grads
+                    outs, gs = (roots, grads) if grads is not None else ([], [])
                 else:
                     pairs = list(zip(inner[k], hidden[k]))
                     outs = [e for e, g in pairs if g is not None]

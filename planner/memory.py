@@ -406,7 +406,7 @@ class MemoryModel:
         # that trains (two uses in one stage: a gradient part waits between them)
         walk = chain.flow is not None or bool(self._tied_grads)
         self._walk = self._walk_table() if walk else None
-        self._flow_pulled_table: np.ndarray | None = None
+        self._flow_pulled_tables: dict[bool, np.ndarray] = {}  # (_flow_pulled, per `tight`)
         # a forward that keeps what it saves, layer by layer: layer l's peak comes on top of
         # what the layers before it saved (and, inside the stage, its input while it runs)
         self._first_remat = (self._held + f).astype(np.int64)
@@ -1008,29 +1008,32 @@ class MemoryModel:
         if self.chain.flow is not None and (t := _pulled_outside_b(shape.occupancy)) is not None:
             raise ValueError(f"occupancy {t} holds a pulled gradient outside B")
 
-    def _flow_pulled(self) -> np.ndarray:
+    def _flow_pulled(self, tight: bool = False) -> np.ndarray:
         """A captured graph's pulled gradient for every start and end: what the stage sends,
         raised only as far as its total must grow with the end. B holds it together with its
         micro-batch's activations and its own transient (_check_pulled holds every tuple to
         that), so the three together take the largest over the stage's shorter ends, not the
         pulled gradient alone (a stage ending just after a large skip's reader sends less than
         a shorter one would: counted as sent, where the activations and B's walk make up for
-        the difference)."""
-        if self._flow_pulled_table is None:
+        the difference). `tight`: where no B re-materialises first (no recomputation), with
+        B's own transient alone (live_flow_tight), not the larger of it and the forward's."""
+        found = self._flow_pulled_tables.get(tight)
+        if found is None:
             c = self.chain
             n = c.num_layers
             i, k = np.triu_indices(n + 1, 1)
             i, k = i[i < n], k[i < n]
-            b = self.state_bytes(i, k, only=frozenset({"activations", "live"}))
-            with_b = b["activations"] + b["live"]
+            live = "live_flow_tight" if tight else "live"
+            b = self.state_bytes(i, k, only=frozenset({"activations", live}))
+            with_b = b["activations"] + b[live]
             joint = np.full((n + 1, n + 1), np.iinfo(np.int64).min // 2, dtype=np.int64)
             joint[i, k] = c.flow.sending(c.zgrad)[i, k] + with_b  # type: ignore[union-attr]
             joint = np.maximum.accumulate(joint, axis=1)
             table = np.zeros((n + 1, n + 1), dtype=np.int64)
             table[i, k] = joint[i, k] - with_b
             table.setflags(write=False)
-            self._flow_pulled_table = table
-        return self._flow_pulled_table
+            found = self._flow_pulled_tables[tight] = table
+        return found
 
     @cached_property
     def _sent_sums(self) -> np.ndarray:
@@ -1208,7 +1211,11 @@ class MemoryModel:
         if want("pulled"):
             pulled = self._pulled.take(whole) if c.flow is None else self._flow_pulled()[i, j]
             out["pulled"] = pulled
-        if want("live", "remat_live", "stop_live", "pulled_tight", "pulled_paired"):
+        if c.flow is not None and want("pulled_flow_tight"):
+            out["pulled_flow_tight"] = self._flow_pulled(tight=True)[i, j]
+        if want(
+            "live", "remat_live", "stop_live", "pulled_tight", "pulled_paired", "live_flow_tight"
+        ):
             remat = np.where(inner, self._inner_remat.take(after), 0)
             remat = np.maximum(self._first_remat[i], remat)
             # above the stage's activations, all saved by the end
@@ -1218,12 +1225,14 @@ class MemoryModel:
             if c.flow is not None and want("stop_live"):  # (its table only where asked for)
                 stop = stop + self._sent_sums[i, j]
             out["stop_live"] = stop
-            if want("live", "pulled_tight", "pulled_paired"):
+            if want("live", "pulled_tight", "pulled_paired", "live_flow_tight"):
                 # a captured graph's pulled gradient is raised so that it grows with the
                 # stage's end together with B's transient (_flow_pulled): that transient covers
                 # the re-materialising forward a recomputed B holds it through too
                 live = self._backward_live(i, j)
                 out["live"] = live if c.flow is None else np.maximum(remat, live)
+                if c.flow is not None:  # (B's own, where no B re-materialises: _flow_pulled)
+                    out["live_flow_tight"] = live
             # A chain's B holds the gradient it pulled, its micro-batch's activations and its
             # transient, as much as the most any stage from i ending at k <= j holds so (the
             # largest backward of a layer l < k, on what layers i .. l saved, beside k - 1's
@@ -1286,8 +1295,7 @@ class MemoryModel:
         """The stage [i, j) as the simulator's StageBytes. `known`: its state_bytes and terms,
         where the caller has them already."""
         states, terms = known or (self.state_bytes(i, j, start), self.terms(i, j, shape, start))
-        b = {k: int(v[0]) for k, v in states.items()}
-        b["pulled"] = b[self._pulled_key(shape)]
+        b = self._with_key({k: int(v[0]) for k, v in states.items()}, self._pulled_key(shape))
         static = sum(int(terms[k][0]) for k in ("params", "grads", "optimizer", "workspace"))
         step = int(terms["optimizer_step_size"][0])
         head, tail = self.step_ends(i, j)
@@ -1323,8 +1331,7 @@ class MemoryModel:
             if shape.bound:
                 raise ValueError("a bound on the occupancy has no breakdown; use the occupancy")
             self._check_pulled(shape)
-            b = {k: v[s] for k, v in states.items()}
-            b["pulled"] = b[self._pulled_key(shape)]
+            b = self._with_key({k: v[s] for k, v in states.items()}, self._pulled_key(shape))
             step = int(np.ceil(shape.optimizer_step * sizes[shape.foreach][s]))
             out.append(StageBytes(
                 **{name: b[name] for name in STATES + TRANSIENTS},
@@ -1353,9 +1360,10 @@ class MemoryModel:
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
         p, g = self.params(i, j), self.grads(i, j)
         b = self.state_bytes(i, j, start) if states is None else states
+        b = self._with_key(b, self._pulled_key(shape))
         best = np.full(i.shape, -1, dtype=np.int64)
         parts = {k: np.zeros(i.shape, dtype=np.int64) for k in ("stash", "grad", "live", "loss")}
-        z, pulled = b["z"], b[self._pulled_key(shape)]
+        z, pulled = b["z"], b["pulled"]
         for t in shape.occupancy:
             n_in, n_act, n_di, n_iw, n_grad, n_pulled, n_early, n_late = t[: len(STATES)]
             stash = n_in * b["input"] + (n_act + n_di) * b["activations"] + n_early * b["early"]
@@ -1389,9 +1397,28 @@ class MemoryModel:
 
     def _pulled_key(self, shape: StageShape) -> str:
         """Which pulled gradient a shape's stages count (pulled_with)."""
+        if self.chain.flow is not None and not shape.bound:
+            # a captured graph's: with B's own transient where no B re-materialises first
+            tight = pulled_with(shape.occupancy) == "pulled_tight"
+            return "pulled_flow_tight" if tight else "pulled"
         if self._walk is not None or shape.bound:  # (B walked: what waits in it is not in
             return "pulled"  # the tables pulled_tight and pulled_paired read)
         return pulled_with(shape.occupancy)
+
+    @staticmethod
+    def _with_key(b: dict, key: str) -> dict:
+        """state_bytes `b` as a shape whose pulled gradient is `key` counts them: a captured
+        graph's tight one comes with B's own transient as `live` (_flow_pulled)."""
+        out = dict(b)
+        out["pulled"] = b[key]
+        if key == "pulled_flow_tight" and "live_flow_tight" in b:
+            out["live"] = b["live_flow_tight"]
+        return out
+
+    @staticmethod
+    def _key_states(key: str) -> set[str]:
+        """The state_bytes entries a shape whose pulled gradient is `key` reads for it."""
+        return {key, "live_flow_tight"} if key == "pulled_flow_tight" else {key}
 
     def optimizer_step(
         self, i: np.ndarray | int, j: np.ndarray | int, shape: StageShape
@@ -1434,7 +1461,7 @@ class MemoryModel:
         keys = [self._pulled_key(shape) for shape in shapes]
         wanted = frozenset(names[k] for k in cols) | (set() if each else {"largest"})
         if counted[PULLED]:
-            wanted |= set(keys)
+            wanted |= set().union(*(self._key_states(k) for k in keys))
         b = self.state_bytes(i, j, only=wanted) if states is None else states
         values = np.empty((len(cols), len(i)), dtype=np.int64)
         for row, k in enumerate(cols):
@@ -1452,6 +1479,8 @@ class MemoryModel:
             if keys[g] != "pulled" and counted[PULLED]:
                 mine = mine.copy()
                 mine[pulled_row] = b[keys[g]][lo:hi]
+                if keys[g] == "pulled_flow_tight" and counted[N_STATES]:  # (and its live)
+                    mine[int(np.searchsorted(cols, N_STATES))] = b["live_flow_tight"][lo:hi]
             held = _most(occ, mine)
             own = trained[lo:hi] - copied[lo:hi]
             size = _stepped(own, None if shape.foreach else largest[lo:hi])  # type: ignore[index]
@@ -1494,7 +1523,7 @@ class MemoryModel:
             counted = _counted(shape.occupancy)
             wanted = {names[k] for k in np.flatnonzero(counted)} | {"largest"}
             if counted[PULLED]:
-                wanted.add(self._pulled_key(shape))
+                wanted |= self._key_states(self._pulled_key(shape))
             missing = frozenset(wanted - self._single.keys())
             if missing:
                 self._single.update(self.state_bytes(every, every + 1, only=missing))
