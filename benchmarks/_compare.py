@@ -12,8 +12,27 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+
+def measured_row(
+    case: str, K: int, schedule: str, model: Any, plan: Any, x: Any, y: Any, loss_fn: Any
+) -> dict:
+    """One row: the plan's stages and each device's predicted and measured peak, from one
+    step of the streams program (`Pipe.measure`)."""
+    from codegen import compile_pipe
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        report = compile_pipe(model, plan).measure(x, y, loss_fn, steps=1)
+    return {
+        "case": case, "K": K, "schedule": schedule,
+        "stages": [list(st.layers) for st in plan.stages],
+        "devices": [[d.predicted_peak_bytes, d.measured_peak_bytes] for d in report.devices],
+    }  # fmt: skip
 
 
 def _error(row: list[int]) -> float:

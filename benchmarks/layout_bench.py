@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from pathlib import Path
 
 ROOT = Path(os.environ.get("GPIPE_ROOT", Path(__file__).resolve().parents[1]))
@@ -23,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from _compare import compare  # noqa: E402
+from _compare import compare, measured_row  # noqa: E402
 from torch import nn  # noqa: E402
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1"]
@@ -56,7 +55,6 @@ def cases() -> dict:
 
 
 def rows() -> list[dict]:
-    from codegen import compile_pipe
     from planner import Cluster, plan_pipeline
     from tests.conftest import even_times, quick_profile
 
@@ -72,15 +70,7 @@ def rows() -> list[dict]:
                     prof, Cluster.uniform(K, "1GiB"), 8, microbatches=4, schedule=schedule,
                     checkpoint=(),
                 )  # fmt: skip
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    report = compile_pipe(model, plan).measure(x, y, nn.MSELoss(), steps=1)
-                out.append({
-                    "case": name, "K": K, "schedule": schedule,
-                    "stages": [list(st.layers) for st in plan.stages],
-                    "devices": [[d.predicted_peak_bytes, d.measured_peak_bytes]
-                                for d in report.devices],
-                })  # fmt: skip
+                out.append(measured_row(name, K, schedule, model, plan, x, y, nn.MSELoss()))
     return out
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from pathlib import Path
 
 ROOT = Path(os.environ.get("GPIPE_ROOT", Path(__file__).resolve().parents[1]))
@@ -23,36 +22,10 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from _compare import compare  # noqa: E402
+from _compare import compare, measured_row  # noqa: E402
 from torch import nn  # noqa: E402
 
 SCHEDULES = ["1f1b", "zb-h1"]
-
-
-class Mix(nn.Module):
-    def __init__(self, c: int) -> None:
-        super().__init__()
-        self.c = nn.Conv2d(c + 4, 4, 3, padding=1)
-
-    def forward(self, h: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.c(torch.cat([h, a], 1)))
-
-
-class Readers(nn.Module):
-    """a, made once, concatenated with the running value by each of three later layers."""
-
-    def __init__(self, c: int = 128) -> None:
-        super().__init__()
-        self.a, self.b = nn.Conv2d(3, c, 3, padding=1), nn.Conv2d(c, 4, 3, padding=1)
-        self.m = nn.ModuleList([Mix(c) for _ in range(3)])
-        self.o = nn.Conv2d(4, 3, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        a = self.a(x)
-        h = self.b(a)
-        for m in self.m:
-            h = m(h, a)
-        return self.o(h)
 
 
 def _mlp() -> nn.Sequential:
@@ -81,12 +54,13 @@ def _tied() -> nn.Sequential:
 def cases() -> dict:
     """name: (model factory, example input, loss, devices to plan for, forced splits)"""
     from profiler.examples import resnet
+    from tests.test_graph import _ReadEach  # (a wide value, three later layers concatenate)
 
     torch.manual_seed(0)
     image = torch.randn(4, 3, 16, 16)
     net = resnet(size=16)
     return {
-        "three readers of a wide value": (Readers, image, "mse", (),
+        "three readers of a wide value": (lambda: _ReadEach(128), image, "mse", (),
                                           ([0, 1, 2, 5, 7], [0, 1, 2, 4, 7], [0, 1, 2, 3, 7])),
         "Linear and ReLU": (_mlp, torch.randn(12, 64), "cross_entropy", (2, 3), ()),
         "frozen head": (_frozen_head, torch.randn(8, 256), "mse", (2,), ()),
@@ -97,7 +71,6 @@ def cases() -> dict:
 
 
 def rows() -> list[dict]:
-    from codegen import compile_pipe
     from codegen.measure import make_data
     from planner import Cluster, plan_pipeline, search
     from planner.partition import Partition
@@ -128,16 +101,7 @@ def rows() -> list[dict]:
                 plans.append((K, schedule, plan))
         for K, schedule, plan in plans:
             model = build()
-            data = make_data(model, plan)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                report = compile_pipe(model, plan).measure(*data, steps=1)
-            out.append({
-                "case": name, "K": K, "schedule": schedule,
-                "stages": [list(st.layers) for st in plan.stages],
-                "devices": [[d.predicted_peak_bytes, d.measured_peak_bytes]
-                            for d in report.devices],
-            })  # fmt: skip
+            out.append(measured_row(name, K, schedule, model, plan, *make_data(model, plan)))
     return out
 
 

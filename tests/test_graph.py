@@ -1471,6 +1471,39 @@ class _ReadEach(nn.Module):
         return self.o(h)
 
 
+def _read_each_plans(*candidates: tuple[str, str]) -> tuple[nn.Module, Any, Any, list]:
+    """_ReadEach, its data, and its plans on the split that puts the three readers in stage 2
+    (built as the search builds a split of its own), one per (schedule, recompute); profiled
+    on one thread, as the sweeps that found what these tests hold ran."""
+    from planner import search
+    from planner.partition import Partition
+
+    torch.manual_seed(0)
+    model = _ReadEach()
+    x, y = torch.randn(4, 3, 16, 16), torch.randn(4, 3, 16, 16)
+    prof = even_times(quick_profile(model, x, batch_sizes=[1, 2, 4], loss_fn="mse", threads=1))
+    cluster = Cluster.uniform(4, "1GiB")
+    problem = search._Problem(prof, cluster, 4, "momentum", (prof.digest(), cluster.digest()))
+    plans = []
+    for schedule, recompute in candidates:
+        cand = search.Candidate(4, schedule, recompute)
+        specs = search._stage_specs(problem, cand)
+        split = Partition([0, 1, 2, 5, 7], 0.0)
+        plans.append(search._build_plan(problem, cand, specs, split, "test"))
+    return model, x, y, plans
+
+
+def _measured_over(model: nn.Module, plan: Any, x: Any, y: Any, patch: Any = None) -> list[int]:
+    """Each device's measured peak less its predicted one (`patch`: run on the program first)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(model, plan)
+    if patch is not None:
+        patch(pipe._module)
+    report = pipe.measure(x, y, nn.MSELoss(), steps=1)
+    return [d.measured_peak_bytes - d.predicted_peak_bytes for d in report.devices]
+
+
 @pytest.mark.parametrize("owned", [True, False])
 def test_zero_bubble_keeps_a_layers_output_gradient_in_its_own_memory(owned):
     """Found by a review: the gradient of a layer's output that the next layer concatenates
@@ -1478,31 +1511,17 @@ def test_zero_bubble_keeps_a_layers_output_gradient_in_its_own_memory(owned):
     it for W, and with it the whole buffer, through I (autograd holds what it returns) and on
     to W: the stage of the three readers ran 27.7% over its plan at 128 channels. The later
     layers now read each kept output through `_Owned`, whose backward copies a slice out."""
-    from planner import search
-    from planner.partition import Partition
 
-    torch.manual_seed(0)
-    model = _ReadEach()
-    x, y = torch.randn(4, 3, 16, 16), torch.randn(4, 3, 16, 16)
+    def as_it_was(module: Any) -> None:  # the slice kept as autograd hands it over
+        module._own_memory = lambda g: g
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        prof = even_times(quick_profile(model, x, batch_sizes=[1, 2, 4], loss_fn="mse", threads=1))
-        cluster = Cluster.uniform(4, "1GiB")
-        problem = search._Problem(prof, cluster, 4, "momentum", (prof.digest(), cluster.digest()))
-        cand = search.Candidate(4, "zb-h1", "never")
-        specs = search._stage_specs(problem, cand)
-        split = Partition([0, 1, 2, 5, 7], 0.0)  # stage 2: the three readers
-        plan = search._build_plan(problem, cand, specs, split, "test")
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            pipe = compile_pipe(model, plan)
-        if not owned:  # the program as it was: the slice kept as autograd hands it over
-            pipe._module._own_memory = lambda g: g
-        report = pipe.measure(x, y, nn.MSELoss(), steps=1)
+        model, x, y, (plan,) = _read_each_plans(("zb-h1", "never"))
+        over = _measured_over(model, plan, x, y, None if owned else as_it_was)
     finally:
         torch.set_num_threads(threads)
-    over = [d.measured_peak_bytes - d.predicted_peak_bytes for d in report.devices]
     if owned:
         assert all(o <= 64 for o in over) and over[2] == 0, over
     else:
@@ -1515,35 +1534,17 @@ def test_a_captured_stage_that_never_recomputes_counts_bs_own_transient(monkeypa
     transient and its forward's, re-materialising or not, so that its pulled gradient grew
     with the stage's end for both. The first stage (one convolution whose 64 channels three
     later layers read) was planned 57 KiB over its 1F1B run, never recomputing (48% more than
-    it held). Where no
-    B re-materialises, the plan now counts B's own transient, its pulled gradient raised with
-    that alone (MemoryModel._flow_pulled(tight=True))."""
-    from planner import search
+    it held). Where no B re-materialises, the plan now counts B's own transient, its pulled
+    gradient raised with that alone (MemoryModel._flow_pulled(tight=True))."""
     from planner.memory import MemoryModel
-    from planner.partition import Partition
 
     if not tight:  # as it was: every captured graph's shape counts the larger of the two
         monkeypatch.setattr(MemoryModel, "_pulled_key", lambda self, shape: "pulled")
-    torch.manual_seed(0)
-    model = _ReadEach()
-    x, y = torch.randn(4, 3, 16, 16), torch.randn(4, 3, 16, 16)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        prof = even_times(quick_profile(model, x, batch_sizes=[1, 2, 4], loss_fn="mse", threads=1))
-        cluster = Cluster.uniform(4, "1GiB")
-        problem = search._Problem(prof, cluster, 4, "momentum", (prof.digest(), cluster.digest()))
-        over = {}
-        for recompute in ("never", "always"):
-            cand = search.Candidate(4, "1f1b", recompute)
-            specs = search._stage_specs(problem, cand)
-            plan = search._build_plan(problem, cand, specs, Partition([0, 1, 2, 5, 7], 0.0), "test")
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                report = compile_pipe(model, plan).measure(x, y, nn.MSELoss(), steps=1)
-            over[recompute] = [
-                d.measured_peak_bytes - d.predicted_peak_bytes for d in report.devices
-            ]
+        model, x, y, plans = _read_each_plans(("1f1b", "never"), ("1f1b", "always"))
+        over = dict(zip(("never", "always"), (_measured_over(model, p, x, y) for p in plans)))
     finally:
         torch.set_num_threads(threads)
     assert all(o <= 64 for got in over.values() for o in got), over  # never under
