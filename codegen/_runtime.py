@@ -485,16 +485,18 @@ class PipelineRuntime:
             # Elsewhere W keeps the roots its last layer made; a value an earlier layer made
             # and the stage sends on (a skip) is that layer's, whose total gradient I returns
             # below: the one pulled for it is let go when I ends.
+            # (a value a layer hands on unchanged reaches the roots through the _Owned its
+            # reader read it by: not the last layer's own either)
             made = {(id(e.node), e.output_nr) for edges in inner for e in edges}
             own = [
                 (e, g)
                 for e, g in zip(roots, grads or [])
                 if (id(e.node), e.output_nr) not in made and not isinstance(e.node, _OWNED)
             ]
-            # (but on the last stage, whose loss's graph goes with I, the roots' edges are
-            # kept to W: they hold the stage's graph, whose saved tensors the plan counts until
-            # W, as they are where a layer trains; their gradients only where the last layer
-            # trains, for its W)
+            # The roots' edges are kept to W (not on the last stage, whose loss's graph goes
+            # with I): they hold the stage's graph, whose saved tensors the plan counts until
+            # W whether or not its last layer trains; their gradients only where it trains,
+            # for its W (the rest of I lets them go).
             edges = [] if last else [e for e, _ in own]
             self.kept[(s, m)] = (edges, [g for _, g in own] if not last and trains[-1] else None)
             del own

@@ -327,6 +327,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         ),
         tied=tuple((t.bytes, tuple(t.layers)) for t in profile.tied) if ties else (),
         borrowed_input=profile.device.split(":")[0] == "cpu",
+        # (kept for W only where the layer trains: the runtime keeps no other)
         last_grad=int(kept[L - 1]) if n == L and trains[L - 1] and own[L - 1] else 0,
         param_tensors=(
             tuple(tuple(x.param_tensor_bytes) for x in layers)  # type: ignore[arg-type]

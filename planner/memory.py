@@ -43,7 +43,8 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
            autograd; on the loss's stage with the loss's scalar gradient beside it), and the
            last layer's backward without its output gradient, which B holds as `pulled` (a
            chain's: the most over the stage's shorter ends too, so that totals grow with the
-           end; a captured graph's: at least remat_live too, see _flow_pulled; where the
+           end; a captured graph's: at least remat_live too where some B of the stage
+           re-materialises, see _flow_pulled; where the
            profile has no inner figure, backward[l]): while B runs after any re-materialising,
            layer by layer from the last, each layer's saved tensors let go once it is done
            (a captured graph's backward[l] also loses the gradient of each value l hands on
