@@ -131,6 +131,15 @@ class Chain:
         return self.zgrad if self.zkept is None else self.zkept
 
     @property
+    def gradient_made(self) -> np.ndarray:
+        """Per layer l: the last layer before l that does not hand its input on (-1: none),
+        whose output gradient l's backward makes (`through`)."""
+        n = self.num_layers
+        real = np.flatnonzero(np.ones(n, dtype=bool) if self.through is None else ~self.through)
+        at = np.searchsorted(real, np.arange(n), side="left") - 1
+        return np.where(at >= 0, real[np.maximum(at, 0)], -1)
+
+    @property
     def stop(self) -> np.ndarray:
         """stop_transient, or forward_transient where the profile has none."""
         if self.stop_transient is None:

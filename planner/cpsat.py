@@ -142,7 +142,7 @@ def _let_go_input(
     wz = zg - kept
     through = np.zeros(L, dtype=bool) if c.through is None else c.through
     kp = np.concatenate([[0], np.cumsum(kept)])
-    made = [max((r for r in range(k) if not through[r]), default=-1) for k in range(L)]
+    made = c.gradient_made
     f = it + wz
     a = np.array([f[k] + (wz[made[k]] - kp[made[k]] if made[k] >= 0 else 0) for k in range(L)])
     b = np.where(through, 0, wz + kp[1:])

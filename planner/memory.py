@@ -579,10 +579,9 @@ class MemoryModel:
         it = c.input_grad_transient.astype(np.int64)
         through = np.zeros(n, dtype=bool) if c.through is None else c.through
         real = np.flatnonzero(~through)
-        # made[l]: the last layer before l that does not hand its input on (-1: none), whose
-        # output gradient l's I makes; nxt[i]: the first layer from i that does not
-        at = np.searchsorted(real, np.arange(n), side="left") - 1
-        made = np.where(at >= 0, real[np.maximum(at, 0)], -1)
+        # made[l]: the layer whose output gradient l's I makes (Chain.gradient_made); nxt[i]:
+        # the first layer from i that does not hand its input on
+        made = c.gradient_made
         after = np.searchsorted(real, np.arange(n + 1), side="left")
         nxt = np.append(real, n)[after]
         shift = int(kp[-1])
