@@ -246,6 +246,7 @@ class DistPipelineRuntime(PipelineRuntime):
         self.words = -(-len(self.STAGES) // _BITS)  # (the slots of the stages' bits)
         # (and after its slots, per tied weight: how many of its ranks train it)
         self.signature = torch.zeros(_SIGNATURE + len(self.holders), dtype=torch.int64)
+        self._watch()
         self._reset()
 
     def _own_device(self) -> torch.device:
@@ -603,6 +604,7 @@ class DistPipelineRuntime(PipelineRuntime):
         # summed with the other ranks' zeros: no rank returns before every rank reached here,
         # so none completes a step that failed on another
         dist.all_reduce(total)
+        self._watched()
         self._reset()
         return total
 
