@@ -140,6 +140,30 @@ class Chain:
         return np.where(at >= 0, real[np.maximum(at, 0)], -1)
 
     @property
+    def grad_views(self) -> np.ndarray:
+        """Per layer: whether its input gradient is a view of its output gradient (a flatten,
+        a reshape): it makes views of its input and saves nothing (`views`), its backward
+        allocates nothing beyond the output gradient it is given, and the two gradients are
+        the same bytes. A chain's stage that ends in such layers holds, in B, what the stage
+        ending before them holds: the gradient the last other layer gets is the pulled one."""
+        if self.views is None or self.flow is not None:
+            return np.zeros(self.num_layers, dtype=bool)
+        z = self.zgrad
+        same = np.concatenate([[False], z[1:] == z[:-1]])
+        return self.views & (self.backward_transient <= z) & same & (z > 0)
+
+    @property
+    def views_run(self) -> np.ndarray:
+        """Per end j (0..L): the first of the grad_views layers that end layers [.., j), j
+        where layer j - 1 is none."""
+        run = np.arange(self.num_layers + 1, dtype=np.int64)
+        g = self.grad_views
+        for j in range(1, self.num_layers + 1):
+            if g[j - 1]:
+                run[j] = run[j - 1]
+        return run
+
+    @property
     def stop(self) -> np.ndarray:
         """stop_transient, or forward_transient where the profile has none."""
         if self.stop_transient is None:

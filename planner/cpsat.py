@@ -93,6 +93,10 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
     # apply: `off` takes a condition's bound below 0): a tight pulled gradient counts them
     # with a minus sign (_tight_pulled), where a solver free to raise them would undercount
     off = top(f, f + u, st, st + u) + 1
+    # an inner layer's backward is one only where the stage goes on past the layers after it
+    # whose input gradient is a view of their output's (MemoryModel._backward_live): past[k]
+    g = c.grad_views
+    past = [next((r for r in range(k + 1, L) if not g[r]), L) for k in range(L)]
     lives, stops = [0], [0]
     for k in range(L):
         whole_k = int(f[k]) * first[k][s] + int(f[k] + u[k]) * inner[k] - later[k]
@@ -110,10 +114,11 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
         # (as if k ended it, though a later layer does: the most over shorter ends too, as the
         # model's, whose totals grow with the end)
         lives.append(int(max(b[k] - z[k], 0)) * x[k][s] - later[k])
-        if k + 1 < L:  # an inner layer's, its output gradient autograd's alone
-            lives.append(int(ib[k]) * (x[k + 1][s] + x[k][s] - 1) - later[k])
+        if past[k] < L:  # an inner layer's, its output gradient autograd's alone
+            on = x[past[k]][s] + x[k][s] - 1
+            lives.append(int(ib[k]) * on - later[k])
             if sc:  # (on the loss's stage: its scalar gradient beside it)
-                lives.append(int(ib[k] + sc) * (x[k + 1][s] + x[k][s] + x[L - 1][s] - 2) - later[k])
+                lives.append(int(ib[k] + sc) * (on + x[L - 1][s] - 1) - later[k])
     if wz.any() or c.through is not None:
         _let_go_input(m, c, x, first, s, L, inp, grad_in)
     m.add_max_equality(live, lives)  # type: ignore[attr-defined]
@@ -259,7 +264,8 @@ def _tight_pulled(m: object, c: Chain, x: list, first: list, s: int, L: int, S: 
         if before is not None:
             m.add(var >= before).only_enforce_if(inner)  # type: ignore[attr-defined]
         pulled = int(z[k]) + (sc if k == L - 1 else 0)  # (the loss's: its scalar gradient too)
-        m.add(whole >= var + pulled).only_enforce_if(inner)  # type: ignore[attr-defined]
+        if not c.grad_views[k]:  # (as the layer before it: MemoryModel._pairs_b)
+            m.add(whole >= var + pulled).only_enforce_if(inner)  # type: ignore[attr-defined]
         before = var
     if remat is None:
         return whole - S - live

@@ -1529,6 +1529,35 @@ def test_zero_bubble_keeps_a_layers_output_gradient_in_its_own_memory(owned):
         assert over[2] >= 4 * 64 * 16 * 16 * 4, over  # four of a's slices at least
 
 
+class _Transpose(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2)
+
+
+@pytest.mark.parametrize("recompute", ["except_last", "always"])
+def test_zero_bubble_recomputes_a_stage_of_views_alone(recompute):
+    """Found by a red team: zero bubble re-materialising a stage at I runs its forward first
+    without a graph; a stage of one transpose then hands back a view of its input that needs
+    a gradient and has no node, and asking for its gradient edge failed the step. Now it runs,
+    with the un-pipelined model's gradients, and holds what its plan says."""
+    from planner import search
+    from planner.partition import Partition
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), _Transpose(), nn.Linear(16, 16))
+    x, y = torch.randn(8, 16, 32), torch.randn(8, 32, 16)
+    prof = even_times(quick_profile(model, x, batch_sizes=[2, 4, 8], loss_fn="mse"))
+    cluster = Cluster.uniform(3, "1GiB")
+    problem = search._Problem(prof, cluster, 8, "momentum", (prof.digest(), cluster.digest()))
+    cand = search.Candidate(4, "zb-h1", recompute)
+    specs = search._stage_specs(problem, cand)
+    plan = search._build_plan(problem, cand, specs, Partition([0, 1, 2, 4], 0.0), "test")
+    assert [st.layers for st in plan.stages] == [(0, 1), (1, 2), (2, 3)]  # (the loss: in 2)
+    _assert_step_parity(model, model, plan, x, y, nn.functional.mse_loss)
+    over = _measured_over(copy.deepcopy(model), plan, x, y)
+    assert all(o <= 64 for o in over), over
+
+
 def test_zero_bubble_reads_through_owned_after_its_first_step_only_where_a_slice_came():
     """`_Owned` costs an autograd node each way on every layer input (a step of a 16-layer
     MLP of tiny layers took 1.26x as long). The first step reads every input through one and

@@ -136,6 +136,19 @@ def _walked(c: Chain, i: int, j: int) -> int:
     inner = b if c.inner_backward is None else c.inner_backward
     loss = c.inner_backward is not None and c.has_loss and j == c.num_layers
     scalar = int(c.boundary[-1]) if loss else 0
+    # a stage ending in layers that make views of their input, save nothing, allocate nothing
+    # in backward and hand back a gradient of their output's bytes (a flatten) walks as the
+    # stage ending before them: the layer before gets the pulled gradient, as a view
+    z = c.zgrad
+    while (
+        j - 1 > i
+        and c.views is not None
+        and c.views[j - 1]
+        and b[j - 1] <= z[j - 1]
+        and z[j - 1] == z[j - 2]
+        and z[j - 1] > 0
+    ):
+        j -= 1
     later = [int(c.saved[k + 1 : j].sum()) - int(c.shared[k + 1 : j].sum()) for k in range(i, j)]
     back = [int(inner[k]) + scalar - later[k - i] for k in range(i, j - 1)]
     return max([0, *back, max(int(b[j - 1] - c.zgrad[j - 1]), 0)])
@@ -170,7 +183,7 @@ def pulled_with(occupancy: tuple[tuple[int, ...], ...]) -> str:
     """How B holds its pulled gradient, where every tuple holding one is B's: one gradient, its
     micro-batch's activations, and one transient, B's own ("live") or also its forward's ("paired",
     a recomputed B re-materialising first: stop_live), each with the same counts as the other;
-    else ""."""
+    else "" (a re-materialising forward without B's own too)."""
     occupancy = tuple(t + (0,) * (14 - len(t)) for t in occupancy)
     holding = {t for t in occupancy if t[5]}
     flags = set()
@@ -183,6 +196,8 @@ def pulled_with(occupancy: tuple[tuple[int, ...], ...]) -> str:
         for f in flags:
             if t[:8] + tuple(int(k == f) for k in range(8, 14)) not in holding:
                 return ""
+    if flags == {13}:
+        return ""
     return "paired" if 13 in flags else "live"
 
 
@@ -280,6 +295,23 @@ def problems(draw):
         through[-1] = False  # (the last entry: the loss, or the last layer)
         zgrad = np.where(through, 0, zgrad)
         through = through if through.any() else None
+    # layers that only make views of their input (a transpose, a flatten), or none known; some
+    # hand back a view of their output's gradient too (nothing allocated, the same bytes)
+    views = None
+    if draw(st.booleans()):
+        drawn = np.array(draw(st.lists(st.booleans(), min_size=L, max_size=L)))
+        aliased = drawn & np.array(draw(st.lists(st.booleans(), min_size=L, max_size=L)))
+        aliased[0] = aliased[-1] = False  # (the first layer hands back to no layer before it)
+        if through is not None:
+            aliased &= ~through  # (a layer that hands its input on has no gradient of its own)
+        for k in np.flatnonzero(aliased):
+            saved[k] = shared[k] = 0
+            shared[k + 1] = 0
+            zgrad[k] = zgrad[k - 1]
+            backward_transient[k] = min(backward_transient[k], zgrad[k])
+        if has_loss:
+            loss_saved[-1] = saved[-1] - shared[-1]
+        views = drawn & (saved == 0)
     chain = make_chain(
         L,
         forward=ints(1, 9, L).astype(float),
@@ -291,15 +323,13 @@ def problems(draw):
         buffers=ints(0, 5, L),
         saved=saved,
         shared=shared,
-        input_saved=np.minimum(ints(0, 25, L), boundary[:L]),
+        # (a part of what the layer saves)
+        input_saved=np.minimum(np.minimum(ints(0, 25, L), boundary[:L]), saved),
         forward_transient=ints(0, 30, L),
         stop_transient=ints(0, 30, L) if draw(st.booleans()) else None,
         backward_transient=backward_transient,
         inner_backward=inner,
-        # layers that only make views of their input (a transpose, a flatten), or none known
-        views=np.array(draw(st.lists(st.booleans(), min_size=L, max_size=L))) & (saved == 0)
-        if draw(st.booleans())
-        else None,
+        views=views,
         input_unsaved=ints(0, 15, L),
         forward_peak=ints(0, 30, L),
         input_grad_transient=ints(0, 30, L),
