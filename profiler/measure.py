@@ -243,6 +243,7 @@ def _measure_size(
     """Every layer (and the loss) at one micro-batch size: memory first, one layer at a time,
     then all the timings together."""
     rows, inputs, measured = [], [], list(layers)
+    tied = _shared_ids(layers)
     layouts: dict[int, list[_Layout | None]] = {}
     prev_saved: dict[int, torch.Tensor] = {}
     # Storages that some earlier layer saves and that still cross the cut: a captured graph's
@@ -259,7 +260,7 @@ def _measure_size(
         # last stage's W starts there)
         kept = "both"
         row, x, saved = _memory(
-            i, layer, inp, dev, model_storages, prev_saved, kept, saved_before, layouts
+            i, layer, inp, dev, model_storages, prev_saved, kept, saved_before, layouts, tied
         )
         saved_before = {
             ptr for ptr in map(_storage, _tensors(x)) if ptr in saved_before or ptr in saved
@@ -295,7 +296,7 @@ def _measure_size(
         inp = _detach(x, requires_grad=True)
         row, _, _ = _memory(
             len(layers), loss_layer, inp, dev, model_storages, prev_saved, "input",
-            saved_before, layouts,
+            saved_before, layouts, tied,
         )  # fmt: skip
         rows.append(row)
         inputs.append(inp)
@@ -318,7 +319,9 @@ def _measure_size(
         try:
             layouts[i] = _input_layouts(layer, inputs[i], given or [])
             again = {
-                name: _transient(layer, inputs[i], dev, "both", lay, packs=rows[i]["packs"])
+                name: _transient(
+                    layer, inputs[i], dev, "both", lay, packs=rows[i]["packs"], tied=tied
+                )
                 for name, lay in (("chained", given), ("received", own))
                 if lay
                 and _strided_otherwise(nxt, lay)
@@ -411,17 +414,28 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+def _shared_ids(layers: list[nn.Module]) -> frozenset[int]:
+    """The parameters (ids) two layers use (tied): zero bubble's I takes their gradient, through
+    each layer of a stage that uses one (_transient)."""
+    return frozenset(ptr for ptr, (_, ks) in _users(layers).items() if len(ks) > 1)
+
+
 def _tied(layers: list[nn.Module]) -> list[TiedParameter]:
     """Parameters that several layers use, with those layers."""
+    return [
+        TiedParameter(bytes=p.numel() * p.element_size(), layers=ks, frozen=not p.requires_grad)
+        for p, ks in _users(layers).values()
+        if len(ks) > 1
+    ]
+
+
+def _users(layers: list[nn.Module]) -> dict[int, tuple[nn.Parameter, list[int]]]:
+    """Each parameter (by id) and the layers that use it."""
     users: dict[int, tuple[nn.Parameter, list[int]]] = {}
     for k, layer in enumerate(layers):
         for p in layer.parameters():
             users.setdefault(id(p), (p, []))[1].append(k)
-    return [
-        TiedParameter(bytes=p.numel() * p.element_size(), layers=ks, frozen=not p.requires_grad)
-        for p, ks in users.values()
-        if len(ks) > 1
-    ]
+    return users
 
 
 def _memory(
@@ -434,6 +448,7 @@ def _memory(
     kept: str,
     saved_before: set[int],
     grad_layouts: dict[int, list[_Layout | None]],
+    tied: frozenset[int] = frozenset(),
 ) -> tuple[dict[str, Any], Value, dict[int, torch.Tensor]]:
     """What layer i saves, shares with layer i - 1, saves of its own input, and allocates
     beyond that while it runs; and its output (the next layer's input). Records in
@@ -470,7 +485,7 @@ def _memory(
         grad_layouts[i] = [made.get(k) for k in range(len(_tensors(inp)))]
         for t in _tensors(inp):
             t.grad = None  # a stage input's gradient is made once, never added into
-        extra = _transient(layer, inp, dev, kept, packs=packs[0])
+        extra = _transient(layer, inp, dev, kept, packs=packs[0], tied=tied)
     except InputError:
         raise
     except Exception as e:
@@ -705,6 +720,7 @@ def _transient(
     layouts: list[_Layout | None] | None = None,
     *,
     packs: int = 0,
+    tied: frozenset[int] = frozenset(),
 ) -> dict[str, int]:
     """What the layer allocates beyond what the planner counts as kept, read off the allocator,
     in each way a pipeline runs it: a forward that keeps nothing (recomputation); a forward, its
@@ -783,14 +799,19 @@ def _transient(
         # (a skip's source read by the next layer: its I went unmeasured, and zero bubble's
         # first stage of a U-Net-like model ran 42% over its plan: found by a sweep)
         used = [t for t in wrt if id(t) in read or all(t is not u for u in passed)]
+        # and a parameter another layer uses too: I takes its gradient (the planner counts
+        # that gradient; the rest of its way there is this figure: a stage's first layer,
+        # whose input needs none, ran 16 KiB over its plan at I where it measured nothing,
+        # found by a red team)
+        shared = [p for p in params if id(p) in tied]
         with owned_by("input"):
-            if edges and used:
+            if edges and (used or shared):
                 got = torch.autograd.grad(
-                    edges, used, ones(like), retain_graph=True, allow_unused=True
+                    edges, [*used, *shared], ones(like), retain_graph=True, allow_unused=True
                 )
                 # the runtime takes each out of a larger gradient (a cat's) as it is made,
                 # the larger one still there (_Owned: what I keeps for W is its own memory)
-                owned = [g.clone() for g in got if g is not None and _slice(g)]
+                owned = [g.clone() for g in got[: len(used)] if g is not None and _slice(g)]
                 del got, owned
         with owned_by("weight"):
             if edges and params:
@@ -821,7 +842,7 @@ def _transient(
     out_kept = sum(_alloc(shape.numel() * dtype.itemsize, dev) for shape, dtype in like)
     out_kept *= kept == "both"
     passed_grad = sum(_alloc(t.numel() * t.element_size(), dev) for t in passed)
-    in_kept = sum(_alloc(t.numel() * t.element_size(), dev) for t in used)
+    in_kept = sum(_alloc(t.numel() * t.element_size(), dev) for t in [*used, *shared])
     where = _device_key(dev)
     steps = trace.levels(lambda owner, device: "all" if device == where else None).get("all", [])
     span = {name: (start, end) for start, end, name in trace.ranges}
@@ -857,7 +878,9 @@ def _transient(
         "forward": forward,
         "backward": backward,
         "no_grad": max(peak("no_grad") - before("no_grad"), 0),
-        "input": max(peak("input") - before("input") - out_kept - in_kept, 0) if used else 0,
+        "input": max(peak("input") - before("input") - out_kept - in_kept, 0)
+        if used or shared
+        else 0,
         "weight": max(peak("weight") - before("weight") - out_kept, 0) if params else 0,
     }
 

@@ -1529,6 +1529,54 @@ def test_zero_bubble_keeps_a_layers_output_gradient_in_its_own_memory(owned):
         assert over[2] >= 4 * 64 * 16 * 16 * 4, over  # four of a's slices at least
 
 
+class _PosTwice(nn.Module):
+    """A learned table added after each of two layers: one parameter two layers use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(16, 16) * 0.1)
+        self.l1, self.l2, self.h = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.h(torch.relu(self.l2(torch.relu(self.l1(x) + self.pos)) + self.pos))
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_zero_bubbles_i_through_a_first_layer_to_a_parameter_two_layers_share(
+    monkeypatch, measured
+):
+    """Found by a red team: zero bubble's I takes the gradient of a parameter two layers of a
+    stage use, through both. The stage's first layer, whose input needs no gradient, had its
+    I measured as nothing: its way to the parameter (its ReLU's gradient) ran one parameter's
+    bytes (16 KiB at 64 x 64, 4.2%) over the plan. The profile now measures I towards such a
+    parameter too."""
+    from planner import search
+    from planner.partition import Partition
+    from profiler import measure
+
+    if not measured:  # as it was: no parameter is another layer's too
+        monkeypatch.setattr(measure, "_shared_ids", lambda layers: frozenset())
+    torch.manual_seed(0)
+    model = _PosTwice()
+    x, y = torch.randn(8, 16, 16), torch.randn(8, 16, 16)
+    prof = even_times(quick_profile(model, x, batch_sizes=[2, 4, 8], loss_fn="mse", threads=1))
+    cluster = Cluster.uniform(2, "1GiB")
+    problem = search._Problem(prof, cluster, 8, "momentum", (prof.digest(), cluster.digest()))
+    cand = search.Candidate(4, "zb-h1", "never")
+    specs = search._stage_specs(problem, cand)
+    plan = search._build_plan(problem, cand, specs, Partition([0, 2, 4], 0.0), "test")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        over = _measured_over(model, plan, x, y)
+    finally:
+        torch.set_num_threads(threads)
+    if measured:
+        assert all(o <= 64 for o in over), over
+    else:
+        assert over[0] >= 16 * 16 * 4, over  # the parameter's part: not in the figure
+
+
 class _Transpose(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2)
