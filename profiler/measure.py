@@ -804,11 +804,13 @@ def _transient(
         # whose input needs none, ran 16 KiB over its plan at I where it measured nothing,
         # found by a red team)
         shared = [p for p in params if id(p) in tied]
+        made: list[torch.Tensor] = []  # those whose gradient it makes (kept, counted apart)
         with owned_by("input"):
             if edges and (used or shared):
                 got = torch.autograd.grad(
                     edges, [*used, *shared], ones(like), retain_graph=True, allow_unused=True
                 )
+                made = [t for t, g in zip([*used, *shared], got) if g is not None]
                 # the runtime takes each out of a larger gradient (a cat's) as it is made,
                 # the larger one still there (_Owned: what I keeps for W is its own memory)
                 owned = [g.clone() for g in got[: len(used)] if g is not None and _slice(g)]
@@ -842,7 +844,10 @@ def _transient(
     out_kept = sum(_alloc(shape.numel() * dtype.itemsize, dev) for shape, dtype in like)
     out_kept *= kept == "both"
     passed_grad = sum(_alloc(t.numel() * t.element_size(), dev) for t in passed)
-    in_kept = sum(_alloc(t.numel() * t.element_size(), dev) for t in [*used, *shared])
+    # (not one it only passes by: a value it reads for nothing but handing it on, as a
+    # captured layer may the model's input for a later residual, gets no gradient here, and
+    # taking its bytes off ran a stage 4 KiB over its plan at I: found by a red team)
+    in_kept = sum(_alloc(t.numel() * t.element_size(), dev) for t in made)
     where = _device_key(dev)
     steps = trace.levels(lambda owner, device: "all" if device == where else None).get("all", [])
     span = {name: (start, end) for start, end, name in trace.ranges}

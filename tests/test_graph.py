@@ -1577,6 +1577,51 @@ def test_zero_bubbles_i_through_a_first_layer_to_a_parameter_two_layers_share(
         assert over[0] >= 16 * 16 * 4, over  # the parameter's part: not in the figure
 
 
+class _Attention(nn.Module):
+    """A normalised input, multi-head attention over it, and the input added back."""
+
+    def __init__(self, c: int = 32) -> None:
+        super().__init__()
+        self.ln, self.qkv = nn.LayerNorm(c), nn.Linear(c, 3 * c)
+        self.proj, self.head, self.c = nn.Linear(c, c), nn.Linear(c, c), c
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln(x)).split(self.c, dim=-1)
+        q = q.reshape(b, t, 4, c // 4).permute(0, 2, 1, 3)
+        k = k.reshape(b, t, 4, c // 4).permute(0, 2, 3, 1)
+        v = v.reshape(b, t, 4, c // 4).permute(0, 2, 1, 3)
+        a = (torch.softmax(q @ k * 0.35, -1) @ v).permute(0, 2, 1, 3).flatten(2)
+        return self.head(self.proj(a) + x)
+
+
+@pytest.mark.parametrize("recompute", ["never", "always"])
+def test_zero_bubbles_i_figure_takes_off_only_the_gradients_it_makes(recompute):
+    """Found by a red team: a captured layer that takes the model's input along for a later
+    residual (here, the attention's) makes no gradient for it, yet its I figure took that
+    input's bytes off as a gradient it keeps: the first stage ran 4 KiB (3.6-4.7%) over its
+    plan under zero bubble."""
+    from planner import search
+    from planner.partition import Partition
+
+    torch.manual_seed(0)
+    model = _Attention()
+    x, y = torch.randn(8, 16, 32), torch.randn(8, 16, 32)
+    prof = even_times(quick_profile(model, x, batch_sizes=[2, 4, 8], loss_fn="mse", threads=1))
+    cluster = Cluster.uniform(2, "1GiB")
+    problem = search._Problem(prof, cluster, 8, "momentum", (prof.digest(), cluster.digest()))
+    cand = search.Candidate(4, "zb-h1", recompute)
+    specs = search._stage_specs(problem, cand)
+    plan = search._build_plan(problem, cand, specs, Partition([0, 2, 5], 0.0), "test")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        over = _measured_over(model, plan, x, y)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(o <= 64 for o in over), over
+
+
 class _Transpose(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2)
