@@ -35,6 +35,19 @@ def measured_row(
     }  # fmt: skip
 
 
+def test_models() -> Any:
+    """This checkout's tests/test_graph.py, where the benchmarks' models live, loaded from its
+    file: a baseline run (GPIPE_ROOT) builds the same models on its own code."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "tests" / "test_graph.py"
+    spec = importlib.util.spec_from_file_location("_bench_test_graph", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _error(row: list[int]) -> float:
     predicted, measured = row
     return (measured - predicted) / predicted * 100

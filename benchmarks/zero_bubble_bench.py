@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(os.environ.get("GPIPE_ROOT", Path(__file__).resolve().parents[1]))
@@ -22,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(1, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from _compare import compare, measured_row  # noqa: E402
+from _compare import compare, measured_row, test_models  # noqa: E402
 from torch import nn  # noqa: E402
 
 SCHEDULES = ["1f1b", "zb-h1"]
@@ -54,14 +55,25 @@ def _tied() -> nn.Sequential:
 def cases() -> dict:
     """name: (model factory, example input, loss, devices to plan for, forced splits)"""
     from profiler.examples import resnet
-    from tests.test_graph import _ReadEach  # (a wide value, three later layers concatenate)
+
+    tg = test_models()  # (a wide value three later layers concatenate; a table two layers
+    # add; attention with its input added back)
+
+    def seeded(cls: type, *args: int) -> Callable[[], nn.Module]:
+        return lambda: (torch.manual_seed(0), cls(*args))[1]
 
     torch.manual_seed(0)
     image = torch.randn(4, 3, 16, 16)
     net = resnet(size=16)
     return {
-        "three readers of a wide value": (lambda: _ReadEach(128), image, "mse", (),
+        "three readers of a wide value": (lambda: tg._ReadEach(128), image, "mse", (),
                                           ([0, 1, 2, 5, 7], [0, 1, 2, 4, 7], [0, 1, 2, 3, 7])),
+        "readers, a stage to the first": (seeded(tg._ReadEach, 32), torch.randn(8, 3, 16, 16),
+                                          "mse", (), ([0, 3, 7],)),
+        "a table two layers add": (seeded(tg._PosTwice), torch.randn(8, 16, 16), "mse", (),
+                                   ([0, 2, 4],)),
+        "attention, input added back": (seeded(tg._Attention), torch.randn(8, 16, 32), "mse",
+                                        (), ([0, 2, 5],)),
         "Linear and ReLU": (_mlp, torch.randn(12, 64), "cross_entropy", (2, 3), ()),
         "frozen head": (_frozen_head, torch.randn(8, 256), "mse", (2,), ()),
         "ResNet": (lambda: resnet(size=16), net.example_input, "cross_entropy", (3,), ()),
