@@ -104,6 +104,10 @@ class Chain:
     # a layer's backward_transient where its output's gradient is autograd's alone (a stage's
     # inner layer: MemoryModel._inner_backward; None: not in the profile)
     inner_backward: np.ndarray | None = None
+    # what a layer's backward holds beyond backward_transient at its peak where a parameter
+    # another layer uses too has no gradient yet (a stage's copy of a tied weight, in its first
+    # backward: the gradient made before the peak stays; None: not in the profile)
+    tied_first: np.ndarray | None = None
     # whether a layer's outputs are views of its input and it saves nothing (None: not in the
     # profile): a stage opening with such layers holds its input once where the first layer
     # past them saves a view of it (MemoryModel.input_saved)
@@ -281,6 +285,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
     backward_transient = sizes("backward_transient_bytes")
     summed = profile.captured and all(x.passed_sum_bytes is not None for x in layers)
     inner = all(x.inner_backward_transient_bytes is not None for x in layers)
+    first = all(x.tied_first_backward_bytes is not None for x in layers)
     boundary = np.concatenate([[profile.input_bytes], table.fixed("output_bytes")]) * mb
     boundary = -(-boundary // unit) * unit  # rounded up to the allocator's blocks
     n = len(layers)
@@ -341,6 +346,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         stop_transient=sizes("stop_transient_bytes"),
         passed_sum=sizes("passed_sum_bytes") if summed else None,
         inner_backward=sizes("inner_backward_transient_bytes") if inner else None,
+        tied_first=sizes("tied_first_backward_bytes") if first else None,
         backward_transient=backward_transient,
         input_unsaved=sizes("input_unsaved_bytes"),
         forward_peak=sizes("forward_peak_bytes"),

@@ -701,14 +701,17 @@ class MemoryModel:
             return c.flow.unread()
         return np.zeros((c.num_layers + 1, c.num_layers + 2), dtype=np.int64)
 
-    def late_walk(self, i: int, k: int, use: int, late: int) -> int:
+    def late_walk(self, i: int, k: int, use: int, late: int, first: int = 0) -> int:
         """B's transient for a stage [i, k) in its first backward, where a gradient of `late`
         bytes (a tied copy's, StageBytes.late_grad) is made by layer `use`'s backward and
         stays: the walk of _walk_table for this stage, from the last layer, with those bytes
         on top once the walk has passed `use` (i < use < k), at least the re-materialising
-        forward's (as `live`, which leaves them to `static`, there from the B's start)."""
+        forward's (as `live`, which leaves them to `static`, there from the B's start). Or
+        (use == i, the stage's first layer, which makes them inside its own backward) with
+        `first` on top of that layer's figure, what keeping them adds to its peak
+        (Chain.tied_first), and at least `late` (there at the B's end)."""
         c = self.chain
-        assert self._walk is not None and i < use < k
+        assert self._walk is not None and i <= use < k and (use > i or first > 0)
         u = self._unread()
         b = c.backward_transient.astype(np.int64)
         held = self._held
@@ -723,10 +726,16 @@ class MemoryModel:
                     if first <= k < past:
                         vals[max(lo, i) - i : max(min(hi, k), i) - i] += w
         below = int(held[k - 1])  # (the stage's activations: the walk counts what is above)
+        remat = int(
+            self.state_bytes(np.array([i]), np.array([k]), only={"remat_live"})["remat_live"][0]
+        )
+        if use == i:
+            vals[0] += first
+            live = int(self._backward_live(np.array([i]), np.array([k]))[0])
+            return max(int(vals.max()) - below, late, remat, live)
         after = max(int(vals[use - i :].max()) - below, 0)  # (from the last layer to use)
         before = max(int(vals[: use - i].max()) - below, 0) + late
-        remat = self.state_bytes(np.array([i]), np.array([k]), only={"remat_live"})
-        return max(after, before, int(remat["remat_live"][0]))
+        return max(after, before, remat)
 
     def _b_waits(self) -> dict[int, list[tuple[int, int, int, int, int]]]:
         """What waits in B beside a layer's own figure, per start, as _tied_waits gives it: a
@@ -842,10 +851,13 @@ class MemoryModel:
                 continue
             uses = sorted(set(layers))
             after = [*uses[2:], n]  # per pair, the next use (past it, the stage's last pair)
+            first = self.chain.tied_first
             for a, b, c in zip(uses, uses[1:], after):
                 w = int(nbytes)
                 out.setdefault(a, []).append((a, b, b + 1, n + 1, w))
                 out[a].append((a, a + 1, b + 1, c + 1, w))  # (the sum at a, made apart)
+                if first is not None and first[b] > 0:  # (made before b's own peak: there too)
+                    out[a].append((b, b + 1, b + 1, n + 1, min(int(first[b]), w)))
         return out
 
     def _flow_input_table(self) -> np.ndarray:

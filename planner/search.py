@@ -2063,14 +2063,20 @@ def _build_plan(
                 use = _copies_made_at(chain, i, j)
                 # (B makes it; zero bubble's W, whose walk is its own: from its start)
                 by_b = cand.schedule != "zb-h1"
-                tied = {"late_grad": copy, "late_grad_at_end": by_b and use == i}
-                if by_b and use > i:  # (a tied copy: the memory model walks B)
-                    tied["late_live"] = memory.late_walk(i, j, use, copy)
+                # (made inside the first layer's backward, but before its peak: kept there)
+                first = _first_extra(memory.chain, i) if by_b and use == i else 0
+                tied = {"late_grad": copy, "late_grad_at_end": by_b and use == i and not first}
+                if by_b and (use > i or first):  # (a tied copy: the memory model walks B)
+                    tied["late_live"] = memory.late_walk(i, j, use, copy, first)
                 sizes = dataclasses.replace(sizes, **tied)
                 if rest is not None:
                     small = tied
                     if "late_live" in tied:
-                        small = {**tied, "late_live": smaller.late_walk(i, j, use, copy)}
+                        again = _first_extra(smaller.chain, i) if first else 0
+                        late = smaller.late_walk(i, j, use, copy, again) if use > i or again else 0
+                        small = {**tied, "late_live": late}
+                        if not late:  # (the smaller micro-batch's: made after its peak)
+                            small = {**tied, "late_grad_at_end": True, "late_live": 0}
                     rest = dataclasses.replace(rest, **small)
         if rest is not None:
             pairs.append((sizes, rest))
@@ -2257,6 +2263,12 @@ def _build_plan(
     plan._ahead_over = AHEAD_OVER if ahead_over else UNEVEN_OVER if uneven_over else ""
     plan._held_less = held_less
     return plan
+
+
+def _first_extra(chain: Chain, i: int) -> int:
+    """What keeping a tied copy's new gradient adds to the peak of layer i's backward, which
+    makes it (Chain.tied_first; 0 where the profile has no such figure)."""
+    return 0 if chain.tied_first is None else int(chain.tied_first[i])
 
 
 def _copies_made_at(chain: Chain, i: int, j: int) -> int:

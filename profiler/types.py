@@ -152,6 +152,16 @@ class LayerProfile(BaseModel):
         "backward_transient_bytes)",
     )
 
+    tied_first_backward_bytes: dict[int, Bytes] | None = Field(
+        default=None,
+        description="a layer that uses a parameter another layer uses too (tied): what its "
+        "backward holds beyond backward_transient_bytes at its peak where that parameter has "
+        "no gradient yet, so that the one the backward makes stays (a stage's copy of the "
+        "parameter, in its first backward): that gradient where it is made before the peak, "
+        "else 0; absent in profiles made before it was measured (the planner then counts the "
+        "gradient from the backward's end)",
+    )
+
 
 PER_SIZE = tuple(
     name for name, f in LayerProfile.model_fields.items() if get_origin(f.annotation) is dict
@@ -161,6 +171,7 @@ LATER_PER_SIZE = (
     "stop_transient_bytes",
     "passed_sum_bytes",
     "inner_backward_transient_bytes",
+    "tied_first_backward_bytes",
 )
 LATER_LAYER = (
     "param_tensor_bytes",

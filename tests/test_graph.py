@@ -1577,6 +1577,40 @@ def test_zero_bubbles_i_through_a_first_layer_to_a_parameter_two_layers_share(
         assert over[0] >= 16 * 16 * 4, over  # the parameter's part: not in the figure
 
 
+@pytest.mark.parametrize("first", [True, False])
+def test_a_tied_copys_gradient_made_before_its_layers_peak_is_counted_there(monkeypatch, first):
+    """Found by a sweep of a red team's models: a stage whose first layer adds a table another
+    stage's layer adds too (its copy of the table) makes the copy's gradient first in its
+    first backward, and keeps it through the layer's peak; the plan counted it from the
+    backward's end (as a head's, made at its peak): one table's bytes, 4-6%, over the plan
+    under GPipe and 1F1B. The profile measures what keeping it adds to the layer's peak
+    (Chain.tied_first), and the first backward counts it there."""
+    from planner import search
+    from planner.partition import Partition
+
+    if not first:  # as it was: from the backward's end
+        monkeypatch.setattr(search, "_first_extra", lambda chain, i: 0)
+    torch.manual_seed(0)
+    model = _PosTwice()
+    x, y = torch.randn(8, 16, 16), torch.randn(8, 16, 16)
+    prof = even_times(quick_profile(model, x, batch_sizes=[2, 4, 8], loss_fn="mse", threads=1))
+    cluster = Cluster.uniform(3, "1GiB")
+    problem = search._Problem(prof, cluster, 8, "momentum", (prof.digest(), cluster.digest()))
+    cand = search.Candidate(4, "1f1b", "never")
+    specs = search._stage_specs(problem, cand)
+    plan = search._build_plan(problem, cand, specs, Partition([0, 1, 2, 4], 0.0), "test")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        over = _measured_over(model, plan, x, y)
+    finally:
+        torch.set_num_threads(threads)
+    if first:
+        assert all(o <= 64 for o in over), over
+    else:
+        assert over[1] >= 16 * 16 * 4, over  # the table's gradient
+
+
 class _Attention(nn.Module):
     """A normalised input, multi-head attention over it, and the input added back."""
 
