@@ -3,7 +3,10 @@
   graph): the gradient of a layer's output was a slice of its reader's, held whole from I to
   W (27.7% above the plan on one split). Splits forced, so that a stage holds the readers;
 - Linears with ReLUs between them, a frozen head, a ResNet, a tied embedding and head: zero
-  bubble keeps from I to W only the gradients of layers whose weights train.
+  bubble keeps from I to W only the gradients of layers whose weights train;
+- the readers model's stage from the start to the first reader (a slice of a concatenation's
+  gradient keeps all of it), a table two layers add (one parameter, both uses in a stage or
+  in two), attention with its input added back (a red team's models).
 
 Each checkout profiles, plans and measures with its own code (`Pipe.measure`, the streams
 target). Layer times are evened out after profiling, so that the splits follow the structure.
@@ -71,7 +74,7 @@ def cases() -> dict:
         "readers, a stage to the first": (seeded(tg._ReadEach, 32), torch.randn(8, 3, 16, 16),
                                           "mse", (), ([0, 3, 7],)),
         "a table two layers add": (seeded(tg._PosTwice), torch.randn(8, 16, 16), "mse", (),
-                                   ([0, 2, 4],)),
+                                   ([0, 2, 4], [0, 1, 2, 4])),
         "attention, input added back": (seeded(tg._Attention), torch.randn(8, 16, 32), "mse",
                                         (), ([0, 2, 5],)),
         "Linear and ReLU": (_mlp, torch.randn(12, 64), "cross_entropy", (2, 3), ()),
