@@ -11,6 +11,7 @@ import math
 import subprocess
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -1471,37 +1472,54 @@ class _ReadEach(nn.Module):
         return self.o(h)
 
 
-def _read_each_plans(
-    *candidates: tuple[str, str], split: tuple[int, ...] = (0, 1, 2, 5, 7)
-) -> tuple[nn.Module, Any, Any, list]:
-    """_ReadEach, its data, and its plans on a split (default: the three readers in stage 2;
-    built as the search builds a split of its own), one per (schedule, recompute); profiled
-    on one thread, as the sweeps that found what these tests hold ran."""
+def _forced_plans(
+    model: nn.Module, x: torch.Tensor, split: Sequence[int], *candidates: tuple[str, str]
+) -> list:
+    """`model`'s plans on `split` (built as the search builds a split of its own), one per
+    (schedule, recompute), 4 micro-batches of the mse loss; profiled on one thread at a
+    quarter, a half and the whole of x's batch, as the sweeps that found what these tests
+    hold ran."""
     from planner import search
     from planner.partition import Partition
 
-    torch.manual_seed(0)
-    model = _ReadEach()
-    x, y = torch.randn(4, 3, 16, 16), torch.randn(4, 3, 16, 16)
-    prof = even_times(quick_profile(model, x, batch_sizes=[1, 2, 4], loss_fn="mse", threads=1))
+    n = x.shape[0]
+    prof = quick_profile(model, x, batch_sizes=[n // 4, n // 2, n], loss_fn="mse", threads=1)
+    prof = even_times(prof)
     cluster = Cluster.uniform(len(split) - 1, "1GiB")
-    problem = search._Problem(prof, cluster, 4, "momentum", (prof.digest(), cluster.digest()))
+    problem = search._Problem(prof, cluster, n, "momentum", (prof.digest(), cluster.digest()))
     plans = []
     for schedule, recompute in candidates:
         cand = search.Candidate(4, schedule, recompute)
         specs = search._stage_specs(problem, cand)
         plans.append(search._build_plan(problem, cand, specs, Partition(list(split), 0.0), "test"))
-    return model, x, y, plans
+    return plans
+
+
+def _read_each_plans(
+    *candidates: tuple[str, str], split: tuple[int, ...] = (0, 1, 2, 5, 7)
+) -> tuple[nn.Module, Any, Any, list]:
+    """_ReadEach, its data, and its plans on a split (default: the three readers in stage 2),
+    one per (schedule, recompute): _forced_plans."""
+    torch.manual_seed(0)
+    model = _ReadEach()
+    x, y = torch.randn(4, 3, 16, 16), torch.randn(4, 3, 16, 16)
+    return model, x, y, _forced_plans(model, x, split, *candidates)
 
 
 def _measured_over(model: nn.Module, plan: Any, x: Any, y: Any, patch: Any = None) -> list[int]:
-    """Each device's measured peak less its predicted one (`patch`: run on the program first)."""
+    """Each device's measured peak less its predicted one (`patch`: run on the program first),
+    on one thread."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         pipe = compile_pipe(model, plan)
     if patch is not None:
         patch(pipe._module)
-    report = pipe.measure(x, y, nn.MSELoss(), steps=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        report = pipe.measure(x, y, nn.MSELoss(), steps=1)
+    finally:
+        torch.set_num_threads(threads)
     return [d.measured_peak_bytes - d.predicted_peak_bytes for d in report.devices]
 
 
@@ -1516,13 +1534,8 @@ def test_zero_bubble_keeps_a_layers_output_gradient_in_its_own_memory(owned):
     def as_it_was(module: Any) -> None:  # the slice kept as autograd hands it over
         module._own_memory = lambda g: g
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model, x, y, (plan,) = _read_each_plans(("zb-h1", "never"))
-        over = _measured_over(model, plan, x, y, None if owned else as_it_was)
-    finally:
-        torch.set_num_threads(threads)
+    model, x, y, (plan,) = _read_each_plans(("zb-h1", "never"))
+    over = _measured_over(model, plan, x, y, None if owned else as_it_was)
     if owned:
         assert all(o <= 64 for o in over) and over[2] == 0, over
     else:
@@ -1550,8 +1563,6 @@ def test_zero_bubbles_i_through_a_first_layer_to_a_parameter_two_layers_share(
     I measured as nothing: its way to the parameter (its ReLU's gradient) ran one parameter's
     bytes (16 KiB at 64 x 64, 4.2%) over the plan. The profile now measures I towards such a
     parameter too."""
-    from planner import search
-    from planner.partition import Partition
     from profiler import measure
 
     if not measured:  # as it was: no parameter is another layer's too
@@ -1559,18 +1570,8 @@ def test_zero_bubbles_i_through_a_first_layer_to_a_parameter_two_layers_share(
     torch.manual_seed(0)
     model = _PosTwice()
     x, y = torch.randn(8, 16, 16), torch.randn(8, 16, 16)
-    prof = even_times(quick_profile(model, x, batch_sizes=[2, 4, 8], loss_fn="mse", threads=1))
-    cluster = Cluster.uniform(2, "1GiB")
-    problem = search._Problem(prof, cluster, 8, "momentum", (prof.digest(), cluster.digest()))
-    cand = search.Candidate(4, "zb-h1", "never")
-    specs = search._stage_specs(problem, cand)
-    plan = search._build_plan(problem, cand, specs, Partition([0, 2, 4], 0.0), "test")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        over = _measured_over(model, plan, x, y)
-    finally:
-        torch.set_num_threads(threads)
+    (plan,) = _forced_plans(model, x, [0, 2, 4], ("zb-h1", "never"))
+    over = _measured_over(model, plan, x, y)
     if measured:
         assert all(o <= 64 for o in over), over
     else:
@@ -1586,25 +1587,14 @@ def test_a_tied_copys_gradient_made_before_its_layers_peak_is_counted_there(monk
     under GPipe and 1F1B. The profile measures what keeping it adds to the layer's peak
     (Chain.tied_first), and the first backward counts it there."""
     from planner import search
-    from planner.partition import Partition
 
     if not first:  # as it was: from the backward's end
         monkeypatch.setattr(search, "_first_extra", lambda chain, i: 0)
     torch.manual_seed(0)
     model = _PosTwice()
     x, y = torch.randn(8, 16, 16), torch.randn(8, 16, 16)
-    prof = even_times(quick_profile(model, x, batch_sizes=[2, 4, 8], loss_fn="mse", threads=1))
-    cluster = Cluster.uniform(3, "1GiB")
-    problem = search._Problem(prof, cluster, 8, "momentum", (prof.digest(), cluster.digest()))
-    cand = search.Candidate(4, "1f1b", "never")
-    specs = search._stage_specs(problem, cand)
-    plan = search._build_plan(problem, cand, specs, Partition([0, 1, 2, 4], 0.0), "test")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        over = _measured_over(model, plan, x, y)
-    finally:
-        torch.set_num_threads(threads)
+    (plan,) = _forced_plans(model, x, [0, 1, 2, 4], ("1f1b", "never"))
+    over = _measured_over(model, plan, x, y)
     if first:
         assert all(o <= 64 for o in over), over
     else:
@@ -1635,24 +1625,11 @@ def test_zero_bubbles_i_figure_takes_off_only_the_gradients_it_makes(recompute):
     residual (here, the attention's) makes no gradient for it, yet its I figure took that
     input's bytes off as a gradient it keeps: the first stage ran 4 KiB (3.6-4.7%) over its
     plan under zero bubble."""
-    from planner import search
-    from planner.partition import Partition
-
     torch.manual_seed(0)
     model = _Attention()
     x, y = torch.randn(8, 16, 32), torch.randn(8, 16, 32)
-    prof = even_times(quick_profile(model, x, batch_sizes=[2, 4, 8], loss_fn="mse", threads=1))
-    cluster = Cluster.uniform(2, "1GiB")
-    problem = search._Problem(prof, cluster, 8, "momentum", (prof.digest(), cluster.digest()))
-    cand = search.Candidate(4, "zb-h1", recompute)
-    specs = search._stage_specs(problem, cand)
-    plan = search._build_plan(problem, cand, specs, Partition([0, 2, 5], 0.0), "test")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        over = _measured_over(model, plan, x, y)
-    finally:
-        torch.set_num_threads(threads)
+    (plan,) = _forced_plans(model, x, [0, 2, 5], ("zb-h1", recompute))
+    over = _measured_over(model, plan, x, y)
     assert all(o <= 64 for o in over), over
 
 
@@ -1667,18 +1644,10 @@ def test_zero_bubble_recomputes_a_stage_of_views_alone(recompute):
     without a graph; a stage of one transpose then hands back a view of its input that needs
     a gradient and has no node, and asking for its gradient edge failed the step. Now it runs,
     with the un-pipelined model's gradients, and holds what its plan says."""
-    from planner import search
-    from planner.partition import Partition
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 32), _Transpose(), nn.Linear(16, 16))
     x, y = torch.randn(8, 16, 32), torch.randn(8, 32, 16)
-    prof = even_times(quick_profile(model, x, batch_sizes=[2, 4, 8], loss_fn="mse"))
-    cluster = Cluster.uniform(3, "1GiB")
-    problem = search._Problem(prof, cluster, 8, "momentum", (prof.digest(), cluster.digest()))
-    cand = search.Candidate(4, "zb-h1", recompute)
-    specs = search._stage_specs(problem, cand)
-    plan = search._build_plan(problem, cand, specs, Partition([0, 1, 2, 4], 0.0), "test")
+    (plan,) = _forced_plans(model, x, [0, 1, 2, 4], ("zb-h1", recompute))
     assert [st.layers for st in plan.stages] == [(0, 1), (1, 2), (2, 3)]  # (the loss: in 2)
     _assert_step_parity(model, model, plan, x, y, nn.functional.mse_loss)
     over = _measured_over(copy.deepcopy(model), plan, x, y)
@@ -1727,13 +1696,8 @@ def test_a_captured_stage_that_never_recomputes_counts_bs_own_transient(monkeypa
 
     if not tight:  # as it was: every captured graph's shape counts the larger of the two
         monkeypatch.setattr(MemoryModel, "_pulled_key", lambda self, shape: "pulled")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model, x, y, plans = _read_each_plans(("1f1b", "never"), ("1f1b", "always"))
-        over = dict(zip(("never", "always"), (_measured_over(model, p, x, y) for p in plans)))
-    finally:
-        torch.set_num_threads(threads)
+    model, x, y, plans = _read_each_plans(("1f1b", "never"), ("1f1b", "always"))
+    over = dict(zip(("never", "always"), (_measured_over(model, p, x, y) for p in plans)))
     assert all(o <= 64 for got in over.values() for o in got), over  # never under
     if tight:
         assert abs(over["never"][0]) <= 64, over
@@ -1753,13 +1717,8 @@ def test_a_layer_whose_output_gradient_is_a_slice_keeps_the_whole_gradient(monke
 
     if not whole:  # as it was: the slice's own span
         monkeypatch.setattr(measure._Layout, "whole", measure._Layout.ones)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        model, x, y, (plan,) = _read_each_plans(("1f1b", "never"), split=(0, 3, 7))
-        over = _measured_over(model, plan, x, y)
-    finally:
-        torch.set_num_threads(threads)
+    model, x, y, (plan,) = _read_each_plans(("1f1b", "never"), split=(0, 3, 7))
+    over = _measured_over(model, plan, x, y)
     if whole:
         assert all(o <= 64 for o in over) and abs(over[0]) <= 64, over
     else:
