@@ -401,6 +401,8 @@ class DistPipelineRuntime(PipelineRuntime):
         M, last = self.MICROBATCHES, len(self.STAGES) - 1
         self.loss_fn = loss_fn
         self._reset()
+        if self.SCHEDULE == "zb-h1":
+            self._rewatch()
         # From the first stage's rank: the dropout seed and the input's shape; from every rank:
         # whether it refuses this batch (so that all refuse together, none left waiting).
         sig = self.signature

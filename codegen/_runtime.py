@@ -330,9 +330,21 @@ class PipelineRuntime:
         """Zero bubble reads each layer input through `_Owned` in the first step, and in later
         steps only those whose gradient came as a slice of a larger one: the others hand on
         the gradient unchanged, and an `_Owned` costs an autograd node each way (a step of a
-        16-layer MLP of tiny layers took 1.26x as long with one on every input)."""
+        16-layer MLP of tiny layers took 1.26x as long with one on every input). Watched again
+        once the parameters that train are others (_rewatch)."""
         self.sliced: frozenset[tuple[int, int]] | None = None  # (layer, input); None: watching
         self.seen: set[tuple[int, int]] = set()
+        self.watched_for: tuple[bool, ...] | None = None
+
+    def _rewatch(self) -> None:
+        """Watch again where the parameters that train are not those the watched step trained:
+        an input that needed no gradient then may need one now (a step with the stages
+        frozen, then unfrozen, never watched them, and held 19.8% over its plan from then on:
+        found by a review)."""
+        training = tuple(p.requires_grad for st in self.stages for p in st.parameters())
+        if training != self.watched_for:
+            self._watch()
+            self.watched_for = training
 
     def _watched(self) -> None:
         """A step has run whole: from now on `_Owned` only where it copied (see _watch)."""
@@ -393,6 +405,8 @@ class PipelineRuntime:
         self.batch = list(torch.tensor_split(x, M))  # views; stage 0 takes each (_own)
         self.targets = _split_target(y, M)
         self.weights = [c.shape[0] / n for c in self.batch]
+        if self.SCHEDULE == "zb-h1":
+            self._rewatch()
         # read at each step: a caller may freeze or unfreeze layers between steps
         sync_tied(self.tied)
         training = [trains(st) for st in self.stages]

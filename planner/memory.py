@@ -722,8 +722,8 @@ class MemoryModel:
         vals[-1] = held[k - 1] + max(int(b[k - 1] - c.zgrad[k - 1] - u[k - 1, k]), 0)
         for start, entries in self._b_waits().items():  # (as the table's row i adds them)
             if start >= i:
-                for lo, hi, first, past, w in entries:
-                    if first <= k < past:
+                for lo, hi, since, past, w in entries:
+                    if since <= k < past:
                         vals[max(lo, i) - i : max(min(hi, k), i) - i] += w
         below = int(held[k - 1])  # (the stage's activations: the walk counts what is above)
         remat = int(
