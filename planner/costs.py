@@ -160,12 +160,9 @@ class Chain:
     def views_run(self) -> np.ndarray:
         """Per end j (0..L): the first of the grad_views layers that end layers [.., j), j
         where layer j - 1 is none."""
-        run = np.arange(self.num_layers + 1, dtype=np.int64)
-        g = self.grad_views
-        for j in range(1, self.num_layers + 1):
-            if g[j - 1]:
-                run[j] = run[j - 1]
-        return run
+        ends = np.arange(self.num_layers + 1, dtype=np.int64)
+        opens = np.concatenate([[True], ~self.grad_views])  # (j: layer j - 1 is none, or j = 0)
+        return np.maximum.accumulate(np.where(opens, ends, 0))
 
     @property
     def stop(self) -> np.ndarray:

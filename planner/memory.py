@@ -1101,9 +1101,9 @@ class MemoryModel:
         if self._walk is not None:
             return self._walk[i, j]
         # a stage ending in layers whose input gradient is a view of their output's holds what
-        # the stage ending before them holds: the layer before gets the pulled gradient (the
-        # flatten model's middle device ran 8.8% under its plan under GPipe where it counted
-        # that layer's own as apart)
+        # the stage ending before them holds: the layer before gets the pulled gradient (with
+        # that layer's own counted apart, the flatten model's middle device was planned 8.8%
+        # above what it held under GPipe)
         b = np.maximum(self._views_run[j], i + 1)
         inner = self._backward(i, np.maximum(b - 1, i + 1))
         inner = inner + np.where(j == self.chain.num_layers, self._loss_grad, 0)
