@@ -588,8 +588,7 @@ class _Layout(NamedTuple):
         return cls(tuple(g.stride()), g.storage_offset(), storage)
 
     def ones(self, shape: torch.Size, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
-        """Ones laid out so, beside no more memory than the view's own span (dense
-        otherwise)."""
+        """Ones laid out so, in a storage of the view's own span."""
         return torch.empty_strided(shape, self.stride, dtype=dtype, device=dev).fill_(1)
 
     def whole(self, shape: torch.Size, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
@@ -743,7 +742,7 @@ def _transient(
     # one tensor alive while this layer's backward runs, not one made here and one taken in.
     passed: list[torch.Tensor] = []
 
-    strides: list[_Layout | None] = []  # of each root's gradient (None: dense)
+    strides: list[_Layout | None] = []  # each root's gradient's layout (None: dense)
     seen = [0]
 
     def stop_at_last(t: torch.Tensor) -> torch.Tensor:
