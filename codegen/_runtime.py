@@ -405,10 +405,10 @@ class PipelineRuntime:
         self.batch = list(torch.tensor_split(x, M))  # views; stage 0 takes each (_own)
         self.targets = _split_target(y, M)
         self.weights = [c.shape[0] / n for c in self.batch]
-        if self.SCHEDULE == "zb-h1":
-            self._rewatch()
         # read at each step: a caller may freeze or unfreeze layers between steps
         sync_tied(self.tied)
+        if self.SCHEDULE == "zb-h1":
+            self._rewatch()
         training = [trains(st) for st in self.stages]
         self.trains_before = trains_before(training)
         self.check_frozen(range(len(self.stages)))
