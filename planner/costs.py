@@ -232,6 +232,21 @@ class ProfileTable:
                 table[(table > 0) & (table < MIN_MS)] = 0.0
         return self._tables[attr]
 
+    def measured(self, attr: str) -> bool:
+        """Whether every entry has `attr` (a figure later profiles add), asked once per profile
+        (chain_at reads it per micro-batch size: 10 000 entries each time)."""
+        key = f"measured:{attr}"
+        if key not in self._tables:
+            self._tables[key] = np.array(all(getattr(x, attr) is not None for x in self.layers))
+        return bool(self._tables[key])
+
+    def flags(self, attr: str) -> np.ndarray:
+        """A per-entry flag (None read as False), made once."""
+        key = f"flags:{attr}"
+        if key not in self._tables:
+            self._tables[key] = np.array([bool(getattr(x, attr)) for x in self.layers])
+        return self._tables[key]
+
     def fixed(self, attr: str) -> np.ndarray:
         """A per-entry value that does not depend on the size (parameters, output per sample)."""
         if attr not in self._tables:
@@ -280,9 +295,9 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
 
     saved = sizes("saved_bytes")
     backward_transient = sizes("backward_transient_bytes")
-    summed = profile.captured and all(x.passed_sum_bytes is not None for x in layers)
-    inner = all(x.inner_backward_transient_bytes is not None for x in layers)
-    first = all(x.tied_first_backward_bytes is not None for x in layers)
+    summed = profile.captured and table.measured("passed_sum_bytes")
+    inner = table.measured("inner_backward_transient_bytes")
+    first = table.measured("tied_first_backward_bytes")
     boundary = np.concatenate([[profile.input_bytes], table.fixed("output_bytes")]) * mb
     boundary = -(-boundary // unit) * unit  # rounded up to the allocator's blocks
     n = len(layers)
@@ -356,11 +371,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         boundary=boundary,
         num_model_layers=L,
         flow=Flow.of(profile.layers, n > L, mb, unit) if profile.captured else None,
-        views=(
-            np.array([bool(x.views_input) for x in layers])
-            if any(x.views_input for x in layers)
-            else None
-        ),
+        views=table.flags("views_input") if table.flags("views_input").any() else None,
         tied=tuple((t.bytes, tuple(t.layers)) for t in profile.tied) if ties else (),
         borrowed_input=profile.device.split(":")[0] == "cpu",
         # (kept for W only where the layer trains: the runtime keeps no other)
