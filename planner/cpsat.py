@@ -326,7 +326,7 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
         remat,
         largest(c.forward_peak, c.forward_peak + c.boundary[:L], "forward"),
         inp,
-        largest(c.weight_grad_transient, c.weight_grad_transient, "weight"),
+        _weight(m, c, x, inner, s, L),
         stop,
     ]
     for t in shape.occupancy:
@@ -345,6 +345,19 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
         step = m.new_int_var(0, max(cap, 0), f"step{s}")  # type: ignore[attr-defined]
         m.add(step * den >= num * size)  # type: ignore[attr-defined]
         m.add(weights + step + shape.reserved <= cap)  # type: ignore[attr-defined]
+
+
+def _weight(m: object, c: Chain, x: list, inner: list, s: int, L: int) -> object:
+    """W's transient (MemoryModel.state_bytes' weight_live): each layer's figure, with what it
+    shares with the next layer where that one is in the stage too (inner[k + 1])."""
+    w = c.weight_grad_transient.astype(np.int64)
+    nxt = np.concatenate([c.shared[1:], [0]]).astype(np.int64)
+    var = m.new_int_var(0, int(max((w + nxt).max(), 0)), f"weight{s}")  # type: ignore[attr-defined]
+    for k in range(L):
+        if w[k] or nxt[k]:
+            shared = int(nxt[k]) * inner[k + 1][0] if nxt[k] else 0
+            m.add(var >= int(w[k]) * x[k][s] + shared)  # type: ignore[attr-defined]
+    return var
 
 
 def _held_bound(c: Chain, shape: object) -> int:

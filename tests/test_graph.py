@@ -1653,6 +1653,43 @@ def test_zero_bubbles_i_figure_takes_off_only_the_gradients_it_makes(recompute):
     assert all(o <= 64 for o in over), over
 
 
+class _ConvPool(nn.Module):
+    """A convolution and its ReLU captured as one layer, a max pool after it, and more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1, self.pool = nn.Conv2d(3, 8, 3, padding=1), nn.MaxPool2d(2)
+        self.c2, self.up = nn.Conv2d(8, 8, 3, padding=1), nn.Upsample(scale_factor=2)
+        self.c3, self.h = nn.Conv2d(8, 8, 3, padding=1), nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = torch.relu(self.c1(x))
+        u = self.up(torch.relu(self.c2(self.pool(a))))
+        return self.h(self.c3(u).mean((2, 3)))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_zero_bubbles_w_counts_what_the_next_layer_keeps_of_a_layers_saved(monkeypatch, shared):
+    """Found by a red team: a layer's W figure was measured on the layer alone, whose W lets
+    its saved tensors go as it runs (the ReLU's output here); in the stage the max pool after
+    it saves that output too and keeps it in the graph W holds: the first stage ran the ReLU
+    output's bytes (16-21%) over its plan under zero bubble. W now counts what the next layer
+    of the stage shares of a layer's saved tensors (MemoryModel._weight_shared)."""
+    from planner.memory import MemoryModel
+
+    if not shared:  # as it was: each layer's figure alone
+        monkeypatch.setattr(MemoryModel, "_weight_shared", property(lambda m: m._weight_live))
+    torch.manual_seed(0)
+    model = _ConvPool()
+    x, y = torch.randn(8, 3, 16, 16), torch.randn(8, 10)
+    (plan,) = _forced_plans(model, x, [0, 2, 7], ("zb-h1", "never"))
+    over = _measured_over(model, plan, x, y)
+    if shared:
+        assert all(o <= 64 for o in over), over
+    else:
+        assert over[0] >= 2 * 8 * 16 * 16 * 4, over  # the ReLU output of one micro-batch
+
+
 class _Transpose(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2)

@@ -57,8 +57,11 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     # zero bubble's I, from the last layer: the gradients of layers i .. k - 2's outputs are
     # not made yet while k's runs, nor the stage's input gradient G (the first layer's I's)
     input_live = _zero_bubble_input(c, i, j)
-    transients = [live, remat, forward, input_live, int(c.weight_grad_transient[i:j].max()),
-                  _stop(c, i, j)]  # fmt: skip
+    # W: each layer's figure, with what the next layer of the stage saves of it too (kept in
+    # that layer's graph while this one's W lets its own go)
+    weight = max(int(c.weight_grad_transient[k]) + (int(c.shared[k + 1]) if k + 1 < j else 0)
+                 for k in range(i, j))  # fmt: skip
+    transients = [live, remat, forward, input_live, weight, _stop(c, i, j)]
     held = max(sum(n * b for n, b in zip(t, states + transients)) for t in shape.occupancy)
     # (a stage that trains nothing steps nothing: its frozen weights have no gradient; found
     # by this suite's random chains once the model said so, last session)
