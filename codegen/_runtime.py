@@ -865,7 +865,14 @@ class PipelineRuntime:
         # A value sent to several stages: the first gradient is copied here, the others are
         # added into it in place (on CPU straight from where they are, without a copy), so
         # the stage holds one gradient per value, as the plan's `pulled` counts.
+        # Such a sum is laid out densely, as the plan's figures take a received gradient: laid
+        # out as its first part (a transposed one, from a reader's backward), the stage's W
+        # copied it dense again, one gradient over its plan (found by a red team).
         total: dict[str, torch.Tensor] = {}
+        parts: dict[str, int] = {}
+        for (a, _), names in self.routes.items():
+            for n in names if a == s else ():
+                parts[n] = parts.get(n, 0) + 1
         for (a, t), names in sorted(self.routes.items()):
             if a != s:
                 continue
@@ -874,10 +881,13 @@ class PipelineRuntime:
                 g = left.pop(n)
                 if g is None:
                     continue
-                if made is RECEIVED and n not in total:
-                    total[n] = g  # received from another rank: already ours
-                elif n not in total:
-                    total[n] = self._move([g], t, s, made)[0]
+                if n not in total:
+                    # (received from another rank: already ours)
+                    first = g if made is RECEIVED else self._move([g], t, s, made)[0]
+                    if parts[n] > 1 and not first.is_contiguous():
+                        first = first.contiguous()
+                    total[n] = first
+                    del first
                 elif not self.cuda:
                     total[n].add_(g.to(total[n].device))
                 else:

@@ -1690,6 +1690,43 @@ def test_zero_bubbles_w_counts_what_the_next_layer_keeps_of_a_layers_saved(monke
         assert over[0] >= 2 * 8 * 16 * 16 * 4, over  # the ReLU output of one micro-batch
 
 
+class _Transposed(nn.Module):
+    """A Linear over the first two dimensions swapped (as nn.MultiheadAttention's batch_first
+    path does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(32, 32)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.l(h.transpose(0, 1)).transpose(0, 1)
+
+
+class _TransposedSkip(nn.Module):
+    """A value read by a layer through a transpose and added back two layers later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.i, self.a = nn.Linear(32, 32), _Transposed()
+        self.o, self.h = nn.Linear(32, 32), nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.i(x)
+        return self.h(self.o(self.a(h)) + h)
+
+
+def test_a_gradient_summed_from_two_stages_is_laid_out_densely():
+    """Found by a red team: a value two later stages read, one through a transpose, gets its
+    gradient as the sum of two parts, which the runtime laid out as the first (transposed);
+    zero bubble's W then copied it dense again: one gradient (19.5%) over the first stage's
+    plan. The sum is dense now, as the plan's figures take a received gradient."""
+    torch.manual_seed(0)
+    model = _TransposedSkip()
+    x, y = torch.randn(8, 16, 32), torch.randn(8, 16, 32)
+    (plan,) = _forced_plans(model, x, [0, 1, 2, 5], ("zb-h1", "never"))
+    assert all(o <= 64 for o in _measured_over(model, plan, x, y))
+
+
 class _Transpose(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2)
