@@ -6,7 +6,8 @@
   bubble keeps from I to W only the gradients of layers whose weights train;
 - the readers model's stage from the start to the first reader (a slice of a concatenation's
   gradient keeps all of it), a table two layers add (one parameter, both uses in a stage or
-  in two), attention with its input added back (a red team's models).
+  in two), attention with its input added back, a convolution and ReLU captured as one layer
+  before a pool, a value read through a transpose and added back later (red teams' models).
 
 Each checkout profiles, plans and measures with its own code (`Pipe.measure`, the streams
 target). Layer times are evened out after profiling, so that the splits follow the structure.
@@ -77,6 +78,10 @@ def cases() -> dict:
                                    ([0, 2, 4], [0, 1, 2, 4])),
         "attention, input added back": (seeded(tg._Attention), torch.randn(8, 16, 32), "mse",
                                         (), ([0, 2, 5],)),
+        "convolution and ReLU, a pool": (seeded(tg._ConvPool), torch.randn(8, 3, 16, 16), "mse",
+                                         (), ([0, 2, 7],)),
+        "a skip read through a transpose": (seeded(tg._TransposedSkip), torch.randn(8, 16, 32),
+                                            "mse", (), ([0, 1, 2, 5],)),
         "Linear and ReLU": (_mlp, torch.randn(12, 64), "cross_entropy", (2, 3), ()),
         "frozen head": (_frozen_head, torch.randn(8, 256), "mse", (2,), ()),
         "ResNet": (lambda: resnet(size=16), net.example_input, "cross_entropy", (3,), ()),
