@@ -376,11 +376,17 @@ class PipelineRuntime:
             for t in range(S)
         ]
         self.gives: list[list[str]] = []
+        # per stage, how many stages each value it gives goes to (pull sums their gradients)
+        self.readers: list[dict[str, int]] = []
         for s in range(S):
             names: list[str] = []
+            count: dict[str, int] = {}
             for (a, _), carried in sorted(self.routes.items()):
                 names += [n for n in carried if a == s and n not in names]
+                for n in carried if a == s else ():
+                    count[n] = count.get(n, 0) + 1
             self.gives.append(names)
+            self.readers.append(count)
         self.input_name = layers[0].inputs[0] if self.routed else ""
         if self.routed and self.ROUTES and sorted(self.routes) != sorted(self.ROUTES):
             raise ModelMismatch(
@@ -869,10 +875,7 @@ class PipelineRuntime:
         # out as its first part (a transposed one, from a reader's backward), the stage's W
         # copied it dense again, one gradient over its plan (found by a red team).
         total: dict[str, torch.Tensor] = {}
-        parts: dict[str, int] = {}
-        for (a, _), names in self.routes.items():
-            for n in names if a == s else ():
-                parts[n] = parts.get(n, 0) + 1
+        parts = self.readers[s]
         for (a, t), names in sorted(self.routes.items()):
             if a != s:
                 continue
