@@ -135,11 +135,42 @@ class Chain:
         return self.zgrad if self.zkept is None else self.zkept
 
     @property
+    def hands_grad_on(self) -> np.ndarray:
+        """Per layer: whether the gradient its backward gives back is, in memory, the one it is
+        given: a layer that hands its input on (`through`), or one whose input gradient is a
+        view of its output's (`grad_views`) and which keeps none for W (it has no weights).
+        Zero bubble's I makes nothing there: the layer before it gets the gradient the layer
+        after it made."""
+        through = np.zeros(self.num_layers, dtype=bool) if self.through is None else self.through
+        return through | (self.grad_views & (self.kept_grad == 0))
+
+    @property
+    def let_go_grad(self) -> np.ndarray:
+        """Per layer: its output gradient where zero bubble's I lets it go (no weights that
+        train: Z leaves it out), 0 where those bytes are another layer's too (hands_grad_on:
+        counted as the gradient the layer after it makes, that of the last layer before it
+        that makes its own)."""
+        return np.where(self.hands_grad_on, 0, self.zgrad - self.kept_grad)
+
+    @property
+    def keeps_graph_through_w(self) -> np.ndarray:
+        """Per layer: whether zero bubble's W leaves its graph, and what it saved, alone until
+        the stage's W ends. W runs layer by layer from the last, each layer's graph going as
+        its own W runs; a layer keeping no gradient for W (no weights that train) runs none,
+        nor does one whose weights two layers of its stage share (their gradient is I's).
+        (Any layer a tie names counts so: on the safe side where the other use lies in
+        another stage.)"""
+        keeps = self.kept_grad == 0
+        for _, layers in self.tied:
+            keeps[[k for k in layers if k < self.num_layers]] = True
+        return keeps
+
+    @property
     def gradient_made(self) -> np.ndarray:
-        """Per layer l: the last layer before l that does not hand its input on (-1: none),
-        whose output gradient l's backward makes (`through`)."""
+        """Per layer l: the last layer before l that does not hand its gradient on (-1: none),
+        whose output gradient l's backward makes (`hands_grad_on`)."""
         n = self.num_layers
-        real = np.flatnonzero(np.ones(n, dtype=bool) if self.through is None else ~self.through)
+        real = np.flatnonzero(~self.hands_grad_on)
         at = np.searchsorted(real, np.arange(n), side="left") - 1
         return np.where(at >= 0, real[np.maximum(at, 0)], -1)
 

@@ -108,7 +108,7 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
         stops.append(int(st[k]) * first[k][s] + int(st[k] + u[k]) * inner[k] - off * (1 - ends))
         # (an inner layer's I runs before the stage's input gradient, which during_i counts,
         # is made: the first layer's I makes it last, as the memory model counts it)
-        if not wz.any() and c.through is None:
+        if not wz.any() and not c.hands_grad_on.any():
             m.add(inp >= int(it[k]) * first[k][s])  # type: ignore[attr-defined]
             m.add(inp >= int(it[k]) * inner[k] - before[k] - grad_in)  # type: ignore[attr-defined]
         # (as if k ended it, though a later layer does: the most over shorter ends too, as the
@@ -119,7 +119,7 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
             lives.append(int(ib[k]) * on - later[k])
             if sc:  # (on the loss's stage: its scalar gradient beside it)
                 lives.append(int(ib[k] + sc) * (on + x[L - 1][s] - 1) - later[k])
-    if wz.any() or c.through is not None:
+    if wz.any() or c.hands_grad_on.any():
         _let_go_input(m, c, x, first, s, L, inp, grad_in)
     m.add_max_equality(live, lives)  # type: ignore[attr-defined]
     m.add_max_equality(stop, stops)  # type: ignore[attr-defined]
@@ -133,19 +133,19 @@ def _let_go_input(
     _let_go_input_live): the most over the stage's ends e <= j of I's transient with Z[i, e),
     less Z[i, j). With KP the kept gradients' prefix sums, wz those let go, f[l] = it[l] +
     wz[l], a[l] = f[l] + wz[made[l]] - KP[made[l]] (made[l]: the last layer before l that
-    does not hand its input on) and b[m] = wz[m] + KP[m + 1] (0 where m hands on), per end
-    e = m + 1 and layer l, where `lead` says every layer from the stage's first to l - 1 hands
-    its input on (the first layer's is always so):
+    does not hand its gradient on: Chain.hands_grad_on) and b[m] = wz[m] + KP[m + 1] (0 where
+    m hands it on), per end e = m + 1 and layer l, where `lead` says every layer from the
+    stage's first to l - 1 hands its gradient on (the first layer's is always so):
         lead l = m:        it[l] + zgrad[l]          - Z
         lead l < m:        f[l] - KP[i] + b[m]       - Z
         other l = m:       a[m] + KP[m + 1] - G      - Z
         other l < m:       a[l] + b[m] - G           - Z
     the pairs through running maxima of f and a over the stage's layers before m."""
     it = c.input_grad_transient.astype(np.int64)
-    zg = c.zgrad.astype(np.int64)
     kept = c.kept_grad.astype(np.int64)
-    wz = zg - kept
-    through = np.zeros(L, dtype=bool) if c.through is None else c.through
+    through = c.hands_grad_on  # (those make no gradient: Chain.let_go_grad)
+    zg = np.where(through, kept, c.zgrad).astype(np.int64)
+    wz = c.let_go_grad.astype(np.int64)
     kp = np.concatenate([[0], np.cumsum(kept)])
     made = c.gradient_made
     f = it + wz
@@ -349,9 +349,11 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
 
 def _weight(m: object, c: Chain, x: list, inner: list, s: int, L: int) -> object:
     """W's transient (MemoryModel.state_bytes' weight_live): each layer's figure, with what it
-    shares with the next layer where that one is in the stage too (inner[k + 1])."""
+    shares with the next layer where that one is in the stage too (inner[k + 1]) and runs no W
+    of its own (Chain.keeps_graph_through_w)."""
     w = c.weight_grad_transient.astype(np.int64)
-    nxt = np.concatenate([c.shared[1:], [0]]).astype(np.int64)
+    shared = np.where(c.keeps_graph_through_w, c.shared, 0)
+    nxt = np.concatenate([shared[1:], [0]]).astype(np.int64)
     var = m.new_int_var(0, int(max((w + nxt).max(), 0)), f"weight{s}")  # type: ignore[attr-defined]
     for k in range(L):
         if w[k] or nxt[k]:

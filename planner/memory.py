@@ -579,10 +579,12 @@ class MemoryModel:
         c = self.chain
         n = c.num_layers
         kp = self._zkept
-        zg = c.zgrad.astype(np.int64)
-        wz = (c.zgrad - c.kept_grad).astype(np.int64)
+        # (a layer that hands its gradient on makes none: its output's bytes are counted as
+        # the gradient the layer after it makes, the last layer's before it that makes one)
+        through = c.hands_grad_on
+        zg = np.where(through, c.kept_grad, c.zgrad).astype(np.int64)
+        wz = c.let_go_grad.astype(np.int64)
         it = c.input_grad_transient.astype(np.int64)
-        through = np.zeros(n, dtype=bool) if c.through is None else c.through
         real = np.flatnonzero(~through)
         # made[l]: the layer whose output gradient l's I makes (Chain.gradient_made); nxt[i]:
         # the first layer from i that does not hand its input on
@@ -658,13 +660,17 @@ class MemoryModel:
 
     @cached_property
     def _weight_shared(self) -> _RangeMax:
-        """Layer l's W figure with what it shares with layer l + 1 of its stage (shared[l + 1]):
-        the figure was measured on the layer alone, whose W lets its saved tensors go as it
-        runs; the next layer's graph, kept for its own W, holds those it shares (a captured
-        convolution-and-ReLU before a pooling layer ran its ReLU output's bytes, 16-21%, over
-        its plan under zero bubble: found by a red team)."""
+        """Layer l's W figure with what it shares with layer l + 1 of its stage (shared[l + 1])
+        where l + 1 runs no W of its own (Chain.keeps_graph_through_w): the figure was measured
+        on the layer alone, whose W lets its saved tensors go as it runs, and that layer's
+        graph holds those it shares until the stage's W ends (a captured convolution-and-ReLU
+        before a pooling layer ran its ReLU output's bytes, 16-21%, over its plan under zero
+        bubble: found by a red team). A layer l + 1 with a W of its own has let them go by
+        then: W runs from the last layer (convolution blocks, counted so, 2.6-6.1% under their
+        plan)."""
         c = self.chain
-        nxt = np.concatenate([c.shared[1:], [0]]).astype(np.int64)
+        shared = np.where(c.keeps_graph_through_w, c.shared, 0)
+        nxt = np.concatenate([shared[1:], [0]]).astype(np.int64)
         return _RangeMax(c.weight_grad_transient.astype(np.int64) + nxt)
 
     @cached_property
@@ -940,7 +946,7 @@ class MemoryModel:
         # that does not hand its input on; where that lies before i, G itself, in during_i,
         # and l counts as the first layer does; the gradients I lets go, not in Z, beside it)
         made = self._let_go_tables["made"][None, :]
-        wz = (c.zgrad - c.kept_grad).astype(np.int64)
+        wz = c.let_go_grad.astype(np.int64)
         kp = self._zkept
         m = np.maximum(made, 0)
         inside = it[None, :] + wz[None, :] + wz[m] - (kp[m] - kp[np.minimum(rows, n)])
@@ -969,7 +975,7 @@ class MemoryModel:
         runtime holds it to I's end); 0 elsewhere (from r on it is a layer's own or the one
         the layer makes, which `at` counts)."""
         n = self.chain.num_layers
-        wz = (self.chain.zgrad - self.chain.kept_grad).astype(np.int64)
+        wz = self.chain.let_go_grad.astype(np.int64)
         r = self._let_go_tables["last_real"][1:]  # per e - 1
         out = np.zeros((n + 1, n + 1), dtype=np.int64)
         out[:, 1:] = np.where(r >= 0, wz[np.maximum(r, 0)], 0)[None, :]
@@ -983,7 +989,7 @@ class MemoryModel:
         n = self.chain.num_layers
         low = np.iinfo(np.int64).min // 2
         running = np.maximum.accumulate(at, axis=1)  # [i, l]: max over l' <= l
-        wz = (self.chain.zgrad - self.chain.kept_grad).astype(np.int64)
+        wz = self.chain.let_go_grad.astype(np.int64)
         r = self._let_go_tables["last_real"][1:]  # per e - 1 = 0 .. n - 1
         before_r = np.where(r >= 1, running[:, np.maximum(r - 1, 0)], low)  # [i, e - 1]
         table = np.zeros((n + 1, n + 1), dtype=np.int64)
@@ -1294,7 +1300,7 @@ class MemoryModel:
         if want("input_live") and self._flow_input_live is not None:
             out["input_live"] = self._flow_input_live[i, j]
         elif want("input_live"):
-            if self._let_go[-1] or self.chain.through is not None:
+            if self._let_go[-1] or self.chain.hands_grad_on.any():
                 out["input_live"] = self._let_go_input_live(i, j)
             else:
                 later = self._inner_input_live.take(after) - self._zgrad[-1] + self._zgrad[i]

@@ -57,9 +57,15 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     # zero bubble's I, from the last layer: the gradients of layers i .. k - 2's outputs are
     # not made yet while k's runs, nor the stage's input gradient G (the first layer's I's)
     input_live = _zero_bubble_input(c, i, j)
-    # W: each layer's figure, with what the next layer of the stage saves of it too (kept in
-    # that layer's graph while this one's W lets its own go)
-    weight = max(int(c.weight_grad_transient[k]) + (int(c.shared[k + 1]) if k + 1 < j else 0)
+    # W: each layer's figure, with what the next layer of the stage saves of it too, where
+    # that layer runs no W before this one's (it keeps no gradient for W, or a tie names it):
+    # its graph holds those tensors while this one's W lets its own go
+    tied = {k for _, layers in c.tied for k in layers}
+
+    def keeps(k: int) -> bool:
+        return k < j and (int(kept[k]) == 0 or k in tied)
+
+    weight = max(int(c.weight_grad_transient[k]) + (int(c.shared[k + 1]) if keeps(k + 1) else 0)
                  for k in range(i, j))  # fmt: skip
     transients = [live, remat, forward, input_live, weight, _stop(c, i, j)]
     held = max(sum(n * b for n, b in zip(t, states + transients)) for t in shape.occupancy)
@@ -105,9 +111,12 @@ def _zero_bubble_input(c: Chain, i: int, j: int) -> int:
     layer. Counted as the most over the stage's ends e <= j, with Z[i, e), less Z[i, j): the
     stage one layer longer may hold less (it lets the pulled one go)."""
     kept = c.zgrad if c.zkept is None else c.zkept
-    wz = c.zgrad - kept
     it = c.input_grad_transient
     through = np.zeros(c.num_layers, dtype=bool) if c.through is None else c.through
+    # a layer whose input gradient is a view of its output's, keeping none for W, hands that
+    # gradient on too: the same bytes, counted as the one the layer after it makes
+    through = through | (c.grad_views & (kept == 0))
+    wz = np.where(through, 0, c.zgrad - kept)
 
     def last_real(lo: int, hi: int) -> int | None:  # the last layer in [lo, hi) not handing on
         return next((r for r in range(hi - 1, lo - 1, -1) if not through[r]), None)
