@@ -112,6 +112,9 @@ class Chain:
     # profile): a stage opening with such layers holds its input once where the first layer
     # past them saves a view of it (MemoryModel.input_saved)
     views: np.ndarray | None = None
+    # whether a layer's zero-bubble W lets go what its graph saved of its input (None: not in
+    # the profile, as if it did not): Chain.keeps_graph_through_w
+    w_frees_input: np.ndarray | None = None
     # each entry's trainable parameter tensors (bytes), in the order an optimizer steps them
     # (None: not in the profile), and what the step of one still holds while the next is
     # stepped, per byte of the one before and relative to the step's own per byte (the
@@ -154,13 +157,18 @@ class Chain:
 
     @property
     def keeps_graph_through_w(self) -> np.ndarray:
-        """Per layer: whether zero bubble's W leaves its graph, and what it saved, alone until
-        the stage's W ends. W runs layer by layer from the last, each layer's graph going as
-        its own W runs; a layer keeping no gradient for W (no weights that train) runs none,
-        nor does one whose weights two layers of its stage share (their gradient is I's).
-        (Any layer a tie names counts so: on the safe side where the other use lies in
+        """Per layer: whether zero bubble's W leaves what the layer's graph saved of its input
+        alone until the stage's W ends. W runs layer by layer from the last, each layer's graph
+        going as its own W runs, where the profile saw it go (`w_frees_input`: not a node off
+        every way to a parameter); a layer keeping no gradient for W (no weights that train)
+        runs none, nor does one whose weights two layers of its stage share (their gradient is
+        I's). (Any layer a tie names counts so: on the safe side where the other use lies in
         another stage.)"""
         keeps = self.kept_grad == 0
+        if self.w_frees_input is None:
+            keeps = np.ones(self.num_layers, dtype=bool)
+        else:
+            keeps |= ~self.w_frees_input
         for _, layers in self.tied:
             keeps[[k for k in layers if k < self.num_layers]] = True
         return keeps
@@ -403,6 +411,9 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         num_model_layers=L,
         flow=Flow.of(profile.layers, n > L, mb, unit) if profile.captured else None,
         views=table.flags("views_input") if table.flags("views_input").any() else None,
+        w_frees_input=table.flags("weight_grad_frees_input")
+        if table.measured("weight_grad_frees_input")
+        else None,
         tied=tuple((t.bytes, tuple(t.layers)) for t in profile.tied) if ties else (),
         borrowed_input=profile.device.split(":")[0] == "cpu",
         # (kept for W only where the layer trains: the runtime keeps no other)

@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import platform
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, NamedTuple
@@ -166,6 +167,7 @@ def profile_model(
             reads=list(layer.reads) if hasattr(layer, "reads") else None,
             passed_bytes=first[i]["passed_bytes"] // sizes[0],
             views_input=all(per_size[b][i]["views"] for b in sizes),
+            weight_grad_frees_input=all(per_size[b][i]["w_frees_input"] for b in sizes),
             param_tensor_bytes=[
                 _alloc(p.numel() * p.element_size(), dev)
                 for p in layer.parameters()
@@ -537,6 +539,7 @@ def _memory(
         "passed_sum_bytes": extra["summed"],
         "inner_backward_transient_bytes": extra["inner"],
         "tied_first_backward_bytes": extra["first"],
+        "w_frees_input": not extra["w_keeps_input"],
         "packs": packs[0],
         "output_shape": [list(t.shape[1:]) for t in _tensors(out)],
         # per micro-batch as computed; the planner rounds what crosses a cut at its own size
@@ -794,7 +797,23 @@ def _transient(
         del seeds
         for t in wrt:
             t.grad = None
-        with owned_by("forward2"):
+        # what the layer's graph saves of its input, each wrapped: still referenced after W
+        # (a node W does not run, off every way to a parameter), the stage holds it while the
+        # layer before runs its W (MemoryModel._weight_shared)
+        in_storages = {_storage(t) for t in _tensors(inp)}
+        wrapped: list[weakref.ref] = []
+
+        def pack(t: torch.Tensor) -> Any:
+            if _storage(t) not in in_storages:
+                return t
+            held = _Held(t)
+            wrapped.append(weakref.ref(held))
+            return held
+
+        def unpack(h: Any) -> torch.Tensor:
+            return h.tensor if isinstance(h, _Held) else h
+
+        with owned_by("forward2"), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             edges, like = forward()
         # the inputs it works on: not one it only hands on, but one it reads and hands on too
         # (a skip's source read by the next layer: its I went unmeasured, and zero bubble's
@@ -819,6 +838,8 @@ def _transient(
         with owned_by("weight"):
             if edges and params:
                 torch.autograd.backward(edges, ones(like), inputs=params)
+        # (no W: the graph stays whole until the stage's W ends)
+        keeps_input = not (edges and params) or any(r() is not None for r in wrapped)
         del edges
         # where it reads a value it hands on and the stage received that value's gradient
         # (a later stage reads it too), the runtime holds the received part: autograd cannot
@@ -909,7 +930,18 @@ def _transient(
         if used or shared
         else 0,
         "weight": max(peak("weight") - before("weight") - out_kept, 0) if params else 0,
+        "w_keeps_input": int(keeps_input),
     }
+
+
+class _Held:
+    """A saved tensor that shares its layer's input storage, wrapped so that a weak reference
+    tells whether the graph still holds it (_transient)."""
+
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
 
 
 OPTIMIZERS = {

@@ -134,6 +134,15 @@ class LayerProfile(BaseModel):
         "counts the two apart)",
     )
 
+    weight_grad_frees_input: bool | None = Field(
+        default=None,
+        description="whether its zero-bubble W (the weight gradients alone) lets go every "
+        "tensor its graph saved of its input's storage: where it does not (a node off every "
+        "way to a parameter saved it, or it has no weights), the stage holds what the layer "
+        "before saved of its own output through that layer's W; absent in profiles made before "
+        "it was measured (the planner then counts it held)",
+    )
+
     passed_sum_bytes: dict[int, Bytes] | None = Field(
         default=None,
         description="a captured graph's layer that reads a value and hands it on: what its "
@@ -176,6 +185,7 @@ LATER_PER_SIZE = (
 LATER_LAYER = (
     "param_tensor_bytes",
     "views_input",
+    "weight_grad_frees_input",
 )  # (not per size: left out of the file where unset too)
 """Per-size fields added since the format's version: absent (None) in older profiles."""
 

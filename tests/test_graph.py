@@ -1694,6 +1694,65 @@ def test_zero_bubbles_w_counts_what_the_next_layer_keeps_of_a_layers_saved(monke
         assert over[0] >= 2 * 8 * 16 * 16 * 4, over  # the ReLU output of one micro-batch
 
 
+class _BranchOffWeights(nn.Module):
+    """A Linear beside a branch without weights that saves the input (x * x): zero bubble's W
+    reaches the Linear's weight without running the branch, whose graph keeps the input."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.l = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(x) + x * x
+
+
+def _w_holds_input_model(branch: bool) -> nn.Sequential:
+    """Linear-ReLU layers, the second a _BranchOffWeights (or one more Linear-ReLU)."""
+    torch.manual_seed(0)
+
+    def lin_relu() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(256, 256), nn.ReLU())
+
+    middle = _BranchOffWeights(256) if branch else lin_relu()
+    return nn.Sequential(lin_relu(), middle, lin_relu(), nn.Linear(256, 256))
+
+
+def test_the_profile_says_whether_a_layers_w_lets_its_input_go():
+    """A layer's zero-bubble W lets go what its graph saved of its input where every node
+    that saved it lies on a way to a weight: not a branch without weights, nor a layer without
+    weights, nor the loss."""
+    x = torch.randn(8, 256)
+    for branch, frees in ((False, [True, True, True, True]), (True, [True, False, True, True])):
+        prof = quick_profile(_w_holds_input_model(branch), x, batch_sizes=[2, 4], loss_fn="mse")
+        assert [layer.weight_grad_frees_input for layer in prof.layers] == frees
+        assert prof.loss is not None and prof.loss.weight_grad_frees_input is False
+    prof = quick_profile(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)),
+                         torch.randn(4, 8), batch_sizes=[2, 4], loss_fn="mse")  # fmt: skip
+    assert [layer.weight_grad_frees_input for layer in prof.layers] == [True, False, True]
+
+
+@pytest.mark.parametrize("rule", ["profiled", "trains"])
+def test_zero_bubbles_w_counts_what_a_branch_off_the_weights_keeps(monkeypatch, rule):
+    """W runs from the stage's last layer; a layer that trains lets its graph go as its W
+    runs, so what it saved of the layer before's output is gone before that layer's W, except
+    what a node off every way to a weight saved (x * x beside a Linear): that stays until the
+    stage's W ends. Taken as gone wherever the next layer trains, the first device of two ran
+    one micro-batch's ReLU output (16 KiB) over its plan; the profile says which layers keep
+    it (`weight_grad_frees_input`), and the plan counts it there."""
+    from planner.costs import Chain
+
+    if rule == "trains":  # every layer that trains taken to let its input go
+        monkeypatch.setattr(Chain, "keeps_graph_through_w", property(lambda c: c.kept_grad == 0))
+    model = _w_holds_input_model(branch=True)
+    x, y = torch.randn(64, 256), torch.randn(64, 256)
+    (plan,) = _forced_plans(model, x, [0, 2, 4], ("zb-h1", "never"))
+    over = _measured_over(model, plan, x, y)
+    if rule == "profiled":
+        assert all(o <= 64 for o in over), over
+    else:
+        assert over[0] >= 16 * 256 * 4, over
+
+
 class _Transposed(nn.Module):
     """A Linear over the first two dimensions swapped (as nn.MultiheadAttention's batch_first
     path does)."""

@@ -63,7 +63,8 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     tied = {k for _, layers in c.tied for k in layers}
 
     def keeps(k: int) -> bool:
-        return k < j and (int(kept[k]) == 0 or k in tied)
+        frees = c.w_frees_input is not None and bool(c.w_frees_input[k])
+        return k < j and (int(kept[k]) == 0 or k in tied or not frees)
 
     weight = max(int(c.weight_grad_transient[k]) + (int(c.shared[k + 1]) if keeps(k + 1) else 0)
                  for k in range(i, j))  # fmt: skip
@@ -353,6 +354,10 @@ def problems(draw):
         else None,
         # layers that hand their input on (nn.Identity): no gradient of their own
         through=through,
+        # whose W lets go what they saved of their input, or not known
+        w_frees_input=np.array(draw(st.lists(st.booleans(), min_size=L, max_size=L)))
+        if draw(st.booleans())
+        else None,
         grad_in=np.where(np.arange(L) > 0, boundary[:L], 0),
         boundary=boundary,
         loss_saved=loss_saved,
