@@ -112,6 +112,9 @@ class Chain:
     # profile): a stage opening with such layers holds its input once where the first layer
     # past them saves a view of it (MemoryModel.input_saved)
     views: np.ndarray | None = None
+    # whether a layer's input gradient is measured a view of its output's, from every layout
+    # it was given (None: not in the profile): Chain.grad_views, Chain.hands_grad_on
+    grad_is_view: np.ndarray | None = None
     # whether a layer's zero-bubble W lets go what its graph saved of its input (None: not in
     # the profile, as if it did not): Chain.keeps_graph_through_w
     w_frees_input: np.ndarray | None = None
@@ -145,6 +148,8 @@ class Chain:
         Zero bubble's I makes nothing there: the layer before it gets the gradient the layer
         after it made."""
         through = np.zeros(self.num_layers, dtype=bool) if self.through is None else self.through
+        if self.grad_is_view is None:  # (not measured: a reshape may copy, counted apart)
+            return through
         return through | (self.grad_views & (self.kept_grad == 0))
 
     @property
@@ -193,7 +198,8 @@ class Chain:
             return np.zeros(self.num_layers, dtype=bool)
         z = self.zgrad
         same = np.concatenate([[False], z[1:] == z[:-1]])
-        return self.views & (self.backward_transient <= z) & same & (z > 0)
+        views = self.views & (self.backward_transient <= z) & same & (z > 0)
+        return views if self.grad_is_view is None else views & self.grad_is_view
 
     @property
     def views_run(self) -> np.ndarray:
@@ -411,6 +417,9 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         num_model_layers=L,
         flow=Flow.of(profile.layers, n > L, mb, unit) if profile.captured else None,
         views=table.flags("views_input") if table.flags("views_input").any() else None,
+        grad_is_view=table.flags("input_grad_is_view")
+        if table.measured("input_grad_is_view")
+        else None,
         w_frees_input=table.flags("weight_grad_frees_input")
         if table.measured("weight_grad_frees_input")
         else None,

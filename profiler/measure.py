@@ -168,6 +168,7 @@ def profile_model(
             passed_bytes=first[i]["passed_bytes"] // sizes[0],
             views_input=all(per_size[b][i]["views"] for b in sizes),
             weight_grad_frees_input=all(per_size[b][i]["w_frees_input"] for b in sizes),
+            input_grad_is_view=all(per_size[b][i]["grad_alias"] for b in sizes),
             param_tensor_bytes=[
                 _alloc(p.numel() * p.element_size(), dev)
                 for p in layer.parameters()
@@ -336,6 +337,12 @@ def _measure_size(
                 f"the model rejected a gradient at layer {i} ({type(layer).__name__}): "
                 f"{_first_line(e)}"
             ) from None
+        # a view of the output's gradient from every layout it may be given (from a transposed
+        # one, a reshape copies: a stage's unflatten before a Linear over a transpose ran one
+        # gradient over its plan under zero bubble, found by a red team)
+        rows[i]["grad_alias"] = rows[i]["grad_alias"] and all(
+            f["grad_alias"] for f in again.values()
+        )
         for key, field in _FIGURES.items():
             if key == "inner":
                 if "chained" in again:
@@ -540,6 +547,7 @@ def _memory(
         "inner_backward_transient_bytes": extra["inner"],
         "tied_first_backward_bytes": extra["first"],
         "w_frees_input": not extra["w_keeps_input"],
+        "grad_alias": bool(extra["grad_alias"]),
         "packs": packs[0],
         "output_shape": [list(t.shape[1:]) for t in _tensors(out)],
         # per micro-batch as computed; the planner rounds what crosses a cut at its own size
@@ -825,12 +833,18 @@ def _transient(
         # found by a red team)
         shared = [p for p in params if id(p) in tied]
         made: list[torch.Tensor] = []  # those whose gradient it makes (kept, counted apart)
+        alias = False  # its input gradient is the output gradient's own storage (a view)
         with owned_by("input"):
             if edges and (used or shared):
+                seed = ones(like)
                 got = torch.autograd.grad(
-                    edges, [*used, *shared], ones(like), retain_graph=True, allow_unused=True
+                    edges, [*used, *shared], seed, retain_graph=True, allow_unused=True
                 )
                 made = [t for t, g in zip([*used, *shared], got) if g is not None]
+                given = {_storage(g) for g in seed}
+                mine = [g for g in got[: len(used)] if g is not None]
+                alias = bool(mine) and all(_storage(g) in given for g in mine)
+                del seed
                 # the runtime takes each out of a larger gradient (a cat's) as it is made,
                 # the larger one still there (_Owned: what I keeps for W is its own memory)
                 owned = [g.clone() for g in got[: len(used)] if g is not None and _slice(g)]
@@ -931,6 +945,7 @@ def _transient(
         else 0,
         "weight": max(peak("weight") - before("weight") - out_kept, 0) if params else 0,
         "w_keeps_input": int(keeps_input),
+        "grad_alias": int(alias),
     }
 
 

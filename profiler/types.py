@@ -134,6 +134,15 @@ class LayerProfile(BaseModel):
         "counts the two apart)",
     )
 
+    input_grad_is_view: bool | None = Field(
+        default=None,
+        description="whether the input gradient its backward makes is a view of the output "
+        "gradient it is given (the same storage), from every layout that gradient was "
+        "measured in (a reshape of a transposed one copies): zero bubble's I makes nothing "
+        "there; absent in profiles made before it was measured (the planner then counts the "
+        "two gradients apart there)",
+    )
+
     weight_grad_frees_input: bool | None = Field(
         default=None,
         description="whether its zero-bubble W (the weight gradients alone) lets go every "
@@ -185,6 +194,7 @@ LATER_PER_SIZE = (
 LATER_LAYER = (
     "param_tensor_bytes",
     "views_input",
+    "input_grad_is_view",
     "weight_grad_frees_input",
 )  # (not per size: left out of the file where unset too)
 """Per-size fields added since the format's version: absent (None) in older profiles."""

@@ -1753,6 +1753,57 @@ def test_zero_bubbles_w_counts_what_a_branch_off_the_weights_keeps(monkeypatch, 
         assert over[0] >= 16 * 256 * 4, over
 
 
+class _TransposedLinear(nn.Module):
+    """A Linear over the last two dimensions swapped: the gradient it hands back is laid out
+    transposed."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.l = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l(x.transpose(1, 2))
+
+
+def _unflatten_then_transposed() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(64, 64), nn.Tanh(), nn.Unflatten(1, (8, 8)), _TransposedLinear(8), nn.Tanh(),
+        nn.Flatten(), nn.Linear(64, 64),
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_zero_bubbles_i_counts_a_reshape_of_a_transposed_gradient(monkeypatch, measured):
+    """Found by a red team: an unflatten's input gradient is a view of its output's where that
+    gradient is dense, but the Linear over a transpose after it hands back a transposed one,
+    which the reshape copies. Taken for a view from the dense gradient alone, zero bubble's I
+    on the stage [tanh, unflatten] ran that copy (one micro-batch's gradient, 1 KiB, 12.5%)
+    over its plan. The profile measures the view from every layout the layer is given
+    (`input_grad_is_view`), and the unflatten is no view there."""
+    from planner.costs import Chain
+
+    if not measured:  # as it was: a view wherever the dense gradient's backward made one
+        heuristic = Chain.grad_views.fget
+
+        def as_it_was(c: Chain) -> np.ndarray:
+            return heuristic(dataclasses.replace(c, grad_is_view=None))
+
+        monkeypatch.setattr(Chain, "grad_views", property(as_it_was))
+    model = _unflatten_then_transposed()
+    x, y = torch.randn(16, 64), torch.randn(16, 64)
+    prof = quick_profile(model, x, batch_sizes=[4, 8, 16], loss_fn="mse", threads=1)
+    assert [layer.input_grad_is_view for layer in prof.layers] == [
+        False, False, False, False, False, True, False
+    ]  # fmt: skip
+    (plan,) = _forced_plans(model, x, [0, 1, 3, 8], ("zb-h1", "never"))
+    over = _measured_over(model, plan, x, y)
+    if measured:
+        assert all(o <= 64 for o in over), over
+    else:
+        assert over[1] >= 4 * 64 * 4, over
+
+
 class _Transposed(nn.Module):
     """A Linear over the first two dimensions swapped (as nn.MultiheadAttention's batch_first
     path does)."""

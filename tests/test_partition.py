@@ -63,8 +63,10 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     tied = {k for _, layers in c.tied for k in layers}
 
     def keeps(k: int) -> bool:
+        if k >= j:
+            return False
         frees = c.w_frees_input is not None and bool(c.w_frees_input[k])
-        return k < j and (int(kept[k]) == 0 or k in tied or not frees)
+        return int(kept[k]) == 0 or k in tied or not frees
 
     weight = max(int(c.weight_grad_transient[k]) + (int(c.shared[k + 1]) if keeps(k + 1) else 0)
                  for k in range(i, j))  # fmt: skip
@@ -116,7 +118,8 @@ def _zero_bubble_input(c: Chain, i: int, j: int) -> int:
     through = np.zeros(c.num_layers, dtype=bool) if c.through is None else c.through
     # a layer whose input gradient is a view of its output's, keeping none for W, hands that
     # gradient on too: the same bytes, counted as the one the layer after it makes
-    through = through | (c.grad_views & (kept == 0))
+    if c.grad_is_view is not None:  # (measured: else a reshape may copy, counted apart)
+        through = through | (c.grad_views & (kept == 0))
     wz = np.where(through, 0, c.zgrad - kept)
 
     def last_real(lo: int, hi: int) -> int | None:  # the last layer in [lo, hi) not handing on
@@ -343,6 +346,8 @@ def problems(draw):
         backward_transient=backward_transient,
         inner_backward=inner,
         views=views,
+        # which layers' input gradients were measured views of their output's, or not known
+        grad_is_view=None if views is None or not draw(st.booleans()) else aliased,
         input_unsaved=ints(0, 15, L),
         forward_peak=ints(0, 30, L),
         input_grad_transient=ints(0, 30, L),
