@@ -115,6 +115,9 @@ class Chain:
     # whether a layer's input gradient is measured a view of its output's, from every layout
     # it was given (None: not in the profile): Chain.grad_views, Chain.hands_grad_on
     grad_is_view: np.ndarray | None = None
+    # what a layer's graph still holds of its saved tensors once its zero-bubble W has run
+    # (None: not in the profile, as if all of them): Chain.w_freed
+    w_kept: np.ndarray | None = None
     # whether a layer's zero-bubble W lets go what its graph saved of its input (None: not in
     # the profile, as if it did not): Chain.keeps_graph_through_w
     w_frees_input: np.ndarray | None = None
@@ -177,6 +180,26 @@ class Chain:
         for _, layers in self.tied:
             keeps[[k for k in layers if k < self.num_layers]] = True
         return keeps
+
+    @property
+    def w_freed(self) -> np.ndarray:
+        """Per layer l: what its own zero-bubble W surely lets go of the tensors the stage
+        counts as l's (saved less what it shares with l - 1), before the layers before it run
+        theirs: less all its graph still holds (w_kept) and what layer l + 1 shares of them
+        where l + 1 keeps its graph (keeps_graph_through_w; taken off even where l ends its
+        stage). Nothing where l runs no W (no weights that train, or tied ones), nor on a
+        captured graph (a later layer other than l + 1 may save l's tensors), nor where the
+        profile has no w_kept."""
+        n = self.num_layers
+        if self.w_kept is None or self.flow is not None:
+            return np.zeros(n, dtype=np.int64)
+        keeps = self.keeps_graph_through_w
+        nxt = np.concatenate([np.where(keeps, self.shared, 0)[1:], [0]])
+        own = self.saved - self.shared - self.w_kept - nxt
+        runs = self.kept_grad > 0
+        for _, layers in self.tied:
+            runs[[k for k in layers if k < n]] = False
+        return np.where(runs, np.maximum(own, 0), 0).astype(np.int64)
 
     @property
     def gradient_made(self) -> np.ndarray:
@@ -417,6 +440,9 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         num_model_layers=L,
         flow=Flow.of(profile.layers, n > L, mb, unit) if profile.captured else None,
         views=table.flags("views_input") if table.flags("views_input").any() else None,
+        w_kept=sizes("weight_grad_kept_bytes")
+        if table.measured("weight_grad_kept_bytes")
+        else None,
         grad_is_view=table.flags("input_grad_is_view")
         if table.measured("input_grad_is_view")
         else None,

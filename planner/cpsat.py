@@ -350,15 +350,20 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
 def _weight(m: object, c: Chain, x: list, inner: list, s: int, L: int) -> object:
     """W's transient (MemoryModel.state_bytes' weight_live): each layer's figure, with what it
     shares with the next layer where that one is in the stage too (inner[k + 1]) and runs no W
-    of its own (Chain.keeps_graph_through_w)."""
+    of its own (Chain.keeps_graph_through_w), less what the stage's layers after it let go at
+    their W, run before its own (Chain.w_freed)."""
     w = c.weight_grad_transient.astype(np.int64)
     shared = np.where(c.keeps_graph_through_w, c.shared, 0)
     nxt = np.concatenate([shared[1:], [0]]).astype(np.int64)
     var = m.new_int_var(0, int(max((w + nxt).max(), 0)), f"weight{s}")  # type: ignore[attr-defined]
+    # less what the stage's layers after k let go at their own W before k's (Chain.w_freed)
+    freed = c.w_freed
+    after = _suffix(m, [int(freed[k]) * x[k][s] for k in range(L)], f"wfreed{s}_",
+                    int(freed.sum())) if freed.any() else [0] * L  # fmt: skip
     for k in range(L):
         if w[k] or nxt[k]:
             shared = int(nxt[k]) * inner[k + 1][0] if nxt[k] else 0
-            m.add(var >= int(w[k]) * x[k][s] + shared)  # type: ignore[attr-defined]
+            m.add(var >= int(w[k]) * x[k][s] + shared - after[k])  # type: ignore[attr-defined]
     return var
 
 

@@ -77,7 +77,10 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
            gradient of each parameter two of the stage's layers share, which I takes (a
            layer's own W would reach it through the other layer too)
     weight_live                        ... while W runs (zero bubble), layer by layer from the
-                                       last: the largest layer's, on top of all I keeps
+                                       last: the largest layer's, on top of all I keeps less
+                                       what the layers after it let go at their W (w_freed),
+                                       with what the next layer shares of its saved tensors
+                                       where that layer keeps its graph through W
     forward_live = max(forward_peak[i], max over i < l < j of forward_peak[l] + boundary[l])
                                        what a forward that keeps nothing (recomputation) needs:
                                        one layer's working memory and, inside the stage, its input
@@ -671,7 +674,14 @@ class MemoryModel:
         c = self.chain
         shared = np.where(c.keeps_graph_through_w, c.shared, 0)
         nxt = np.concatenate([shared[1:], [0]]).astype(np.int64)
-        return _RangeMax(c.weight_grad_transient.astype(np.int64) + nxt)
+        # (and the walk: what the layers after l let go before l's W, Chain.w_freed; read
+        # as this at l less _w_freed[j] at the stage's end j)
+        return _RangeMax(c.weight_grad_transient.astype(np.int64) + nxt + self._w_freed[1:])
+
+    @cached_property
+    def _w_freed(self) -> np.ndarray:
+        """Prefix sums of Chain.w_freed: [l] what layers 0 .. l - 1 let go at their W."""
+        return _prefix(self.chain.w_freed)
 
     @cached_property
     def _inner_forward(self) -> _RangeMax:
@@ -1318,7 +1328,7 @@ class MemoryModel:
         if want("weight_live"):
             # (the last layer's shares with no layer of the stage)
             own = self._weight_live(np.maximum(j - 1, i), j)
-            shared = self._weight_shared(i, np.maximum(j - 1, i + 1))
+            shared = self._weight_shared(i, np.maximum(j - 1, i + 1)) - self._w_freed[j]
             out["weight_live"] = np.maximum(own, np.where(j - i > 1, shared, 0))
         if want("forward_live"):
             forward = np.where(inner, self._inner_forward.take(after), 0)

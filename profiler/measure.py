@@ -547,6 +547,7 @@ def _memory(
         "inner_backward_transient_bytes": extra["inner"],
         "tied_first_backward_bytes": extra["first"],
         "w_frees_input": not extra["w_keeps_input"],
+        "weight_grad_kept_bytes": extra["w_kept"],
         "grad_alias": bool(extra["grad_alias"]),
         "packs": packs[0],
         "output_shape": [list(t.shape[1:]) for t in _tensors(out)],
@@ -805,17 +806,20 @@ def _transient(
         del seeds
         for t in wrt:
             t.grad = None
-        # what the layer's graph saves of its input, each wrapped: still referenced after W
-        # (a node W does not run, off every way to a parameter), the stage holds it while the
-        # layer before runs its W (MemoryModel._weight_shared)
+        # what the layer's graph saves (not its weights), each wrapped: still referenced after
+        # W (a node W does not run, off every way to a parameter), the stage holds it while
+        # the layers before run their W: what it saved of its input (MemoryModel.
+        # _weight_shared), and the rest (Chain.w_freed)
         in_storages = {_storage(t) for t in _tensors(inp)}
-        wrapped: list[weakref.ref] = []
+        own = {_storage(t) for t in [*layer.parameters(), *layer.buffers()]}
+        wrapped: list[tuple[weakref.ref, int, int]] = []  # (holder, storage, bytes)
 
         def pack(t: torch.Tensor) -> Any:
-            if _storage(t) not in in_storages:
+            ptr = _storage(t)
+            if ptr in own:
                 return t
             held = _Held(t)
-            wrapped.append(weakref.ref(held))
+            wrapped.append((weakref.ref(held), ptr, _alloc(t.untyped_storage().nbytes(), dev)))
             return held
 
         def unpack(h: Any) -> torch.Tensor:
@@ -853,7 +857,11 @@ def _transient(
             if edges and params:
                 torch.autograd.backward(edges, ones(like), inputs=params)
         # (no W: the graph stays whole until the stage's W ends)
-        keeps_input = not (edges and params) or any(r() is not None for r in wrapped)
+        ran = bool(edges and params)
+        alive = {ptr: n for r, ptr, n in wrapped if not ran or r() is not None}
+        keeps_input = not ran or bool(alive.keys() & in_storages)
+        w_kept = sum(alive.values())
+        wrapped.clear()
         del edges
         # where it reads a value it hands on and the stage received that value's gradient
         # (a later stage reads it too), the runtime holds the received part: autograd cannot
@@ -945,13 +953,14 @@ def _transient(
         else 0,
         "weight": max(peak("weight") - before("weight") - out_kept, 0) if params else 0,
         "w_keeps_input": int(keeps_input),
+        "w_kept": w_kept,
         "grad_alias": int(alias),
     }
 
 
 class _Held:
-    """A saved tensor that shares its layer's input storage, wrapped so that a weak reference
-    tells whether the graph still holds it (_transient)."""
+    """A saved tensor, wrapped so that a weak reference tells whether the graph still holds it
+    (_transient)."""
 
     __slots__ = ("tensor", "__weakref__")
 

@@ -170,6 +170,15 @@ class LayerProfile(BaseModel):
         "backward_transient_bytes)",
     )
 
+    weight_grad_kept_bytes: dict[int, Bytes] | None = Field(
+        default=None,
+        description="what its graph still holds of the tensors it saved (not its weights) "
+        "once its zero-bubble W has run (nodes off every way to a parameter keep theirs; "
+        "without weights that train, all of them): the rest goes as that W runs, before the "
+        "W of the layers before it in its stage; absent in profiles made before it was "
+        "measured (the planner then counts every saved tensor held through the stage's W)",
+    )
+
     tied_first_backward_bytes: dict[int, Bytes] | None = Field(
         default=None,
         description="a layer that uses a parameter another layer uses too (tied): what its "
@@ -190,6 +199,7 @@ LATER_PER_SIZE = (
     "passed_sum_bytes",
     "inner_backward_transient_bytes",
     "tied_first_backward_bytes",
+    "weight_grad_kept_bytes",
 )
 LATER_LAYER = (
     "param_tensor_bytes",

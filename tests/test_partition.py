@@ -62,14 +62,23 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     # its graph holds those tensors while this one's W lets its own go
     tied = {k for _, layers in c.tied for k in layers}
 
-    def keeps(k: int) -> bool:
-        if k >= j:
-            return False
+    def keeps(k: int) -> bool:  # (wherever the stage ends)
         frees = c.w_frees_input is not None and bool(c.w_frees_input[k])
         return int(kept[k]) == 0 or k in tied or not frees
 
-    weight = max(int(c.weight_grad_transient[k]) + (int(c.shared[k + 1]) if keeps(k + 1) else 0)
-                 for k in range(i, j))  # fmt: skip
+    # ... less what the stage's layers after it let go at their own W, run before it: what
+    # each saved that layer l - 1 did not, less what its graph keeps after W and what l + 1
+    # shares of it where l + 1 keeps its graph (taken off even past the stage's end); a
+    # layer that runs no W (keeps no gradient for it, or tied) lets nothing go
+    def freed(k: int) -> int:
+        if c.w_kept is None or k in tied or int(kept[k]) == 0:
+            return 0
+        held = int(c.shared[k + 1]) if k + 1 < c.num_layers and keeps(k + 1) else 0
+        return max(int(c.saved[k]) - int(c.shared[k]) - int(c.w_kept[k]) - held, 0)
+
+    weight = max(int(c.weight_grad_transient[k])
+                 + (int(c.shared[k + 1]) if k + 1 < j and keeps(k + 1) else 0)
+                 - sum(freed(m) for m in range(k + 1, j)) for k in range(i, j))  # fmt: skip
     transients = [live, remat, forward, input_live, weight, _stop(c, i, j)]
     held = max(sum(n * b for n, b in zip(t, states + transients)) for t in shape.occupancy)
     # (a stage that trains nothing steps nothing: its frozen weights have no gradient; found
@@ -359,10 +368,12 @@ def problems(draw):
         else None,
         # layers that hand their input on (nn.Identity): no gradient of their own
         through=through,
-        # whose W lets go what they saved of their input, or not known
+        # whose W lets go what they saved of their input, or not known; and what their graph
+        # keeps of their saved tensors after it, or not known
         w_frees_input=np.array(draw(st.lists(st.booleans(), min_size=L, max_size=L)))
         if draw(st.booleans())
         else None,
+        w_kept=np.minimum(ints(0, 40, L), saved) if draw(st.booleans()) else None,
         grad_in=np.where(np.arange(L) > 0, boundary[:L], 0),
         boundary=boundary,
         loss_saved=loss_saved,
