@@ -822,7 +822,7 @@ def _transient(
             wrapped.append((weakref.ref(held), ptr, _alloc(t.untyped_storage().nbytes(), dev)))
             return held
 
-        def unpack(h: Any) -> torch.Tensor:
+        def unpack(h: Any) -> torch.Tensor | None:
             return h.tensor if isinstance(h, _Held) else h
 
         with owned_by("forward2"), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -861,6 +861,12 @@ def _transient(
         alive = {ptr: n for r, ptr, n in wrapped if not ran or r() is not None}
         keeps_input = not ran or bool(alive.keys() & in_storages)
         w_kept = sum(alive.values())
+        # (a saved output's holder and its node hold each other through C++, where the
+        # collector cannot see: let go of the tensors here, or the graph outlives the profile)
+        for ref, _, _ in wrapped:
+            held = ref()
+            if held is not None:
+                held.tensor = None
         wrapped.clear()
         del edges
         # where it reads a value it hands on and the stage received that value's gradient
@@ -965,7 +971,7 @@ class _Held:
     __slots__ = ("tensor", "__weakref__")
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
+        self.tensor: torch.Tensor | None = tensor
 
 
 OPTIMIZERS = {
