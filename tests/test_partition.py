@@ -58,7 +58,8 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     # not made yet while k's runs, nor the stage's input gradient G (the first layer's I's)
     input_live = _zero_bubble_input(c, i, j)
     # W: each layer's figure, with what the next layer of the stage saves of it too, where
-    # that layer runs no W before this one's (it keeps no gradient for W, or a tie names it):
+    # that layer's W has not let it go before this one's (it keeps no gradient for W, a tie
+    # names it, or the profile saw its W keep what it saved of its input: w_frees_input):
     # its graph holds those tensors while this one's W lets its own go
     tied = {k for _, layers in c.tied for k in layers}
 
