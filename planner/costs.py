@@ -118,6 +118,9 @@ class Chain:
     # what a layer's graph still holds of its saved tensors once its zero-bubble W has run
     # (None: not in the profile, as if all of them): Chain.w_freed
     w_kept: np.ndarray | None = None
+    # whether a layer hands some value on unchanged (a tuple's part): what the layer before it
+    # made may reach a layer past it (None: none does)
+    passes: np.ndarray | None = None
     # whether a layer's zero-bubble W lets go what its graph saved of its input (None: not in
     # the profile, as if it did not): Chain.keeps_graph_through_w
     w_frees_input: np.ndarray | None = None
@@ -187,9 +190,10 @@ class Chain:
         counts as l's (saved less what it shares with l - 1), before the layers before it run
         theirs: less all its graph still holds (w_kept) and what layer l + 1 shares of them
         where l + 1 keeps its graph (keeps_graph_through_w; taken off even where l ends its
-        stage). Nothing where l runs no W (no weights that train, or tied ones), nor on a
-        captured graph (a later layer other than l + 1 may save l's tensors), nor where the
-        profile has no w_kept."""
+        stage). Nothing where l runs no W (no weights that train, or tied ones), nor where
+        l + 1 hands a value on (`passes`: a layer past l + 1 may save l's tensors, and hold
+        them through l's W: found by a red team, 6 KiB under), nor on a captured graph (the
+        same, by its routes), nor where the profile has no w_kept."""
         n = self.num_layers
         if self.w_kept is None or self.flow is not None:
             return np.zeros(n, dtype=np.int64)
@@ -199,6 +203,8 @@ class Chain:
         runs = self.kept_grad > 0
         for _, layers in self.tied:
             runs[[k for k in layers if k < n]] = False
+        if self.passes is not None:
+            runs &= ~np.concatenate([self.passes[1:], [False]])
         return np.where(runs, np.maximum(own, 0), 0).astype(np.int64)
 
     @property
@@ -440,6 +446,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         num_model_layers=L,
         flow=Flow.of(profile.layers, n > L, mb, unit) if profile.captured else None,
         views=table.flags("views_input") if table.flags("views_input").any() else None,
+        passes=(passed > 0) if (passed > 0).any() else None,
         w_kept=sizes("weight_grad_kept_bytes")
         if table.measured("weight_grad_kept_bytes")
         else None,

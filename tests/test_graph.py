@@ -1753,6 +1753,75 @@ def test_zero_bubbles_w_counts_what_a_branch_off_the_weights_keeps(monkeypatch, 
         assert over[0] >= 16 * 256 * 4, over
 
 
+class _Wide(nn.Module):
+    """Two Linears through a wide hidden layer: a large weight gradient, so that W is its
+    stage's peak."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 2048), nn.Linear(2048, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+class _MakesH(nn.Module):
+    """(l(x), h): h = tanh(l2(x)), 512 wide, saved by its tanh."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l, self.l2 = nn.Linear(64, 64), nn.Linear(64, 512)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.l(x), torch.tanh(self.l2(x))
+
+
+class _UsesH(nn.Module):
+    """(l(a) * h[:, :64], h): saves a view of h and hands h on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(64, 64)
+
+    def forward(self, t: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        a, h = t
+        return self.l(a) * h[:, :64], h
+
+
+class _JoinsH(nn.Module):
+    """a * h[:, 64:128]: no weights, so its graph (and h) stays through the stage's W."""
+
+    def forward(self, t: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        a, h = t
+        return a * h[:, 64:128]
+
+
+@pytest.mark.parametrize("passes", [True, False])
+def test_zero_bubbles_w_walk_keeps_what_a_layer_handed_on_holds(monkeypatch, passes):
+    """Found by a red team: W's walk took h, which a layer makes and saves, as let go at that
+    layer's W because the next layer runs a W of its own; but the next layer hands h on, and
+    the weightless layer after it saves a view of h and keeps its graph to the stage's W's
+    end. The first device of two ran 6 KiB over its plan. No layer lets anything go in the
+    walk now where the layer after it hands a value on (Chain.passes)."""
+    from planner.costs import Chain
+
+    if not passes:  # as it was: handed-on values not looked at
+        walk = Chain.w_freed.fget
+        monkeypatch.setattr(
+            Chain, "w_freed", property(lambda c: walk(dataclasses.replace(c, passes=None)))
+        )
+    torch.manual_seed(0)
+    model = nn.Sequential(_Wide(), nn.Linear(64, 64), _MakesH(), _UsesH(), _JoinsH(),
+                          nn.Linear(64, 64))  # fmt: skip
+    x, y = torch.randn(16, 64), torch.randn(16, 64)
+    (plan,) = _forced_plans(model, x, [0, 5, 7], ("zb-h1", "never"))
+    over = _measured_over(model, plan, x, y)
+    if passes:
+        assert all(o <= 64 for o in over), over
+    else:
+        assert over[0] >= 4096, over
+
+
 class _TransposedLinear(nn.Module):
     """A Linear over the last two dimensions swapped: the gradient it hands back is laid out
     transposed."""

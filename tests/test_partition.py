@@ -70,10 +70,13 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     # ... less what the stage's layers after it let go at their own W, run before it: what
     # each saved that layer l - 1 did not, less what its graph keeps after W and what l + 1
     # shares of it where l + 1 keeps its graph (taken off even past the stage's end); a
-    # layer that runs no W (keeps no gradient for it, or tied) lets nothing go
+    # layer that runs no W (keeps no gradient for it, or tied), or whose next layer hands a
+    # value on, lets nothing go
     def freed(k: int) -> int:
         if c.w_kept is None or k in tied or int(kept[k]) == 0:
             return 0
+        if c.passes is not None and k + 1 < c.num_layers and c.passes[k + 1]:
+            return 0  # (a layer past k + 1 may hold k's tensors: it handed them on)
         held = int(c.shared[k + 1]) if k + 1 < c.num_layers and keeps(k + 1) else 0
         return max(int(c.saved[k]) - int(c.shared[k]) - int(c.w_kept[k]) - held, 0)
 
@@ -375,6 +378,10 @@ def problems(draw):
         if draw(st.booleans())
         else None,
         w_kept=np.minimum(ints(0, 40, L), saved) if draw(st.booleans()) else None,
+        # layers that hand a value on unchanged (a tuple's part), or none
+        passes=np.array(draw(st.lists(st.booleans(), min_size=L, max_size=L)))
+        if draw(st.booleans())
+        else None,
         grad_in=np.where(np.arange(L) > 0, boundary[:L], 0),
         boundary=boundary,
         loss_saved=loss_saved,
