@@ -679,6 +679,12 @@ class MemoryModel:
         return _RangeMax(c.weight_grad_transient.astype(np.int64) + nxt + self._w_freed[1:])
 
     @cached_property
+    def _hands_on(self) -> bool:
+        """Whether any layer hands its gradient on (Chain.hands_grad_on): asked once, not at
+        every state_bytes call of the split search."""
+        return bool(self.chain.hands_grad_on.any())
+
+    @cached_property
     def _w_freed(self) -> np.ndarray:
         """Prefix sums of Chain.w_freed: [l] what layers 0 .. l - 1 let go at their W."""
         return _prefix(self.chain.w_freed)
@@ -1310,7 +1316,7 @@ class MemoryModel:
         if want("input_live") and self._flow_input_live is not None:
             out["input_live"] = self._flow_input_live[i, j]
         elif want("input_live"):
-            if self._let_go[-1] or self.chain.hands_grad_on.any():
+            if self._let_go[-1] or self._hands_on:
                 out["input_live"] = self._let_go_input_live(i, j)
             else:
                 later = self._inner_input_live.take(after) - self._zgrad[-1] + self._zgrad[i]

@@ -733,24 +733,16 @@ def _zero_bubble_over(model: nn.Module, devices: int) -> tuple[list[tuple[int, i
     micro-batches: the split, and each device's measured peak less its plan's, profiled and
     run on one thread (where a convolution's own backward is not the peak)."""
     from tests.conftest import even_times, quick_profile
+    from tests.test_graph import _measured_over
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        torch.manual_seed(1)
-        x, y = torch.randn(8, 3, 16, 16), torch.randn(8, 3, 16, 16)
-        prof = even_times(quick_profile(model, x, batch_sizes=[2, 4, 8], loss_fn="mse"))
-        plan = plan_pipeline(
-            prof, Cluster.uniform(devices, "1GiB"), 8, microbatches=4, schedule="zb-h1",
-            checkpoint=(),
-        )  # fmt: skip
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            report = compile_pipe(model, plan).measure(x, y, nn.MSELoss(), steps=1)
-    finally:
-        torch.set_num_threads(threads)
-    over = [d.measured_peak_bytes - d.predicted_peak_bytes for d in report.devices]
-    return [s.layers for s in plan.stages], over
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 3, 16, 16), torch.randn(8, 3, 16, 16)
+    prof = quick_profile(model, x, batch_sizes=[2, 4, 8], loss_fn="mse", threads=1)
+    plan = plan_pipeline(
+        even_times(prof), Cluster.uniform(devices, "1GiB"), 8, microbatches=4,
+        schedule="zb-h1", checkpoint=(),
+    )  # fmt: skip
+    return [s.layers for s in plan.stages], _measured_over(model, plan, x, y)
 
 
 def _conv_blocks_zero_bubble(devices: int) -> tuple[list[tuple[int, int]], list[int]]:
