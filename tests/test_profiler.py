@@ -108,6 +108,56 @@ def test_the_forward_up_to_its_last_save_is_where_a_checkpoint_stops():
         assert (lin.stop_transient_bytes[b], lin.forward_transient_bytes[b]) == (0, unit)
 
 
+class _Square(torch.autograd.Function):
+    """x * x, keeping x for backward as `keep` says: on ctx as an attribute ("ctx", as older
+    extensions do), in a list on ctx ("list"), or through save_for_backward ("saved")."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, keep: str) -> torch.Tensor:  # type: ignore[override]
+        ctx.keep = keep
+        if keep == "ctx":
+            ctx.x = x
+        elif keep == "list":
+            ctx.held = [x, 2]
+        else:
+            ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        x = {"ctx": lambda: ctx.x, "list": lambda: ctx.held[0]}.get(
+            ctx.keep, lambda: ctx.saved_tensors[0]
+        )()
+        return 2 * x * g, None
+
+
+class Square(nn.Module):
+    def __init__(self, keep: str) -> None:
+        super().__init__()
+        self.keep = keep
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Square.apply(x, self.keep)
+
+
+@pytest.mark.parametrize("keep", ["ctx", "list"])
+def test_a_tensor_kept_on_a_custom_functions_ctx_counts_as_saved(keep):
+    """Found by a red team: a custom autograd.Function that keeps its input as an attribute of
+    ctx is seen by no saved-tensor hook, so the profile said it saved nothing, and its plans
+    ran 5-20% over. Its figures now equal those of the same layer saving through
+    save_for_backward: the Linear's output, which the Linear after it saves too."""
+
+    def figures(k: str) -> list[tuple]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 32), Square(k), nn.Linear(32, 4))
+        prof = quick(model, torch.randn(2, 4), [1, 2])
+        return [(x.saved_bytes, x.shared_bytes, x.input_saved_bytes) for x in prof.layers]
+
+    held, saved = figures(keep), figures("saved")
+    assert held == saved
+    assert held[1] == ({1: 32 * F32, 2: 64 * F32}, {1: 0, 2: 0}, {1: 32 * F32, 2: 64 * F32})
+
+
 def test_layernorm_saves_input_mean_and_rstd():
     t, d = 5, 6
     prof = quick(nn.Sequential(nn.LayerNorm(d)), torch.randn(2, t, d), [1, 2])
