@@ -252,12 +252,16 @@ def _torchrun_class(plan: Plan, lowered: Schedule) -> str:
                 a = batch[0]
                 lines.append(f"        self.{_CALL[a.kind]}({a.stage}, {a.microbatch})")
                 continue
-            ops = ", ".join(
+            ops = [
                 f'("{_CALL[a.kind]}", {a.stage}, {a.microbatch}'
                 + (f", {a.peer})" if a.peer >= 0 else ")")
                 for a in batch
-            )
-            lines.append(f"        self.exchange({ops})")
+            ]
+            flat = f"        self.exchange({', '.join(ops)})"
+            # (as a formatter writes one past 100 columns: one operation a line; found on a
+            # machine whose timings grouped four in one batch, 120 columns)
+            each = "".join(f"            {op},\n" for op in ops)
+            lines.append(flat if len(flat) <= 100 else f"        self.exchange(\n{each}        )")
         calls = "\n".join(lines)
         methods.append(f"""
     def _rank{r}(self) -> None:
