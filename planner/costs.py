@@ -118,6 +118,14 @@ class Chain:
     # what a layer's graph still holds of its saved tensors once its zero-bubble W has run
     # (None: not in the profile, as if all of them): Chain.w_freed
     w_kept: np.ndarray | None = None
+    # What a custom autograd.Function in layer l keeps on its ctx (in `saved` too), beyond its
+    # input and of its input (ctx_held_bytes, ctx_input_bytes): a checkpoint keeps them (None:
+    # no layer keeps any so)
+    ctx_held: np.ndarray | None = None
+    ctx_input: np.ndarray | None = None
+    # ... and what layer l's saves count that a ctx keeps (ctx_late_bytes): B lets it go with
+    # the graph, at the stage's end, not as it passes layer l
+    ctx_late: np.ndarray | None = None
     # whether a layer hands some value on unchanged (a tuple's part): what the layer before it
     # made may reach a layer past it (None: none does)
     passes: np.ndarray | None = None
@@ -255,6 +263,11 @@ class Chain:
 
 
 LATER_FALLBACK = {"stop_transient_bytes": "forward_transient_bytes"}
+ZERO_WHEN_ABSENT = (
+    "ctx_held_bytes",
+    "ctx_input_bytes",
+    "ctx_late_bytes",
+)  # (figures only some entries have)
 TIED_CHAIN_LAYERS = 1024  # (chain(): where a chain's tied parameters are counted once)
 
 
@@ -285,6 +298,8 @@ class ProfileTable:
             # a figure later profiles add: the one it refines where a profile has none
             instead = LATER_FALLBACK.get(attr, attr)
             rows = [getattr(x, attr) or getattr(x, instead) for x in self.layers]
+            if attr in ZERO_WHEN_ABSENT:
+                rows = [dict.fromkeys(self.sizes, 0) if r is None else r for r in rows]
             shape = (len(rows), len(self.sizes))
             if all(list(r) == self.sizes for r in rows):  # as the validator orders them
                 # (iterated in C: no generator frame per value, 1.3x faster on 10 000 layers)
@@ -447,6 +462,16 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         flow=Flow.of(profile.layers, n > L, mb, unit) if profile.captured else None,
         views=table.flags("views_input") if table.flags("views_input").any() else None,
         passes=(passed > 0) if (passed > 0).any() else None,
+        # (a captured graph's stages are counted from their routes: there only as saved)
+        **(
+            dict(
+                ctx_held=sizes("ctx_held_bytes"),
+                ctx_input=sizes("ctx_input_bytes"),
+                ctx_late=sizes("ctx_late_bytes"),
+            )
+            if table.flags("ctx_held_bytes").any() and not profile.captured
+            else {}
+        ),
         w_kept=sizes("weight_grad_kept_bytes")
         if table.measured("weight_grad_kept_bytes")
         else None,
@@ -538,18 +563,24 @@ def checkpointed(chain: Chain, layers: tuple[int, ...]) -> Chain:
     saves = (chain.saved > 0) | ((chain.params > 0) & (chain.grad_in > 0))
     keeps = np.where(saves, chain.boundary[:-1], 0).astype(np.int64)
     kept_by_previous = np.where(before, 0, np.minimum(chain.shared, np.minimum(saved_in, keeps)))
-    rest = np.maximum(chain.saved - saved_in, 0)  # what it saves beyond its input
+    # what it saves beyond its input (not what a ctx keeps: the first ones stay, B reads them)
+    ctx = 0 if chain.ctx_held is None else chain.ctx_held
+    rest = np.maximum(chain.saved - saved_in - ctx, 0)
     grad_out = chain.boundary[1:].astype(np.int64)
     # (its re-run ends once it has saved all it saves: a checkpoint's early stop)
     again = np.maximum(chain.stop + grad_out, chain.backward_transient) + rest
     return dataclasses.replace(
         chain,
         backward=np.where(on, chain.backward + chain.forward, chain.backward),
-        saved=np.where(on, keeps, chain.saved),
+        # (and what its ctx keeps beyond its input: a checkpoint cannot let that go)
+        saved=np.where(on, keeps + (0 if chain.ctx_held is None else chain.ctx_held), chain.saved),
         input_saved=np.where(on, keeps, chain.input_saved),
         shared=np.where(on, kept_by_previous, np.where(before, 0, chain.shared)),
-        forward_transient=np.where(on, chain.forward_peak, chain.forward_transient),
-        stop_transient=np.where(on, chain.forward_peak, chain.stop),
+        # (what a ctx keeps is made in that forward too: kept, in `saved`, not above it)
+        forward_transient=np.where(
+            on, np.maximum(chain.forward_peak - ctx, 0), chain.forward_transient
+        ),
+        stop_transient=np.where(on, np.maximum(chain.forward_peak - ctx, 0), chain.stop),
         backward_transient=np.where(on, again, chain.backward_transient),
         inner_backward=(
             None if chain.inner_backward is None else np.where(on, again, chain.inner_backward)

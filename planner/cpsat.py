@@ -396,6 +396,11 @@ def solve_partition_cpsat(
     L, S = len(times), len(stages)
     if not 1 <= S <= L:
         raise ValueError(f"cannot split {L} layers into {S} non-empty stages")
+    if memory.chain.ctx_late is not None:  # (the search says so and keeps the probe's split)
+        raise ValueError(
+            "CP-SAT does not model what a custom autograd.Function keeps on its ctx "
+            "(Chain.ctx_late): solve with solve_partition"
+        )
     links = cut_table(cuts, L, S)
     # three digits for the slowest stage too (speeds run from 0.001)
     speed_scale = SPEED_SCALE * max(1.0, 1.0 / min(st.speed for st in stages))

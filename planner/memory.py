@@ -182,6 +182,16 @@ class StageShape:
 
 
 @lru_cache(maxsize=4096)
+@lru_cache(maxsize=4096)
+def _checkpoints(occupancy: tuple[tuple[int, ...], ...]) -> bool:
+    """Whether a stage of this occupancy recomputes under torch's checkpoint: a forward that
+    keeps nothing runs in it (FORWARD_LIVE), and no zero-bubble I (whose stages re-run their
+    forward by hand)."""
+    forward = N_STATES + TRANSIENTS.index("forward_live")
+    i = N_STATES + TRANSIENTS.index("input_live")
+    return any(t[forward] for t in occupancy) and not any(t[i] for t in occupancy)
+
+
 def pulled_with(occupancy: tuple[tuple[int, ...], ...]) -> str:
     """Which pulled gradient a chain's stage under this occupancy counts: `pulled`, the largest
     output gradient of any of its layers (it grows with the stage's end), unless every tuple
@@ -398,6 +408,13 @@ class MemoryModel:
         self._saved = _prefix(chain.saved)
         self._shared = _prefix(chain.shared)
         self._loss = _prefix(chain.loss_saved)
+        # what a checkpoint keeps of its layers' ctx (Chain.ctx_held): per stage [i, j), all
+        # they keep beyond their input, and of their input where it is not the stage's
+        self._ctx = (
+            None
+            if chain.ctx_held is None or chain.ctx_input is None
+            else (_prefix(chain.ctx_held), _prefix(chain.ctx_input))
+        )
         self._zgrad = _prefix(chain.zgrad)
         self._zkept = _prefix(chain.kept_grad)
         # the output gradients zero bubble's I lets go (a layer without weights that train):
@@ -407,6 +424,12 @@ class MemoryModel:
         # held[l]: what layers 0..l save, each tensor once; while layer l's backward runs the
         # stage still holds its own layers' share of it (those after l have let theirs go)
         self._held = self._saved[1:] - self._shared[1:]
+        # ... of which a ctx keeps some (Chain.ctx_late): B lets those go with the graph, at the
+        # stage's end, not as it passes their layer. B's walk counts from held_b, the rest
+        # (the same array where no ctx keeps any)
+        self._held_b = (
+            self._held if chain.ctx_late is None else self._held - _prefix(chain.ctx_late)[1:]
+        )
         self._last_backward = np.maximum(b - chain.zgrad, 0).astype(np.int64)
         # B's walk, per start and end: a captured graph's, and a chain's with a tied parameter
         # that trains (two uses in one stage: a gradient part waits between them)
@@ -530,14 +553,14 @@ class MemoryModel:
     def _backward(self) -> _RangeMax:
         """A chain's layers before its stage's last: each one's output gradient is autograd's
         alone (_inner_backward)."""
-        return _RangeMax(self._held + self._inner_backward)
+        return _RangeMax(self._held_b + self._inner_backward)
 
     @cached_property
     def _ends_b(self) -> _RangeMax:
         """B's pulled gradient, activations and transient together, a chain's stage from i
         ending at k (see pulled_with): the largest over every k up to an end."""
         c = self.chain
-        return _RangeMax(self._held + np.maximum(c.backward_transient, c.zgrad))
+        return _RangeMax(self._held_b + np.maximum(c.backward_transient, c.zgrad))
 
     @cached_property
     def _pairs_b(self) -> _PairMax:
@@ -548,7 +571,7 @@ class MemoryModel:
         pulled = self.chain.zgrad.astype(np.int64).copy()
         pulled[-1] += self._loss_grad
         pulled[self.chain.grad_views] = np.iinfo(np.int64).min // 4
-        return _PairMax(self._held + self._inner_backward, pulled)
+        return _PairMax(self._held_b + self._inner_backward, pulled)
 
     @cached_property
     def _loss_grad(self) -> int:
@@ -1141,7 +1164,7 @@ class MemoryModel:
         inner = self._backward(i, np.maximum(b - 1, i + 1))
         inner = inner + np.where(j == self.chain.num_layers, self._loss_grad, 0)
         most = np.maximum(np.where(b - i > 1, inner, 0), self._ends_last(i, j))
-        return np.maximum(most - self._held[j - 1], 0)
+        return np.maximum(most - self._held_b[j - 1], 0)
 
     @cached_property
     def _views_run(self) -> np.ndarray:
@@ -1154,7 +1177,7 @@ class MemoryModel:
         a stage's total never shrinks as it takes another layer (an inner layer's figure,
         whose output gradient autograd lets go, may be below its own as the last one's; the
         split's exactness rests on totals that grow with the end)."""
-        return _RangeMax(self._held + self._last_backward)
+        return _RangeMax(self._held_b + self._last_backward)
 
     def input_saved(self, i: np.ndarray | int, j: np.ndarray | int) -> np.ndarray:
         """The part of the stage [i, j)'s input that its layers save (Xs, before the cap at X):
@@ -1240,8 +1263,9 @@ class MemoryModel:
             return only is None or not only.isdisjoint(names)
 
         if want(
-            "input", "activations", "during_i", "between_iw", "grad", "early", "late", "input_saved"
-        ):
+            "input", "activations", "during_i", "between_iw", "grad", "early", "late",
+            "input_saved", "input_kept",
+        ):  # fmt: skip
             x, g, early, late = self.inputs(i, j, None if start is None else np.atleast_1d(start))
             xs = np.minimum(self.input_saved(i, j), x)
             # stage 0 on the caller's own micro-batch (Chain.borrowed_input): not the
@@ -1266,6 +1290,8 @@ class MemoryModel:
                 # loss's graph goes with I: W starts from the last layer's output gradient)
                 iw = saved - loss + z + np.where(g > 0, x - xs, 0)
                 out["between_iw"] = iw - np.where(lent, xs, 0) if c.borrowed_input else iw
+        if want("input_kept"):
+            out["input_kept"] = out["input"] + self._ctx_kept(i, j)
         whole, after, inner = self._ranges(i, j)
         if want("pulled"):
             pulled = self._pulled.take(whole) if c.flow is None else self._flow_pulled()[i, j]
@@ -1281,6 +1307,8 @@ class MemoryModel:
             out["remat_live"] = remat = remat - self._held[j - 1]
             # (a captured graph's: its whole forward)
             stop = self._stop_live(i, j) if c.flow is None else remat
+            if self._ctx is not None:  # (the re-run makes its ctx's again beside the first)
+                stop = stop + self._ctx_kept(i, j)
             if c.flow is not None and want("stop_live"):  # (its table only where asked for)
                 stop = stop + self._sent_sums[i, j]
             out["stop_live"] = stop
@@ -1298,9 +1326,11 @@ class MemoryModel:
             # output gradient; or k - 1's own backward). `top` is that whole counted from
             # layer 0 (as held is): less held[j - 1] and B's transient, the pulled gradient.
             if want("pulled_tight", "pulled_paired") and self._walk is None:
+                # (above the stage's activations: B's walk from held_b)
                 top = np.maximum(self._ends_b.take(whole), self._pairs_b(i, j))
+                top = top - self._held_b[j - 1]
                 if want("pulled_tight"):
-                    out["pulled_tight"] = top - self._held[j - 1] - out["live"]
+                    out["pulled_tight"] = top - out["live"]
                 if want("pulled_paired"):
                     # and a recomputed B's forward: a layer l's whole peak (the first layer's
                     # without its input) beside the output gradient of a later layer m, or
@@ -1310,9 +1340,11 @@ class MemoryModel:
                     ends = np.maximum(self._pairs_r(i + 1, j), self._ends_s.take(after))
                     forward = np.maximum(first, ends)
                     own = self._stop_first[i] + self._zgrad[i + 1] - self._zgrad[i]
-                    top = np.maximum(top, np.maximum(own, np.where(inner, forward, 0)))
+                    forward = np.maximum(own, np.where(inner, forward, 0)) - self._held[j - 1]
+                    if self._ctx is not None:  # (as stop: the ctx's made again)
+                        forward = forward + self._ctx_kept(i, j)
                     both = np.maximum(out["live"], stop)
-                    out["pulled_paired"] = top - self._held[j - 1] - both
+                    out["pulled_paired"] = np.maximum(top, forward) - both
         if want("input_live") and self._flow_input_live is not None:
             out["input_live"] = self._flow_input_live[i, j]
         elif want("input_live"):
@@ -1357,7 +1389,7 @@ class MemoryModel:
         """The stage [i, j) as the simulator's StageBytes. `known`: its state_bytes and terms,
         where the caller has them already."""
         states, terms = known or (self.state_bytes(i, j, start), self.terms(i, j, shape, start))
-        b = self._with_key({k: int(v[0]) for k, v in states.items()}, self._pulled_key(shape))
+        b = self._keyed({k: int(v[0]) for k, v in states.items()}, shape)
         static = sum(int(terms[k][0]) for k in ("params", "grads", "optimizer", "workspace"))
         step = int(terms["optimizer_step_size"][0])
         head, tail = self.step_ends(i, j)
@@ -1393,7 +1425,7 @@ class MemoryModel:
             if shape.bound:
                 raise ValueError("a bound on the occupancy has no breakdown; use the occupancy")
             self._check_pulled(shape)
-            b = self._with_key({k: v[s] for k, v in states.items()}, self._pulled_key(shape))
+            b = self._keyed({k: v[s] for k, v in states.items()}, shape)
             step = int(np.ceil(shape.optimizer_step * sizes[shape.foreach][s]))
             out.append(StageBytes(
                 **{name: b[name] for name in STATES + TRANSIENTS},
@@ -1422,7 +1454,7 @@ class MemoryModel:
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
         p, g = self.params(i, j), self.grads(i, j)
         b = self.state_bytes(i, j, start) if states is None else states
-        b = self._with_key(b, self._pulled_key(shape))
+        b = self._keyed(b, shape)
         best = np.full(i.shape, -1, dtype=np.int64)
         parts = {k: np.zeros(i.shape, dtype=np.int64) for k in ("stash", "grad", "live", "loss")}
         z, pulled = b["z"], b["pulled"]
@@ -1466,6 +1498,30 @@ class MemoryModel:
         if self._walk is not None or shape.bound:  # (B walked: what waits in it is not in
             return "pulled"  # the tables pulled_tight and pulled_paired read)
         return pulled_with(shape.occupancy)
+
+    def _ctx_kept(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """What a checkpoint of stage [i, j) keeps of its layers' ctx beside its input (0
+        where no layer keeps anything on a ctx)."""
+        if self._ctx is None:
+            return np.zeros(np.shape(i), dtype=np.int64)
+        held, of_input = self._ctx
+        return held[j] - held[i] + of_input[j] - of_input[np.minimum(i + 1, j)]
+
+    def _keeps_ctx(self, shape: StageShape) -> bool:
+        """Whether a shape's stages hold what their layers keep on a ctx from F to B's end on
+        top of their input (recomputing: torch's checkpoint keeps the graph it re-runs from,
+        and the ctx with it; zero bubble re-runs its forward by hand, from nothing kept)."""
+        return self._ctx is not None and _checkpoints(shape.occupancy)
+
+    def _keyed(self, b: dict, shape: StageShape) -> dict:
+        """state_bytes `b` as `shape` counts them: its pulled gradient, and (_keeps_ctx) its
+        input with what the checkpoint keeps of a ctx. (Its B's activations count them
+        already, `saved` holding them: the re-run makes them again only for a moment, as
+        its graph goes once the saved tensors are made again, and B reads the first ones.)"""
+        out = self._with_key(b, self._pulled_key(shape))
+        if self._keeps_ctx(shape):
+            out["input"] = b["input_kept"]
+        return out
 
     @staticmethod
     def _with_key(b: dict, key: str) -> dict:
@@ -1521,9 +1577,17 @@ class MemoryModel:
         cols = np.flatnonzero(counted)
         each = all(sh.foreach for sh in shapes)
         keys = [self._pulled_key(shape) for shape in shapes]
+        ctx = [self._keeps_ctx(shape) for shape in shapes]
         wanted = frozenset(names[k] for k in cols) | (set() if each else {"largest"})
         if counted[PULLED]:
             wanted |= set().union(*(self._key_states(k) for k in keys))
+        kept_rows = [  # (the row a shape that keeps a ctx reads from another entry)
+            (int(np.searchsorted(cols, k)), "input_kept")
+            for k in (STATES.index("input"),)
+            if counted[k]
+        ]
+        if any(ctx):
+            wanted |= {name for _, name in kept_rows}
         b = self.state_bytes(i, j, only=wanted) if states is None else states
         values = np.empty((len(cols), len(i)), dtype=np.int64)
         for row, k in enumerate(cols):
@@ -1543,6 +1607,10 @@ class MemoryModel:
                 mine[pulled_row] = b[keys[g]][lo:hi]
                 if keys[g] == "pulled_flow_tight" and counted[N_STATES]:  # (and its live)
                     mine[int(np.searchsorted(cols, N_STATES))] = b["live_flow_tight"][lo:hi]
+            if ctx[g] and kept_rows:
+                mine = mine.copy()
+                for row, name in kept_rows:
+                    mine[row] = b[name][lo:hi]
             held = _most(occ, mine)
             own = trained[lo:hi] - copied[lo:hi]
             size = _stepped(own, None if shape.foreach else largest[lo:hi])  # type: ignore[index]
@@ -1586,6 +1654,8 @@ class MemoryModel:
             wanted = {names[k] for k in np.flatnonzero(counted)} | {"largest"}
             if counted[PULLED]:
                 wanted |= self._key_states(self._pulled_key(shape))
+            if self._keeps_ctx(shape):
+                wanted |= {"input_kept"}
             missing = frozenset(wanted - self._single.keys())
             if missing:
                 self._single.update(self.state_bytes(every, every + 1, only=missing))

@@ -453,6 +453,13 @@ def plan_pipeline(
                 "tied parameter is held once by the stage using it twice)"
             }
         )
+    elif solver == "cp-sat" and problem.chain(best_cand)[0].ctx_late is not None:
+        best.solver = best.solver.model_copy(
+            update={
+                "method": "probe-bisection (CP-SAT models no tensors a custom "
+                "autograd.Function keeps on its ctx, which its layers keep)"
+            }
+        )
     elif solver == "cp-sat" and (best_cand.recompute == PER_STAGE or halved):
         what = "one recomputation mode" if not halved else "splits checked stage by stage"
         best.solver = best.solver.model_copy(

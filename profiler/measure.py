@@ -145,9 +145,14 @@ def profile_model(
 
     def entry(i: int, layer: nn.Module, name: str, kind: str) -> LayerProfile:
         rows = {b: per_size[b][i] for b in sizes}
+        for r in rows.values():
+            r["ctx_late_bytes"] = sum(r["ctx_late"].values())
         per = {f: {b: r[f] for b, r in rows.items()} for f in PER_SIZE + LATER_PER_SIZE}
         if not captured:  # (a chain's layer hands nothing on)
             per["passed_sum_bytes"] = None
+        ctx = ("ctx_held_bytes", "ctx_input_bytes", "ctx_late_bytes")
+        if not any(any(per[f].values()) for f in ctx):  # (written only where a ctx keeps any)
+            per.update(dict.fromkeys(ctx))
         return LayerProfile(
             index=i,
             name=name,
@@ -268,6 +273,10 @@ def _measure_size(
         saved_before = {
             ptr for ptr in map(_storage, _tensors(x)) if ptr in saved_before or ptr in saved
         }
+        if rows:  # what the layer before saved and this one's ctx keeps: it goes late too
+            rows[-1]["ctx_late"].update(
+                (ptr, n) for ptr, n in row["ctx_ptrs"].items() if ptr in prev_saved
+            )
         prev_saved = saved
         rows.append(row)
         inputs.append(inp)
@@ -478,10 +487,13 @@ def _memory(
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = layer(inp)
         _check_output(out)
-        for t in _held_by_ctx(out):  # (held as a node's attribute: no hook sees them)
-            ptr = t.untyped_storage().data_ptr()
-            if ptr not in model_storages:
-                saved.setdefault(ptr, t)
+        held = {  # (as a node's attribute: no hook sees them)
+            t.untyped_storage().data_ptr(): t
+            for t in _held_by_ctx(out)
+            if t.untyped_storage().data_ptr() not in model_storages
+        }
+        for ptr, t in held.items():
+            saved.setdefault(ptr, t)
         # how the gradient of each input is laid out as the layer's backward makes it (the
         # layer before receives it so; .grad may be laid out again to match the input)
         made: dict[int, _Layout] = {}
@@ -536,7 +548,14 @@ def _memory(
     # layer nor the previous one saves it, the stage does not count it among its saved tensors.
     earlier = prev_saved.keys() | saved_before
     unsaved_in = sum(n for ptr, n in in_bytes.items() if ptr not in saved and ptr not in earlier)
+    ctx_bytes = {ptr: _alloc(t.untyped_storage().nbytes(), dev) for ptr, t in held.items()}
     row = {
+        "ctx_held_bytes": sum(n for ptr, n in ctx_bytes.items() if ptr not in in_ptrs),
+        "ctx_input_bytes": sum(n for ptr, n in ctx_bytes.items() if ptr in in_ptrs),
+        # what this layer's saves count (none the layer before saved) that its ctx keeps; the
+        # caller adds those the next layer's ctx keeps (_measure_size)
+        "ctx_late": {ptr: n for ptr, n in ctx_bytes.items() if ptr not in earlier},
+        "ctx_ptrs": ctx_bytes,
         "saved_bytes": sum(nbytes.values()),
         "shared_bytes": sum(n for ptr, n in nbytes.items() if ptr in earlier),
         "input_saved_bytes": sum(n for ptr, n in nbytes.items() if ptr in in_ptrs),
@@ -582,24 +601,46 @@ def _held_by_ctx(out: Value) -> list[torch.Tensor]:
     """Tensors a custom autograd.Function's forward kept as attributes of its ctx (`ctx.x =
     x`, not ctx.save_for_backward), in the graph behind `out`: its node holds them until the
     graph goes, and no saved-tensor hook sees them (a red team's model ran 5-20% over its
-    plan). Found on the nodes' own attributes, and in lists, tuples and dicts there."""
+    plan). Found on the nodes' own attributes and inside what those hold (containers and
+    objects, a few levels down); only tensors with a storage of their own (a sparse one has
+    none: left out, as before)."""
     found: dict[int, torch.Tensor] = {}
     seen: set[int] = set()
+
+    def look(value: Any, depth: int) -> None:
+        if id(value) in seen or depth > _CTX_DEPTH:
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            if value.layout == torch.strided and not value.is_nested:
+                found.setdefault(id(value), value)
+        elif isinstance(value, dict):
+            for v in list(value.values()):
+                look(v, depth + 1)
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            for v in list(value):
+                look(v, depth + 1)
+        elif isinstance(value, (nn.Module, torch.autograd.graph.Node)):
+            return  # (a module's tensors are the model's; another node is walked as a node)
+        elif hasattr(value, "__dict__") and not isinstance(value, type):
+            for v in list(vars(value).values()):
+                look(v, depth + 1)
+
+    nodes: set[int] = set()
     todo = [t.grad_fn for t in _tensors(out) if t.grad_fn is not None]
     while todo:
         node = todo.pop()
-        if node is None or id(node) in seen:
+        if node is None or id(node) in nodes:
             continue
-        seen.add(id(node))
+        nodes.add(id(node))
         if isinstance(node, torch.autograd.function.BackwardCFunction):
-            for value in vars(node).values():
-                items = value.values() if isinstance(value, dict) else value
-                many = isinstance(value, (list, tuple, dict))
-                for t in items if many else [value]:
-                    if isinstance(t, torch.Tensor):
-                        found.setdefault(id(t), t)
+            for value in list(vars(node).values()):
+                look(value, 1)
         todo += [nxt for nxt, _ in node.next_functions]
     return list(found.values())
+
+
+_CTX_DEPTH = 4  # levels below a ctx's attributes searched for tensors
 
 
 def _slice(t: torch.Tensor) -> bool:

@@ -179,6 +179,31 @@ class LayerProfile(BaseModel):
         "measured (the planner then counts every saved tensor held through the stage's W)",
     )
 
+    ctx_held_bytes: dict[int, Bytes] | None = Field(
+        default=None,
+        description="what a custom autograd.Function in the layer keeps as attributes of its "
+        "ctx (`ctx.x = x`, which no saved-tensor hook sees), its input aside, not the model's "
+        "weights: in saved_bytes too. A checkpoint cannot let it go (the graph it re-runs from "
+        "keeps the node, and the ctx with it, until backward), so a recomputed stage holds it "
+        "beside its input; absent where the layer keeps nothing so (and in profiles made "
+        "before it was measured)",
+    )
+
+    ctx_input_bytes: dict[int, Bytes] | None = Field(
+        default=None,
+        description="the part of its input a custom autograd.Function in the layer keeps on "
+        "its ctx (see ctx_held_bytes): a checkpoint of a stage it does not open holds it too; "
+        "absent where the layer keeps none so",
+    )
+
+    ctx_late_bytes: dict[int, Bytes] | None = Field(
+        default=None,
+        description="what its saves count (saved_bytes less shared_bytes) that a ctx keeps, "
+        "its own or the next layer's (see ctx_held_bytes): a backward lets those go not as "
+        "it passes this layer but with the graph, once the stage's backward is done; absent "
+        "where no ctx keeps any",
+    )
+
     tied_first_backward_bytes: dict[int, Bytes] | None = Field(
         default=None,
         description="a layer that uses a parameter another layer uses too (tied): what its "
@@ -200,6 +225,9 @@ LATER_PER_SIZE = (
     "inner_backward_transient_bytes",
     "tied_first_backward_bytes",
     "weight_grad_kept_bytes",
+    "ctx_held_bytes",
+    "ctx_input_bytes",
+    "ctx_late_bytes",
 )
 LATER_LAYER = (
     "param_tensor_bytes",

@@ -644,16 +644,16 @@ def test_a_layers_gradient_layout_is_found_from_the_loss_back(monkeypatch, from_
         nn.Conv2d(3, 16, 3, padding=1), nn.Conv2d(16, 16, 3, padding=1), _Swap(),
         nn.Conv2d(16, 3, 1),
     )  # fmt: skip
+    from tests.test_graph import _measured_over
+
     x, y = torch.randn(4, 3, 16, 16), torch.randn(4, 3, 16, 16)
-    prof = even_times(quick_profile(model, x, batch_sizes=[1, 2, 4], loss_fn="mse"))
+    # (on one thread, profiled and run: a convolution's workspace on two varies by machine,
+    # and on some set the run's peak elsewhere, where the copy did not show)
+    prof = even_times(quick_profile(model, x, batch_sizes=[1, 2, 4], loss_fn="mse", threads=1))
     plan = plan_pipeline(
         prof, Cluster.uniform(1, "1GiB"), 4, microbatches=2, schedule="gpipe", checkpoint=()
     )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        report = compile_pipe(model, plan).measure(x, y, nn.MSELoss(), steps=1)
-    (dev,) = report.devices
-    over = dev.measured_peak_bytes - dev.predicted_peak_bytes
+    (over,) = _measured_over(model, plan, x, y)
     if from_own:
         assert over >= 8 * 1024
     else:
@@ -745,26 +745,62 @@ def _zero_bubble_over(model: nn.Module, devices: int) -> tuple[list[tuple[int, i
     return [s.layers for s in plan.stages], _measured_over(model, plan, x, y)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_a_custom_functions_ctx_tensors_are_in_the_plan(schedule):
-    """A custom autograd.Function keeping its input on ctx (no saved-tensor hook sees it) holds
-    it per micro-batch in flight: measured within 64 bytes of the plan on every device, where
-    the profile without it had the run 5-9% over (a red team's)."""
+def test_what_custom_functions_keep_on_their_ctx_is_in_the_plan():
+    """Custom autograd.Functions keeping their input on ctx, and one a tensor 16x as wide too
+    (no saved-tensor hook sees either): held per micro-batch in flight, through a stage's
+    whole backward (a ctx goes with the graph, not as B passes its layer), and under a
+    checkpoint, which keeps the graph it re-runs from. No device measured above its plan by
+    more than 64 bytes, none below it by more than 2%, for every schedule and recomputation
+    (a red team's models ran 5-35% over before; recomputing, a received input not run yet is
+    counted as holding its ctx's too: the over-count)."""
     from tests.test_graph import _measured_over
     from tests.test_profiler import Square
 
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 2048), Square("ctx"), nn.Linear(2048, 32),
-                          nn.Linear(32, 2048), Square("ctx"), nn.Linear(2048, 32))  # fmt: skip
+    model = nn.Sequential(nn.Linear(32, 512), Square("wide"), nn.Linear(512, 32),
+                          nn.Linear(32, 512), Square("ctx"), nn.Linear(512, 32))  # fmt: skip
     x, y = torch.randn(32, 32), torch.randn(32, 32)
-    prof = quick_profile(model, x, batch_sizes=[4, 8], loss_fn="mse", threads=1)
-    assert prof.layers[1].saved_bytes[8] == 8 * 2048 * 4
-    plan = plan_pipeline(
-        even_times(prof), Cluster.uniform(2, "1GiB"), 32, microbatches=4, schedule=schedule,
-        recompute="never", checkpoint=(),
-    )  # fmt: skip
+    prof = even_times(quick_profile(model, x, batch_sizes=[4, 8], loss_fn="mse", threads=1))
+    wide = prof.layers[1]
+    assert wide.saved_bytes[8] == wide.ctx_late_bytes[8] == 17 * 8 * 512 * 4
+    assert (wide.ctx_held_bytes[8], wide.ctx_input_bytes[8]) == (16 * 8 * 512 * 4, 8 * 512 * 4)
+    for schedule, recompute, layers in [
+        ("1f1b", "never", ()), ("zb-h1", "never", ()), ("gpipe", "always", ()),
+        ("1f1b", "always", ()), ("gpipe", "never", (1, 4)),
+    ]:  # fmt: skip
+        plan = plan_pipeline(
+            prof, Cluster.uniform(2, "1GiB"), 32, microbatches=4, schedule=schedule,
+            recompute=recompute, checkpoint=layers,
+        )  # fmt: skip
+        over = _measured_over(model, plan, x, y)
+        peaks = plan.predicted.peak_memory
+        assert all(-0.02 * p <= o <= 64 for o, p in zip(over, peaks)), (schedule, over, peaks)
+    # A ctx that keeps what backward never reads: B lets it go at the stage's end, not as it
+    # passes the layer (a red team's: 5.6% over, where B's walk let it go there)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(64, 64), _KeepsWide())])
+    x, y = torch.randn(32, 64), torch.randn(32, 64)
+    prof = even_times(quick_profile(model, x, batch_sizes=[4, 8], loss_fn="mse", threads=1))
+    plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 32, microbatches=4, schedule="gpipe",
+                         recompute="never", checkpoint=())  # fmt: skip
     over = _measured_over(model, plan, x, y)
-    assert all(abs(o) <= 64 for o in over), over
+    assert all(-0.02 * p <= o <= 64 for o, p in zip(over, plan.predicted.peak_memory)), over
+
+
+class _Wide(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.wide = x.repeat(1, 16)  # (kept, never read)
+        return torch.tanh(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g * 0.5
+
+
+class _KeepsWide(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Wide.apply(x)
 
 
 def _conv_blocks_zero_bubble(devices: int) -> tuple[list[tuple[int, int]], list[int]]:

@@ -7,7 +7,6 @@ import dataclasses
 import functools
 import itertools
 import math
-from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -46,14 +45,23 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
         # what a shorter stage from i holds so, where that is more
         # (each shorter stage's B as it walks, not raised to its own shorter ones: B's whole
         # grows with the end through this maximum)
-        def transient(k: int, walk: Callable[[Chain, int, int], int] = _walked) -> int:
-            return max(walk(c, i, k), _stop(c, i, k) if kind == "paired" else 0)
-
-        P = max(_held(c, i, k) + int(c.zgrad[k - 1]) + transient(k)
-                for k in range(i + 1, j + 1)) - S - transient(j, _backward_live)  # fmt: skip
+        # B's walk from what it has not let go (_held_b: a ctx keeps some to the stage's end);
+        # a recomputed B's forward with the ctx's kept and those it makes again (_by_ctx)
+        z = c.zgrad
+        top = max(_held_b(c, i, k) + int(z[k - 1]) + _walked(c, i, k)
+                  for k in range(i + 1, j + 1)) - _held_b(c, i, j)  # fmt: skip
+        if kind == "paired":
+            top = max(top, max(_held(c, i, k) + int(z[k - 1]) + _stop(c, i, k)
+                               for k in range(i + 1, j + 1)) - S + _by_ctx(c, i, j))  # fmt: skip
+        P = top - max(live, _stop(c, i, j) + _by_ctx(c, i, j) if kind == "paired" else 0)
     loss = int(c.loss_saved[i:j].sum())  # the loss's own: it goes with I, before W
-    states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + (X - Xs if G else 0) - lent, G, P,
-              0, 0]  # fmt: skip
+    # recomputing under torch's checkpoint (a forward keeping nothing runs, no zero-bubble I):
+    # the input beside what the layers keep on a ctx, and of their inputs but the stage's
+    flags = [any(t[8 + k] for t in shape.occupancy if len(t) > 8 + k) for k in range(6)]
+    ckpt = flags[2] and not flags[3]
+    by_ctx = _by_ctx(c, i, j) if ckpt else 0
+    states = [X + by_ctx, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + (X - Xs if G else 0) - lent,
+              G, P, 0, 0]  # fmt: skip
     # zero bubble's I, from the last layer: the gradients of layers i .. k - 2's outputs are
     # not made yet while k's runs, nor the stage's input gradient G (the first layer's I's)
     input_live = _zero_bubble_input(c, i, j)
@@ -83,7 +91,7 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     weight = max(int(c.weight_grad_transient[k])
                  + (int(c.shared[k + 1]) if k + 1 < j and keeps(k + 1) else 0)
                  - sum(freed(m) for m in range(k + 1, j)) for k in range(i, j))  # fmt: skip
-    transients = [live, remat, forward, input_live, weight, _stop(c, i, j)]
+    transients = [live, remat, forward, input_live, weight, _stop(c, i, j) + _by_ctx(c, i, j)]
     held = max(sum(n * b for n, b in zip(t, states + transients)) for t in shape.occupancy)
     # (a stage that trains nothing steps nothing: its frozen weights have no gradient; found
     # by this suite's random chains once the model said so, last session)
@@ -111,10 +119,23 @@ def _held(c: Chain, i: int, j: int) -> int:
     return int(c.saved[i:j].sum()) - int(c.shared[i + 1 : j].sum())
 
 
+def _held_b(c: Chain, i: int, j: int) -> int:
+    """_held, less what a ctx keeps (ctx_late): B lets that go only at the stage's end."""
+    return _held(c, i, j) - (0 if c.ctx_late is None else int(c.ctx_late[i:j].sum()))
+
+
+def _by_ctx(c: Chain, i: int, j: int) -> int:
+    """What the stage's layers keep on a ctx beside its input (under a checkpoint: to B's
+    end; and its re-run makes them again)."""
+    if c.ctx_held is None or c.ctx_input is None:
+        return 0
+    return int(c.ctx_held[i:j].sum() + c.ctx_input[i + 1 : j].sum())
+
+
 def _backward_live(c: Chain, i: int, j: int) -> int:
     """B's walk (_walked), the most over the stage's shorter ends too, so that its total grows
     with the end."""
-    return max(_held(c, i, k) + _walked(c, i, k) for k in range(i + 1, j + 1)) - _held(c, i, j)
+    return max(_held_b(c, i, k) + _walked(c, i, k) for k in range(i + 1, j + 1)) - _held_b(c, i, j)
 
 
 def _zero_bubble_input(c: Chain, i: int, j: int) -> int:
@@ -178,7 +199,11 @@ def _walked(c: Chain, i: int, j: int) -> int:
         and z[j - 1] > 0
     ):
         j -= 1
-    later = [int(c.saved[k + 1 : j].sum()) - int(c.shared[k + 1 : j].sum()) for k in range(i, j)]
+    late = np.zeros(c.num_layers, dtype=np.int64) if c.ctx_late is None else c.ctx_late
+    later = [
+        int(c.saved[k + 1 : j].sum()) - int(c.shared[k + 1 : j].sum()) - int(late[k + 1 : j].sum())
+        for k in range(i, j)
+    ]  # (less what a ctx keeps: let go at the stage's end)
     back = [int(inner[k]) + scalar - later[k - i] for k in range(i, j - 1)]
     return max([0, *back, max(int(b[j - 1] - c.zgrad[j - 1]), 0)])
 
@@ -378,6 +403,17 @@ def problems(draw):
         if draw(st.booleans())
         else None,
         w_kept=np.minimum(ints(0, 40, L), saved) if draw(st.booleans()) else None,
+        # what custom autograd.Functions keep on a ctx, beyond their input and of it, or none
+        **(
+            {
+                "ctx_held": ints(0, 20, L),
+                "ctx_input": np.minimum(ints(0, 20, L), boundary[:L]),
+                # (a part of what the layer's saves count)
+                "ctx_late": np.minimum(ints(0, 20, L), saved - shared),
+            }
+            if draw(st.booleans())
+            else {}
+        ),
         # layers that hand a value on unchanged (a tuple's part), or none
         passes=np.array(draw(st.lists(st.booleans(), min_size=L, max_size=L)))
         if draw(st.booleans())
@@ -754,8 +790,10 @@ def test_cpsat_matches_brute_force(problem):
     from planner.cpsat import solve_partition_cpsat
 
     chain, specs, cuts = problem
-    # CP-SAT models a chain's links, per cut (captured graphs are solved by the probe and DP)
+    # CP-SAT models a chain's links, per cut (captured graphs are solved by the probe and DP),
+    # and no tensors kept on a ctx (it refuses those)
     assume(cuts is None or all(np.ndim(c) == 1 for c in cuts))
+    assume(chain.ctx_late is None)
     times = chain.forward + chain.backward  # whole milliseconds: exact after scaling
     expected = brute_force(times, chain, specs, cuts)
     part = solve_partition_cpsat(times, MemoryModel(chain), specs, cuts)

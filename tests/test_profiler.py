@@ -110,22 +110,25 @@ def test_the_forward_up_to_its_last_save_is_where_a_checkpoint_stops():
 
 class _Square(torch.autograd.Function):
     """x * x, keeping x for backward as `keep` says: on ctx as an attribute ("ctx", as older
-    extensions do), in a list on ctx ("list"), or through save_for_backward ("saved")."""
+    extensions do), in a list on ctx ("list"), or through save_for_backward ("saved"); "wide":
+    on ctx, and beside it a tensor of its own 16x as wide, kept as well."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, keep: str) -> torch.Tensor:  # type: ignore[override]
         ctx.keep = keep
-        if keep == "ctx":
+        if keep in ("ctx", "wide"):
             ctx.x = x
         elif keep == "list":
             ctx.held = [x, 2]
         else:
             ctx.save_for_backward(x)
+        if keep == "wide":
+            ctx.wide = {"kept": [x.repeat(1, 16)]}
         return x * x
 
     @staticmethod
     def backward(ctx, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        x = {"ctx": lambda: ctx.x, "list": lambda: ctx.held[0]}.get(
+        x = {"ctx": lambda: ctx.x, "wide": lambda: ctx.x, "list": lambda: ctx.held[0]}.get(
             ctx.keep, lambda: ctx.saved_tensors[0]
         )()
         return 2 * x * g, None
