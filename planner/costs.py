@@ -123,9 +123,11 @@ class Chain:
     # no layer keeps any so)
     ctx_held: np.ndarray | None = None
     ctx_input: np.ndarray | None = None
-    # ... and what layer l's saves count that a ctx keeps (ctx_late_bytes): B lets it go with
-    # the graph, at the stage's end, not as it passes layer l
+    # ... what layer l's saves count that its ctx keeps (ctx_late_bytes), and what layer l - 1
+    # saved that it keeps (ctx_prev_bytes): B lets those go with the graph, at the stage's end,
+    # not as it passes layer l (l - 1, where l is in the stage too)
     ctx_late: np.ndarray | None = None
+    ctx_prev: np.ndarray | None = None
     # whether a layer hands some value on unchanged (a tuple's part): what the layer before it
     # made may reach a layer past it (None: none does)
     passes: np.ndarray | None = None
@@ -267,6 +269,7 @@ ZERO_WHEN_ABSENT = (
     "ctx_held_bytes",
     "ctx_input_bytes",
     "ctx_late_bytes",
+    "ctx_prev_bytes",
 )  # (figures only some entries have)
 TIED_CHAIN_LAYERS = 1024  # (chain(): where a chain's tied parameters are counted once)
 
@@ -468,6 +471,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
                 ctx_held=sizes("ctx_held_bytes"),
                 ctx_input=sizes("ctx_input_bytes"),
                 ctx_late=sizes("ctx_late_bytes"),
+                ctx_prev=sizes("ctx_prev_bytes"),
             )
             if table.flags("ctx_held_bytes").any() and not profile.captured
             else {}

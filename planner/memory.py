@@ -182,7 +182,6 @@ class StageShape:
 
 
 @lru_cache(maxsize=4096)
-@lru_cache(maxsize=4096)
 def _checkpoints(occupancy: tuple[tuple[int, ...], ...]) -> bool:
     """Whether a stage of this occupancy recomputes under torch's checkpoint: a forward that
     keeps nothing runs in it (FORWARD_LIVE), and no zero-bubble I (whose stages re-run their
@@ -192,6 +191,7 @@ def _checkpoints(occupancy: tuple[tuple[int, ...], ...]) -> bool:
     return any(t[forward] for t in occupancy) and not any(t[i] for t in occupancy)
 
 
+@lru_cache(maxsize=4096)
 def pulled_with(occupancy: tuple[tuple[int, ...], ...]) -> str:
     """Which pulled gradient a chain's stage under this occupancy counts: `pulled`, the largest
     output gradient of any of its layers (it grows with the stage's end), unless every tuple
@@ -424,12 +424,16 @@ class MemoryModel:
         # held[l]: what layers 0..l save, each tensor once; while layer l's backward runs the
         # stage still holds its own layers' share of it (those after l have let theirs go)
         self._held = self._saved[1:] - self._shared[1:]
-        # ... of which a ctx keeps some (Chain.ctx_late): B lets those go with the graph, at the
-        # stage's end, not as it passes their layer. B's walk counts from held_b, the rest
-        # (the same array where no ctx keeps any)
-        self._held_b = (
-            self._held if chain.ctx_late is None else self._held - _prefix(chain.ctx_late)[1:]
-        )
+        # ... of which a ctx keeps some (Chain.ctx_late, ctx_prev): B lets those go with the
+        # graph, at the stage's end, not as it passes their layer. B's walk counts from the
+        # rest: _held_b where layer l ends the stage (what l's ctx keeps of l - 1's saves is
+        # not let go by l - 1's backward), _held_inner where l + 1 is in the stage too (nor
+        # what l + 1's ctx keeps of l's). The same arrays where no ctx keeps any.
+        self._held_b = self._held_inner = self._held
+        if chain.ctx_late is not None and chain.ctx_prev is not None:
+            own, prev = _prefix(chain.ctx_late), _prefix(chain.ctx_prev)
+            self._held_b = self._held - own[1:] - prev[1:]
+            self._held_inner = self._held_b - np.append(chain.ctx_prev[1:], 0)
         self._last_backward = np.maximum(b - chain.zgrad, 0).astype(np.int64)
         # B's walk, per start and end: a captured graph's, and a chain's with a tied parameter
         # that trains (two uses in one stage: a gradient part waits between them)
@@ -553,7 +557,7 @@ class MemoryModel:
     def _backward(self) -> _RangeMax:
         """A chain's layers before its stage's last: each one's output gradient is autograd's
         alone (_inner_backward)."""
-        return _RangeMax(self._held_b + self._inner_backward)
+        return _RangeMax(self._held_inner + self._inner_backward)
 
     @cached_property
     def _ends_b(self) -> _RangeMax:
@@ -571,7 +575,7 @@ class MemoryModel:
         pulled = self.chain.zgrad.astype(np.int64).copy()
         pulled[-1] += self._loss_grad
         pulled[self.chain.grad_views] = np.iinfo(np.int64).min // 4
-        return _PairMax(self._held_b + self._inner_backward, pulled)
+        return _PairMax(self._held_inner + self._inner_backward, pulled)
 
     @cached_property
     def _loss_grad(self) -> int:

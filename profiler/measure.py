@@ -145,12 +145,10 @@ def profile_model(
 
     def entry(i: int, layer: nn.Module, name: str, kind: str) -> LayerProfile:
         rows = {b: per_size[b][i] for b in sizes}
-        for r in rows.values():
-            r["ctx_late_bytes"] = sum(r["ctx_late"].values())
         per = {f: {b: r[f] for b, r in rows.items()} for f in PER_SIZE + LATER_PER_SIZE}
         if not captured:  # (a chain's layer hands nothing on)
             per["passed_sum_bytes"] = None
-        ctx = ("ctx_held_bytes", "ctx_input_bytes", "ctx_late_bytes")
+        ctx = ("ctx_held_bytes", "ctx_input_bytes", "ctx_late_bytes", "ctx_prev_bytes")
         if not any(any(per[f].values()) for f in ctx):  # (written only where a ctx keeps any)
             per.update(dict.fromkeys(ctx))
         return LayerProfile(
@@ -273,10 +271,7 @@ def _measure_size(
         saved_before = {
             ptr for ptr in map(_storage, _tensors(x)) if ptr in saved_before or ptr in saved
         }
-        if rows:  # what the layer before saved and this one's ctx keeps: it goes late too
-            rows[-1]["ctx_late"].update(
-                (ptr, n) for ptr, n in row["ctx_ptrs"].items() if ptr in prev_saved
-            )
+        row["ctx_prev_bytes"] = _ctx_prev(row, rows)
         prev_saved = saved
         rows.append(row)
         inputs.append(inp)
@@ -310,6 +305,7 @@ def _measure_size(
             len(layers), loss_layer, inp, dev, model_storages, prev_saved, "input",
             saved_before, layouts, tied,
         )  # fmt: skip
+        row["ctx_prev_bytes"] = _ctx_prev(row, rows)
         rows.append(row)
         inputs.append(inp)
         measured.append(loss_layer)
@@ -552,10 +548,12 @@ def _memory(
     row = {
         "ctx_held_bytes": sum(n for ptr, n in ctx_bytes.items() if ptr not in in_ptrs),
         "ctx_input_bytes": sum(n for ptr, n in ctx_bytes.items() if ptr in in_ptrs),
-        # what this layer's saves count (none the layer before saved) that its ctx keeps; the
-        # caller adds those the next layer's ctx keeps (_measure_size)
-        "ctx_late": {ptr: n for ptr, n in ctx_bytes.items() if ptr not in earlier},
+        # what this layer's saves count (none the layer before saved) that its ctx keeps; what
+        # the layer before's saves count that this one's ctx keeps (and its own does not) is
+        # the caller's to find (_measure_size)
+        "ctx_late_bytes": sum(n for ptr, n in ctx_bytes.items() if ptr not in earlier),
         "ctx_ptrs": ctx_bytes,
+        "counted": {ptr for ptr in saved if ptr not in earlier},
         "saved_bytes": sum(nbytes.values()),
         "shared_bytes": sum(n for ptr, n in nbytes.items() if ptr in earlier),
         "input_saved_bytes": sum(n for ptr, n in nbytes.items() if ptr in in_ptrs),
@@ -595,6 +593,19 @@ def _memory(
         ),
     }
     return row, _detach(out, requires_grad=False), saved
+
+
+def _ctx_prev(row: dict[str, Any], rows: list[dict[str, Any]]) -> int:
+    """What the layer before's saves count (its `counted` storages) that this layer's ctx keeps
+    and that layer's own ctx does not (its ctx_late_bytes has those)."""
+    if not rows:
+        return 0
+    before = rows[-1]
+    return sum(
+        n
+        for ptr, n in row["ctx_ptrs"].items()
+        if ptr in before["counted"] and ptr not in before["ctx_ptrs"]
+    )
 
 
 def _held_by_ctx(out: Value) -> list[torch.Tensor]:

@@ -198,9 +198,15 @@ class LayerProfile(BaseModel):
 
     ctx_late_bytes: dict[int, Bytes] | None = Field(
         default=None,
-        description="what its saves count (saved_bytes less shared_bytes) that a ctx keeps, "
-        "its own or the next layer's (see ctx_held_bytes): a backward lets those go not as "
-        "it passes this layer but with the graph, once the stage's backward is done; absent "
+        description="what its saves count (saved_bytes less shared_bytes) that its ctx keeps "
+        "(see ctx_held_bytes): a backward lets those go not as it passes this layer but with "
+        "the graph, once the stage's backward is done; absent where no ctx keeps any",
+    )
+
+    ctx_prev_bytes: dict[int, Bytes] | None = Field(
+        default=None,
+        description="what the layer before it saved that its ctx keeps: in a stage holding "
+        "both, let go with the graph too, not as the backward passes the layer before; absent "
         "where no ctx keeps any",
     )
 
@@ -228,6 +234,7 @@ LATER_PER_SIZE = (
     "ctx_held_bytes",
     "ctx_input_bytes",
     "ctx_late_bytes",
+    "ctx_prev_bytes",
 )
 LATER_LAYER = (
     "param_tensor_bytes",

@@ -120,8 +120,11 @@ def _held(c: Chain, i: int, j: int) -> int:
 
 
 def _held_b(c: Chain, i: int, j: int) -> int:
-    """_held, less what a ctx keeps (ctx_late): B lets that go only at the stage's end."""
-    return _held(c, i, j) - (0 if c.ctx_late is None else int(c.ctx_late[i:j].sum()))
+    """_held, less what a ctx keeps (ctx_late; ctx_prev: of the layer before's saves, where
+    that layer is in the stage): B lets those go only at the stage's end."""
+    if c.ctx_late is None or c.ctx_prev is None:
+        return _held(c, i, j)
+    return _held(c, i, j) - int(c.ctx_late[i:j].sum()) - int(c.ctx_prev[i + 1 : j].sum())
 
 
 def _by_ctx(c: Chain, i: int, j: int) -> int:
@@ -199,11 +202,15 @@ def _walked(c: Chain, i: int, j: int) -> int:
         and z[j - 1] > 0
     ):
         j -= 1
-    late = np.zeros(c.num_layers, dtype=np.int64) if c.ctx_late is None else c.ctx_late
+    none = np.zeros(c.num_layers, dtype=np.int64)
+    late = none if c.ctx_late is None else c.ctx_late
+    prev = none if c.ctx_prev is None else c.ctx_prev
+    # (less what a ctx keeps: let go at the stage's end; of k's own saves, none is let go yet)
     later = [
-        int(c.saved[k + 1 : j].sum()) - int(c.shared[k + 1 : j].sum()) - int(late[k + 1 : j].sum())
+        int(c.saved[k + 1 : j].sum()) - int(c.shared[k + 1 : j].sum())
+        - int(late[k + 1 : j].sum()) - int(prev[k + 2 : j].sum())
         for k in range(i, j)
-    ]  # (less what a ctx keeps: let go at the stage's end)
+    ]  # fmt: skip
     back = [int(inner[k]) + scalar - later[k - i] for k in range(i, j - 1)]
     return max([0, *back, max(int(b[j - 1] - c.zgrad[j - 1]), 0)])
 
@@ -408,8 +415,12 @@ def problems(draw):
             {
                 "ctx_held": ints(0, 20, L),
                 "ctx_input": np.minimum(ints(0, 20, L), boundary[:L]),
-                # (a part of what the layer's saves count)
-                "ctx_late": np.minimum(ints(0, 20, L), saved - shared),
+                # (parts of what the layer's saves count, and of the rest of the layer
+                # before's: a profile counts each kept tensor once)
+                "ctx_late": (late := np.minimum(ints(0, 20, L), saved - shared)),
+                "ctx_prev": np.minimum(
+                    ints(0, 20, L), np.concatenate([[0], (saved - shared - late)[:-1]])
+                ),
             }
             if draw(st.booleans())
             else {}
