@@ -128,6 +128,10 @@ class Chain:
     # not as it passes layer l (l - 1, where l is in the stage too)
     ctx_late: np.ndarray | None = None
     ctx_prev: np.ndarray | None = None
+    # ... and of what it keeps, what a hook saves too (ctx_dup_bytes; of its input, its own
+    # hooks' or layer l - 1's: ctx_dup_input_bytes): a checkpoint's re-run makes those again
+    ctx_dup: np.ndarray | None = None
+    ctx_dup_input: np.ndarray | None = None
     # whether a layer hands some value on unchanged (a tuple's part): what the layer before it
     # made may reach a layer past it (None: none does)
     passes: np.ndarray | None = None
@@ -270,6 +274,8 @@ ZERO_WHEN_ABSENT = (
     "ctx_input_bytes",
     "ctx_late_bytes",
     "ctx_prev_bytes",
+    "ctx_dup_bytes",
+    "ctx_dup_input_bytes",
 )  # (figures only some entries have)
 TIED_CHAIN_LAYERS = 1024  # (chain(): where a chain's tied parameters are counted once)
 
@@ -472,6 +478,8 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
                 ctx_input=sizes("ctx_input_bytes"),
                 ctx_late=sizes("ctx_late_bytes"),
                 ctx_prev=sizes("ctx_prev_bytes"),
+                ctx_dup=sizes("ctx_dup_bytes"),
+                ctx_dup_input=sizes("ctx_dup_input_bytes"),
             )
             if table.flags("ctx_held_bytes").any() and not profile.captured
             else {}
@@ -567,9 +575,17 @@ def checkpointed(chain: Chain, layers: tuple[int, ...]) -> Chain:
     saves = (chain.saved > 0) | ((chain.params > 0) & (chain.grad_in > 0))
     keeps = np.where(saves, chain.boundary[:-1], 0).astype(np.int64)
     kept_by_previous = np.where(before, 0, np.minimum(chain.shared, np.minimum(saved_in, keeps)))
-    # what it saves beyond its input (not what a ctx keeps: the first ones stay, B reads them)
+    # what it saves beyond its input (not what a ctx keeps: the first ones stay, B reads them;
+    # but a hook's copy of those is made again beside them)
     ctx = 0 if chain.ctx_held is None else chain.ctx_held
-    rest = np.maximum(chain.saved - saved_in - ctx, 0)
+    dup = 0 if chain.ctx_dup is None else chain.ctx_dup
+    rest = np.maximum(chain.saved - saved_in - ctx + dup, 0)
+    # What the next layer's ctx keeps of a checkpointed layer's output: counted at that layer
+    # now (its saves no longer share it), and let go late there (ctx_late), not here
+    late, prev = chain.ctx_late, chain.ctx_prev
+    if late is not None and prev is not None:
+        moved = np.where(before, prev, 0)
+        late, prev = late + moved, prev - moved
     grad_out = chain.boundary[1:].astype(np.int64)
     # (its re-run ends once it has saved all it saves: a checkpoint's early stop)
     again = np.maximum(chain.stop + grad_out, chain.backward_transient) + rest
@@ -598,6 +614,8 @@ def checkpointed(chain: Chain, layers: tuple[int, ...]) -> Chain:
         # the loss's own share: all it saves, where the last layer keeps only its input
         loss_saved=np.where(before & (np.arange(len(on)) >= n), chain.saved, chain.loss_saved),
         checkpointed=tuple(int(k) for k in np.flatnonzero(on)),
+        ctx_late=late,
+        ctx_prev=prev,
     )
 
 

@@ -415,6 +415,12 @@ class MemoryModel:
             if chain.ctx_held is None or chain.ctx_input is None
             else (_prefix(chain.ctx_held), _prefix(chain.ctx_input))
         )
+        # ... and of those what a hook saves too, which its re-run makes again beside them
+        self._dup = (
+            None
+            if chain.ctx_dup is None or chain.ctx_dup_input is None
+            else (_prefix(chain.ctx_dup), _prefix(chain.ctx_dup_input))
+        )
         self._zgrad = _prefix(chain.zgrad)
         self._zkept = _prefix(chain.kept_grad)
         # the output gradients zero bubble's I lets go (a layer without weights that train):
@@ -1268,7 +1274,7 @@ class MemoryModel:
 
         if want(
             "input", "activations", "during_i", "between_iw", "grad", "early", "late",
-            "input_saved", "input_kept",
+            "input_saved", "input_kept", "activations_kept",
         ):  # fmt: skip
             x, g, early, late = self.inputs(i, j, None if start is None else np.atleast_1d(start))
             xs = np.minimum(self.input_saved(i, j), x)
@@ -1277,7 +1283,10 @@ class MemoryModel:
             lent = (i == 0) & c.borrowed_input
             x = np.where(lent, 0, x) if c.borrowed_input else x
             out.update(input=x, grad=g, early=early, late=late, input_saved=xs)
-        if want("activations", "during_i", "between_iw", "saved", "z", "skips", "loss"):
+        if want(
+            "activations", "during_i", "between_iw", "saved", "z", "skips", "loss",
+            "activations_kept",
+        ):  # fmt: skip
             saved = self._saved[j] - self._saved[i] - (self._shared[j] - self._shared[i + 1])
             z = self._zkept[j] - self._zkept[i]
             if c.last_grad:
@@ -1285,7 +1294,7 @@ class MemoryModel:
             skips = 0 if c.flow is None else c.flow.passing(i, j)
             loss = self._loss[j] - self._loss[i]
             out.update(saved=saved, z=z, skips=np.broadcast_to(skips, i.shape), loss=loss)
-            if want("activations", "during_i"):
+            if want("activations", "during_i", "activations_kept"):
                 out["activations"] = x + saved - xs
             if want("during_i"):
                 out["during_i"] = out["activations"] + z + g + skips
@@ -1296,6 +1305,8 @@ class MemoryModel:
                 out["between_iw"] = iw - np.where(lent, xs, 0) if c.borrowed_input else iw
         if want("input_kept"):
             out["input_kept"] = out["input"] + self._ctx_kept(i, j)
+        if want("activations_kept"):
+            out["activations_kept"] = out["activations"] + self._ctx_dup(i, j)
         whole, after, inner = self._ranges(i, j)
         if want("pulled"):
             pulled = self._pulled.take(whole) if c.flow is None else self._flow_pulled()[i, j]
@@ -1312,7 +1323,7 @@ class MemoryModel:
             # (a captured graph's: its whole forward)
             stop = self._stop_live(i, j) if c.flow is None else remat
             if self._ctx is not None:  # (the re-run makes its ctx's again beside the first)
-                stop = stop + self._ctx_kept(i, j)
+                stop = stop + self._ctx_remade(i, j)
             if c.flow is not None and want("stop_live"):  # (its table only where asked for)
                 stop = stop + self._sent_sums[i, j]
             out["stop_live"] = stop
@@ -1346,7 +1357,7 @@ class MemoryModel:
                     own = self._stop_first[i] + self._zgrad[i + 1] - self._zgrad[i]
                     forward = np.maximum(own, np.where(inner, forward, 0)) - self._held[j - 1]
                     if self._ctx is not None:  # (as stop: the ctx's made again)
-                        forward = forward + self._ctx_kept(i, j)
+                        forward = forward + self._ctx_remade(i, j)
                     both = np.maximum(out["live"], stop)
                     out["pulled_paired"] = np.maximum(top, forward) - both
         if want("input_live") and self._flow_input_live is not None:
@@ -1511,6 +1522,21 @@ class MemoryModel:
         held, of_input = self._ctx
         return held[j] - held[i] + of_input[j] - of_input[np.minimum(i + 1, j)]
 
+    def _ctx_remade(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """What a checkpoint's re-run of stage [i, j) makes again of what its layers' ctx keep,
+        beside B's activations (which count the copies a hook saves: _ctx_dup). All of it, as
+        if the re-run went through the stage's last layer (it stops at the last tensor a hook
+        saves: a ctx after that is counted over)."""
+        return self._ctx_kept(i, j) - self._ctx_dup(i, j)
+
+    def _ctx_dup(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """What a checkpoint's re-run of stage [i, j) makes again of what its layers' ctx keep
+        (Chain.ctx_dup): B holds both (0 where nothing is kept so)."""
+        if self._dup is None:
+            return np.zeros(np.shape(i), dtype=np.int64)
+        own, of_input = self._dup
+        return own[j] - own[i] + of_input[j] - of_input[np.minimum(i + 1, j)]
+
     def _keeps_ctx(self, shape: StageShape) -> bool:
         """Whether a shape's stages hold what their layers keep on a ctx from F to B's end on
         top of their input (recomputing: torch's checkpoint keeps the graph it re-runs from,
@@ -1519,12 +1545,15 @@ class MemoryModel:
 
     def _keyed(self, b: dict, shape: StageShape) -> dict:
         """state_bytes `b` as `shape` counts them: its pulled gradient, and (_keeps_ctx) its
-        input with what the checkpoint keeps of a ctx. (Its B's activations count them
-        already, `saved` holding them: the re-run makes them again only for a moment, as
-        its graph goes once the saved tensors are made again, and B reads the first ones.)"""
+        input with what the checkpoint keeps of a ctx, and B's activations with what the
+        re-run makes again of those, where a hook saves them too (_ctx_dup). (The rest its
+        `saved` counts once: the re-run makes them again only for a moment, as its graph goes
+        once the saved tensors are made again, and B reads the first ones.)"""
         out = self._with_key(b, self._pulled_key(shape))
         if self._keeps_ctx(shape):
             out["input"] = b["input_kept"]
+            if "activations_kept" in b:
+                out["activations"] = b["activations_kept"]
         return out
 
     @staticmethod
@@ -1585,9 +1614,9 @@ class MemoryModel:
         wanted = frozenset(names[k] for k in cols) | (set() if each else {"largest"})
         if counted[PULLED]:
             wanted |= set().union(*(self._key_states(k) for k in keys))
-        kept_rows = [  # (the row a shape that keeps a ctx reads from another entry)
-            (int(np.searchsorted(cols, k)), "input_kept")
-            for k in (STATES.index("input"),)
+        kept_rows = [  # (the rows a shape that keeps a ctx reads from other entries)
+            (int(np.searchsorted(cols, k)), f"{names[k]}_kept")
+            for k in (STATES.index("input"), STATES.index("activations"))
             if counted[k]
         ]
         if any(ctx):
@@ -1659,7 +1688,7 @@ class MemoryModel:
             if counted[PULLED]:
                 wanted |= self._key_states(self._pulled_key(shape))
             if self._keeps_ctx(shape):
-                wanted |= {"input_kept"}
+                wanted |= {"input_kept", "activations_kept"}
             missing = frozenset(wanted - self._single.keys())
             if missing:
                 self._single.update(self.state_bytes(every, every + 1, only=missing))

@@ -148,7 +148,8 @@ def profile_model(
         per = {f: {b: r[f] for b, r in rows.items()} for f in PER_SIZE + LATER_PER_SIZE}
         if not captured:  # (a chain's layer hands nothing on)
             per["passed_sum_bytes"] = None
-        ctx = ("ctx_held_bytes", "ctx_input_bytes", "ctx_late_bytes", "ctx_prev_bytes")
+        ctx = ("ctx_held_bytes", "ctx_input_bytes", "ctx_late_bytes", "ctx_prev_bytes",
+               "ctx_dup_bytes", "ctx_dup_input_bytes")  # fmt: skip
         if not any(any(per[f].values()) for f in ctx):  # (written only where a ctx keeps any)
             per.update(dict.fromkeys(ctx))
         return LayerProfile(
@@ -271,7 +272,7 @@ def _measure_size(
         saved_before = {
             ptr for ptr in map(_storage, _tensors(x)) if ptr in saved_before or ptr in saved
         }
-        row["ctx_prev_bytes"] = _ctx_prev(row, rows)
+        _ctx_prev(row, rows)
         prev_saved = saved
         rows.append(row)
         inputs.append(inp)
@@ -305,7 +306,7 @@ def _measure_size(
             len(layers), loss_layer, inp, dev, model_storages, prev_saved, "input",
             saved_before, layouts, tied,
         )  # fmt: skip
-        row["ctx_prev_bytes"] = _ctx_prev(row, rows)
+        _ctx_prev(row, rows)
         rows.append(row)
         inputs.append(inp)
         measured.append(loss_layer)
@@ -483,6 +484,7 @@ def _memory(
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = layer(inp)
         _check_output(out)
+        hooked = set(saved)  # (what the hooks saw: what a checkpoint's re-run makes again)
         held = {  # (as a node's attribute: no hook sees them)
             t.untyped_storage().data_ptr(): t
             for t in _held_by_ctx(out)
@@ -554,6 +556,17 @@ def _memory(
         "ctx_late_bytes": sum(n for ptr, n in ctx_bytes.items() if ptr not in earlier),
         "ctx_ptrs": ctx_bytes,
         "counted": {ptr for ptr in saved if ptr not in earlier},
+        # what its ctx keeps that a hook saves too (a checkpoint's re-run makes those again,
+        # beside the first): beyond its input, and of its input (the caller adds the part the
+        # layer before saved)
+        "ctx_dup_bytes": sum(n for ptr, n in ctx_bytes.items() if ptr in hooked - in_ptrs.keys()),
+        "ctx_dup_input_bytes": sum(
+            n for ptr, n in ctx_bytes.items() if ptr in in_ptrs and ptr in hooked
+        ),
+        "ctx_input_unhooked": {
+            ptr: n for ptr, n in ctx_bytes.items() if ptr in in_ptrs and ptr not in hooked
+        },
+        "hooked": hooked,
         "saved_bytes": sum(nbytes.values()),
         "shared_bytes": sum(n for ptr, n in nbytes.items() if ptr in earlier),
         "input_saved_bytes": sum(n for ptr, n in nbytes.items() if ptr in in_ptrs),
@@ -595,16 +608,19 @@ def _memory(
     return row, _detach(out, requires_grad=False), saved
 
 
-def _ctx_prev(row: dict[str, Any], rows: list[dict[str, Any]]) -> int:
-    """What the layer before's saves count (its `counted` storages) that this layer's ctx keeps
-    and that layer's own ctx does not (its ctx_late_bytes has those)."""
-    if not rows:
-        return 0
-    before = rows[-1]
-    return sum(
+def _ctx_prev(row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Sets row's figures that read the layer before's: what that layer's saves count (its
+    `counted` storages) that this layer's ctx keeps and that layer's own ctx does not (its
+    ctx_late_bytes has those), and the part of its input its ctx keeps that the layer before's
+    hooks saved (ctx_dup_input_bytes)."""
+    before = rows[-1] if rows else {"counted": set(), "ctx_ptrs": {}, "hooked": set()}
+    row["ctx_prev_bytes"] = sum(
         n
         for ptr, n in row["ctx_ptrs"].items()
         if ptr in before["counted"] and ptr not in before["ctx_ptrs"]
+    )
+    row["ctx_dup_input_bytes"] += sum(
+        n for ptr, n in row["ctx_input_unhooked"].items() if ptr in before["hooked"]
     )
 
 

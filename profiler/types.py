@@ -210,6 +210,19 @@ class LayerProfile(BaseModel):
         "where no ctx keeps any",
     )
 
+    ctx_dup_bytes: dict[int, Bytes] | None = Field(
+        default=None,
+        description="the part of ctx_held_bytes a saved-tensor hook saves too: a checkpoint's "
+        "re-run makes that again, beside the one the ctx keeps; absent where no ctx keeps any",
+    )
+
+    ctx_dup_input_bytes: dict[int, Bytes] | None = Field(
+        default=None,
+        description="the part of ctx_input_bytes a hook saves too, its own or the layer "
+        "before's (its output): in a stage that holds both layers, a checkpoint's re-run makes "
+        "that again; absent where no ctx keeps any",
+    )
+
     tied_first_backward_bytes: dict[int, Bytes] | None = Field(
         default=None,
         description="a layer that uses a parameter another layer uses too (tied): what its "
@@ -235,6 +248,8 @@ LATER_PER_SIZE = (
     "ctx_input_bytes",
     "ctx_late_bytes",
     "ctx_prev_bytes",
+    "ctx_dup_bytes",
+    "ctx_dup_input_bytes",
 )
 LATER_LAYER = (
     "param_tensor_bytes",

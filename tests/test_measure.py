@@ -785,6 +785,23 @@ def test_what_custom_functions_keep_on_their_ctx_is_in_the_plan():
                          recompute="never", checkpoint=())  # fmt: skip
     over = _measured_over(model, plan, x, y)
     assert all(-0.02 * p <= o <= 64 for o, p in zip(over, plan.predicted.peak_memory)), over
+    # A ctx that keeps what a hook saves too (its input, a Tanh's output): a checkpoint's re-run
+    # makes that again beside it (a red team's: 8-17% over, recomputing or checkpointed). (The
+    # plan holds both from B's start; the re-run comes at the first saved tensor B reads, after
+    # the ctx's layer: 3.6% under the plan, the safe side)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), Square("ctx"),
+                          *[nn.Linear(64, 64) for _ in range(3)])  # fmt: skip
+    x, y = torch.randn(32, 32, 64), torch.randn(32, 32, 64)
+    prof = even_times(quick_profile(model, x, batch_sizes=[4, 8], loss_fn="mse", threads=1))
+    assert prof.layers[2].ctx_dup_input_bytes[8] == 8 * 32 * 64 * 4
+    for recompute, layers in [("always", ()), ("never", (1,))]:
+        plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 32, microbatches=4,
+                             schedule="gpipe", recompute=recompute, checkpoint=layers)  # fmt: skip
+        assert plan.stages[0].layers == (0, 3)
+        over = _measured_over(model, plan, x, y)
+        peaks = plan.predicted.peak_memory  # (and a few scalars)
+        assert all(-0.05 * p <= o <= 128 for o, p in zip(over, peaks)), over
 
 
 class _Wide(torch.autograd.Function):

@@ -52,15 +52,17 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
                   for k in range(i + 1, j + 1)) - _held_b(c, i, j)  # fmt: skip
         if kind == "paired":
             top = max(top, max(_held(c, i, k) + int(z[k - 1]) + _stop(c, i, k)
-                               for k in range(i + 1, j + 1)) - S + _by_ctx(c, i, j))  # fmt: skip
-        P = top - max(live, _stop(c, i, j) + _by_ctx(c, i, j) if kind == "paired" else 0)
+                               for k in range(i + 1, j + 1)) - S + _remade(c, i, j))  # fmt: skip
+        P = top - max(live, _stop(c, i, j) + _remade(c, i, j) if kind == "paired" else 0)
     loss = int(c.loss_saved[i:j].sum())  # the loss's own: it goes with I, before W
     # recomputing under torch's checkpoint (a forward keeping nothing runs, no zero-bubble I):
     # the input beside what the layers keep on a ctx, and of their inputs but the stage's
     flags = [any(t[8 + k] for t in shape.occupancy if len(t) > 8 + k) for k in range(6)]
     ckpt = flags[2] and not flags[3]
     by_ctx = _by_ctx(c, i, j) if ckpt else 0
-    states = [X + by_ctx, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + (X - Xs if G else 0) - lent,
+    # ... and B beside what the re-run makes again of those, where a hook saves them too
+    dup = _dup(c, i, j) if ckpt and c.ctx_held is not None else 0
+    states = [X + by_ctx, X + S - Xs + dup, X + S - Xs + Z + G, S - loss + Z + (X - Xs if G else 0) - lent,
               G, P, 0, 0]  # fmt: skip
     # zero bubble's I, from the last layer: the gradients of layers i .. k - 2's outputs are
     # not made yet while k's runs, nor the stage's input gradient G (the first layer's I's)
@@ -91,7 +93,7 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     weight = max(int(c.weight_grad_transient[k])
                  + (int(c.shared[k + 1]) if k + 1 < j and keeps(k + 1) else 0)
                  - sum(freed(m) for m in range(k + 1, j)) for k in range(i, j))  # fmt: skip
-    transients = [live, remat, forward, input_live, weight, _stop(c, i, j) + _by_ctx(c, i, j)]
+    transients = [live, remat, forward, input_live, weight, _stop(c, i, j) + _remade(c, i, j)]
     held = max(sum(n * b for n, b in zip(t, states + transients)) for t in shape.occupancy)
     # (a stage that trains nothing steps nothing: its frozen weights have no gradient; found
     # by this suite's random chains once the model said so, last session)
@@ -133,6 +135,18 @@ def _by_ctx(c: Chain, i: int, j: int) -> int:
     if c.ctx_held is None or c.ctx_input is None:
         return 0
     return int(c.ctx_held[i:j].sum() + c.ctx_input[i + 1 : j].sum())
+
+
+def _dup(c: Chain, i: int, j: int) -> int:
+    """Of _by_ctx, what a hook saves too: a checkpoint's re-run makes that again."""
+    if c.ctx_dup is None or c.ctx_dup_input is None:
+        return 0
+    return int(c.ctx_dup[i:j].sum() + c.ctx_dup_input[i + 1 : j].sum())
+
+
+def _remade(c: Chain, i: int, j: int) -> int:
+    """What the re-run makes again of _by_ctx beside B's activations (which count _dup)."""
+    return _by_ctx(c, i, j) - _dup(c, i, j)
 
 
 def _backward_live(c: Chain, i: int, j: int) -> int:
@@ -413,14 +427,17 @@ def problems(draw):
         # what custom autograd.Functions keep on a ctx, beyond their input and of it, or none
         **(
             {
-                "ctx_held": ints(0, 20, L),
-                "ctx_input": np.minimum(ints(0, 20, L), boundary[:L]),
+                "ctx_held": (held := ints(0, 20, L)),
+                "ctx_input": (kept_input := np.minimum(ints(0, 20, L), boundary[:L])),
                 # (parts of what the layer's saves count, and of the rest of the layer
                 # before's: a profile counts each kept tensor once)
                 "ctx_late": (late := np.minimum(ints(0, 20, L), saved - shared)),
                 "ctx_prev": np.minimum(
                     ints(0, 20, L), np.concatenate([[0], (saved - shared - late)[:-1]])
                 ),
+                # (parts of what they keep)
+                "ctx_dup": np.minimum(ints(0, 20, L), held),
+                "ctx_dup_input": np.minimum(ints(0, 20, L), kept_input),
             }
             if draw(st.booleans())
             else {}
