@@ -18,7 +18,7 @@ from operator import attrgetter
 import numpy as np
 
 from profiler.limits import MIN_MS
-from profiler.types import Profile, TiedParameter
+from profiler.types import CTX_FIELDS, Profile, TiedParameter
 
 from .routing import Flow
 
@@ -269,14 +269,7 @@ class Chain:
 
 
 LATER_FALLBACK = {"stop_transient_bytes": "forward_transient_bytes"}
-ZERO_WHEN_ABSENT = (
-    "ctx_held_bytes",
-    "ctx_input_bytes",
-    "ctx_late_bytes",
-    "ctx_prev_bytes",
-    "ctx_dup_bytes",
-    "ctx_dup_input_bytes",
-)  # (figures only some entries have)
+ZERO_WHEN_ABSENT = CTX_FIELDS  # (figures only some entries have: 0 where absent)
 TIED_CHAIN_LAYERS = 1024  # (chain(): where a chain's tied parameters are counted once)
 
 

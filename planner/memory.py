@@ -1643,7 +1643,8 @@ class MemoryModel:
             if ctx[g] and kept_rows:
                 mine = mine.copy()
                 for row, name in kept_rows:
-                    mine[row] = b[name][lo:hi]
+                    kept = b[name][lo:hi]
+                    mine[row] = np.maximum(kept, 0) if shape.bound else kept  # (as `mine`'s)
             held = _most(occ, mine)
             own = trained[lo:hi] - copied[lo:hi]
             size = _stepped(own, None if shape.foreach else largest[lo:hi])  # type: ignore[index]

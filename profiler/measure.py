@@ -31,6 +31,7 @@ from .models import as_layers, check_allocation, model_digest
 from .overhead import autograd_call_ms, runtime_overhead
 from .timing import _tensors, time_layers
 from .types import (
+    CTX_FIELDS,
     LATER_PER_SIZE,
     PER_SIZE,
     LayerProfile,
@@ -148,10 +149,8 @@ def profile_model(
         per = {f: {b: r[f] for b, r in rows.items()} for f in PER_SIZE + LATER_PER_SIZE}
         if not captured:  # (a chain's layer hands nothing on)
             per["passed_sum_bytes"] = None
-        ctx = ("ctx_held_bytes", "ctx_input_bytes", "ctx_late_bytes", "ctx_prev_bytes",
-               "ctx_dup_bytes", "ctx_dup_input_bytes")  # fmt: skip
-        if not any(any(per[f].values()) for f in ctx):  # (written only where a ctx keeps any)
-            per.update(dict.fromkeys(ctx))
+        if not any(any(per[f].values()) for f in CTX_FIELDS):  # (only where a ctx keeps any)
+            per.update(dict.fromkeys(CTX_FIELDS))
         return LayerProfile(
             index=i,
             name=name,
@@ -559,7 +558,9 @@ def _memory(
         # what its ctx keeps that a hook saves too (a checkpoint's re-run makes those again,
         # beside the first): beyond its input, and of its input (the caller adds the part the
         # layer before saved)
-        "ctx_dup_bytes": sum(n for ptr, n in ctx_bytes.items() if ptr in hooked - in_ptrs.keys()),
+        "ctx_dup_bytes": sum(
+            n for ptr, n in ctx_bytes.items() if ptr in hooked and ptr not in in_ptrs
+        ),
         "ctx_dup_input_bytes": sum(
             n for ptr, n in ctx_bytes.items() if ptr in in_ptrs and ptr in hooked
         ),

@@ -238,18 +238,22 @@ PER_SIZE = tuple(
     name for name, f in LayerProfile.model_fields.items() if get_origin(f.annotation) is dict
 )
 """The LayerProfile fields measured at every micro-batch size."""
-LATER_PER_SIZE = (
-    "stop_transient_bytes",
-    "passed_sum_bytes",
-    "inner_backward_transient_bytes",
-    "tied_first_backward_bytes",
-    "weight_grad_kept_bytes",
+CTX_FIELDS = (
     "ctx_held_bytes",
     "ctx_input_bytes",
     "ctx_late_bytes",
     "ctx_prev_bytes",
     "ctx_dup_bytes",
     "ctx_dup_input_bytes",
+)
+"""What custom autograd.Functions keep on their ctx: figures a layer has only where one does."""
+LATER_PER_SIZE = (
+    "stop_transient_bytes",
+    "passed_sum_bytes",
+    "inner_backward_transient_bytes",
+    "tied_first_backward_bytes",
+    "weight_grad_kept_bytes",
+    *CTX_FIELDS,
 )
 LATER_LAYER = (
     "param_tensor_bytes",
