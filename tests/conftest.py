@@ -4,15 +4,25 @@ way to run the CLI in-process and read what it printed."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 import cli
 from profiler.types import LayerProfile, Profile, Timing
+
+# Property tests draw the same examples on every run (seeded from each test): a red or green
+# suite is the code's, not the draw's. (Random draws once found two rare counterexamples in a
+# CI run, neither from the change under test: tests/test_partition.py's notes. A session that
+# hunts for more runs them with `--hypothesis-seed`, or with HYPOTHESIS_RANDOM=1.)
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("random", derandomize=False)
+settings.load_profile("random" if os.environ.get("HYPOTHESIS_RANDOM") else "repeatable")
 
 TEST_BOUND_S = 300  # the longest a test may run: a hang fails its test, not the whole suite
 
