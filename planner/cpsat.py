@@ -191,22 +191,26 @@ def _let_go_input(
             best_a = var
 
 
-def _input_saved(m: object, c: Chain, x: list, first: list, s: int, L: int) -> list:
+def _input_saved(
+    m: object, c: Chain, x: list, first: list, s: int, L: int, model_only: bool = False
+) -> list:
     """Per layer k, the part of stage s's input its layers save where k opens it (0 where k
     does not): k's own, or through the layers after it that only make views (Chain.views), the
     most any of them or the first past them saves, as far as the stage reaches (each step up,
-    where layer q is in the stage too: `reach` at most both, the solver free to raise it)."""
+    where layer q is in the stage too: `reach` at most both, the solver free to raise it).
+    `model_only`: the loss past the views left out (MemoryModel.input_saved)."""
     cap = np.maximum(c.input_saved - c.shared, 0).astype(np.int64)  # (MemoryModel._alias_saved)
+    end = min(L, c.num_model_layers) if model_only else L
     out = []
     for k in range(L):
         most = int(min(c.input_saved[k], c.boundary[k]))
         terms = [most * first[k][s]]
         q = k
-        while c.views is not None and c.views[q] and q + 1 < L:
+        while c.views is not None and c.views[q] and q + 1 < end:
             q += 1
             gain = int(min(cap[q], c.boundary[k])) - most
             if gain > 0:
-                reach = m.new_bool_var(f"xs{s}_{k}_{q}")  # type: ignore[attr-defined]
+                reach = m.new_bool_var(f"xs{s}_{k}_{q}{'w' if model_only else ''}")  # type: ignore[attr-defined]
                 m.add_implication(reach, first[k][s])  # type: ignore[attr-defined]
                 m.add_implication(reach, x[q][s])  # type: ignore[attr-defined]
                 terms.append(gain * reach)
@@ -316,8 +320,13 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
         pulled = largest(c.zgrad, c.zgrad, "pulled")
     # (early and late: 0, a chain has no routes past the next stage)
     loss = over(c.loss_saved, x)
-    # (W's graph holds the input, where it needs a gradient: all but what the stage saves)
-    unsaved = sum(int(c.boundary[k]) * first[k][s] - opened[k] for k in range(L) if c.grad_in[k])
+    # (W's graph holds the input, where it needs a gradient: all but what the stage saves,
+    # and what the loss alone saves of it, through views, too)
+    if c.has_loss and c.views is not None:
+        kept_w = _input_saved(m, c, x, first, s, L, model_only=True)
+    else:
+        kept_w = opened
+    unsaved = sum(int(c.boundary[k]) * first[k][s] - kept_w[k] for k in range(L) if c.grad_in[k])
     states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + unsaved - lent, G,
               pulled, 0, 0]  # fmt: skip
 

@@ -87,8 +87,9 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
 
     state bytes  input X, early E, late E's gradient, activations X + S - Xs,
                  during_i X + S - Xs + Z + G + K, between_iw S - loss + Z (+ X - Xs where G > 0:
-                 W's graph holds the input; the loss's own saved tensors go with I; the skips'
-                 pulled gradients are let go when I ends), grad G, pulled P
+                 W's graph holds the input, with Xs the model layers' part, not the loss's
+                 through views; the loss's own saved tensors go with I; the skips' pulled
+                 gradients are let go when I ends), grad G, pulled P
 
 and the stage's memory is
 
@@ -1189,13 +1190,16 @@ class MemoryModel:
         split's exactness rests on totals that grow with the end)."""
         return _RangeMax(self._held_b + self._last_backward)
 
-    def input_saved(self, i: np.ndarray | int, j: np.ndarray | int) -> np.ndarray:
+    def input_saved(
+        self, i: np.ndarray | int, j: np.ndarray | int, model_only: bool = False
+    ) -> np.ndarray:
         """The part of the stage [i, j)'s input that its layers save (Xs, before the cap at X):
         its first layer's, or, where that layer and those after it only make views of the input
         (Chain.views), the most any layer through the first that does not saves of its own
         input, a view of the stage's (a transpose, then a convolution: the stage holds the
         input once, where it was counted twice: 38% over on a review's model), less what it
-        shares with a layer before (_alias_saved: `shared` has taken that off already)."""
+        shares with a layer before (_alias_saved: `shared` has taken that off already).
+        `model_only`: the loss past the views left out (what W's graph keeps)."""
         i = np.atleast_1d(np.asarray(i, dtype=np.int64))
         j = np.atleast_1d(np.asarray(j, dtype=np.int64))
         c = self.chain
@@ -1203,6 +1207,8 @@ class MemoryModel:
         if c.views is None:
             return own
         last = np.minimum(self._views_end[i], j - 1)
+        if model_only:
+            last = np.minimum(last, c.num_model_layers - 1)
         after = self._alias_saved(np.minimum(i + 1, last), np.maximum(last + 1, i + 1))
         return np.maximum(own, np.where(last > i, after, 0))
 
@@ -1301,7 +1307,12 @@ class MemoryModel:
             if want("between_iw"):
                 # the graph kept for W holds the input too, when it needs a gradient (the
                 # loss's graph goes with I: W starts from the last layer's output gradient)
-                iw = saved - loss + z + np.where(g > 0, x - xs, 0)
+                # (what the loss alone saves of it, through views, goes with I too: the
+                # graph the views made holds it still)
+                xw = xs
+                if c.has_loss and c.views is not None:
+                    xw = np.minimum(self.input_saved(i, j, model_only=True), xs)
+                iw = saved - loss + z + np.where(g > 0, x - xw, 0)
                 out["between_iw"] = iw - np.where(lent, xs, 0) if c.borrowed_input else iw
         if want("input_kept"):
             out["input_kept"] = out["input"] + self._ctx_kept(i, j)

@@ -160,6 +160,7 @@ class _Prober:
         self._least = np.concatenate([[0.0], np.cumsum(self.least)])
         self.reach_to(cap_bound)
         self._bound = math.nan  # the bound _time_ends holds ends for (nan: none yet)
+        self._near_at: tuple[float, list[int]] = (math.nan, [])  # (_near's last bound, its)
         self._time_ends: dict[tuple[int, float], np.ndarray] = {}
         self._link_ends: dict[int, np.ndarray] = {}
         # Links whose cost depends on the next stage's end: the entries before a start do not
@@ -280,7 +281,9 @@ class _Prober:
             self._exact_to(starts, j, x)
             room = self.mem_end[s][x][starts]
             if not self.memory_cut and (room < j).any():
-                self.memory_cut = True
+                # (only from a start whose stages may still reach the end on time alone: the
+                # others' depend on how far the tables were searched, a hint's probes too)
+                self.memory_cut = bool(((room < j) & (starts >= self._near(bound)[s])).any())
             best = np.maximum(best, np.minimum(j, room))
         if s > 0 and self.cuts is not None and self.cuts.ndim == 3:
             if s not in self._link_ends:  # the last end each start's link allows
@@ -288,6 +291,21 @@ class _Prober:
                 self._link_ends[s] = (self.cuts[s - 1] <= cap).sum(axis=1) - 1
             best = np.minimum(best, np.maximum(self._link_ends[s][starts], starts))
         return best
+
+    def _near(self, bound: float) -> list[int]:
+        """Per stage, the first start from which it and the stages after it may reach the end
+        within `bound` on time alone (each layer at its cheapest option, links aside; a little
+        past the bound, as reach_to's windows)."""
+        if self._near_at[0] != bound:
+            wide = bound * (1 + 1e-9) + 1e-12 * self.prefixes[:, -1].max() / min(self.speeds)
+            ends = {
+                sp: self._time_end(self._least, sp, self._every, wide) for sp in set(self.speeds)
+            }
+            near, first = self.L, [0] * self.K
+            for s in range(self.K - 1, -1, -1):
+                near = first[s] = int(np.searchsorted(ends[self.speeds[s]], near, side="left"))
+            self._near_at = (bound, first)
+        return self._near_at[1]
 
     def _time_end(self, P: np.ndarray, sp: float, starts: np.ndarray, bound: float) -> np.ndarray:
         """Largest j per start with (P[j] - P[start]) / sp <= bound."""

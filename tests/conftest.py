@@ -18,8 +18,10 @@ from profiler.types import LayerProfile, Profile, Timing
 
 # Property tests draw the same examples on every run (seeded from each test): a red or green
 # suite is the code's, not the draw's. (Random draws once found two rare counterexamples in a
-# CI run, neither from the change under test: tests/test_partition.py's notes. A session that
-# hunts for more runs them with `--hypothesis-seed`, or with HYPOTHESIS_RANDOM=1.)
+# CI run, neither from the change under test: tests/test_partition.py's
+# test_a_stage_of_views_holds_its_input_for_w_when_it_takes_the_loss_on and
+# test_a_hint_leaves_memory_free_as_it_was. A session that hunts for more runs them with
+# `--hypothesis-seed`, or with HYPOTHESIS_RANDOM=1.)
 settings.register_profile("repeatable", derandomize=True)
 settings.register_profile("random", derandomize=False)
 settings.load_profile("random" if os.environ.get("HYPOTHESIS_RANDOM") else "repeatable")
