@@ -4,16 +4,19 @@ Synthetic profiles: per-layer forward times lognormal (seeded), backward twice t
 parameters, saved activations and outputs drawn uniformly, measured at sizes 1..32, a loss at the
 end. Each run is a fresh process (what a user waits for: import, load, search, write); one run per
 size unless --repeats says more (then the median). Prints a table with the candidates considered,
-solved and pruned by their bound.
+solved and pruned by their bound. The program timed is this checkout's cli.py, run from
+bytecode compiled by an untimed run first, as an installed package runs (--cold: the sources
+compiled in every process).
 
     python benchmarks/plan_bench.py [--layers 100,1000,10000] [--devices 4,16,64] [--repeats 1]
-        [--target streams|torchrun] [--baseline CHECKOUT]
+        [--target streams|torchrun] [--baseline CHECKOUT] [--cold]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import re
 import statistics
@@ -85,8 +88,11 @@ def main() -> None:
     )
     ap.add_argument("--baseline", help="a checkout of an earlier commit: run it alternately, "
                     "same profiles, and compare times and plans")  # fmt: skip
+    ap.add_argument("--cold", action="store_true", help="compile the sources in every process "
+                    "(no bytecode cache, as under PYTHONDONTWRITEBYTECODE)")  # fmt: skip
     args = ap.parse_args()
-    exe = [str(Path(sys.executable).with_name("gpipe-plan"))]
+    # this checkout's cli.py (not whichever gpipe-plan is installed), as the baseline's
+    exe = [sys.executable, str(ROOT / "cli.py")]
     base = [sys.executable, str(Path(args.baseline) / "cli.py")] if args.baseline else None
     print(f"# {time.strftime('%Y-%m-%d')}, {platform.processor() or platform.machine()}, "
           f"python {platform.python_version()}, batch {args.batch_size}, {args.memory} per device, "
@@ -99,6 +105,22 @@ def main() -> None:
         print("| layers | devices | whole process s | candidates | solved | pruned | plan |")
         print("|---:|---:|---:|---:|---:|---:|---|")
     with tempfile.TemporaryDirectory() as tmp:
+        # An installed package runs from bytecode, compiled once; a process that compiles
+        # every source first takes about 0.2 s more here (PYTHONDONTWRITEBYTECODE, set on
+        # these machines). Each program's cache in a folder of its own, written by a run that
+        # is not timed, unless --cold.
+        env = dict(os.environ)
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        if args.cold:
+            env["PYTHONDONTWRITEBYTECODE"] = "1"
+        else:
+            env["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "pycache")
+            small = Path(tmp) / "small.json"
+            synthetic(8).save(small)
+            for prog in [exe] + ([base] if base else []):
+                warm = [*prog, "plan", str(small), "--devices", "2", "--memory", args.memory,
+                        "--batch-size", "8", "--target", args.target, "-o", os.devnull]  # fmt: skip
+                subprocess.run(warm, capture_output=True, env=env, cwd=tmp)
         for L in map(int, args.layers.split(",")):
             prof = Path(tmp) / f"p{L}.json"
             synthetic(L).save(prof)
@@ -111,7 +133,7 @@ def main() -> None:
                            "--batch-size", str(args.batch_size), "--target", args.target,
                            "-o", str(out)]  # fmt: skip
                     t0 = time.perf_counter()
-                    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp)
+                    done = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp, env=env)
                     wall = time.perf_counter() - t0
                     if done.returncode not in (0, 1):
                         raise SystemExit(done.stderr)
