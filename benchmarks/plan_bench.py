@@ -106,15 +106,17 @@ def main() -> None:
         print("|---:|---:|---:|---:|---:|---:|---|")
     with tempfile.TemporaryDirectory() as tmp:
         # An installed package runs from bytecode, compiled once; a process that compiles
-        # every source first takes about 0.2 s more here (PYTHONDONTWRITEBYTECODE, set on
-        # these machines). Each program's cache in a folder of its own, written by a run that
-        # is not timed, unless --cold.
+        # every source first takes 0.25-0.35 s more here (PYTHONDONTWRITEBYTECODE, set on
+        # these machines). The bytecode goes to a folder of the run's own (under it, each
+        # source's path: the checkouts apart), written by a run that is not timed, unless
+        # --cold.
         env = dict(os.environ)
         env.pop("PYTHONDONTWRITEBYTECODE", None)
+        # (cold: an empty cache folder, so that no checkout's own __pycache__ is read either)
+        env["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "pycache")
         if args.cold:
             env["PYTHONDONTWRITEBYTECODE"] = "1"
         else:
-            env["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "pycache")
             small = Path(tmp) / "small.json"
             synthetic(8).save(small)
             for prog in [exe] + ([base] if base else []):

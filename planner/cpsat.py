@@ -297,7 +297,6 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
     X = over(held, first)
     opened = _input_saved(m, c, x, first, s, L)  # per opening layer k: Xs where k opens s
     Xs = sum(opened)
-    lent = opened[0] if c.borrowed_input else 0
     S = over(c.saved, x) - sum(int(c.shared[k]) * inner[k][0] for k in range(L) if c.shared[k])
     Z = over(c.kept_grad, x) + int(c.last_grad) * x[L - 1][s]  # (last_grad: the last stage's)
     G = over(c.grad_in, first)
@@ -327,7 +326,8 @@ def _fit_memory(m: object, memory: MemoryModel, spec: StageSpec, x: list, first:
     else:
         kept_w = opened
     unsaved = sum(int(c.boundary[k]) * first[k][s] - kept_w[k] for k in range(L) if c.grad_in[k])
-    states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + unsaved - lent, G,
+    lent_w = kept_w[0] if c.borrowed_input else 0  # (the loss's part went with `loss`)
+    states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + unsaved - lent_w, G,
               pulled, 0, 0]  # fmt: skip
 
     transients = [

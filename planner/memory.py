@@ -1313,7 +1313,9 @@ class MemoryModel:
                 if c.has_loss and c.views is not None:
                     xw = np.minimum(self.input_saved(i, j, model_only=True), xs)
                 iw = saved - loss + z + np.where(g > 0, x - xw, 0)
-                out["between_iw"] = iw - np.where(lent, xs, 0) if c.borrowed_input else iw
+                # (stage 0 on the caller's micro-batch: what its model layers save of it is
+                # not the pipeline's; the loss's part went with `loss` already)
+                out["between_iw"] = iw - np.where(lent, xw, 0) if c.borrowed_input else iw
         if want("input_kept"):
             out["input_kept"] = out["input"] + self._ctx_kept(i, j)
         if want("activations_kept"):

@@ -25,7 +25,6 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     # model's own Chain.grads, found by a cold review: the same property on both sides)
     p = int((c.params if c.trainable is None else c.trainable)[i:j].sum())
     X, Xs = int(c.boundary[i]), min(_input_saved(c, i, j), int(c.boundary[i]))
-    lent = Xs if i == 0 and c.borrowed_input else 0  # the caller's micro-batch, not the stage's
     X = 0 if i == 0 and c.borrowed_input else X
     S = int(c.saved[i:j].sum()) - int(c.shared[i + 1 : j].sum())
     kept = c.zgrad if c.zkept is None else c.zkept  # (zero bubble: of layers whose weights train)
@@ -64,8 +63,10 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     dup = _dup(c, i, j) if ckpt and c.ctx_held is not None else 0
     # between I and W: the graph W keeps holds the input, where it needs a gradient, even
     # where only the loss saved it (through views: the loss's tensors go with I)
+    # (and on the caller's micro-batch, only the model layers' part of it is left out there)
     Xw = min(_input_saved(c, i, min(j, c.num_model_layers)), Xs) if i < c.num_model_layers else Xs
-    states = [X + by_ctx, X + S - Xs + dup, X + S - Xs + Z + G, S - loss + Z + (X - Xw if G else 0) - lent,
+    lent_w = Xw if i == 0 and c.borrowed_input else 0
+    states = [X + by_ctx, X + S - Xs + dup, X + S - Xs + Z + G, S - loss + Z + (X - Xw if G else 0) - lent_w,
               G, P, 0, 0]  # fmt: skip
     # zero bubble's I, from the last layer: the gradients of layers i .. k - 2's outputs are
     # not made yet while k's runs, nor the stage's input gradient G (the first layer's I's)
@@ -1057,6 +1058,17 @@ def test_a_stage_of_views_holds_its_input_for_w_when_it_takes_the_loss_on():
         assert memory.total(1, j, shape) == reference_memory(chain, 1, j, shape) == 1
     # the loss alone: nothing of the model's holds its input past I
     assert memory.state_bytes(2, 3)["between_iw"][0] == 0
+    # ... and stage 0 on the caller's micro-batch (a red team's): what the loss saves of it
+    # was taken off twice, as the loss's and as the caller's (-1 here); the gradients I keeps
+    # for W alone remain
+    z = np.array([2, 0])
+    lent = make_chain(2, forward=np.ones(2), saved=np.array([0, 1]), input_saved=np.array([0, 1]),
+                      loss_saved=np.array([0, 1]), grad_in=np.array([0, 1]), zgrad=z, zkept=z,
+                      views=np.array([True, False]), num_model_layers=1, borrowed_input=True)  # fmt: skip
+    memory = MemoryModel(lent)
+    for j in (1, 2):
+        assert memory.state_bytes(0, j)["between_iw"][0] == 2
+        assert memory.total(0, j, shape) == reference_memory(lent, 0, j, shape) == 2
 
 
 @settings(max_examples=80, deadline=None)
