@@ -112,11 +112,13 @@ def main() -> None:
         # --cold.
         env = dict(os.environ)
         env.pop("PYTHONDONTWRITEBYTECODE", None)
-        # (cold: an empty cache folder, so that no checkout's own __pycache__ is read either)
-        env["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "pycache")
+        # (cold: as these machines run it, the libraries' bytecode read, none written; a
+        # checkout that has a __pycache__ of its own is read too: an empty cache folder would
+        # compile numpy and pydantic as well, 2.1 s against 0.9 s at 100 x 4)
         if args.cold:
             env["PYTHONDONTWRITEBYTECODE"] = "1"
         else:
+            env["PYTHONPYCACHEPREFIX"] = str(Path(tmp) / "pycache")
             small = Path(tmp) / "small.json"
             synthetic(8).save(small)
             for prog in [exe] + ([base] if base else []):
