@@ -154,7 +154,9 @@ class _Prober:
         self.least = table.min(axis=0)  # per layer, its cheapest option (for lower bounds)
         self.speeds = [s.speed for s in stages]
         self.probes = 0
-        self.memory_cut = False  # whether memory lowered some stage's end in the last probe
+        # whether memory lowered some stage's end in the last probe, from a start its stages
+        # may still reach the end from on time alone (_near)
+        self.memory_cut = False
         self._every = np.arange(self.L + 1, dtype=np.int64)
         self._memory, self._keys = memory, [[(sh, s.budget) for sh in s.shapes] for s in stages]
         self._least = np.concatenate([[0.0], np.cumsum(self.least)])

@@ -1829,6 +1829,16 @@ def test_a_devices_second_stage_is_stepped_beside_the_carry_of_its_first():
     )
 
 
+def _lighter_twins(specs: list[StageSpec]) -> list[StageSpec]:
+    """Each stage with a second option: its occupancy one micro-batch lighter (at a cost the
+    caller's table gives)."""
+    return [
+        StageSpec(sp.speed, sp.budget, sp.shape, (dataclasses.replace(
+            sp.shape, occupancy=tuple(lighter_by(t, 1) for t in sp.shape.occupancy)),))
+        for sp in specs
+    ]  # fmt: skip
+
+
 def test_a_hint_leaves_memory_free_as_it_was():
     """A random draw's counterexample to the test below: memory lowered some stage's end from a
     start no split within the bound reaches the end from (the tables searched further, as a
@@ -1845,11 +1855,7 @@ def test_a_hint_leaves_memory_free_as_it_was():
              StageSpec(0.5, 1, w)]  # fmt: skip
     cuts = [np.zeros(L + 1), np.zeros(L + 1), np.where(np.arange(L + 1) == 9, math.inf, 0.0)]
     table = np.stack([chain.forward * r for r in (1.0, 1.25)])
-    options = [
-        StageSpec(sp.speed, sp.budget, sp.shape, (dataclasses.replace(
-            sp.shape, occupancy=tuple(lighter_by(t, 1) for t in sp.shape.occupancy)),))
-        for sp in specs
-    ]  # fmt: skip
+    options = _lighter_twins(specs)
     memory = MemoryModel(chain)
     plain = solve_partition(table, memory, options, cuts)
     assert plain.bounds == [0, 1, 2, 8, 10] and plain.extra["memory_free"] == 1.0
@@ -1870,11 +1876,7 @@ def test_a_hint_or_free_only_changes_no_split(problem, data):
     chain, specs, cuts = problem
     ratio = data.draw(st.sampled_from([1.25, 1.5]))
     table = np.stack([(chain.forward + chain.backward) * r for r in (1.0, ratio)])
-    options = [
-        StageSpec(sp.speed, sp.budget, sp.shape, (dataclasses.replace(
-            sp.shape, occupancy=tuple(lighter_by(t, 1) for t in sp.shape.occupancy)),))
-        for sp in specs
-    ]  # fmt: skip
+    options = _lighter_twins(specs)
     memory = MemoryModel(chain)
     plain = solve_partition(table, memory, options, cuts)
     one = solve_partition(table[:1], memory, specs, cuts)  # option 0 alone: a valid hint
