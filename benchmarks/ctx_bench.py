@@ -71,11 +71,26 @@ def _models() -> dict:
     def nested(ctx, x):
         ctx.held = {"a": [types.SimpleNamespace(t=x.repeat(1, 4))]}
 
+    def saved_and_exp(ctx, x):  # (its backward reads neither)
+        ctx.save_for_backward(x)
+        ctx.e = x.exp()
+
+    saves, own, kept = function(saved_and_exp), function(own_input), function(wide)
     return {  # name: (model, input width, its layers that keep a ctx)
         "input on ctx": (widening(function(own_input)), 32, (1, 4)),
         "16x wide on ctx": (alternate(256, function(wide)), 256, (1, 3, 5, 7)),
         "nested on ctx": (widening(function(nested)), 32, (1, 4)),
-    }
+        # (a red team's zoo, 7a2ca2c's notes: 11-14% under recomputing)
+        "saved and exp on ctx, then ReLU": (
+            nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(256, 256), saves(), nn.ReLU())]),
+            256, (1, 4, 7),
+        ),
+        "a chain of ctx Functions": (
+            nn.Sequential(nn.Linear(256, 256), own(), kept(), own(), nn.Linear(256, 256), own(),
+                          kept()),
+            256, (1, 2, 3, 5, 6),
+        ),
+    }  # fmt: skip
 
 
 def worker(root: str, name: str) -> None:

@@ -59,7 +59,11 @@ class Chained(nn.Module):
 
 
 class Recomputed(nn.Module):
-    """A stage that keeps only its input for backward and runs again inside it."""
+    """A stage that keeps only its input for backward and runs again inside it, under torch's
+    checkpoint: at the first saved tensor backward reads, not at its start as the plan counts
+    it (the streams and torchrun programs re-run by hand). The reentrant checkpoint re-runs at
+    the start, but torch's runtime asks autograd.grad for the stage's input gradients, which
+    it refuses."""
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()

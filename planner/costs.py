@@ -119,19 +119,17 @@ class Chain:
     # (None: not in the profile, as if all of them): Chain.w_freed
     w_kept: np.ndarray | None = None
     # What a custom autograd.Function in layer l keeps on its ctx (in `saved` too), beyond its
-    # input and of its input (ctx_held_bytes, ctx_input_bytes): a checkpoint keeps them (None:
-    # no layer keeps any so)
+    # input (ctx_held_bytes): a checkpoint of the layer's own keeps it (None: no layer keeps
+    # any so). (A recomputed stage runs its first forward without a graph: nothing kept.)
     ctx_held: np.ndarray | None = None
-    ctx_input: np.ndarray | None = None
     # ... what layer l's saves count that its ctx keeps (ctx_late_bytes), and what layer l - 1
     # saved that it keeps (ctx_prev_bytes): B lets those go with the graph, at the stage's end,
     # not as it passes layer l (l - 1, where l is in the stage too)
     ctx_late: np.ndarray | None = None
     ctx_prev: np.ndarray | None = None
-    # ... and of what it keeps, what a hook saves too (ctx_dup_bytes; of its input, its own
-    # hooks' or layer l - 1's: ctx_dup_input_bytes): a checkpoint's re-run makes those again
+    # ... and of what it keeps, what a hook saves too (ctx_dup_bytes): a checkpoint's re-run
+    # makes that again
     ctx_dup: np.ndarray | None = None
-    ctx_dup_input: np.ndarray | None = None
     # whether a layer hands some value on unchanged (a tuple's part): what the layer before it
     # made may reach a layer past it (None: none does)
     passes: np.ndarray | None = None
@@ -468,11 +466,9 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         **(
             dict(
                 ctx_held=sizes("ctx_held_bytes"),
-                ctx_input=sizes("ctx_input_bytes"),
                 ctx_late=sizes("ctx_late_bytes"),
                 ctx_prev=sizes("ctx_prev_bytes"),
                 ctx_dup=sizes("ctx_dup_bytes"),
-                ctx_dup_input=sizes("ctx_dup_input_bytes"),
             )
             if table.flags("ctx_held_bytes").any() and not profile.captured
             else {}

@@ -85,9 +85,9 @@ def _transients(m: object, c: Chain, x: list, first: list, s: int, L: int) -> tu
     # where the split fits, found by a review)
     live = m.new_int_var(0, top(b, ib + sc), f"live{s}")  # type: ignore[attr-defined]
     inp = m.new_int_var(0, top(it) + int(z.sum()), f"input{s}")  # type: ignore[attr-defined]
-    # a recomputed B's forward, a checkpoint's: as remat, but the stage's last layer k only up
-    # to its last save (st: torch's early stop)
-    st = c.stop
+    # a recomputed B's forward, re-run by hand at its start: as remat (the stage's whole
+    # forward; kept apart for _tight_pulled's sign)
+    st = f
     stop = m.new_int_var(0, top(f, f + u), f"stop{s}")  # type: ignore[attr-defined]
     # live and stop are exactly the largest of their bounds (each at most 0 where it does not
     # apply: `off` takes a condition's bound below 0): a tight pulled gradient counts them
@@ -237,10 +237,11 @@ def _tight_pulled(m: object, c: Chain, x: list, first: list, s: int, L: int, S: 
     the same start and ending at a layer k of this one holds so. Such a stage's B holds what
     its layers through k saved, then k's output gradient and the largest backward of a layer
     before k (those through it saved, and its transient), or k's own backward. `remat`: B
-    re-materialises too (its transient is the larger of live and stop, a checkpoint's forward),
+    re-materialises too (its transient is the larger of live and stop, the stage's forward),
     and holds a layer l's whole forward peak (the first layer's without its input) beside the
-    output gradient of a later layer, or k's peak up to its last save beside its own."""
-    b, z, f, u, st = c.backward_transient, c.zgrad, c.forward_transient, c.input_unsaved, c.stop
+    output gradient of a later layer, or k's beside its own."""
+    b, z, f, u = c.backward_transient, c.zgrad, c.forward_transient, c.input_unsaved
+    st = f  # (B re-materialises the stage's whole forward)
     ib, sc = _inner(c)
     most = int(max(b.max(), ib.max() + sc))  # (an inner layer's figure may pass b: _inner)
     top = int(c.saved.sum()) + int(np.maximum(b, f + u).max()) + 2 * int(z.max()) + most + sc + 1

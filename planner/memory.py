@@ -54,14 +54,10 @@ as the schedule's issue order moves them (schedules/memory.py). Per micro-batch,
     remat_live = max(forward[i], max over i < l < j of forward[l] + input_unsaved[l]) less
            later(l) at that l: while a forward that keeps what it saves runs (F, and zero
            bubble's re-materialising forward at I), before the layers after l saved
-    stop_live = remat_live, but the last layer j - 1 counts stop[j - 1] + input_unsaved[j - 1]
-           (stop[i] alone for a stage of one layer): a recomputed B's re-materialising
-           forward is a checkpoint's, which ends once every tensor the first run saved is back
-           (torch's early stop), so the stage's last layer runs only up to its last save
-           (`Chain.stop`, profiled; its whole forward where it saves nothing: the run then ends
-           in an earlier layer and holds less). Zero bubble's I re-runs the stage whole by
-           hand: remat_live. A captured graph's: remat_live, and the sum of the gradients
-           later stages send back for one value it makes (_sent_sums)
+    stop_live = remat_live: the forward a recomputed B re-materialises by hand at its start,
+           beside the gradient it pulled alone, the stage's whole forward (the runtime's
+           _rematerialise, as zero bubble's I). A captured graph's: remat_live, and the sum
+           of the gradients later stages send back for one value it makes (_sent_sums)
     input_live = max(input_grad[i], max over i < l < j of input_grad[l] - sum zkept[i:l-1]
            - G): while I runs, from the last layer: the output gradients of the layers
            before l - 1 are not made yet, nor the stage's input gradient (its first
@@ -180,16 +176,6 @@ class StageShape:
     def inflight(self) -> int:
         """Micro-batches the stage holds tensors of (beyond an input gradient) at its worst."""
         return max(sum(t[:4]) for t in self.occupancy)
-
-
-@lru_cache(maxsize=4096)
-def _checkpoints(occupancy: tuple[tuple[int, ...], ...]) -> bool:
-    """Whether a stage of this occupancy recomputes under torch's checkpoint: a forward that
-    keeps nothing runs in it (FORWARD_LIVE), and no zero-bubble I (whose stages re-run their
-    forward by hand)."""
-    forward = N_STATES + TRANSIENTS.index("forward_live")
-    i = N_STATES + TRANSIENTS.index("input_live")
-    return any(t[forward] for t in occupancy) and not any(t[i] for t in occupancy)
 
 
 @lru_cache(maxsize=4096)
@@ -409,19 +395,6 @@ class MemoryModel:
         self._saved = _prefix(chain.saved)
         self._shared = _prefix(chain.shared)
         self._loss = _prefix(chain.loss_saved)
-        # what a checkpoint keeps of its layers' ctx (Chain.ctx_held): per stage [i, j), all
-        # they keep beyond their input, and of their input where it is not the stage's
-        self._ctx = (
-            None
-            if chain.ctx_held is None or chain.ctx_input is None
-            else (_prefix(chain.ctx_held), _prefix(chain.ctx_input))
-        )
-        # ... and of those what a hook saves too, which its re-run makes again beside them
-        self._dup = (
-            None
-            if chain.ctx_dup is None or chain.ctx_dup_input is None
-            else (_prefix(chain.ctx_dup), _prefix(chain.ctx_dup_input))
-        )
         self._zgrad = _prefix(chain.zgrad)
         self._zkept = _prefix(chain.kept_grad)
         # the output gradients zero bubble's I lets go (a layer without weights that train):
@@ -450,11 +423,6 @@ class MemoryModel:
         # a forward that keeps what it saves, layer by layer: layer l's peak comes on top of
         # what the layers before it saved (and, inside the stage, its input while it runs)
         self._first_remat = (self._held + f).astype(np.int64)
-        # A recomputed B's re-materialising forward is a checkpoint's: it ends at the stage's
-        # last layer's last save (torch's early stop), that layer's peak up to there (stop)
-        stop = chain.stop.astype(np.int64)
-        self._stop_last = self._held + stop + chain.input_unsaved  # (inside the stage)
-        self._stop_first = self._held + stop  # (the stage's only layer)
         # zero bubble's I, layer by layer from the last: layer l's peak comes on top of the
         # gradients kept so far: its own output's, those of the layers after it, and its
         # input's, which it makes (the stage's counts all of them: those of layers i .. l - 2
@@ -600,15 +568,16 @@ class MemoryModel:
     @cached_property
     def _pairs_r(self) -> _PairMax:
         """A recomputed B's forward beside the gradient it pulled (pulled_with): a layer l's
-        whole forward peak before a later layer m's output gradient, l < m (_ends_s: or m's
-        peak up to its last save)."""
+        whole forward peak before a later layer m's output gradient, l < m (_ends_r: or m's
+        beside its own)."""
         c = self.chain
         q = self._held + c.forward_transient + c.input_unsaved
         return _PairMax(q, c.zgrad.astype(np.int64))
 
     @cached_property
-    def _ends_s(self) -> _RangeMax:
-        return _RangeMax(self._stop_last + self.chain.zgrad.astype(np.int64))
+    def _ends_r(self) -> _RangeMax:
+        c = self.chain
+        return _RangeMax(self._held + c.forward_transient + c.input_unsaved + c.zgrad)
 
     @cached_property
     def _let_go_tables(self) -> dict:
@@ -1145,21 +1114,6 @@ class MemoryModel:
         table.setflags(write=False)
         return table
 
-    def _stop_live(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        """What a recomputed B's re-materialising forward holds above the stage's activations:
-        layer by layer as remat_live, but a checkpoint stops once it has every saved tensor
-        back (torch's early stop), so the stage's last layer counts its peak up to its last
-        save alone (`Chain.stop`: its whole forward where it saves nothing; then the run stops
-        in an earlier layer and holds less). Grows with j: a layer's whole peak is at least its
-        peak up to its last save."""
-        inner = j - i > 1
-        last = j - 1
-        middle = np.where(
-            j - i > 2, self._inner_remat(np.minimum(i + 1, last), np.maximum(last, i + 1)), 0
-        )
-        many = np.maximum(np.maximum(self._first_remat[i], middle), self._stop_last[last])
-        return np.where(inner, many, self._stop_first[i]) - self._held[last]
-
     def _backward_live(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
         """The most B holds above the stage's activations, layer by layer from the last: layer
         l's backward transient, less what the layers after it saved and have let go by then;
@@ -1280,7 +1234,7 @@ class MemoryModel:
 
         if want(
             "input", "activations", "during_i", "between_iw", "grad", "early", "late",
-            "input_saved", "input_kept", "activations_kept",
+            "input_saved",
         ):  # fmt: skip
             x, g, early, late = self.inputs(i, j, None if start is None else np.atleast_1d(start))
             xs = np.minimum(self.input_saved(i, j), x)
@@ -1290,8 +1244,7 @@ class MemoryModel:
             x = np.where(lent, 0, x) if c.borrowed_input else x
             out.update(input=x, grad=g, early=early, late=late, input_saved=xs)
         if want(
-            "activations", "during_i", "between_iw", "saved", "z", "skips", "loss",
-            "activations_kept",
+            "activations", "during_i", "between_iw", "saved", "z", "skips", "loss"
         ):  # fmt: skip
             saved = self._saved[j] - self._saved[i] - (self._shared[j] - self._shared[i + 1])
             z = self._zkept[j] - self._zkept[i]
@@ -1300,7 +1253,7 @@ class MemoryModel:
             skips = 0 if c.flow is None else c.flow.passing(i, j)
             loss = self._loss[j] - self._loss[i]
             out.update(saved=saved, z=z, skips=np.broadcast_to(skips, i.shape), loss=loss)
-            if want("activations", "during_i", "activations_kept"):
+            if want("activations", "during_i"):
                 out["activations"] = x + saved - xs
             if want("during_i"):
                 out["during_i"] = out["activations"] + z + g + skips
@@ -1316,10 +1269,6 @@ class MemoryModel:
                 # (stage 0 on the caller's micro-batch: what its model layers save of it is
                 # not the pipeline's; the loss's part went with `loss` already)
                 out["between_iw"] = iw - np.where(lent, xw, 0) if c.borrowed_input else iw
-        if want("input_kept"):
-            out["input_kept"] = out["input"] + self._ctx_kept(i, j)
-        if want("activations_kept"):
-            out["activations_kept"] = out["activations"] + self._ctx_dup(i, j)
         whole, after, inner = self._ranges(i, j)
         if want("pulled"):
             pulled = self._pulled.take(whole) if c.flow is None else self._flow_pulled()[i, j]
@@ -1333,10 +1282,9 @@ class MemoryModel:
             remat = np.maximum(self._first_remat[i], remat)
             # above the stage's activations, all saved by the end
             out["remat_live"] = remat = remat - self._held[j - 1]
-            # (a captured graph's: its whole forward)
-            stop = self._stop_live(i, j) if c.flow is None else remat
-            if self._ctx is not None:  # (the re-run makes its ctx's again beside the first)
-                stop = stop + self._ctx_remade(i, j)
+            # (B re-materialises by hand at its start: the stage's whole forward; a captured
+            # graph's beside the gradients later stages send back for one value it makes)
+            stop = remat
             if c.flow is not None and want("stop_live"):  # (its table only where asked for)
                 stop = stop + self._sent_sums[i, j]
             out["stop_live"] = stop
@@ -1362,15 +1310,13 @@ class MemoryModel:
                 if want("pulled_paired"):
                     # and a recomputed B's forward: a layer l's whole peak (the first layer's
                     # without its input) beside the output gradient of a later layer m, or
-                    # m's peak up to its last save beside its own (the stage ending at m + 1)
+                    # m's beside its own (the stage ending at m + 1)
                     later = self._pulled(np.minimum(i + 1, j - 1), j)
                     first = self._first_remat[i] + later
-                    ends = np.maximum(self._pairs_r(i + 1, j), self._ends_s.take(after))
+                    ends = np.maximum(self._pairs_r(i + 1, j), self._ends_r.take(after))
                     forward = np.maximum(first, ends)
-                    own = self._stop_first[i] + self._zgrad[i + 1] - self._zgrad[i]
+                    own = self._first_remat[i] + self._zgrad[i + 1] - self._zgrad[i]
                     forward = np.maximum(own, np.where(inner, forward, 0)) - self._held[j - 1]
-                    if self._ctx is not None:  # (as stop: the ctx's made again)
-                        forward = forward + self._ctx_remade(i, j)
                     both = np.maximum(out["live"], stop)
                     out["pulled_paired"] = np.maximum(top, forward) - both
         if want("input_live") and self._flow_input_live is not None:
@@ -1527,47 +1473,9 @@ class MemoryModel:
             return "pulled"  # the tables pulled_tight and pulled_paired read)
         return pulled_with(shape.occupancy)
 
-    def _ctx_kept(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        """What a checkpoint of stage [i, j) keeps of its layers' ctx beside its input (0
-        where no layer keeps anything on a ctx)."""
-        if self._ctx is None:
-            return np.zeros(np.shape(i), dtype=np.int64)
-        held, of_input = self._ctx
-        return held[j] - held[i] + of_input[j] - of_input[np.minimum(i + 1, j)]
-
-    def _ctx_remade(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        """What a checkpoint's re-run of stage [i, j) makes again of what its layers' ctx keep,
-        beside B's activations (which count the copies a hook saves: _ctx_dup). All of it, as
-        if the re-run went through the stage's last layer (it stops at the last tensor a hook
-        saves: a ctx after that is counted over)."""
-        return self._ctx_kept(i, j) - self._ctx_dup(i, j)
-
-    def _ctx_dup(self, i: np.ndarray, j: np.ndarray) -> np.ndarray:
-        """What a checkpoint's re-run of stage [i, j) makes again of what its layers' ctx keep
-        (Chain.ctx_dup): B holds both (0 where nothing is kept so)."""
-        if self._dup is None:
-            return np.zeros(np.shape(i), dtype=np.int64)
-        own, of_input = self._dup
-        return own[j] - own[i] + of_input[j] - of_input[np.minimum(i + 1, j)]
-
-    def _keeps_ctx(self, shape: StageShape) -> bool:
-        """Whether a shape's stages hold what their layers keep on a ctx from F to B's end on
-        top of their input (recomputing: torch's checkpoint keeps the graph it re-runs from,
-        and the ctx with it; zero bubble re-runs its forward by hand, from nothing kept)."""
-        return self._ctx is not None and _checkpoints(shape.occupancy)
-
     def _keyed(self, b: dict, shape: StageShape) -> dict:
-        """state_bytes `b` as `shape` counts them: its pulled gradient, and (_keeps_ctx) its
-        input with what the checkpoint keeps of a ctx, and B's activations with what the
-        re-run makes again of those, where a hook saves them too (_ctx_dup). (The rest its
-        `saved` counts once: the re-run makes them again only for a moment, as its graph goes
-        once the saved tensors are made again, and B reads the first ones.)"""
-        out = self._with_key(b, self._pulled_key(shape))
-        if self._keeps_ctx(shape):
-            out["input"] = b["input_kept"]
-            if "activations_kept" in b:
-                out["activations"] = b["activations_kept"]
-        return out
+        """state_bytes `b` as `shape` counts them: with its pulled gradient."""
+        return self._with_key(b, self._pulled_key(shape))
 
     @staticmethod
     def _with_key(b: dict, key: str) -> dict:
@@ -1623,17 +1531,9 @@ class MemoryModel:
         cols = np.flatnonzero(counted)
         each = all(sh.foreach for sh in shapes)
         keys = [self._pulled_key(shape) for shape in shapes]
-        ctx = [self._keeps_ctx(shape) for shape in shapes]
         wanted = frozenset(names[k] for k in cols) | (set() if each else {"largest"})
         if counted[PULLED]:
             wanted |= set().union(*(self._key_states(k) for k in keys))
-        kept_rows = [  # (the rows a shape that keeps a ctx reads from other entries)
-            (int(np.searchsorted(cols, k)), f"{names[k]}_kept")
-            for k in (STATES.index("input"), STATES.index("activations"))
-            if counted[k]
-        ]
-        if any(ctx):
-            wanted |= {name for _, name in kept_rows}
         b = self.state_bytes(i, j, only=wanted) if states is None else states
         values = np.empty((len(cols), len(i)), dtype=np.int64)
         for row, k in enumerate(cols):
@@ -1653,11 +1553,6 @@ class MemoryModel:
                 mine[pulled_row] = b[keys[g]][lo:hi]
                 if keys[g] == "pulled_flow_tight" and counted[N_STATES]:  # (and its live)
                     mine[int(np.searchsorted(cols, N_STATES))] = b["live_flow_tight"][lo:hi]
-            if ctx[g] and kept_rows:
-                mine = mine.copy()
-                for row, name in kept_rows:
-                    kept = b[name][lo:hi]
-                    mine[row] = np.maximum(kept, 0) if shape.bound else kept  # (as `mine`'s)
             held = _most(occ, mine)
             own = trained[lo:hi] - copied[lo:hi]
             size = _stepped(own, None if shape.foreach else largest[lo:hi])  # type: ignore[index]
@@ -1701,8 +1596,6 @@ class MemoryModel:
             wanted = {names[k] for k in np.flatnonzero(counted)} | {"largest"}
             if counted[PULLED]:
                 wanted |= self._key_states(self._pulled_key(shape))
-            if self._keeps_ctx(shape):
-                wanted |= {"input_kept", "activations_kept"}
             missing = frozenset(wanted - self._single.keys())
             if missing:
                 self._single.update(self.state_bytes(every, every + 1, only=missing))

@@ -98,9 +98,8 @@ class StateBytes(_Strict, LaterFields):
     weight_live: Bytes = Field(description="... while zero-bubble W runs")
     stop_live: Bytes | None = Field(
         default=None,
-        description="... while a recomputed B's re-materialising forward runs (a checkpoint's, "
-        "which stops once the stage's last saved tensor is back); absent in plans made before it "
-        "was counted: remat_live",
+        description="... while a recomputed B's re-materialising forward runs (the stage's "
+        "whole forward, at B's start); absent in plans made before it was counted: remat_live",
     )
     optimizer_step: Bytes = Field(description="the optimizer step's temporaries, after the step")
     foreach: bool = Field(description="the optimizer's multi-tensor kernels make them all at once")

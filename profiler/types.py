@@ -120,10 +120,10 @@ class LayerProfile(BaseModel):
     stop_transient_bytes: dict[int, Bytes] | None = Field(
         default=None,
         description="the most its forward allocates beyond what it saves, up to the moment it "
-        "saves its last tensor: where torch's checkpoint stops re-running a recomputed stage "
-        "whose last layer this is (a layer that saves nothing: its forward_transient_bytes); "
-        "absent in profiles made before it was measured (the planner then counts the whole "
-        "forward)",
+        "saves its last tensor: where torch's checkpoint stops re-running the layer under a "
+        "checkpoint of its own (a layer that saves nothing: its forward_transient_bytes; a "
+        "recomputed stage is re-run whole); absent in profiles made before it was measured "
+        "(the planner then counts the whole forward)",
     )
 
     views_input: bool | None = Field(
@@ -184,16 +184,16 @@ class LayerProfile(BaseModel):
         description="what a custom autograd.Function in the layer keeps as attributes of its "
         "ctx (`ctx.x = x`, which no saved-tensor hook sees), its input aside, not the model's "
         "weights: in saved_bytes too. A checkpoint cannot let it go (the graph it re-runs from "
-        "keeps the node, and the ctx with it, until backward), so a recomputed stage holds it "
-        "beside its input; absent where the layer keeps nothing so (and in profiles made "
-        "before it was measured)",
+        "keeps the node, and the ctx with it, until backward), so a layer under a checkpoint "
+        "of its own holds it beside its input (a recomputed stage runs its first forward "
+        "without a graph: nothing kept); absent where the layer keeps nothing so (and in "
+        "profiles made before it was measured)",
     )
 
     ctx_input_bytes: dict[int, Bytes] | None = Field(
         default=None,
         description="the part of its input a custom autograd.Function in the layer keeps on "
-        "its ctx (see ctx_held_bytes): a checkpoint of a stage it does not open holds it too; "
-        "absent where the layer keeps none so",
+        "its ctx (see ctx_held_bytes); absent where the layer keeps none so",
     )
 
     ctx_late_bytes: dict[int, Bytes] | None = Field(
@@ -219,8 +219,7 @@ class LayerProfile(BaseModel):
     ctx_dup_input_bytes: dict[int, Bytes] | None = Field(
         default=None,
         description="the part of ctx_input_bytes a hook saves too, its own or the layer "
-        "before's (its output): in a stage that holds both layers, a checkpoint's re-run makes "
-        "that again; absent where no ctx keeps any",
+        "before's (its output); absent where no ctx keeps any",
     )
 
     tied_first_backward_bytes: dict[int, Bytes] | None = Field(

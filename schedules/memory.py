@@ -36,8 +36,8 @@ Transitions, at an action's start (allocations) or its end (frees and hand-offs)
 While an action runs, its device also holds that action's transient, the most one layer adds
 above what the states count: `live` for B, `remat_live` for a forward that keeps what it saves
 (F, and the forward a recomputed micro-batch re-materialises at zero bubble's I, by hand),
-`stop_live` for the forward a recomputed B re-materialises (a checkpoint's: it ends once the
-stage's last saved tensor is made again, torch's early stop), `forward_live` for the forward
+`stop_live` for the forward a recomputed B re-materialises at its start (by hand too: the
+stage's whole forward, a captured graph's beside the gradients sent back for one value), `forward_live` for the forward
 of a recomputed micro-batch (which keeps nothing), `input_live` for I and `weight_live` for W.
 One host issues one action at a time, so a device never holds two transients at once. After
 the last action, the optimizer step runs on every device: its temporaries come on top of the
@@ -238,9 +238,8 @@ def _build_steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
 
 
 def _b_remat(schedule: Schedule) -> int:
-    """The transient of a recomputed B's re-materialising forward: a checkpoint's, which stops
-    at the stage's last saved tensor, except where the runtime re-runs the stage whole by
-    hand (zero bubble's, codegen/_runtime.py)."""
+    """The transient of a recomputed B's re-materialising forward (zero bubble's I's: the one
+    a forward that keeps what it saves holds; codegen/_runtime.py re-runs both by hand)."""
     return REMAT_LIVE if schedule.name == "zb-h1" else STOP_LIVE
 
 

@@ -921,8 +921,10 @@ SHAPES = {  # (layers, devices, schedule, recompute, the most the plan may count
     "ends in a mean": (_ends_in_mean, 2, "gpipe", "never", 512),
     # recomputing: B holds the gradient through its re-materialising forward and its backward
     "ends in a mean, recomputed": (_ends_in_mean, 2, "1f1b", "always", 512),
-    # a checkpoint's re-run stops at the lone Linear's last save, before its product: the
-    # plan counted that product (45% over), now the forward up to that save
+    # B re-runs the lone Linear whole, its product too, beside the gradient it pulled (torch's
+    # checkpoint stopped at its last save, before the product, which the plan counted: 45%
+    # over; it counted the forward up to that save for a while after; now the runtime re-runs
+    # the stage by hand, after pulling)
     "lone first layer, recomputed": (_lone_first, 2, "gpipe", "always", 512),
     # beside another stage of its device
     "hands its input on": (_hands_on, 2, "interleaved-1f1b", "never", 512),
@@ -1445,3 +1447,102 @@ def test_zero_bubble_holds_the_input_of_a_last_stage_of_views_to_w():
     assert [s.layers for s in plan.stages][-1] == (4, 6)  # the views alone, and the loss
     over = _measured_over(model, plan, x, y)
     assert all(o <= 64 for o in over), over
+
+
+class _Tanh16(torch.autograd.Function):
+    """tanh, by way of a copy of its input 16x as wide (a kernel's workspace): a forward that
+    holds much more while it runs than it keeps."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        out = x.repeat(1, 1, 16)[..., : x.shape[-1]].tanh()
+        ctx.save_for_backward(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        (out,) = ctx.saved_tensors
+        return g * (1 - out * out)
+
+
+class _Workspace(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Tanh16.apply(x)
+
+
+class _Summed(torch.autograd.Function):
+    """The sum over tokens, whose backward reads no saved tensor (it saves none), and makes a
+    gradient as wide as its input from a narrow one."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.tokens = x.shape[1]
+        return x.sum(1)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g.unsqueeze(1).expand(-1, ctx.tokens, -1).contiguous()
+
+
+class _Sums(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Summed.apply(x)
+
+
+class _Scaled(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+
+class _SavedAndKept(torch.autograd.Function):
+    """tanh that saves its input and keeps its exp on ctx, reading neither in backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(x)
+        ctx.e = x.exp()
+        return torch.tanh(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g * 0.5
+
+
+class _Keeps(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SavedAndKept.apply(x)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("tail", [_Sums, _Scaled, _Keeps])
+def test_a_recomputed_stage_ending_in_a_layer_whose_backward_reads_nothing(schedule, tail):
+    """A recomputed stage whose last layer's backward reads no saved tensor (a custom
+    Function's sum over tokens, `x * 3`, a custom Function that saves its input and keeps its
+    exp on ctx, reading neither), and whose second layer's forward holds a workspace 16x its
+    input. Under torch's checkpoint the re-run came at the first saved tensor B read, after
+    the last layer's backward, whose input gradient it held through the re-run: device 0 ran
+    131 112 bytes (12.4%) above its plan with `x * 3`, 131 088 (8.3%) with the ctx, 8 208 with
+    the sum; and the checkpoint kept each micro-batch's ctx from F to B (the ctx plan 50%
+    larger). The runtime runs a recomputed forward without a graph now, and at B's start,
+    once it has pulled its gradient, re-runs the stage whole, by hand, as the plan counts it:
+    never above it. The sum is below it by 120 KiB, the safe side: B's pulled gradient is
+    raised to what the stage one layer shorter holds through its re-run (the Linear's output
+    gradient), so that a stage's total grows with its end, which the exact search rests on."""
+    from tests.conftest import even_times, quick_profile
+    from tests.test_graph import _measured_over
+
+    torch.manual_seed(0)
+    wide = tail is not _Sums
+    model = nn.Sequential(nn.Linear(64, 64), _Workspace(), nn.Linear(64, 256), tail(),
+                          nn.Linear(256, 64), nn.Linear(64, 64), nn.Linear(64, 64))  # fmt: skip
+    x = torch.randn(32, 16, 64)
+    y = torch.randn(32, 16, 64) if wide else torch.randn(32, 64)
+    prof = even_times(quick_profile(model, x, batch_sizes=[4, 8], loss_fn="mse", threads=1))
+    assert prof.layers[3].saved_bytes[8] == (8 * 16 * 256 * 4 * 2 if tail is _Keeps else 0)
+    plan = plan_pipeline(prof, Cluster.uniform(2, "1GiB"), 32, microbatches=4, schedule=schedule,
+                         recompute="always", checkpoint=())  # fmt: skip
+    assert plan.stages[0].layers == (0, 4)
+    over = _measured_over(model, plan, x, y)
+    peaks = plan.predicted.peak_memory
+    assert all(o <= 64 for o in over), (over, peaks)
+    assert over[0] >= -(8 * 16 * 256 * 4 + 64) and over[1] >= -0.02 * peaks[1], (over, peaks)

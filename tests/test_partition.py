@@ -45,28 +45,23 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
         # (each shorter stage's B as it walks, not raised to its own shorter ones: B's whole
         # grows with the end through this maximum)
         # B's walk from what it has not let go (_held_b: a ctx keeps some to the stage's end);
-        # a recomputed B's forward with the ctx's kept and those it makes again (_by_ctx)
+        # a recomputed B's forward: the stage's whole, re-run by hand at B's start (_remat)
         z = c.zgrad
         top = max(_held_b(c, i, k) + int(z[k - 1]) + _walked(c, i, k)
                   for k in range(i + 1, j + 1)) - _held_b(c, i, j)  # fmt: skip
         if kind == "paired":
-            top = max(top, max(_held(c, i, k) + int(z[k - 1]) + _stop(c, i, k)
-                               for k in range(i + 1, j + 1)) - S + _remade(c, i, j))  # fmt: skip
-        P = top - max(live, _stop(c, i, j) + _remade(c, i, j) if kind == "paired" else 0)
+            top = max(top, max(_held(c, i, k) + int(z[k - 1]) + _remat(c, i, k)
+                               for k in range(i + 1, j + 1)) - S)  # fmt: skip
+        P = top - max(live, _remat(c, i, j) if kind == "paired" else 0)
     loss = int(c.loss_saved[i:j].sum())  # the loss's own: it goes with I, before W
-    # recomputing under torch's checkpoint (a forward keeping nothing runs, no zero-bubble I):
-    # the input beside what the layers keep on a ctx, and of their inputs but the stage's
-    flags = [any(t[8 + k] for t in shape.occupancy if len(t) > 8 + k) for k in range(6)]
-    ckpt = flags[2] and not flags[3]
-    by_ctx = _by_ctx(c, i, j) if ckpt else 0
-    # ... and B beside what the re-run makes again of those, where a hook saves them too
-    dup = _dup(c, i, j) if ckpt and c.ctx_held is not None else 0
+    # (recomputing, the forward that keeps nothing runs without a graph: what its layers keep
+    # on a ctx goes with it, and B's re-run makes them once, as the first run did)
     # between I and W: the graph W keeps holds the input, where it needs a gradient, even
     # where only the loss saved it (through views: the loss's tensors go with I)
     # (and on the caller's micro-batch, only the model layers' part of it is left out there)
     Xw = min(_input_saved(c, i, min(j, c.num_model_layers)), Xs) if i < c.num_model_layers else Xs
     lent_w = Xw if i == 0 and c.borrowed_input else 0
-    states = [X + by_ctx, X + S - Xs + dup, X + S - Xs + Z + G, S - loss + Z + (X - Xw if G else 0) - lent_w,
+    states = [X, X + S - Xs, X + S - Xs + Z + G, S - loss + Z + (X - Xw if G else 0) - lent_w,
               G, P, 0, 0]  # fmt: skip
     # zero bubble's I, from the last layer: the gradients of layers i .. k - 2's outputs are
     # not made yet while k's runs, nor the stage's input gradient G (the first layer's I's)
@@ -97,7 +92,7 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
     weight = max(int(c.weight_grad_transient[k])
                  + (int(c.shared[k + 1]) if k + 1 < j and keeps(k + 1) else 0)
                  - sum(freed(m) for m in range(k + 1, j)) for k in range(i, j))  # fmt: skip
-    transients = [live, remat, forward, input_live, weight, _stop(c, i, j) + _remade(c, i, j)]
+    transients = [live, remat, forward, input_live, weight, remat]
     held = max(sum(n * b for n, b in zip(t, states + transients)) for t in shape.occupancy)
     # (a stage that trains nothing steps nothing: its frozen weights have no gradient; found
     # by this suite's random chains once the model said so, last session)
@@ -131,26 +126,6 @@ def _held_b(c: Chain, i: int, j: int) -> int:
     if c.ctx_late is None or c.ctx_prev is None:
         return _held(c, i, j)
     return _held(c, i, j) - int(c.ctx_late[i:j].sum()) - int(c.ctx_prev[i + 1 : j].sum())
-
-
-def _by_ctx(c: Chain, i: int, j: int) -> int:
-    """What the stage's layers keep on a ctx beside its input (under a checkpoint: to B's
-    end; and its re-run makes them again)."""
-    if c.ctx_held is None or c.ctx_input is None:
-        return 0
-    return int(c.ctx_held[i:j].sum() + c.ctx_input[i + 1 : j].sum())
-
-
-def _dup(c: Chain, i: int, j: int) -> int:
-    """Of _by_ctx, what a hook saves too: a checkpoint's re-run makes that again."""
-    if c.ctx_dup is None or c.ctx_dup_input is None:
-        return 0
-    return int(c.ctx_dup[i:j].sum() + c.ctx_dup_input[i + 1 : j].sum())
-
-
-def _remade(c: Chain, i: int, j: int) -> int:
-    """What the re-run makes again of _by_ctx beside B's activations (which count _dup)."""
-    return _by_ctx(c, i, j) - _dup(c, i, j)
 
 
 def _backward_live(c: Chain, i: int, j: int) -> int:
@@ -242,20 +217,6 @@ def _remat(c: Chain, i: int, j: int) -> int:
         return int(c.saved[k + 1 : j].sum()) - int(c.shared[k + 1 : j].sum())
 
     return max([int(f[i]) - later(i)] + [int(f[k] + u[k]) - later(k) for k in range(i + 1, j)])
-
-
-def _stop(c: Chain, i: int, j: int) -> int:
-    """A recomputed B's forward, a checkpoint's: as _remat, but the run stops once the stage's
-    last layer has saved all it saves, so that layer counts its peak up to there alone."""
-    f, u, stop = c.forward_transient, c.input_unsaved, np.minimum(c.stop, c.forward_transient)
-
-    def later(k: int) -> int:
-        return int(c.saved[k + 1 : j].sum()) - int(c.shared[k + 1 : j].sum())
-
-    if j - i == 1:
-        return int(stop[i])
-    whole = [int(f[i]) - later(i)] + [int(f[k] + u[k]) - later(k) for k in range(i + 1, j - 1)]
-    return max(whole + [int(stop[j - 1] + u[j - 1])])
 
 
 def pulled_with(occupancy: tuple[tuple[int, ...], ...]) -> str:
@@ -432,7 +393,6 @@ def problems(draw):
         **(
             {
                 "ctx_held": (held := ints(0, 20, L)),
-                "ctx_input": (kept_input := np.minimum(ints(0, 20, L), boundary[:L])),
                 # (parts of what the layer's saves count, and of the rest of the layer
                 # before's: a profile counts each kept tensor once)
                 "ctx_late": (late := np.minimum(ints(0, 20, L), saved - shared)),
@@ -441,7 +401,6 @@ def problems(draw):
                 ),
                 # (parts of what they keep)
                 "ctx_dup": np.minimum(ints(0, 20, L), held),
-                "ctx_dup_input": np.minimum(ints(0, 20, L), kept_input),
             }
             if draw(st.booleans())
             else {}

@@ -38,7 +38,6 @@ MODES = ["never", "except_last", "always"]
 
 def by_hand(
     i: int, j: int, mb: int, *, saved, shared, out, inp, input_saved, transient, L, kind="pulled",
-    stop=None,
 ):  # fmt: skip
     """A stage's bytes per state, written out from DESIGN.md's model (no loss here; a CPU
     profile: stage 0 works on the caller's micro-batch, so holds none of its input). `kind`:
@@ -70,20 +69,10 @@ def by_hand(
         return max([mb * transient[i] - later(i)]
                    + [mb * (transient[k] + 2) - later(k) for k in range(i + 1, e)])  # fmt: skip
 
-    def stopped(e):  # a checkpoint's re-run of [i, e): its last layer only to its last save
-        upto = [min(a, b) for a, b in zip(stop or transient, transient)]
-
-        def later(k):
-            return mb * (sum(saved[k + 1 : e]) - sum(shared[k + 1 : e]))
-
-        if e - i == 1:
-            return mb * upto[i]
-        return max([mb * transient[i] - later(i)]
-                   + [mb * (transient[k] + 2) - later(k) for k in range(i + 1, e - 1)]
-                   + [mb * (upto[e - 1] + 2)])  # fmt: skip
-
-    def b_runs(e):  # B's transient; recomputing, the larger of it and its forward's
-        return max(live(e), stopped(e)) if kind == "pulled_paired" else live(e)
+    def b_runs(e):  # B's transient; recomputing, the larger of it and its forward's: the
+        # stage's whole, re-run by hand at B's start (torch's checkpoint stopped early, at the
+        # last layer's last save, but re-ran after the backward of layers that read nothing)
+        return max(live(e), remat(e)) if kind == "pulled_paired" else live(e)
 
     S = held(j)
     if kind == "pulled":  # the largest output gradient of any of its layers
@@ -115,14 +104,15 @@ def by_hand(
             + [mb * (transient[k] + 4 - sum(out[i : k - 1])) - G for k in range(i + 1, j)]
         ),
         weight_live=mb * (max(transient[i:j]) + 5),
-        stop_live=stopped(j),
+        stop_live=remat(j),
     )
 
 
 def test_stage_memory_is_the_formula_term_by_term():
     saved, shared, input_saved = [7, 9, 11, 13, 15, 17], [0, 7, 0, 11, 13, 0], [6, 4, 0, 12, 16, 0]
     out, inp, transient = [4, 8, 12, 16, 20, 24], 6, [13, 21, 14, 27, 15, 3]
-    stop = [0, 9, 14, 2, 30, 1]  # (30: more than the whole forward, read as it)
+    # (what a checkpoint's early stop would run of each layer: no part of the plan now)
+    stop = [0, 9, 14, 2, 30, 1]
     prof = synthetic_profile(
         [1, 2, 3, 1, 2, 2], params=[10, 20, 30, 40, 50, 60], saved=saved, shared=shared,
         input_saved=input_saved, transient=transient, output_bytes=out, input_bytes=inp,
@@ -144,7 +134,7 @@ def test_stage_memory_is_the_formula_term_by_term():
             assert (m.params, m.grads, m.optimizer) == (p, p, p)
             hand = by_hand(i, j, mb, saved=saved, shared=shared, out=out, inp=inp,
                            input_saved=input_saved, transient=transient, L=6,
-                           kind=pulled_with(occ[s]), stop=stop)  # fmt: skip
+                           kind=pulled_with(occ[s]))  # fmt: skip
             got = st_.state_bytes.model_dump()
             # (step_head, step_tail: a carry's, none here, left out of the plan)
             assert {k: got.get(k, 0) for k in vars(hand) if k != "static"} == {
