@@ -135,7 +135,8 @@ def _run(root: Path, name: str) -> list:
 def _cell(row: list | None) -> str:
     if row is None:
         return "failed"
-    return ", ".join(f"{m - p:+d} ({100 * (m - p) / p:+.1f}%)" for m, p in row[3])
+    return ", ".join(f"{m / 2**10:.0f} KiB, {m - p:+d} ({100 * (m - p) / p:+.1f}%)"
+                     for m, p in row[3])  # fmt: skip
 
 
 def main() -> None:
@@ -148,7 +149,9 @@ def main() -> None:
         return
     print(f"# {time.strftime('%Y-%m-%d')}, {platform.machine()}, python "
           f"{platform.python_version()}, 2 devices, batch 32, M = 4, one thread")  # fmt: skip
-    head = "| model | schedule | recompute | checkpoints | now: measured - plan per device |"
+    head = (
+        "| model | schedule | recompute | checkpoints | now: measured, less the plan, per device |"
+    )
     if args.baseline:
         head += " baseline |"
     print(head)
