@@ -1,9 +1,9 @@
 # ---------------------------------------------------------------------------------------------
 # gpipe-plan pipeline numerics: what keeps a pipelined step computing the un-pipelined model's
 # numbers. Batch norm either normalises each micro-batch on its own (as the GPipe paper does) or,
-# deferred, updates its running statistics once per mini-batch; a checkpoint's re-run forward
-# must not count batch-norm statistics twice; dropout masks depend on (step, layer, micro-batch)
-# only, never on the schedule, the partition or recomputation.
+# deferred, updates its running statistics once per mini-batch; a re-run forward (a recomputed
+# stage's, or a checkpoint's) must not count batch-norm statistics twice; dropout masks depend
+# on (step, layer, micro-batch) only, never on the schedule, the partition or recomputation.
 # ---------------------------------------------------------------------------------------------
 from __future__ import annotations  # emit: drop
 
@@ -25,7 +25,7 @@ class DeferredBatchNorm(nn.Module):
         super().__init__()
         self.bn = bn
         self.microbatches = microbatches
-        self.tracking = True  # False while a checkpoint re-runs the forward
+        self.tracking = True  # False while the forward runs again
         self._reset()
 
     def _reset(self) -> None:

@@ -15,7 +15,7 @@
 #     and backward starts from its gradient edge, so its memory goes unless autograd saved it;
 #   - the input gradient, until the previous stage pulls a copy at its own backward (or I);
 #   - zero bubble only: from I to W the output gradient and every layer output's gradient.
-# The last stage runs the loss as its final layer (inside the checkpoint when recomputing) and
+# The last stage runs the loss as its final layer (re-run with the stage when recomputing) and
 # scales each micro-batch's (mean) loss by its share of the mini-batch, so the gradients add up
 # to those of the whole mini-batch's mean loss.
 # On CUDA each stage has its own compute stream plus send/receive copy streams; events order the
@@ -684,7 +684,7 @@ class PipelineRuntime:
         bubble's I) runs it again by hand at its start (_rematerialise), as the plan counts it.
         (torch's checkpoint re-runs it at the first saved tensor backward reads, after the
         backward of the stage's last layers that read none, whose gradients it holds through
-        the re-run, and keeps what the first run's ctx hold: 11% above the plan, measured.)"""
+        the re-run, and keeps what the first run's ctx hold: 12.4% above the plan, measured.)"""
         if not self._recomputes(s, m):
             return self._forward(s, m, inp, keep=self.SCHEDULE == "zb-h1")
         given = [t for t in _tensors(inp) if isinstance(t, torch.Tensor)]
@@ -809,13 +809,15 @@ class PipelineRuntime:
         self, s: int, m: int, keep: bool
     ) -> tuple[list[Any], list[torch.Tensor] | None]:
         """What backward starts from: the loss on the last stage; elsewhere the output's edges,
-        with the gradients pulled from stage s + 1. A recomputed stage pulls them first, then
-        re-materialises beside them (as the plan counts it: stage s + 1 lets them go at the
-        start of this B or I), `keep`ing each layer's output edges for zero bubble's W."""
+        with the gradients pulled from stage s + 1. A recomputed stage re-materialises first, as
+        the plan counts it: B after it has pulled them, beside them; zero bubble's I (`keep`:
+        each layer's output edges kept for W) before, on its own."""
         last = s == len(self.stages) - 1
+        if keep and self._recomputes(s, m):
+            self._rematerialise(s, m, keep=True)
         grads = None if last else self.pull(s, m)
-        if self._recomputes(s, m):
-            self._rematerialise(s, m, keep=keep)
+        if not keep and self._recomputes(s, m):
+            self._rematerialise(s, m, keep=False)
         if last:
             loss = self.loss_roots.pop(m)
             return ([loss] if loss.requires_grad else []), None  # (nothing trains: no graph)

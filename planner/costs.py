@@ -93,9 +93,9 @@ class Chain:
     # stage keeps from I to W (with the loss profiled, zgrad counts it)
     last_grad: int = 0
     checkpointed: tuple[int, ...] = ()  # layers run under their own checkpoint (checkpointed())
-    # beyond what it keeps, while its forward runs up to its last save: where a checkpoint's
-    # re-run of a stage (or of the layer) ends when this is its last layer (None: the whole
-    # forward, forward_transient; never more than that)
+    # beyond what it keeps, while its forward runs up to its last save: where the re-run of a
+    # layer under a checkpoint of its own ends (None: the whole forward, forward_transient;
+    # never more than that). A recomputed stage re-runs whole, by hand.
     stop_transient: np.ndarray | None = None
     # a captured graph's layer that reads a value and hands it on: what its backward makes
     # beyond backward_transient where that value's gradient from a later stage is held apart,

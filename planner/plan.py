@@ -15,6 +15,7 @@ from schedules.comm import LOWERINGS
 
 from .cluster import Cluster
 from .memory import CPU_RNG_STATE
+from .version import REMAT_BY_HAND
 
 Schedule = Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]
 Recompute = Literal["never", "except_last", "always"]
@@ -296,6 +297,13 @@ class Plan(Artifact):
             raise InputError(
                 f"{source}: its content is not what gpipe-plan wrote (edited since): plan again"
             )
+        made = _release(plan.meta.tool_version)
+        if made is not None and made < REMAT_BY_HAND and plan.recomputes:
+            raise InputError(
+                f"{source}: made by gpipe-plan {plan.meta.tool_version}, which counted a "
+                "recomputed stage's re-run as torch's checkpoint runs it; this one re-runs it "
+                "whole at its backward's start, which holds more: plan again"
+            )
         K, v = len(plan.cluster.devices), plan.stages_per_device
         for st in plan.stages:
             whole = plan.cluster.devices[st.index % K].memory_bytes
@@ -402,6 +410,11 @@ class Plan(Artifact):
     _ahead_over: str = PrivateAttr(default="")  # (why: search.AHEAD_OVER, UNEVEN_OVER)
     # its torchrun program holds less on some device than the issue order counts (search.py)
     _held_less: bool = PrivateAttr(default=False)
+
+    @property
+    def recomputes(self) -> bool:
+        """Whether some stage re-runs its forward whole, in backward (or zero bubble's I)."""
+        return any(st.recompute != "never" for st in self.stages)
 
     @property
     def fits(self) -> bool:
@@ -608,3 +621,9 @@ class Plan(Artifact):
                     f"devices[{k}] lists stages {use.stages}, not {list(range(k, S, K))}"
                 )
         return self
+
+
+def _release(version: str) -> tuple[int, ...] | None:
+    """A tool version's numbers ("0.3.0" -> (0, 3, 0)); None where it is not one."""
+    parts = version.split(".")
+    return tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else None

@@ -855,7 +855,7 @@ def _transient(
     seen = [0]
 
     def stop_at_last(t: torch.Tensor) -> torch.Tensor:
-        # torch's checkpoint re-runs a stage's forward only until it has every tensor the
+        # torch's checkpoint re-runs a layer's forward only until it has every tensor the
         # first run saved back (early stop): it raises out of the hook of the last one
         seen[0] += 1
         if seen[0] >= packs:

@@ -444,6 +444,27 @@ def test_a_total_edited_by_one_byte_is_refused_in_bytes_by_check_and_measure(run
     )
 
 
+def test_a_plan_of_recomputed_stages_from_before_0_4_is_made_again(run_cli, prof, tmp_path):
+    """Found by a review: a plan made by 0.3 counts a recomputed stage's re-run as torch's
+    checkpoint ran it (up to its last layer's last save, and later than B's start); the
+    programs now re-run the stage whole at B's start, which holds more, so `check` would gate
+    on figures below the run. Such a plan is refused wherever it is read; one that recomputes
+    nothing is read as before."""
+    for mode in ("always", "never"):
+        out = tmp_path / f"{mode}.json"
+        args = ("--devices", 2, "--memory", "1GiB", "--batch-size", 8, "--recompute", mode)
+        assert run_cli("plan", prof, *args, "-o", out).code == 0
+        assert run_cli("check", out).code == 0
+        older = _edited_plan(out, lambda d: d["meta"].update(tool_version="0.3.0"), reseal=True)
+        r = run_cli("check", older)
+        if mode == "never":
+            assert r.code == 0, r.err
+            continue
+        assert_bad_input(r, mentions="made by gpipe-plan 0.3.0")
+        assert "plan again" in r.err
+        assert_bad_input(run_cli("show", older), mentions="made by gpipe-plan 0.3.0")
+
+
 def test_a_plan_edited_anywhere_is_refused_wherever_it_is_read(run_cli, plan_file, tmp_path):
     """Found by a red team: a plan with `checkpointed` dropped (its program then held 2.6x the
     memory `check` passed), `optimizer` sgd made adam (no state counted), `dtype` or the layer

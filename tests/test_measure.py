@@ -1513,7 +1513,7 @@ class _Keeps(nn.Module):
         return _SavedAndKept.apply(x)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("tail", [_Sums, _Scaled, _Keeps])
 def test_a_recomputed_stage_ending_in_a_layer_whose_backward_reads_nothing(schedule, tail):
     """A recomputed stage whose last layer's backward reads no saved tensor (a custom
@@ -1525,7 +1525,8 @@ def test_a_recomputed_stage_ending_in_a_layer_whose_backward_reads_nothing(sched
     the sum; and the checkpoint kept each micro-batch's ctx from F to B (the ctx plan 50%
     larger). The runtime runs a recomputed forward without a graph now, and at B's start,
     once it has pulled its gradient, re-runs the stage whole, by hand, as the plan counts it:
-    never above it. The sum is below it by 120 KiB, the safe side: B's pulled gradient is
+    never above it. (Zero bubble re-ran so at I already, before pulling, as its plan counts
+    it: pulling first put it 131 088 bytes above, found by a review.) The sum is below it by 120 KiB, the safe side: B's pulled gradient is
     raised to what the stage one layer shorter holds through its re-run (the Linear's output
     gradient), so that a stage's total grows with its end, which the exact search rests on."""
     from tests.conftest import even_times, quick_profile
@@ -1545,4 +1546,5 @@ def test_a_recomputed_stage_ending_in_a_layer_whose_backward_reads_nothing(sched
     over = _measured_over(model, plan, x, y)
     peaks = plan.predicted.peak_memory
     assert all(o <= 64 for o in over), (over, peaks)
-    assert over[0] >= -(8 * 16 * 256 * 4 + 64) and over[1] >= -0.02 * peaks[1], (over, peaks)
+    below = 8 * 16 * 256 * 4 if tail is _Sums and schedule != "zb-h1" else 0
+    assert over[0] >= -(below + 64) and over[1] >= -0.02 * peaks[1], (over, peaks)
