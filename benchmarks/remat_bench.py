@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-CASES = [("mlp", "gpipe"), ("mlp", "1f1b"), ("transformer", "gpipe"), ("transformer", "1f1b")]
+CASES = [(m, s) for m in ("mlp", "transformer") for s in ("gpipe", "1f1b", "zb-h1")]
 
 
 def _plan(name: str, schedule: str, path: str) -> None:
