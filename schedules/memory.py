@@ -28,7 +28,8 @@ Transitions, at an action's start (allocations) or its end (frees and hand-offs)
     B(s,m)  start  pulls its output gradient: grad -1 on stage s+1, pulled +1 (s < S-1);
                    recomputed: input -> activations, re-materialised as a phase of its own
             end    activations -1; pulled -1; grad +1 (s > 0)
-    I(s,m)  start  as B (a recomputed one re-materialises first, as a phase of its own), then
+    I(s,m)  start  as B (a recomputed one re-materialises first, as a phase of its own, beside
+                   its pulled output gradient: pulled +1, then -1 as I takes it), then
                    activations -> during_i
             end    during_i -> between_iw; grad +1 (s > 0)
     W(s,m)  end    between_iw -1
@@ -213,9 +214,13 @@ def _build_steps(schedule: Schedule, modes: Sequence[str]) -> list[_Step]:
             if rec:
                 start += [(s, IN, -1), (s, ACT, 1)]
             if a.kind == Kind.I:
-                if rec:  # the re-materialising forward runs before I itself
+                if rec:  # the re-materialising forward runs before I itself, beside the
+                    # output gradient (pulled first; a torchrun rank's came with its receive),
+                    # which I then keeps for W (in during_i)
+                    if s < S - 1:
+                        start.append((s, PULLED, 1))
                     phases.append((tuple(start), REMAT_LIVE))
-                    start = []
+                    start = [(s, PULLED, -1)] if s < S - 1 else []
                 running = INPUT_LIVE
                 start += [(s, ACT, -1), (s, DURING_I, 1)]
                 end += [(s, DURING_I, -1), (s, IW, 1)]
@@ -671,6 +676,8 @@ def _build_events(
     change(I, END, 0, IW, 1)
     change(B & ~last, 0, 0, PULLED, 1)
     change(B & ~last, END, 0, PULLED, -1)
+    change(I & rec & ~last, 0, 0, PULLED, 1)  # (beside I's re-materialising forward)
+    change(I & rec & ~last, i_phase, 0, PULLED, -1)
     change(B, END, 0, ACT, -1)
     change(BI & (s > 0), END, 0, GRAD, 1)
     change(W, END, 0, IW, -1)
