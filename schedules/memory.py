@@ -38,8 +38,9 @@ While an action runs, its device also holds that action's transient, the most on
 above what the states count: `live` for B, `remat_live` for a forward that keeps what it saves
 (F, and the forward a recomputed micro-batch re-materialises at zero bubble's I, by hand),
 `stop_live` for the forward a recomputed B re-materialises at its start (by hand too: the
-stage's whole forward, a captured graph's beside the gradients sent back for one value), `forward_live` for the forward
-of a recomputed micro-batch (which keeps nothing), `input_live` for I and `weight_live` for W.
+stage's whole forward, a captured graph's beside the gradients sent back for one value),
+`forward_live` for the forward of a recomputed micro-batch (which keeps nothing), `input_live`
+for I and `weight_live` for W.
 One host issues one action at a time, so a device never holds two transients at once. After
 the last action, the optimizer step runs on every device: its temporaries come on top of the
 weights alone.
