@@ -626,4 +626,6 @@ class Plan(Artifact):
 def _release(version: str) -> tuple[int, ...] | None:
     """A tool version's numbers ("0.3.0" -> (0, 3, 0)); None where it is not one."""
     parts = version.split(".")
-    return tuple(int(p) for p in parts) if all(p.isdigit() for p in parts) else None
+    # (ASCII digits alone: "²" is a digit to str.isdigit, and int() refuses it)
+    ok = all(p.isascii() and p.isdigit() for p in parts)
+    return tuple(int(p) for p in parts) if ok else None

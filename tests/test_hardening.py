@@ -463,6 +463,10 @@ def test_a_plan_of_recomputed_stages_from_before_0_4_is_made_again(run_cli, prof
         assert_bad_input(r, mentions="made by gpipe-plan 0.3.0")
         assert "plan again" in r.err
         assert_bad_input(run_cli("show", older), mentions="made by gpipe-plan 0.3.0")
+        # (a version that is no release's is not one from before: read, no traceback)
+        odd = _edited_plan(out, lambda d: d["meta"].update(tool_version="0.².0"), reseal=True)
+        r = run_cli("show", odd)
+        assert r.code == 0 and "Traceback" not in r.err, r.err
 
 
 def test_a_plan_edited_anywhere_is_refused_wherever_it_is_read(run_cli, plan_file, tmp_path):
