@@ -130,8 +130,9 @@ class Chain:
     # ... and of what it keeps, what a hook saves too (ctx_dup_bytes): a checkpoint's re-run
     # makes that again
     ctx_dup: np.ndarray | None = None
-    # whether a layer hands some value on unchanged (a tuple's part): what the layer before it
-    # made may reach a layer past it (None: none does)
+    # the bytes of what a layer hands on unchanged (a tuple's part), rounded up to the
+    # allocator's blocks: what the layer before it made may reach a layer past it (None: no
+    # layer hands anything on)
     passes: np.ndarray | None = None
     # whether a layer's zero-bubble W lets go what its graph saved of its input (None: not in
     # the profile, as if it did not): Chain.keeps_graph_through_w
@@ -216,7 +217,7 @@ class Chain:
         for _, layers in self.tied:
             runs[[k for k in layers if k < n]] = False
         if self.passes is not None:
-            runs &= ~np.concatenate([self.passes[1:], [False]])
+            runs &= np.concatenate([self.passes[1:], [0]]) == 0
         return np.where(runs, np.maximum(own, 0), 0).astype(np.int64)
 
     @property
@@ -461,7 +462,7 @@ def chain_at(profile: Profile | ProfileTable, mb: int) -> Chain:
         num_model_layers=L,
         flow=Flow.of(profile.layers, n > L, mb, unit) if profile.captured else None,
         views=table.flags("views_input") if table.flags("views_input").any() else None,
-        passes=(passed > 0) if (passed > 0).any() else None,
+        passes=-(-passed // unit) * unit if (passed > 0).any() else None,
         # (a captured graph's stages are counted from their routes: there only as saved)
         **(
             dict(

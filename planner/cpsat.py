@@ -365,7 +365,14 @@ def _weight(m: object, c: Chain, x: list, inner: list, s: int, L: int) -> object
     w = c.weight_grad_transient.astype(np.int64)
     shared = np.where(c.keeps_graph_through_w, c.shared, 0)
     nxt = np.concatenate([shared[1:], [0]]).astype(np.int64)
-    var = m.new_int_var(0, int(max((w + nxt).max(), 0)), f"weight{s}")  # type: ignore[attr-defined]
+    # ... and, where k + 1 hands a value on and a layer past it is in the stage too, what k
+    # saved of it (MemoryModel._weight_passed)
+    passed = np.zeros(L, dtype=np.int64)
+    if c.passes is not None:
+        own = np.maximum(c.saved - c.shared - nxt, 0)
+        passed = np.minimum(own, np.concatenate([c.passes[1:], [0]]))
+    top = int(max((w + nxt + passed).max(), 0))
+    var = m.new_int_var(0, top, f"weight{s}")  # type: ignore[attr-defined]
     # less what the stage's layers after k let go at their own W before k's (Chain.w_freed)
     freed = c.w_freed
     after = _suffix(m, [int(freed[k]) * x[k][s] for k in range(L)], f"wfreed{s}_",
@@ -374,6 +381,13 @@ def _weight(m: object, c: Chain, x: list, inner: list, s: int, L: int) -> object
         if w[k] or nxt[k]:
             shared = int(nxt[k]) * inner[k + 1][0] if nxt[k] else 0
             m.add(var >= int(w[k]) * x[k][s] + shared - after[k])  # type: ignore[attr-defined]
+        if passed[k] and k + 2 < L:
+            # both k + 1 and k + 2 inner layers of the stage (so k is in it): exactly, as
+            # the solver sets `both` no higher than it must
+            both = m.new_bool_var(f"wpass{s}_{k}")  # type: ignore[attr-defined]
+            m.add(both >= inner[k + 1][0] + inner[k + 2][0] - 1)  # type: ignore[attr-defined]
+            held = int(nxt[k]) * inner[k + 1][0] if nxt[k] else 0
+            m.add(var >= int(w[k]) * x[k][s] + held + int(passed[k]) * both - after[k])  # type: ignore[attr-defined]
     return var
 
 
