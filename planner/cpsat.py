@@ -363,14 +363,9 @@ def _weight(m: object, c: Chain, x: list, inner: list, s: int, L: int) -> object
     of its own (Chain.keeps_graph_through_w), less what the stage's layers after it let go at
     their W, run before its own (Chain.w_freed)."""
     w = c.weight_grad_transient.astype(np.int64)
-    shared = np.where(c.keeps_graph_through_w, c.shared, 0)
-    nxt = np.concatenate([shared[1:], [0]]).astype(np.int64)
-    # ... and, where k + 1 hands a value on and a layer past it is in the stage too, what k
-    # saved of it (MemoryModel._weight_passed)
-    passed = np.zeros(L, dtype=np.int64)
-    if c.passes is not None:
-        own = np.maximum(c.saved - c.shared - nxt, 0)
-        passed = np.minimum(own, np.concatenate([c.passes[1:], [0]]))
+    # (and where k + 1 hands a value on and a layer past it is in the stage too, `passed`:
+    # MemoryModel._weight_passed)
+    nxt, passed = c.w_beside()
     top = int(max((w + nxt + passed).max(), 0))
     var = m.new_int_var(0, top, f"weight{s}")  # type: ignore[attr-defined]
     # less what the stage's layers after k let go at their own W before k's (Chain.w_freed)

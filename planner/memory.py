@@ -666,24 +666,23 @@ class MemoryModel:
 
     @cached_property
     def _weight_shared(self) -> _RangeMax:
-        """Layer l's W figure with what it shares with layer l + 1 of its stage (shared[l + 1])
-        where l + 1 runs no W of its own (Chain.keeps_graph_through_w): the figure was measured
-        on the layer alone, whose W lets its saved tensors go as it runs, and that layer's
-        graph holds those it shares until the stage's W ends (a captured convolution-and-ReLU
-        before a pooling layer ran its ReLU output's bytes, 16-21%, over its plan under zero
-        bubble: found by a red team). A layer l + 1 with a W of its own has let them go by
-        then: W runs from the last layer (convolution blocks, counted so, 2.6-6.1% under their
-        plan)."""
+        """Layer l's W figure with what it saved (but of its input) that layer l + 1 of its
+        stage shares, where l + 1 runs no W of its own (Chain.keeps_graph_through_w,
+        Chain.w_beside): the figure was measured on the layer alone, whose W lets its saved
+        tensors go as it runs, and that layer's graph holds those it shares until the stage's
+        W ends (a captured convolution-and-ReLU before a pooling layer ran its ReLU output's
+        bytes, 16-21%, over its plan under zero bubble: found by a red team). A layer l + 1
+        with a W of its own has let them go by then: W runs from the last layer (convolution
+        blocks, counted so, 2.6-6.1% under their plan)."""
         c = self.chain
-        shared = np.where(c.keeps_graph_through_w, c.shared, 0)
-        nxt = np.concatenate([shared[1:], [0]]).astype(np.int64)
+        nxt, _ = c.w_beside()
         # (and the walk: what the layers after l let go before l's W, Chain.w_freed; read
         # as this at l less _w_freed[j] at the stage's end j)
         return _RangeMax(c.weight_grad_transient.astype(np.int64) + nxt + self._w_freed[1:])
 
     @cached_property
     def _weight_passed(self) -> _RangeMax | None:
-        """_weight_shared's figure with, where l + 1 hands a value on, what l saved of it
+        """_weight_shared's figure with, where l + 1 hands on a value l made, what l saved of it
         besides: a layer of the stage past l + 1 may save it too and keep its graph until the
         stage's W ends (read where l + 1 is not the stage's last layer). A tanh's output,
         handed on and read by a layer with no W: the profile's W let it go before the Linear
@@ -692,11 +691,8 @@ class MemoryModel:
         c = self.chain
         if c.passes is None:
             return None
-        shared = np.where(c.keeps_graph_through_w, c.shared, 0)
-        nxt = np.concatenate([shared[1:], [0]]).astype(np.int64)
-        own = np.maximum(c.saved - c.shared - nxt, 0)
-        held = nxt + np.minimum(own, np.concatenate([c.passes[1:], [0]]))
-        return _RangeMax(c.weight_grad_transient.astype(np.int64) + held + self._w_freed[1:])
+        nxt, passed = c.w_beside()
+        return _RangeMax(c.weight_grad_transient + nxt + passed + self._w_freed[1:])
 
     @cached_property
     def _hands_on(self) -> bool:

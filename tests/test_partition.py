@@ -89,15 +89,17 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
         held = int(c.shared[k + 1]) if k + 1 < c.num_layers and keeps(k + 1) else 0
         return max(int(c.saved[k]) - int(c.shared[k]) - int(c.w_kept[k]) - held, 0)
 
-    # ... and where k + 1 hands a value on, what k saved of it: a layer of the stage past k + 1
-    # may hold it
+    # Layer k's W figure, with what the stage holds besides of what k saved but its input
+    # (the profile's W let those go): what k + 1 shares of them where it keeps its graph, and
+    # where k + 1 hands on a value k made, of the rest, up to its bytes: a layer of the stage
+    # past k + 1 may hold it
     def beside(k: int) -> int:
         if k + 1 >= j:
             return 0
-        held = int(c.shared[k + 1]) if keeps(k + 1) else 0
-        if c.passes is not None and k + 2 < j:
-            own = max(int(c.saved[k]) - int(c.shared[k]) - held, 0)
-            held += min(own, int(c.passes[k + 1]))
+        own = max(int(c.saved[k]) - max(int(c.shared[k]), int(c.input_saved[k])), 0)
+        held = min(int(c.shared[k + 1]), own) if keeps(k + 1) else 0
+        if c.passes is not None and k + 2 < j:  # (of what it hands on, what k did not)
+            held += min(own - held, max(int(c.passes[k + 1]) - int(c.passes[k]), 0))
         return held
 
     weight = max(int(c.weight_grad_transient[k]) + beside(k)
@@ -416,8 +418,7 @@ def problems(draw):
             else {}
         ),
         # layers that hand a value on unchanged (a tuple's part), or none
-        passes=np.where(ints(0, 1, L) > 0, ints(1, 30, L), 0) if draw(st.booleans())
-        else None,
+        passes=np.where(ints(0, 1, L) > 0, ints(1, 30, L), 0) if draw(st.booleans()) else None,
         grad_in=np.where(np.arange(L) > 0, boundary[:L], 0),
         boundary=boundary,
         loss_saved=loss_saved,
