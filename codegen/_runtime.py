@@ -523,7 +523,9 @@ class PipelineRuntime:
                 torch.autograd.backward(roots, grads)
             del roots, grads
             for k, g in passed:
-                ts[k].grad = _summed(ts[k].grad, g, [h for _, h in passed])
+                others = [h for _, h in passed] + [t.grad for n, t in enumerate(ts) if n != k]
+                ts[k].grad = _summed(ts[k].grad, g, others)
+                del others
             del passed
             if s > 0:
                 self.leave_grad([t.grad for t in ts], s, m, ts)
@@ -583,12 +585,14 @@ class PipelineRuntime:
             del got[len(wrt) :]
             if passed:
                 got = got or [None] * len(wrt)
-                # (not into a gradient W still reads: one autograd handed back as a view)
+                # (not into a gradient W still reads, one autograd handed back as a view, nor
+                # into one it handed back for another input too: x + y's, say)
                 keeps = [h for _, h in passed] + list(self.kept[(s, m)][1] or [])
                 keeps += [h for hs in self.inner_grads[(s, m)] for h in hs if h is not None]
                 for k, g in passed:
-                    got[k] = _summed(got[k], g, keeps)
-                del keeps, g
+                    others = keeps + [h for n, h in enumerate(got) if n != k]
+                    got[k] = _summed(got[k], g, others)
+                del keeps, others, g
             del passed
             if s > 0:
                 it = iter(got[: len(wrt)] if got else [None] * len(wrt))
@@ -1054,7 +1058,9 @@ def _shared_parameters(stage: nn.Module) -> list[nn.Parameter]:
     return [params[k] for k, n in seen.items() if n > 1]
 
 
-def _summed(into: torch.Tensor | None, g: torch.Tensor, others: list[torch.Tensor]) -> torch.Tensor:
+def _summed(
+    into: torch.Tensor | None, g: torch.Tensor, others: list[torch.Tensor | None]
+) -> torch.Tensor:
     """`into` + `g`, the gradient a stage input gets from its layers and the one pulled for it
     where they hand it on: added into `into` where autograd made it for this alone (shares
     memory with none of `others`), else a new tensor. A third tensor of the input's size,
@@ -1062,17 +1068,23 @@ def _summed(into: torch.Tensor | None, g: torch.Tensor, others: list[torch.Tenso
     a layer that reads a wide value and hands it on, alone in its stage, 15-18%)."""
     if into is None:
         return g
-    if into.is_sparse or g.is_sparse or into.shape != g.shape or _shares(into, [g, *others]):
+    if (
+        into.is_sparse
+        or g.is_sparse
+        or (into.shape, into.dtype, into.device) != (g.shape, g.dtype, g.device)
+        or _shares(into, [g, *others])
+    ):
         return into + g
     return into.add_(g)
 
 
-def _shares(t: torch.Tensor, others: list[torch.Tensor]) -> bool:
-    """Whether t's memory is (part of) one of `others`'."""
+def _shares(t: torch.Tensor, others: list[torch.Tensor | None]) -> bool:
+    """Whether t's memory is (part of) one of `others`' (None: no tensor)."""
     if t.numel() == 0:
         return False
     mine = t.untyped_storage().data_ptr()
-    return any(o.numel() and o.untyped_storage().data_ptr() == mine for o in others)
+    return any(o is not None and o.numel() and o.untyped_storage().data_ptr() == mine
+               for o in others)  # fmt: skip
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor | None) -> None:

@@ -1911,6 +1911,56 @@ def test_zero_bubbles_w_adds_no_input_the_profile_held_too(monkeypatch, input_le
         assert over[1] <= -200_000, over
 
 
+class _Pair(nn.Module):
+    """(x, tanh(x))."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, torch.tanh(x)
+
+
+class _SumsAndHands(nn.Module):
+    """(a + h, h): autograd hands back one gradient for both a and h."""
+
+    def forward(self, t: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        a, h = t
+        return a + h, h
+
+
+class _Times(nn.Module):
+    def forward(self, t: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return t[0] * t[1]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_handed_on_gradient_is_added_into_no_gradient_another_input_shares(schedule, guarded):
+    """The pulled gradient of a value a stage hands on (here a stage of one layer, which
+    returns its input h beside a + h) is added in place into the one the stage's backward made
+    for h; but autograd hands x + y's one gradient back to both x and y, and adding into it
+    gave a the pulled part too: a wrong gradient (zero bubble's I, which asks autograd.grad).
+    It is added only into a gradient no other tensor shares."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Pair(), _SumsAndHands(), _Times(), nn.Linear(8, 8))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    (plan,) = _forced_plans(model, x, [0, 2, 3, 6], (schedule, "never"))
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = compile_pipe(model, plan)
+    if not guarded:  # as a first version had it: whatever shares its memory
+        pipe._module._shares = lambda t, others: False
+    pipe.train_step(x, y, nn.MSELoss())
+    _reference_step(ref, x, y, nn.MSELoss(), plan.microbatches)
+    same = [
+        torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6)
+        for p, q in zip(model.parameters(), ref.parameters())
+    ]
+    if guarded or schedule != "zb-h1":  # (backward's .grad: autograd's own for each input)
+        assert all(same), same
+    else:
+        assert not all(same), same
+
+
 class _TransposedLinear(nn.Module):
     """A Linear over the last two dimensions swapped: the gradient it hands back is laid out
     transposed."""
