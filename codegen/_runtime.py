@@ -1072,6 +1072,7 @@ def _summed(
         into.is_sparse
         or g.is_sparse
         or (into.shape, into.dtype, into.device) != (g.shape, g.dtype, g.device)
+        or not into.is_contiguous()  # (a sum's gradient, expanded: one element many times)
         or _shares(into, [g, *others])
     ):
         return into + g

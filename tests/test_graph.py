@@ -1926,6 +1926,14 @@ class _SumsAndHands(nn.Module):
         return a + h, h
 
 
+class _SumOfHands(nn.Module):
+    """(a + h.sum(1), h): h's gradient made here is expanded (one element, many times)."""
+
+    def forward(self, t: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        a, h = t
+        return a + h.sum(1, keepdim=True), h
+
+
 class _Times(nn.Module):
     def forward(self, t: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         return t[0] * t[1]
@@ -1959,6 +1967,18 @@ def test_a_handed_on_gradient_is_added_into_no_gradient_another_input_shares(sch
         assert all(same), same
     else:
         assert not all(same), same
+
+
+def test_a_handed_on_gradient_is_not_added_into_an_expanded_one():
+    """Found by a red team: where the stage's layer reads h through a sum, the gradient
+    autograd makes for h is expanded (one element stands for a row), and adding the pulled
+    part into it in place failed zero bubble's I ("more than one element of the written-to
+    tensor refers to a single memory location"). It is added into a new tensor there."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), _Pair(), _SumOfHands(), _Times(), nn.Linear(8, 8))
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    (plan,) = _forced_plans(model, x, [0, 2, 3, 6], ("zb-h1", "never"))
+    _assert_step_parity(model, model, plan, x, y, nn.MSELoss())
 
 
 class _TransposedLinear(nn.Module):
