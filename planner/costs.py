@@ -200,17 +200,17 @@ class Chain:
     def w_beside(self) -> tuple[np.ndarray, np.ndarray]:
         """Per layer l: what its zero-bubble W figure leaves out but the stage may hold while
         it runs. The figure was measured on the layer alone, whose W let its saved tensors go
-        as it ran (not those of its input, which the profile's caller held): (what layer l + 1
-        shares of the others where l + 1 keeps its graph through W (keeps_graph_through_w):
-        a captured convolution-and-ReLU before a pooling layer ran its ReLU output's bytes,
-        16-21%, over its plan; l's input counted too, a layer's input read again by the
-        weightless layer after it was over by that input, 16%: found by red teams), and where
-        l + 1 hands on a value l made, what l saved of the rest besides, which a layer of the
-        stage past l + 1 may save and keep (a tanh's output, let go in the profile before the
-        Linear under it made its gradient: 1.2-1.4% under))."""
-        own = self.saved - np.maximum(self.shared, self.input_saved)
+        as it ran: (what layer l + 1 shares of them where l + 1 keeps its graph through W
+        (keeps_graph_through_w: a captured convolution-and-ReLU before a pooling layer ran its
+        ReLU output's bytes, 16-21%, over its plan, found by a red team), and where l + 1 hands
+        on a value l made, what l saved of the rest besides, which a layer of the stage past
+        l + 1 may save and keep (a tanh's output, let go in the profile before the Linear under
+        it made its gradient: 1.2-1.4% under)). (That l + 1 shares l's input, which the
+        profile's W held anyway, is counted too: taking it off left a red team's stage 41%
+        under its plan, where it had been 16% under, from a cause not traced.)"""
         shared = np.where(self.keeps_graph_through_w, self.shared, 0)
-        nxt = np.minimum(np.concatenate([shared[1:], [0]]), np.maximum(own, 0))
+        nxt = np.concatenate([shared[1:], [0]])
+        own = self.saved - self.shared
         passed = np.zeros(self.num_layers, dtype=np.int64)
         if self.passes is not None:  # (of what l + 1 hands on, the part l made: not handed on
             # by l too, a skip that goes past both, which l saves nothing of: a review's)

@@ -89,17 +89,17 @@ def reference_memory(c: Chain, i: int, j: int, shape: StageShape) -> int:
         held = int(c.shared[k + 1]) if k + 1 < c.num_layers and keeps(k + 1) else 0
         return max(int(c.saved[k]) - int(c.shared[k]) - int(c.w_kept[k]) - held, 0)
 
-    # Layer k's W figure, with what the stage holds besides of what k saved but its input
-    # (the profile's W let those go): what k + 1 shares of them where it keeps its graph, and
+    # Layer k's W figure, with what the stage holds besides of what k saved (the profile's W
+    # let those go): what k + 1 shares of them where it keeps its graph, and
     # where k + 1 hands on a value k made, of the rest, up to its bytes: a layer of the stage
     # past k + 1 may hold it
     def beside(k: int) -> int:
         if k + 1 >= j:
             return 0
-        own = max(int(c.saved[k]) - max(int(c.shared[k]), int(c.input_saved[k])), 0)
-        held = min(int(c.shared[k + 1]), own) if keeps(k + 1) else 0
+        own = int(c.saved[k]) - int(c.shared[k])
+        held = int(c.shared[k + 1]) if keeps(k + 1) else 0
         if c.passes is not None and k + 2 < j:  # (of what it hands on, what k did not)
-            held += min(own - held, max(int(c.passes[k + 1]) - int(c.passes[k]), 0))
+            held += max(min(own - held, int(c.passes[k + 1]) - int(c.passes[k])), 0)
         return held
 
     weight = max(int(c.weight_grad_transient[k]) + beside(k)
