@@ -1063,7 +1063,8 @@ def _summed(
 ) -> torch.Tensor:
     """`into` + `g`, the gradient a stage input gets from its layers and the one pulled for it
     where they hand it on: added into `into` where autograd made it for this alone (shares
-    memory with none of `others`), else a new tensor. A third tensor of the input's size,
+    memory with none of `others`) and laid out contiguously, else a new tensor (a channels-last
+    one too: left so). A third tensor of the input's size,
     beside the two, was what the stage held at its peak, over its plan (found by a red team:
     a layer that reads a wide value and hands it on, alone in its stage, 15-18%)."""
     if into is None:

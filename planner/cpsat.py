@@ -363,8 +363,8 @@ def _weight(m: object, c: Chain, x: list, inner: list, s: int, L: int) -> object
     of its own (Chain.keeps_graph_through_w), less what the stage's layers after it let go at
     their W, run before its own (Chain.w_freed)."""
     w = c.weight_grad_transient.astype(np.int64)
-    # (and where k + 1 hands a value on and a layer past it is in the stage too, `passed`:
-    # MemoryModel._weight_passed)
+    # (and where k + 1 hands on a value k made and a layer past it is in the stage too,
+    # `passed`: MemoryModel._weight_passed)
     nxt, passed = c.w_beside()
     top = int(max((w + nxt + passed).max(), 0))
     var = m.new_int_var(0, top, f"weight{s}")  # type: ignore[attr-defined]

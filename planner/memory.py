@@ -667,8 +667,7 @@ class MemoryModel:
     @cached_property
     def _weight_shared(self) -> _RangeMax:
         """Layer l's W figure with what it saved that layer l + 1 of its stage shares, where
-        l + 1 runs no W of its own (Chain.keeps_graph_through_w,
-        Chain.w_beside): the figure was measured on the layer alone, whose W lets its saved
+        l + 1 runs no W of its own (Chain.keeps_graph_through_w, Chain.w_beside): the figure was measured on the layer alone, whose W lets its saved
         tensors go as it runs, and that layer's graph holds those it shares until the stage's
         W ends (a captured convolution-and-ReLU before a pooling layer ran its ReLU output's
         bytes, 16-21%, over its plan under zero bubble: found by a red team). A layer l + 1
